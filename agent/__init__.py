@@ -1,0 +1,8 @@
+"""gpuwatch node agent: collectors -> snapshot -> exporter (see DESIGN.md §2)."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("gpuwatch")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0.0.0+unknown"

@@ -1,0 +1,111 @@
+"""The ``gpuwatch`` command line.
+
+Subcommands that need torch (``train``) are imported only when invoked, so the agent runs on
+nodes without torch installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import socket
+import sys
+from pathlib import Path
+
+import click
+
+from gpuwatch.agent import __version__
+from gpuwatch.agent.simulate import PRESETS
+
+DEFAULT_PORT = 9746  # not dcgm-exporter's 9400, node_exporter's 9100 nor nvidia_gpu_exporter's 9835
+DEFAULT_INTERVAL = 5.0
+
+
+class LazyGroup(click.Group):
+    """A click group whose subcommands live in modules imported on first use."""
+
+    def __init__(self, *args, lazy: dict[str, tuple[str, str]], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy = lazy
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *self.lazy])
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in self.lazy:
+            return super().get_command(ctx, name)
+        module_name, attribute = self.lazy[name]
+        return getattr(importlib.import_module(module_name), attribute)
+
+
+@click.group(
+    cls=LazyGroup,
+    lazy={"train": ("gpuwatch.trainer.cli", "train")},
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
+@click.version_option(__version__, prog_name="gpuwatch")
+def main() -> None:
+    """Observability and diagnosis for multi-node GPU training."""
+
+
+class ListenAddress(click.ParamType):
+    """HOST:PORT, :PORT or [IPv6]:PORT, as Prometheus exporters take ``--web.listen-address``."""
+
+    name = "HOST:PORT"
+
+    def convert(self, value, param, ctx) -> tuple[str, int]:
+        if isinstance(value, tuple):
+            return value
+        host, sep, port = str(value).rpartition(":")
+        if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+            self.fail(f"{value!r} is not HOST:PORT (e.g. 0.0.0.0:{DEFAULT_PORT} or :{DEFAULT_PORT})", param, ctx)
+        return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def _collector_options(function):
+    """One ``--collector.NAME/--no-collector.NAME`` switch per registered collector."""
+    from gpuwatch.agent.collectors import REGISTRY
+
+    for name in sorted(REGISTRY, reverse=True):
+        function = click.option(
+            f"--collector.{name}/--no-collector.{name}",
+            f"collector_{name}",
+            default=REGISTRY[name].enabled_by_default,
+            show_default=True,
+            help=f"Enable the {name} collector.",
+        )(function)
+    return function
+
+
+@main.command()
+@click.option("--listen", type=ListenAddress(), default=f"0.0.0.0:{DEFAULT_PORT}", show_default=True,
+              help="Address to serve /metrics, /healthz and /api/v1/state on.")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=DEFAULT_INTERVAL, show_default=True,
+              help="Seconds between sampling rounds (scrapes never trigger sampling).")
+@click.option("--collector-timeout", type=click.FloatRange(min=0.05), default=None,
+              help="Deadline for one collector's run; a collector that misses it is reported down. "
+                   "[default: 0.8 × interval, at least 0.5 s]")
+@click.option("--sysfs-root", type=click.Path(file_okay=False, path_type=Path), default=Path("/sys"),
+              show_default=True, help="Where sysfs is mounted (a fixture tree can stand in).")
+@click.option("--simulate", type=click.Choice(sorted(PRESETS)),
+              default=None, help="Serve a simulated node (scripted NVML, generated sysfs) instead of real hardware.")
+@click.option("--node", default=socket.gethostname(), show_default="hostname", help="Value of the node label.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True)
+@_collector_options
+def agent(listen, interval, collector_timeout, sysfs_root, simulate, node, log_level, **switches) -> None:
+    """Sample this node's GPUs, NVLink, InfiniBand and host, and serve them to Prometheus."""
+    from gpuwatch.agent.daemon import AgentConfig, run_agent
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ctx = click.get_current_context()
+    if simulate and ctx.get_parameter_source("sysfs_root") is not click.core.ParameterSource.DEFAULT:
+        raise click.UsageError("--simulate generates its own sysfs tree; drop --sysfs-root")
+    enabled = [name.removeprefix("collector_") for name, on in switches.items() if on]
+    config = AgentConfig(listen=listen, interval=interval, collector_timeout=collector_timeout,
+                         sysfs_root=sysfs_root, simulate=simulate, node=node, collectors=enabled)
+    sys.exit(run_agent(config))
+
+
+if __name__ == "__main__":
+    main()

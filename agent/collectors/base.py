@@ -1,0 +1,57 @@
+"""The one small interface every collector implements (node_exporter style)."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import types
+from pathlib import Path
+from typing import Any, ClassVar
+
+from prometheus_client.core import Metric
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectorContext:
+    """What a collector may depend on; chosen once at start-up by the CLI (real or simulated node)."""
+
+    sysfs_root: Path = Path("/sys")
+    node: str = ""
+    # The pynvml module, or the scripted stand-in of gpuwatch.agent.simulate when simulating.
+    nvml: types.ModuleType | Any = None
+    simulated: bool = False
+
+
+@dataclasses.dataclass
+class CollectorResult:
+    """One sample of one collector.
+
+    ``families`` go to /metrics; ``facts`` (JSON-serialisable) go to /api/v1/state for diagnosis;
+    ``errors`` are partial failures (one GPU lost, one unreadable file) that did not stop the rest.
+    """
+
+    families: list[Metric] = dataclasses.field(default_factory=list)
+    facts: dict[str, Any] = dataclasses.field(default_factory=dict)
+    errors: list[str] = dataclasses.field(default_factory=list)
+
+
+class CollectorError(Exception):
+    """The collector cannot sample at all (library missing, directory absent); it is reported down."""
+
+
+class Collector(abc.ABC):
+    """Samples one source. ``collect`` may raise: the sampler marks the collector down and goes on."""
+
+    name: ClassVar[str]
+    #: Whether ``gpuwatch agent`` enables it unless ``--no-collector.NAME`` is given.
+    enabled_by_default: ClassVar[bool] = True
+
+    def __init__(self, context: CollectorContext) -> None:
+        self.context = context
+
+    @abc.abstractmethod
+    def collect(self) -> CollectorResult:
+        """Read the source once and return its metric families and facts."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most collectors hold nothing
+        """Release what the collector holds (NVML handle, sockets) at shutdown."""

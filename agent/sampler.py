@@ -1,0 +1,157 @@
+"""Runs the collectors on the agent's own interval and publishes one immutable Snapshot per round.
+
+Each collector runs in its own worker thread with a deadline: a collector that hangs (an NVML
+call stuck in the driver) is reported down and skipped until it returns, while the others keep
+being sampled. Scrapes never trigger collection; they read ``Sampler.snapshot``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from gpuwatch.agent import __version__
+from gpuwatch.agent.collectors.base import Collector, CollectorResult
+from gpuwatch.agent.exposition import Renderer
+from gpuwatch.agent.snapshot import CollectorStatus, Snapshot
+
+log = logging.getLogger(__name__)
+
+
+class Sampler:
+    def __init__(
+        self,
+        collectors: Sequence[Collector],
+        *,
+        interval: float,
+        node: str,
+        mode: str,
+        deadline: float | None = None,
+        before_round: Callable[[], None] | None = None,
+    ) -> None:
+        self.collectors = list(collectors)
+        self.interval = interval
+        self.deadline = deadline if deadline is not None else max(0.5, 0.8 * interval)
+        self.agent_facts = {"version": __version__, "mode": mode, "node": node, "interval_seconds": interval}
+        self._before_round = before_round
+        self._renderer = Renderer()
+        self._executors = {
+            c.name: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"collector-{c.name}")
+            for c in self.collectors
+        }
+        self._pending: dict[str, concurrent.futures.Future[CollectorResult]] = {}
+        self._last_success: dict[str, float] = {}
+        self._stop = threading.Event()
+        self.snapshot = Snapshot(
+            timestamp=0.0, metrics_text=b"", collectors={}, facts={}, agent=self.agent_facts
+        )
+
+    def sample_once(self) -> Snapshot:
+        """Run every collector once (each under the deadline) and publish the new snapshot."""
+        if self._before_round is not None:
+            self._before_round()
+        started = time.monotonic()
+        futures = {}
+        for collector in self.collectors:
+            pending = self._pending.get(collector.name)
+            if pending is not None and not pending.done():
+                continue  # still stuck in last round's call: do not pile up threads behind it
+            futures[collector.name] = (self._executors[collector.name].submit(self._timed, collector))
+        concurrent.futures.wait(futures.values(), timeout=self.deadline)
+
+        families: list[Metric] = []
+        facts: dict[str, object] = {}
+        statuses: dict[str, CollectorStatus] = {}
+        now = time.time()
+        for collector in self.collectors:
+            status, result = self._status_of(collector.name, futures.get(collector.name), now, started)
+            statuses[collector.name] = status
+            if result is not None:
+                families.extend(result.families)
+                facts[collector.name] = result.facts
+        families[:0] = self._self_metrics(statuses)
+        snapshot = Snapshot(
+            timestamp=now,
+            metrics_text=self._renderer.render(families),
+            collectors=statuses,
+            facts=facts,
+            agent=self.agent_facts,
+        )
+        self.snapshot = snapshot  # one reference swap: readers see the old or the new one, whole
+        return snapshot
+
+    def _status_of(self, name, future, now, started) -> tuple[CollectorStatus, CollectorResult | None]:
+        if future is None:
+            waited = time.monotonic() - started
+            return CollectorStatus(False, waited, "still blocked in a previous collection",
+                                   last_success_timestamp=self._last_success.get(name)), None
+        if not future.done():
+            self._pending[name] = future
+            log.warning("collector %s missed its %.1fs deadline", name, self.deadline)
+            return CollectorStatus(False, self.deadline, f"timed out after {self.deadline:.1f}s",
+                                   last_success_timestamp=self._last_success.get(name)), None
+        self._pending.pop(name, None)
+        try:
+            result, duration = future.result()
+        except Exception as exc:  # a failing collector is reported, never propagated
+            log.debug("collector %s failed", name, exc_info=True)
+            message = f"{type(exc).__name__}: {exc}"
+            return CollectorStatus(False, 0.0, message, last_success_timestamp=self._last_success.get(name)), None
+        self._last_success[name] = now
+        return CollectorStatus(True, duration, None, tuple(result.errors), now), result
+
+    @staticmethod
+    def _timed(collector: Collector) -> tuple[CollectorResult, float]:
+        started = time.perf_counter()
+        result = collector.collect()
+        return result, time.perf_counter() - started
+
+    def _self_metrics(self, statuses: dict[str, CollectorStatus]) -> list[Metric]:
+        info = GaugeMetricFamily("gpuwatch_agent_info", "Agent build and mode; mode=simulated marks a "
+                                 "scripted stand-in node, never real hardware.",
+                                 labels=["version", "mode", "node"])
+        info.add_metric([__version__, self.agent_facts["mode"], self.agent_facts["node"]], 1)
+        up = GaugeMetricFamily("gpuwatch_collector_up", "1 when the collector's last run succeeded.",
+                               labels=["collector"])
+        duration = GaugeMetricFamily("gpuwatch_collector_duration_seconds",
+                                     "Wall time of the collector's last run.", labels=["collector"])
+        partial = GaugeMetricFamily("gpuwatch_collector_partial_errors",
+                                    "Items (GPUs, files, ports) the collector could not read in its last run.",
+                                    labels=["collector"])
+        for name, status in statuses.items():
+            up.add_metric([name], 1.0 if status.up else 0.0)
+            duration.add_metric([name], status.duration_seconds)
+            partial.add_metric([name], len(status.partial_errors))
+        return [info, up, duration, partial]
+
+    def run(self) -> None:
+        """Sample every ``interval`` seconds until ``stop`` is called."""
+        next_round = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                self.sample_once()
+            except Exception:  # the loop must survive anything a round throws
+                log.exception("sampling round failed")
+            next_round += self.interval
+            now = time.monotonic()
+            if next_round < now:  # a round overran: skip the missed ticks instead of bursting
+                next_round = now + self.interval
+            self._stop.wait(next_round - now)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        self.stop()
+        for executor in self._executors.values():
+            executor.shutdown(wait=False, cancel_futures=True)
+        for collector in self.collectors:
+            try:
+                collector.close()
+            except Exception:
+                log.warning("closing collector %s failed", collector.name, exc_info=True)

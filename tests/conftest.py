@@ -1,0 +1,153 @@
+"""Shared test helpers: free ports, a real agent subprocess, a real Prometheus server."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes, dict[str, str]]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read(), dict(response.headers)
+    except urllib.error.HTTPError as error:
+        return error.code, error.read(), dict(error.headers)
+
+
+def wait_until(predicate, timeout: float = 20.0, interval: float = 0.1, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            value = predicate()
+            if value:
+                return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class AgentProcess:
+    """``gpuwatch agent`` run as a user would run it, in its own process."""
+
+    def __init__(self, *args: str, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuwatch.agent.cli", "agent", "--listen", f"127.0.0.1:{self.port}", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        wait_until(self._healthy, what=f"agent on {self.url} (args {args})")
+
+    def _healthy(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"agent exited with {self.proc.returncode}:\n{self.proc.stdout.read()}")
+        return http_get(self.url + "/healthz", timeout=1)[0] == 200
+
+    def get(self, path: str) -> bytes:
+        status, body, _ = http_get(self.url + path)
+        assert status == 200, (path, status, body[:200])
+        return body
+
+    def state(self) -> dict:
+        return json.loads(self.get("/api/v1/state"))
+
+    def stop(self, sig: int = signal.SIGTERM) -> tuple[int, str]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            output, _ = self.proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            output, _ = self.proc.communicate()
+        return self.proc.returncode, output
+
+
+@pytest.fixture
+def start_agent():
+    agents: list[AgentProcess] = []
+
+    def start(*args: str) -> AgentProcess:
+        agent = AgentProcess(*args)
+        agents.append(agent)
+        return agent
+
+    yield start
+    for agent in agents:
+        agent.stop()
+
+
+def require_tool(name: str) -> str:
+    """Integration tests need Prometheus' binaries; .ci/run installs them. Missing is a failure, not a skip."""
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} not found: install Debian's 'prometheus' package (apt-get install prometheus)")
+    return path
+
+
+class PrometheusServer:
+    """A real Prometheus server on 127.0.0.1 with a temporary TSDB."""
+
+    def __init__(self, workdir: Path, scrape_targets: list[str], scrape_interval: str = "1s") -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = workdir / "prometheus.yml"
+        config.write_text(json.dumps({
+            "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
+            "scrape_configs": [{"job_name": "gpuwatch", "static_configs": [{"targets": scrape_targets}]}],
+        }))
+        self.log = (workdir / "prometheus.log").open("w")
+        self.proc = subprocess.Popen(
+            [require_tool("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={workdir / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle"],
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "GOMAXPROCS": "1"},
+        )
+        wait_until(lambda: http_get(self.url + "/-/ready", timeout=1)[0] == 200, what="prometheus ready")
+
+    def query(self, expr: str) -> list[dict]:
+        url = self.url + "/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        status, body, _ = http_get(url)
+        payload = json.loads(body)
+        assert status == 200 and payload["status"] == "success", payload
+        return payload["data"]["result"]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture
+def prometheus_server(tmp_path):
+    servers: list[PrometheusServer] = []
+
+    def start(targets: list[str], **kwargs) -> PrometheusServer:
+        server = PrometheusServer(tmp_path, targets, **kwargs)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()

@@ -1,0 +1,60 @@
+"""The fast renderer must produce exactly what prometheus-client's own generate_latest does."""
+
+import math
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
+
+from gpuwatch.agent.exposition import Renderer
+
+
+def _families():
+    gauge = GaugeMetricFamily("gpuwatch_test_ratio", "A ratio.\nWith a second line and a \\ backslash.",
+                              labels=["gpu", "job"])
+    gauge.add_metric(["0", 'evil"job\nwith}{newline\\'], 0.25)
+    gauge.add_metric(["1", "plain"], math.nan)
+    gauge.add_metric(["2", "plain"], math.inf)
+    counter = CounterMetricFamily("gpuwatch_test_bytes", "Bytes.", labels=["link"])
+    counter.add_metric(["3"], 12345678901234.0)
+    histogram = HistogramMetricFamily("gpuwatch_test_seconds", "Latency.", labels=["op"])
+    histogram.add_metric(["all_reduce"], buckets=[("0.1", 1.0), ("+Inf", 3.0)], sum_value=0.7)
+    info = InfoMetricFamily("gpuwatch_test", "Info.", value={"version": "1"})
+    unlabelled = GaugeMetricFamily("gpuwatch_test_plain", "No labels.", value=-1.5e-7)
+    return [gauge, counter, histogram, info, unlabelled]
+
+
+class _Static:
+    def __init__(self, families):
+        self.families = families
+
+    def collect(self):
+        return self.families
+
+
+def test_render_matches_prometheus_client_byte_for_byte():
+    registry = CollectorRegistry()
+    registry.register(_Static(_families()))
+    assert Renderer().render(_families()) == generate_latest(registry)
+
+
+def test_second_render_reuses_cache_and_forgets_vanished_series():
+    renderer = Renderer()
+    first = _families()
+    renderer.render(first)
+    gauge = GaugeMetricFamily("gpuwatch_test_ratio", "A ratio.", labels=["gpu"])
+    gauge.add_metric(["7"], 1.0)
+    text = renderer.render([gauge]).decode()
+    assert 'gpuwatch_test_ratio{gpu="7"} 1.0' in text
+    assert "gpuwatch_test_bytes" not in text
+    # Only the live series stay cached: an expired rank or lost GPU does not leak memory.
+    assert list(renderer._series) == [("gpuwatch_test_ratio", (("gpu", "7"),))]
+
+
+def test_value_changes_between_renders_are_reflected():
+    renderer = Renderer()
+    for value in (1.0, 2.0):
+        gauge = GaugeMetricFamily("gpuwatch_test_value", "V.", labels=["gpu"])
+        gauge.add_metric(["0"], value)
+        text = renderer.render([gauge]).decode()
+    assert 'gpuwatch_test_value{gpu="0"} 2.0' in text
+    assert 'gpuwatch_test_value{gpu="0"} 1.0' not in text

@@ -1,0 +1,31 @@
+"""Packaging: everything installs under `gpuwatch.`; no package folder is forgotten in pyproject.toml."""
+
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_package_folder_is_listed_under_the_gpuwatch_name():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    roots = config["package-dir"]  # {"gpuwatch.agent": "agent", ...}
+    on_disk = set()
+    for import_name, folder in roots.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            relative = init.parent.relative_to(ROOT / folder).parts
+            on_disk.add(".".join((import_name, *relative)))
+    assert on_disk == listed
+    assert all(name.startswith("gpuwatch.") for name in listed)
+
+
+def test_console_script_points_at_the_cli():
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"gpuwatch": "gpuwatch.agent.cli:main"}
+
+
+def test_agent_dependencies_exclude_torch_and_deprecated_pynvml():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = {dep.split(">")[0].split("=")[0].split("~")[0].strip().lower() for dep in project["dependencies"]}
+    assert "torch" not in names
+    assert "pynvml" not in names and "nvidia-ml-py" in names

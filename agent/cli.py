@@ -16,6 +16,8 @@ import click
 
 from gpuwatch.agent import __version__
 from gpuwatch.agent.simulate import PRESETS
+from gpuwatch.agent.telemetry.paths import ENV_VAR as SOCKET_ENV_VAR
+from gpuwatch.agent.telemetry.store import DEFAULT_MAX_RANKS, DEFAULT_TTL
 
 DEFAULT_PORT = 9746  # not dcgm-exporter's 9400, node_exporter's 9100 nor nvidia_gpu_exporter's 9835
 DEFAULT_INTERVAL = 5.0
@@ -92,8 +94,20 @@ def _collector_options(function):
 @click.option("--node", default=socket.gethostname(), show_default="hostname", help="Value of the node label.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
+@click.option("--telemetry.socket", "telemetry_socket", type=click.Path(dir_okay=False, path_type=Path),
+              envvar=SOCKET_ENV_VAR, show_envvar=True,
+              show_default="/run/gpuwatch/telemetry.sock if the agent may create it, else "
+                           "/tmp/gpuwatch-UID/telemetry.sock",
+              help="Unix datagram socket the training ranks send telemetry to.")
+@click.option("--telemetry.ttl", "telemetry_ttl", type=click.FloatRange(min=1), default=DEFAULT_TTL,
+              show_default=True,
+              help="Seconds after which a silent rank is forgotten and its series disappear.")
+@click.option("--telemetry.max-ranks", "telemetry_max_ranks", type=click.IntRange(min=1),
+              default=DEFAULT_MAX_RANKS, show_default=True,
+              help="Ranks the agent keeps state for; records of further ranks are rejected (bounds memory).")
 @_collector_options
-def agent(listen, interval, collector_timeout, sysfs_root, simulate, node, log_level, **switches) -> None:
+def agent(listen, interval, collector_timeout, sysfs_root, simulate, node, log_level, telemetry_socket,
+          telemetry_ttl, telemetry_max_ranks, **switches) -> None:
     """Sample this node's GPUs, NVLink, InfiniBand and host, and serve them to Prometheus."""
     from gpuwatch.agent.daemon import AgentConfig, run_agent
 
@@ -103,7 +117,9 @@ def agent(listen, interval, collector_timeout, sysfs_root, simulate, node, log_l
         raise click.UsageError("--simulate generates its own sysfs tree; drop --sysfs-root")
     enabled = [name.removeprefix("collector_") for name, on in switches.items() if on]
     config = AgentConfig(listen=listen, interval=interval, collector_timeout=collector_timeout,
-                         sysfs_root=sysfs_root, simulate=simulate, node=node, collectors=enabled)
+                         sysfs_root=sysfs_root, simulate=simulate, node=node, collectors=enabled,
+                         telemetry_socket=telemetry_socket, telemetry_ttl=telemetry_ttl,
+                         telemetry_max_ranks=telemetry_max_ranks)
     sys.exit(run_agent(config))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import tempfile
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 from gpuwatch.agent.collectors import REGISTRY, CollectorContext
 from gpuwatch.agent.sampler import Sampler
 from gpuwatch.agent.server import AgentHTTPServer, serve_in_thread
+from gpuwatch.agent.telemetry.store import DEFAULT_MAX_RANKS, DEFAULT_TTL
 
 log = logging.getLogger(__name__)
 
@@ -25,23 +27,32 @@ class AgentConfig:
     collectors: list[str]
     collector_timeout: float | None = None
     simulate: str | None = None
+    telemetry_socket: Path | None = None  # None: GPUWATCH_SOCKET, else the shared default
+    telemetry_ttl: float = DEFAULT_TTL
+    telemetry_max_ranks: int = DEFAULT_MAX_RANKS
 
 
 def run_agent(config: AgentConfig) -> int:
     """Run until SIGTERM or SIGINT; return the process exit status."""
+    telemetry = {"telemetry_socket": config.telemetry_socket, "telemetry_ttl": config.telemetry_ttl,
+                 "telemetry_max_ranks": config.telemetry_max_ranks}
     with contextlib.ExitStack() as stack:
         if config.simulate:
             from gpuwatch.agent.simulate import PRESETS, Simulation
 
-            workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="gpuwatch-sim-"))
+            # tmpfs when there is one: the simulated counters are rewritten every round.
+            shm = Path("/dev/shm")
+            workdir = stack.enter_context(tempfile.TemporaryDirectory(
+                prefix="gpuwatch-sim-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
             simulation = Simulation(PRESETS[config.simulate], Path(workdir))
             context = CollectorContext(sysfs_root=simulation.sysfs_root, node=config.node,
-                                       nvml=simulation.nvml, simulated=True)
+                                       nvml=simulation.nvml, simulated=True, **telemetry)
             before_round = simulation.advance
         else:
             import pynvml
 
-            context = CollectorContext(sysfs_root=config.sysfs_root, node=config.node, nvml=pynvml)
+            context = CollectorContext(sysfs_root=config.sysfs_root, node=config.node, nvml=pynvml,
+                                       **telemetry)
             before_round = None
 
         sampler = Sampler([REGISTRY[name](context) for name in config.collectors],

@@ -47,14 +47,20 @@ def wait_until(predicate, timeout: float = 20.0, interval: float = 0.1, what: st
 
 
 class AgentProcess:
-    """``gpuwatch agent`` run as a user would run it, in its own process."""
+    """``gpuwatch agent`` run as a user would run it, in its own process.
 
-    def __init__(self, *args: str, port: int | None = None) -> None:
+    Its telemetry socket is ``telemetry_socket`` (passed as GPUWATCH_SOCKET, so ``--telemetry.socket``
+    in ``args`` still wins): tests never touch the machine's real /run/gpuwatch.
+    """
+
+    def __init__(self, *args: str, telemetry_socket: Path, port: int | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.telemetry_socket = telemetry_socket
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gpuwatch.agent.cli", "agent", "--listen", f"127.0.0.1:{self.port}", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "GPUWATCH_SOCKET": str(telemetry_socket)},
         )
         wait_until(self._healthy, what=f"agent on {self.url} (args {args})")
 
@@ -83,11 +89,14 @@ class AgentProcess:
 
 
 @pytest.fixture
-def start_agent():
+def start_agent(tmp_path_factory):
+    """Start ``gpuwatch agent *args``; ``telemetry_socket`` defaults to a fresh private directory
+    (short: a Unix socket path holds at most 107 bytes)."""
     agents: list[AgentProcess] = []
 
-    def start(*args: str) -> AgentProcess:
-        agent = AgentProcess(*args)
+    def start(*args: str, telemetry_socket: Path | None = None) -> AgentProcess:
+        socket_path = telemetry_socket or tmp_path_factory.mktemp("agent") / "telemetry.sock"
+        agent = AgentProcess(*args, telemetry_socket=socket_path)
         agents.append(agent)
         return agent
 

@@ -8,7 +8,8 @@ import sys
 import urllib.request
 
 import pytest
-from conftest import FIXTURES, http_get, require_tool
+
+from conftest import FIXTURES, http_get, require_tool, wait_until
 
 CORE_SERIES = [
     "gpuwatch_agent_info", "gpuwatch_collector_up", "gpuwatch_collector_duration_seconds",
@@ -29,7 +30,12 @@ def _series_names(text: str) -> set[str]:
 
 def test_simulated_node_serves_every_core_series_and_passes_promtool(start_agent):
     agent = start_agent("--simulate", "dgx-h100", "--interval", "0.5")
-    text = agent.get("/metrics").decode()
+    # GPM activity needs two NVML samples, so it appears from the second sampling round on.
+    def second_round() -> str | None:
+        text = agent.get("/metrics").decode()
+        return text if "gpuwatch_gpu_sm_active_ratio" in text else None
+
+    text = wait_until(second_round, what="second sampling round")
     names = _series_names(text)
     missing = [name for name in CORE_SERIES if name not in names]
     assert not missing, missing
@@ -67,7 +73,7 @@ def test_real_path_without_gpu_reports_nvml_down_and_serves_the_rest(start_agent
     assert state["collectors"]["infiniband"]["up"] is True
     text = agent.get("/metrics").decode()
     assert 'gpuwatch_collector_up{collector="nvml"} 0.0' in text
-    assert 'gpuwatch_ib_port_transmitted_bytes_total{device="mlx4_0",port="1"} 1.0603645318e+011' in text
+    assert 'gpuwatch_ib_port_transmitted_bytes_total{device="mlx4_0",port="1"} 1.0603645318e+11' in text
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -1,7 +1,8 @@
 """Packaging: everything installs under `gpuwatch.`; no package folder is forgotten in pyproject.toml."""
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,9 +7,11 @@ from gpuwatch.agent.collectors.host import HostCollector
 from gpuwatch.agent.collectors.infiniband import InfinibandCollector
 from gpuwatch.agent.collectors.nvlink import NvlinkCollector
 from gpuwatch.agent.collectors.nvml import NvmlCollector
+from gpuwatch.agent.collectors.telemetry import TelemetryCollector
 
 REGISTRY: dict[str, type[Collector]] = {
-    cls.name: cls for cls in (NvmlCollector, NvlinkCollector, InfinibandCollector, HostCollector)
+    cls.name: cls
+    for cls in (NvmlCollector, NvlinkCollector, InfinibandCollector, HostCollector, TelemetryCollector)
 }
 
 __all__ = ["REGISTRY", "Collector", "CollectorContext", "CollectorResult"]

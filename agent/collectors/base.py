@@ -10,6 +10,8 @@ from typing import Any, ClassVar
 
 from prometheus_client.core import Metric
 
+from gpuwatch.agent.telemetry.store import DEFAULT_MAX_JOBS, DEFAULT_MAX_RANKS, DEFAULT_TTL
+
 
 @dataclasses.dataclass(frozen=True)
 class CollectorContext:
@@ -20,6 +22,12 @@ class CollectorContext:
     # The pynvml module, or the scripted stand-in of gpuwatch.agent.simulate when simulating.
     nvml: types.ModuleType | Any = None
     simulated: bool = False
+    # Training telemetry: where the ranks send (None: the shared default of telemetry.paths) and the
+    # bounds of the per-rank state.
+    telemetry_socket: Path | None = None
+    telemetry_ttl: float = DEFAULT_TTL
+    telemetry_max_ranks: int = DEFAULT_MAX_RANKS
+    telemetry_max_jobs: int = DEFAULT_MAX_JOBS
 
 
 @dataclasses.dataclass

@@ -1,0 +1,139 @@
+"""The host around the GPUs, via psutil: CPU, load, memory, resident memory of watched processes, and
+the network interfaces (facts only: diagnosis checks NCCL_SOCKET_IFNAME against them).
+
+Which processes are training ranks is not the host's to know: the agent's own process is always
+watched, and whoever learns rank pids (the telemetry collector) hands them over with ``watch_pids``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable
+from typing import Any
+
+import psutil
+from prometheus_client.core import GaugeMetricFamily
+
+from gpuwatch.agent.collectors.base import Collector, CollectorContext, CollectorResult
+
+#: Bounds gpuwatch_host_process_resident_bytes: a buggy feeder cannot create unbounded series.
+MAX_WATCHED_PIDS = 256
+
+_FAMILIES = {socket.AF_INET: "ipv4", socket.AF_INET6: "ipv6", psutil.AF_LINK: "link"}
+
+
+def _busy_and_total(times: Any) -> tuple[float, float]:
+    """CPU seconds as psutil.cpu_percent counts them: guest is inside user; idle and iowait are not busy."""
+    total = sum(times) - getattr(times, "guest", 0.0) - getattr(times, "guest_nice", 0.0)
+    return total - times.idle - getattr(times, "iowait", 0.0), total
+
+
+class HostCollector(Collector):
+    """CPU, load, memory and per-process RSS; ``watch_pids`` is the hook for training rank pids."""
+
+    name = "host"
+
+    def __init__(self, context: CollectorContext) -> None:
+        super().__init__(context)
+        # Own baseline instead of psutil.cpu_percent's per-thread one: same "since the last call"
+        # semantics, independent of which thread samples.
+        self._last_cpu = _busy_and_total(psutil.cpu_times())
+        self._own_pid = os.getpid()
+        self._watched: frozenset[int] = frozenset()
+        self._pids_over_limit = 0
+        self._processes: dict[int, psutil.Process] = {}
+
+    def watch_pids(self, pids: Iterable[int]) -> None:
+        """Replace the set of extra processes (training ranks) whose RSS is exported; thread-safe."""
+        wanted = sorted(set(pids))
+        self._pids_over_limit = max(0, len(wanted) - MAX_WATCHED_PIDS)
+        self._watched = frozenset(wanted[:MAX_WATCHED_PIDS])
+
+    def collect(self) -> CollectorResult:
+        errors: list[str] = []
+        busy, total = _busy_and_total(psutil.cpu_times())
+        last_busy, last_total = self._last_cpu
+        self._last_cpu = busy, total
+        # Clamped: iowait in /proc/stat can step backwards (a known kernel quirk psutil also works around).
+        cpu_ratio = None
+        if total > last_total:
+            cpu_ratio = min(1.0, max(0.0, (busy - last_busy) / (total - last_total)))
+        load = psutil.getloadavg()
+        memory = psutil.virtual_memory()
+        cpu_count = psutil.cpu_count()
+        processes = self._processes_rss(errors)
+
+        families = []
+        if cpu_ratio is not None:
+            families.append(GaugeMetricFamily(
+                "gpuwatch_host_cpu_utilization_ratio",
+                "Share of CPU time, all CPUs, not idle or in iowait since the previous sample.",
+                value=cpu_ratio))
+        families.append(GaugeMetricFamily("gpuwatch_host_cpus", "Logical CPUs.", value=cpu_count))
+        load_family = GaugeMetricFamily(
+            "gpuwatch_host_load_average", "Run-queue load average over the window.", labels=["window"])
+        for window, value in zip(("1m", "5m", "15m"), load, strict=True):
+            load_family.add_metric([window], value)
+        families.append(load_family)
+        for field in ("total", "available", "used"):
+            families.append(GaugeMetricFamily(
+                f"gpuwatch_host_memory_{field}_bytes", f"Host memory {field} (psutil.virtual_memory).",
+                value=getattr(memory, field)))
+        rss = GaugeMetricFamily(
+            "gpuwatch_host_process_resident_bytes",
+            "Resident set size of the agent and of watched training processes.", labels=["pid", "name"])
+        for process in processes:
+            rss.add_metric([str(process["pid"]), process["name"]], process["rss_bytes"])
+        families.append(rss)
+        if self._pids_over_limit:
+            errors.append(f"{self._pids_over_limit} pids beyond the limit of {MAX_WATCHED_PIDS} not watched")
+
+        facts = {
+            "cpu_ratio": cpu_ratio,
+            "cpu_count": cpu_count,
+            "load_average": list(load),
+            "memory_total_bytes": memory.total,
+            "memory_available_bytes": memory.available,
+            "memory_used_bytes": memory.used,
+            "processes": processes,
+            "network_interfaces": _network_interfaces(),
+        }
+        return CollectorResult(families, facts, errors)
+
+    def _processes_rss(self, errors: list[str]) -> list[dict[str, Any]]:
+        """RSS of the agent and the watched pids; a process that exited is dropped, not an error."""
+        pids = sorted(self._watched | {self._own_pid})
+        for gone in self._processes.keys() - set(pids):
+            del self._processes[gone]
+        rows = []
+        for pid in pids:
+            try:
+                process = self._processes.get(pid)
+                if process is None or not process.is_running():  # is_running also catches pid reuse
+                    process = self._processes[pid] = psutil.Process(pid)
+                with process.oneshot():
+                    rows.append({"pid": pid, "name": process.name(), "rss_bytes": process.memory_info().rss})
+            except psutil.NoSuchProcess:
+                self._processes.pop(pid, None)
+            except psutil.Error as exc:
+                errors.append(f"pid {pid}: {exc}")
+        return rows
+
+
+def _network_interfaces() -> list[dict[str, Any]]:
+    addresses = psutil.net_if_addrs()
+    return [
+        {
+            "name": name,
+            "up": stat.isup,
+            "is_loopback": "loopback" in getattr(stat, "flags", "").split(","),
+            "mtu": stat.mtu,
+            "speed_mbps": stat.speed or None,  # psutil reports 0 when the speed is unknown
+            "addresses": [
+                {"family": _FAMILIES.get(address.family, str(address.family)), "address": address.address}
+                for address in addresses.get(name, [])
+            ],
+        }
+        for name, stat in sorted(psutil.net_if_stats().items())
+    ]

@@ -1,0 +1,398 @@
+"""NVML collector: what each GPU is, how busy, hot and healthy it is, and what runs on it.
+
+Per GPU and collect: utilisation; SM activity, SM occupancy and tensor activity from NVML GPM on
+Hopper and newer (averaged between this collect's GPM sample and the previous one, so collect never
+sleeps), else the coarse utilisation rate; memory, power, temperature, clocks, clock-event (throttle)
+reasons, PCIe link, ECC / row-remap / PCIe-replay counts (one batched field-value read), Xid events
+(drained without blocking) and compute processes. What cannot change while the agent runs (name,
+UUID, bus id, PCIe maximum) is read once.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+from typing import Any
+
+import pynvml
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from gpuwatch.agent.collectors._nvml_common import Device, DeviceQuery, NvmlSession, field_value, handle_key
+from gpuwatch.agent.collectors.base import Collector, CollectorContext, CollectorResult
+
+# GPM metric -> fact key; NVML reports percentages, the facts and metrics hold ratios.
+_GPM_METRICS = (
+    (pynvml.NVML_GPM_METRIC_SM_UTIL, "sm_active_ratio"),
+    (pynvml.NVML_GPM_METRIC_SM_OCCUPANCY, "sm_occupancy_ratio"),
+    (pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL, "tensor_active_ratio"),
+    (pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL, "dram_active_ratio"),
+)
+
+_CLOCKS = (("sm_clock_hertz", pynvml.NVML_CLOCK_SM), ("memory_clock_hertz", pynvml.NVML_CLOCK_MEM))
+
+_CLOCK_EVENT_REASONS = (
+    (pynvml.nvmlClocksEventReasonGpuIdle, "gpu_idle"),
+    (pynvml.nvmlClocksEventReasonApplicationsClocksSetting, "applications_clocks_setting"),
+    (pynvml.nvmlClocksEventReasonSwPowerCap, "sw_power_cap"),
+    (pynvml.nvmlClocksEventReasonHwSlowdown, "hw_slowdown"),
+    (pynvml.nvmlClocksEventReasonSyncBoost, "sync_boost"),
+    (pynvml.nvmlClocksEventReasonSwThermalSlowdown, "sw_thermal_slowdown"),
+    (pynvml.nvmlClocksEventReasonHwThermalSlowdown, "hw_thermal_slowdown"),
+    (pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown, "hw_power_brake"),
+    (pynvml.nvmlClocksEventReasonDisplayClockSetting, "display_clocks_setting"),
+)
+
+# Read in one nvmlDeviceGetFieldValues call per GPU: (field, facts group, key).
+_FIELDS = (
+    (pynvml.NVML_FI_DEV_ECC_SBE_VOL_TOTAL, "ecc_volatile", "corrected"),
+    (pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL, "ecc_volatile", "uncorrected"),
+    (pynvml.NVML_FI_DEV_ECC_SBE_AGG_TOTAL, "ecc_aggregate", "corrected"),
+    (pynvml.NVML_FI_DEV_ECC_DBE_AGG_TOTAL, "ecc_aggregate", "uncorrected"),
+    (pynvml.NVML_FI_DEV_REMAPPED_COR, "remapped_rows", "correctable"),
+    (pynvml.NVML_FI_DEV_REMAPPED_UNC, "remapped_rows", "uncorrectable"),
+    (pynvml.NVML_FI_DEV_REMAPPED_PENDING, "remapped_rows", "pending"),
+    (pynvml.NVML_FI_DEV_REMAPPED_FAILURE, "remapped_rows", "failure"),
+    (pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER, "pcie", "replays"),
+)
+_FIELD_IDS = [field for field, _, _ in _FIELDS]
+
+# Per-GPU gauges labelled {gpu} only: fact key, metric name, help.
+_GAUGES = (
+    ("utilization_ratio", "gpuwatch_gpu_utilization_ratio",
+     "Share of the last sample period in which any kernel ran (nvmlDeviceGetUtilizationRates)."),
+    ("memory_copy_utilization_ratio", "gpuwatch_gpu_memory_copy_utilization_ratio",
+     "Share of the last sample period in which device memory was read or written."),
+    ("sm_active_ratio", "gpuwatch_gpu_sm_active_ratio",
+     "Share of SMs busy (GPM), or the utilisation rate where GPM is unsupported "
+     "(see gpuwatch_gpu_activity_source)."),
+    ("sm_occupancy_ratio", "gpuwatch_gpu_sm_occupancy_ratio",
+     "Resident warps over the theoretical maximum, between the last two GPM samples."),
+    ("tensor_active_ratio", "gpuwatch_gpu_tensor_active_ratio",
+     "Share of time the SMs ran any tensor-core instruction, between the last two GPM samples."),
+    ("dram_active_ratio", "gpuwatch_gpu_dram_active_ratio",
+     "Device memory bandwidth used over its peak, between the last two GPM samples."),
+    ("memory_total_bytes", "gpuwatch_gpu_memory_total_bytes", "Installed device memory."),
+    ("memory_used_bytes", "gpuwatch_gpu_memory_used_bytes", "Device memory allocated by processes."),
+    ("memory_reserved_bytes", "gpuwatch_gpu_memory_reserved_bytes",
+     "Device memory reserved by the driver and firmware."),
+    ("power_watts", "gpuwatch_gpu_power_watts", "Power draw of the GPU board."),
+    ("temperature_celsius", "gpuwatch_gpu_temperature_celsius", "GPU core temperature."),
+    ("sm_clock_hertz", "gpuwatch_gpu_sm_clock_hertz", "Current SM clock."),
+    ("memory_clock_hertz", "gpuwatch_gpu_memory_clock_hertz", "Current memory clock."),
+)
+
+# Xids that mean a hardware or driver fault (ECC, row remap, NVLink, off the bus, GSP). A watched GPU
+# exports them from 0, so that increase() sees their first occurrence; others appear when they happen.
+_FAULT_XIDS = ("48", "63", "64", "74", "79", "92", "94", "95", "119", "120")
+
+#: Events drained per collect at most, so an Xid storm cannot stall the collector.
+_MAX_EVENTS_PER_COLLECT = 1000
+
+
+@dataclasses.dataclass
+class _Gpm:
+    """Two GPM sample buffers used in turn, and the request reused for every metrics query."""
+
+    samples: tuple[Any, Any]
+    request: Any
+    previous: int | None = None  # which buffer holds the previous collect's sample
+
+
+@dataclasses.dataclass
+class _GpuState:
+    """What the collector keeps about one GPU between collects."""
+
+    identity: dict[str, str] | None = None  # uuid, pci_bus_id, model: read once
+    pcie_max: dict[str, int | None] = dataclasses.field(default_factory=dict)
+    activity_source: str | None = None  # "gpm" or "utilization", decided on the first read
+    gpm: _Gpm | None = None
+    xid_watched: bool = False
+    xid_errors: collections.Counter[int] = dataclasses.field(default_factory=collections.Counter)
+
+
+def _ratio(percent: float) -> float:
+    return min(max(percent / 100, 0.0), 1.0)
+
+
+def _gauge(name: str, text: str, *labels: str) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, text, labels=["gpu", *labels])
+
+
+def _counter(name: str, text: str, *labels: str) -> CounterMetricFamily:
+    return CounterMetricFamily(name, text, labels=["gpu", *labels])
+
+
+def _put(facts: dict[str, Any], key: str, value: float | None, scale: float = 1) -> None:
+    if value is not None:
+        facts[key] = value * scale
+
+
+class NvmlCollector(Collector):
+    name = "nvml"
+
+    def __init__(self, context: CollectorContext) -> None:
+        super().__init__(context)
+        self._session = NvmlSession(context.nvml)
+        self._nvml = self._session.nvml
+        self._states: dict[int, _GpuState] | None = None
+        self._driver_version = ""
+        self._event_set: Any = None
+        self._xid_states: dict[int, _GpuState] = {}  # device handle address -> state
+
+    def collect(self) -> CollectorResult:
+        devices = self._session.devices()
+        if self._states is None:
+            self._start(devices)
+        errors: list[str] = []
+        self._drain_xid_events(errors)
+        gpus = [self._sample(device, self._states[device.index], errors) for device in devices]
+        return CollectorResult(
+            families=self._families(gpus),
+            facts={"driver_version": self._driver_version, "gpus": gpus},
+            errors=errors,
+        )
+
+    def close(self) -> None:
+        nvml = self._nvml
+        for state in (self._states or {}).values():
+            for sample in state.gpm.samples if state.gpm else ():
+                with contextlib.suppress(pynvml.NVMLError):
+                    nvml.nvmlGpmSampleFree(sample)
+        if self._event_set is not None:
+            with contextlib.suppress(pynvml.NVMLError):
+                nvml.nvmlEventSetFree(self._event_set)
+        self._states, self._event_set = None, None
+        self._xid_states.clear()
+        self._session.close()
+
+    # -- start-up ---------------------------------------------------------------------------------
+
+    def _start(self, devices: list[Device]) -> None:
+        self._driver_version = self._nvml.nvmlSystemGetDriverVersion()
+        self._states = {device.index: _GpuState() for device in devices}
+        self._event_set = self._watch_xid_events(devices)
+
+    def _watch_xid_events(self, devices: list[Device]) -> Any:
+        """One event set for all GPUs, registered for critical Xid errors where the GPU supports it."""
+        nvml = self._nvml
+        try:
+            event_set = nvml.nvmlEventSetCreate()
+        except pynvml.NVMLError:
+            return None
+        for device in devices:
+            if device.handle is None:
+                continue
+            try:
+                nvml.nvmlDeviceRegisterEvents(device.handle, pynvml.nvmlEventTypeXidCriticalError, event_set)
+            except pynvml.NVMLError:
+                continue
+            state = self._states[device.index]
+            state.xid_watched = True
+            self._xid_states[handle_key(device.handle)] = state
+        return event_set
+
+    def _drain_xid_events(self, errors: list[str]) -> None:
+        if self._event_set is None:
+            return
+        for _ in range(_MAX_EVENTS_PER_COLLECT):
+            try:
+                event = self._nvml.nvmlEventSetWait_v2(self._event_set, 0)
+            except pynvml.NVMLError_Timeout:
+                return
+            except pynvml.NVMLError as exc:
+                errors.append(f"Xid events: {exc}")
+                return
+            state = self._xid_states.get(handle_key(event.device))
+            if state is not None and event.eventType & pynvml.nvmlEventTypeXidCriticalError:
+                state.xid_errors[event.eventData] += 1
+
+    # -- one GPU ----------------------------------------------------------------------------------
+
+    def _sample(self, device: Device, state: _GpuState, errors: list[str]) -> dict[str, Any]:
+        """The GPU's facts; a lost GPU keeps its identity and Xid counts and gets ``lost: true``."""
+        lost_reason = device.error
+        if lost_reason is None:
+            try:
+                readings = self._read(device, state, DeviceQuery(device, errors))
+                facts = {"index": device.index, "lost": False, **readings}
+            except pynvml.NVMLError_GpuIsLost as exc:
+                lost_reason = str(exc)
+        if lost_reason is not None:
+            facts = {"index": device.index, "lost": True, **(state.identity or {})}
+            errors.append(f"gpu {device.index}: {lost_reason}")
+        facts["xid_watched"] = state.xid_watched
+        facts["xid_errors"] = {str(xid): count for xid, count in state.xid_errors.items()}
+        return facts
+
+    def _read(self, device: Device, state: _GpuState, get: DeviceQuery) -> dict[str, Any]:
+        nvml, handle = self._nvml, device.handle
+        if state.identity is None:
+            state.identity, state.pcie_max = self._identity(handle, get)
+        facts: dict[str, Any] = dict(state.identity)
+        self._read_activity(handle, state, facts, get)
+        memory = get(nvml.nvmlDeviceGetMemoryInfo, handle, pynvml.nvmlMemory_v2) or get(
+            nvml.nvmlDeviceGetMemoryInfo, handle)  # drivers before R510 have no v2 (no reserved)
+        if memory is not None:
+            facts["memory_total_bytes"] = memory.total
+            facts["memory_used_bytes"] = memory.used
+            _put(facts, "memory_reserved_bytes", getattr(memory, "reserved", None))
+        _put(facts, "power_watts", get(nvml.nvmlDeviceGetPowerUsage, handle), 1e-3)  # mW
+        temperature = get(nvml.nvmlDeviceGetTemperature, handle, pynvml.NVML_TEMPERATURE_GPU)
+        _put(facts, "temperature_celsius", temperature)
+        for key, clock in _CLOCKS:
+            _put(facts, key, get(nvml.nvmlDeviceGetClockInfo, handle, clock), 1e6)  # MHz
+        # The "throttle" name is all that drivers before R535 know.
+        reasons = get(nvml.nvmlDeviceGetCurrentClocksEventReasons, handle)
+        if reasons is None:
+            reasons = get(nvml.nvmlDeviceGetCurrentClocksThrottleReasons, handle)
+        if reasons is not None:
+            facts["clock_event_reasons"] = [name for bit, name in _CLOCK_EVENT_REASONS if reasons & bit]
+        facts["pcie"] = {
+            "current_generation": get(nvml.nvmlDeviceGetCurrPcieLinkGeneration, handle),
+            "max_generation": state.pcie_max["generation"],
+            "current_width": get(nvml.nvmlDeviceGetCurrPcieLinkWidth, handle),
+            "max_width": state.pcie_max["width"],
+        }
+        values = get(nvml.nvmlDeviceGetFieldValues, handle, _FIELD_IDS)
+        for (_, group, key), value in zip(_FIELDS, values, strict=True) if values is not None else ():
+            number = field_value(value)
+            if number is not None:
+                facts.setdefault(group, {})[key] = number
+        processes = get(nvml.nvmlDeviceGetComputeRunningProcesses, handle)
+        if processes is not None:
+            facts["processes"] = [{"pid": p.pid, "used_memory_bytes": p.usedGpuMemory} for p in processes]
+        return facts
+
+    def _identity(self, handle: Any, get: DeviceQuery) -> tuple[dict[str, str], dict[str, int | None]]:
+        nvml = self._nvml
+        pci = get(nvml.nvmlDeviceGetPciInfo, handle)
+        identity = {
+            "uuid": get(nvml.nvmlDeviceGetUUID, handle) or "",
+            "pci_bus_id": pci.busId if pci is not None else "",
+            "model": get(nvml.nvmlDeviceGetName, handle) or "",
+        }
+        pcie_max = {
+            "generation": get(nvml.nvmlDeviceGetMaxPcieLinkGeneration, handle),
+            "width": get(nvml.nvmlDeviceGetMaxPcieLinkWidth, handle),
+        }
+        return identity, pcie_max
+
+    def _read_activity(self, handle: Any, state: _GpuState, facts: dict[str, Any], get: DeviceQuery) -> None:
+        utilization = get(self._nvml.nvmlDeviceGetUtilizationRates, handle)
+        if utilization is not None:
+            facts["utilization_ratio"] = _ratio(utilization.gpu)
+            facts["memory_copy_utilization_ratio"] = _ratio(utilization.memory)
+        if state.activity_source is None:
+            state.gpm = self._start_gpm(handle, get)
+            state.activity_source = "gpm" if state.gpm is not None else "utilization"
+        facts["activity_source"] = state.activity_source
+        if state.gpm is not None:
+            facts.update(self._gpm_ratios(handle, state.gpm, get))
+        elif utilization is not None:
+            facts["sm_active_ratio"] = facts["utilization_ratio"]
+
+    def _start_gpm(self, handle: Any, get: DeviceQuery) -> _Gpm | None:
+        nvml = self._nvml
+        support = get(nvml.nvmlGpmQueryDeviceSupport, handle)
+        if support is None or not support.isSupportedDevice:
+            return None
+        samples = (get(nvml.nvmlGpmSampleAlloc), get(nvml.nvmlGpmSampleAlloc))
+        if None in samples:
+            return None
+        request = pynvml.c_nvmlGpmMetricsGet_t(version=pynvml.NVML_GPM_METRICS_GET_VERSION,
+                                               numMetrics=len(_GPM_METRICS))
+        for slot, (metric, _) in zip(request.metrics, _GPM_METRICS, strict=False):
+            slot.metricId = metric
+        return _Gpm(samples, request)
+
+    def _gpm_ratios(self, handle: Any, gpm: _Gpm, get: DeviceQuery) -> dict[str, float]:
+        """Metrics between the previous collect's GPM sample and one taken now (none on the first)."""
+        nvml = self._nvml
+        current = 0 if gpm.previous == 1 else 1
+        if get(nvml.nvmlGpmSampleGet, handle, gpm.samples[current]) is None:
+            gpm.previous = None
+            return {}
+        previous, gpm.previous = gpm.previous, current
+        if previous is None:
+            return {}
+        gpm.request.sample1, gpm.request.sample2 = gpm.samples[previous], gpm.samples[current]
+        if get(nvml.nvmlGpmMetricsGet, gpm.request) is None:
+            return {}
+        metrics = zip(_GPM_METRICS, gpm.request.metrics, strict=False)
+        return {key: _ratio(metric.value) for (_, key), metric in metrics
+                if metric.nvmlReturn == pynvml.NVML_SUCCESS}
+
+    # -- exposition -------------------------------------------------------------------------------
+
+    def _families(self, gpus: list[dict[str, Any]]) -> list[Metric]:
+        info = _gauge("gpuwatch_gpu_info", "GPU identity; always 1.",
+                      "uuid", "pci_bus_id", "model", "driver_version")
+        lost = _gauge("gpuwatch_gpu_lost", "1 when NVML reports the GPU lost (fallen off the bus).")
+        source = _gauge("gpuwatch_gpu_activity_source", "Where the SM activity series come from: gpm, or "
+                        "utilization where GPM is unsupported; always 1.", "source")
+        gauges = [(key, _gauge(name, text)) for key, name, text in _GAUGES]
+        reasons = _gauge("gpuwatch_gpu_clock_event_active",
+                         "1 while this clock-event (throttle) reason holds the clocks down.", "reason")
+        generation = _gauge("gpuwatch_gpu_pcie_link_generation",
+                            "PCIe link generation: as trained now, and the most GPU and slot allow.", "kind")
+        width = _gauge("gpuwatch_gpu_pcie_link_width",
+                       "PCIe link width in lanes: as trained now, and the most GPU and slot allow.", "kind")
+        replays = _counter("gpuwatch_gpu_pcie_replays", "PCIe replays (link-level retransmissions).")
+        ecc = [("ecc_volatile", _counter("gpuwatch_gpu_ecc_volatile_errors",
+                                         "ECC errors since the driver loaded.", "error")),
+               ("ecc_aggregate", _counter("gpuwatch_gpu_ecc_aggregate_errors",
+                                          "ECC errors over the GPU's lifetime.", "error"))]
+        remapped = _gauge("gpuwatch_gpu_remapped_rows", "Memory rows remapped, by what caused it.", "cause")
+        remap_states = [("pending", _gauge("gpuwatch_gpu_row_remap_pending",
+                                           "1 when a row remap waits for a GPU reset.")),
+                        ("failure", _gauge("gpuwatch_gpu_row_remap_failure",
+                                           "1 when a row remap failed: the GPU needs service."))]
+        xid = _counter("gpuwatch_gpu_xid_errors", "Critical Xid errors seen since the agent started.", "xid")
+        processes = _gauge("gpuwatch_gpu_process_memory_bytes",
+                           "Device memory used by a compute process.", "pid")
+        for facts in gpus:
+            gpu = str(facts["index"])
+            if "uuid" in facts:
+                identity = [facts["uuid"], facts["pci_bus_id"], facts["model"], self._driver_version]
+                info.add_metric([gpu, *identity], 1)
+            lost.add_metric([gpu], int(facts["lost"]))
+            seen = facts["xid_errors"]
+            for code in _FAULT_XIDS if facts["xid_watched"] else ():
+                if code not in seen:
+                    xid.add_metric([gpu, code], 0)
+            for code, count in seen.items():
+                xid.add_metric([gpu, code], count)
+            if facts["lost"]:
+                continue
+            source.add_metric([gpu, facts["activity_source"]], 1)
+            for key, family in gauges:
+                if key in facts:
+                    family.add_metric([gpu], facts[key])
+            active = facts.get("clock_event_reasons")
+            for _, reason in _CLOCK_EVENT_REASONS if active is not None else ():
+                reasons.add_metric([gpu, reason], int(reason in active))
+            pcie = facts["pcie"]
+            for kind in ("current", "max"):
+                for family, quantity in ((generation, "generation"), (width, "width")):
+                    value = pcie[f"{kind}_{quantity}"]
+                    if value is not None:
+                        family.add_metric([gpu, kind], value)
+            if "replays" in pcie:
+                replays.add_metric([gpu], pcie["replays"])
+            for group, family in ecc:
+                for error, count in facts.get(group, {}).items():
+                    family.add_metric([gpu, error], count)
+            rows = facts.get("remapped_rows", {})
+            for cause in ("correctable", "uncorrectable"):
+                if cause in rows:
+                    remapped.add_metric([gpu, cause], rows[cause])
+            for key, family in remap_states:
+                if key in rows:
+                    family.add_metric([gpu], rows[key])
+            for process in facts.get("processes", ()):
+                if process["used_memory_bytes"] is not None:
+                    processes.add_metric([gpu, str(process["pid"])], process["used_memory_bytes"])
+        families = [info, lost, source, *(f for _, f in gauges), reasons, generation, width, replays,
+                    *(f for _, f in ecc), remapped, *(f for _, f in remap_states), xid, processes]
+        return [family for family in families if family.samples]

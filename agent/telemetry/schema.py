@@ -1,0 +1,449 @@
+"""Telemetry record schema, version 1: one JSON object per Unix datagram, rank → node agent.
+
+Every record carries ``v`` (``SCHEMA_VERSION``), ``kind``, ``job``, ``rank`` and ``time`` (the
+rank's wall clock, Unix seconds). Fields marked ``?`` may be absent or null; everything else is
+required. Unknown fields are ignored (and not stored), so a newer client can add fields without a
+new version; ``v`` changes only for incompatible changes. The agent validates every datagram with
+``decode`` and rejects a bad one whole, with a stable reason code (``REJECT_REASONS``).
+
+``hello`` — once per rank at start, and again as a heartbeat (the client re-sends it, so an agent
+that restarted learns the rank's layout and a hung-but-alive rank does not expire)::
+
+    job                 label        the training job (Slurm job id, Kubernetes job name, ...)
+    rank, local_rank    int          global rank, rank on this node
+    world_size          int
+    tp_size, pp_size, dp_size        int   parallel sizes (1 when a dimension is unused)
+    tp_rank, pp_stage, dp_rank       int   this rank's coordinates, each below its size
+    hostname            label
+    pid                 int          the rank's process id (in its own pid namespace)
+    schedule?           label        pipeline schedule: "gpipe", "1f1b", ...
+    micro_batches?      int
+    precision?          label        "fp32", "bf16", "fp16", ...
+    gpu?                {index: int, uuid: label}   NVML index and UUID of the rank's GPU; null on CPU.
+                                     The UUID is authoritative: torch's device ordinal differs from
+                                     NVML's index under CUDA_VISIBLE_DEVICES.
+    torch_version?, nccl_version?    label
+    process_groups?     {name: [rank, ...]}   the groups this rank belongs to and their members
+    env?                {NAME: str}  captured environment (``env_name_allowed``); the agent drops
+                                     any other name again, so a client that leaks one leaks nowhere
+    faults?             [label]      fault switches the reference trainer injected on purpose
+
+``step`` — one per reported step. Count-like fields (collectives, tokens, alloc_retries, ooms) are
+*this step's* increments; the agent accumulates them into counters::
+
+    step                int          the step number
+    step_seconds        float ≥ 0    wall time of the whole step
+    compute_seconds?, dataloader_wait_seconds?, optimizer_seconds?   float ≥ 0
+    pipeline?           {busy_seconds, idle_seconds: float ≥ 0,
+                         bubble_ratio, bubble_ratio_theoretical?: 0..1}
+    collectives?        {op: {count, bytes: int, seconds: float,
+                              buckets: [int] × (len(COLLECTIVE_BUCKETS) + 1)}}
+                        op in COLLECTIVE_OPS (others ignored); buckets[i] counts calls with
+                        latency ≤ COLLECTIVE_BUCKETS[i] not counted in an earlier bucket, the
+                        last one the overflow; sum(buckets) == count. Pre-bucketing on the rank
+                        (``bucket_index``) keeps a datagram small whatever the call rate.
+    loss?               float        NaN/±Infinity allowed: a diverging run is data, not an error
+    grad_norm?          float ≥ 0    NaN/Infinity allowed, as for loss
+    nonfinite?          bool         a non-finite loss or gradient was seen this step
+    loss_scale?         float ≥ 0    the AMP grad scaler's scale
+    lr?                 float ≥ 0
+    grad_cosine_similarity?  -1..1   (± COSINE_TOLERANCE for rounding) every N steps
+    param_checksum?     float or hex string   every N steps, compared across DP replicas
+    memory?             {kind: "cuda" | "host_rss", peak_bytes: int,
+                         allocated_bytes?, reserved_bytes?, inactive_split_bytes?: int,
+                         alloc_retries?, ooms?: int}   (host_rss has only peak_bytes)
+    tokens?             int          tokens processed by this rank this step
+    model_flops_per_second?  float ≥ 0
+    mfu?                0..1
+    client?             {sent: int, dropped: {reason: int}}   the client's cumulative send
+                                     counters, added by ``TelemetryClient`` (CLIENT_DROP_REASONS)
+
+Types are strict: an int field takes only JSON integers, a float field integers or floats, never
+strings or booleans. Non-finite numbers are written as ``json.dumps`` writes them by default
+(``NaN``, ``Infinity``, ``-Infinity``) and are rejected everywhere except ``loss`` and
+``grad_norm``; a number too large for a float (``1e999``) counts as infinite. Strings that become
+Prometheus labels (``label`` above) are 1..N characters of ``[A-Za-z0-9_.:+/-]``: no quotes,
+backslashes, braces or newlines can reach the exposition.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+SCHEMA_VERSION = 1
+#: Larger datagrams are rejected unread. A step record is ~1.5 KiB; a hello with a few dozen
+#: environment variables and process-group members for a 1,000-way DP group stays well below.
+MAX_RECORD_BYTES = 16 * 1024
+#: How deep an *unknown* field may nest; known fields have a fixed shape.
+MAX_UNKNOWN_DEPTH = 4
+
+#: Upper bounds (seconds, ``le``) of the collective latency histogram: 1-2-5 per decade from
+#: 10 µs (a small intra-node all-reduce) to 10 s (a stalled collective); the overflow bucket is +Inf.
+COLLECTIVE_BUCKETS: tuple[float, ...] = (
+    1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3,
+    0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
+)
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast", "barrier")
+MEMORY_KINDS = ("cuda", "host_rss")
+#: Optional memory fields: allocator state on CUDA; host_rss reports only peak_bytes.
+MEMORY_COUNTS = ("allocated_bytes", "reserved_bytes", "inactive_split_bytes", "alloc_retries", "ooms")
+#: Why a client dropped a record instead of sending it.
+CLIENT_DROP_REASONS = ("no_agent", "busy", "too_large", "encode_error", "error")
+REJECT_REASONS = (
+    "too_large", "not_json", "too_deep", "not_object", "bad_version", "bad_kind",
+    "missing_field", "bad_type", "out_of_range", "not_finite", "bad_label",
+    "cardinality",  # raised by the agent's store, not by decode: too many jobs or ranks
+)
+COSINE_TOLERANCE = 1e-3
+
+MAX_RANK = 2**20 - 1
+_MAX_COUNT = 2**63 - 1
+_LABEL = re.compile(r"[A-Za-z0-9_.:+/-]+")
+_HEX = re.compile(r"[0-9a-fA-F]{1,64}")
+
+# The environment a hello may carry: names under these prefixes, plus a few launcher variables,
+# minus anything that looks like a secret even under an allowed prefix. Deliberately coarse:
+# NCCL_IB_PKEY is dropped with the rest for containing KEY.
+ENV_PREFIXES = ("NCCL_", "TORCH_", "PYTORCH_", "CUDA_")
+ENV_NAMES = frozenset({
+    "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+    "OMP_NUM_THREADS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+})
+ENV_DENY = ("KEY", "TOKEN", "SECRET", "PASSW", "CREDENTIAL", "AUTH", "COOKIE")
+MAX_ENV_VARS = 128
+MAX_ENV_VALUE_CHARS = 1024
+_ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]{0,127}")
+
+
+class RecordRejected(Exception):
+    """A datagram that is not a valid record. ``reason`` is one of REJECT_REASONS."""
+
+    def __init__(self, reason: str, field: str = "") -> None:
+        super().__init__(f"{reason}: {field}" if field else reason)
+        self.reason = reason
+        self.field = field
+
+    def within(self, name: str) -> RecordRejected:
+        """The same rejection, with the enclosing field's name prefixed to the path."""
+        return RecordRejected(self.reason, f"{name}.{self.field}" if self.field else name)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Record:
+    """A validated record. ``body`` holds the known fields only, normalised (ints as floats
+    where a float is expected)."""
+
+    kind: str
+    job: str
+    rank: int
+    body: dict[str, Any]
+
+
+def env_name_allowed(name: str) -> bool:
+    """Whether a variable may be copied into a hello: allowlisted and not secret-looking."""
+    if not _ENV_NAME.fullmatch(name) or any(word in name for word in ENV_DENY):
+        return False
+    return name in ENV_NAMES or name.startswith(ENV_PREFIXES)
+
+
+def bucket_index(seconds: float) -> int:
+    """Index into a record's ``buckets`` list for one collective's latency."""
+    return bisect.bisect_left(COLLECTIVE_BUCKETS, seconds)
+
+
+def encode(record: Mapping[str, Any]) -> bytes:
+    """Serialise a record for one datagram; non-finite floats as ``NaN``/``Infinity``.
+
+    Raises TypeError/ValueError for what JSON cannot carry; the size limit is the caller's to check.
+    """
+    return json.dumps(record, separators=(",", ":")).encode()
+
+
+# --- validation: small composable checks, each returning the normalised value -------------------
+
+Check = Callable[[Any], Any]
+
+
+def _integer(low: int = 0, high: int = _MAX_COUNT) -> Check:
+    def check(value: Any) -> int:
+        if type(value) is not int:
+            raise RecordRejected("bad_type")
+        if not low <= value <= high:
+            raise RecordRejected("out_of_range")
+        return value
+
+    return check
+
+
+def _number(low: float = 0.0, high: float = math.inf, *, nonfinite_ok: bool = False) -> Check:
+    def check(value: Any) -> float:
+        if type(value) is int:
+            if not low <= value <= high:  # before float(): a huge int would overflow it
+                raise RecordRejected("out_of_range")
+            return float(value)
+        if type(value) is not float:
+            raise RecordRejected("bad_type")
+        if not math.isfinite(value):
+            if nonfinite_ok:
+                return value
+            raise RecordRejected("not_finite")
+        if not low <= value <= high:
+            raise RecordRejected("out_of_range")
+        return value
+
+    return check
+
+
+def _label(max_chars: int) -> Check:
+    def check(value: Any) -> str:
+        if type(value) is not str:
+            raise RecordRejected("bad_type")
+        if len(value) > max_chars or not _LABEL.fullmatch(value):
+            raise RecordRejected("bad_label")
+        return value
+
+    return check
+
+
+def _boolean(value: Any) -> bool:
+    if type(value) is not bool:
+        raise RecordRejected("bad_type")
+    return value
+
+
+def _choice(*allowed: str) -> Check:
+    def check(value: Any) -> str:
+        if type(value) is not str:
+            raise RecordRejected("bad_type")
+        if value not in allowed:
+            raise RecordRejected("out_of_range")
+        return value
+
+    return check
+
+
+def _list(item: Check, max_items: int) -> Check:
+    def check(value: Any) -> list[Any]:
+        if type(value) is not list:
+            raise RecordRejected("bad_type")
+        if len(value) > max_items:
+            raise RecordRejected("out_of_range")
+        out = []
+        for index, element in enumerate(value):
+            try:
+                out.append(item(element))
+            except RecordRejected as rejected:
+                raise rejected.within(str(index)) from None
+        return out
+
+    return check
+
+
+def _mapping(key: Check, item: Check, max_items: int) -> Check:
+    def check(value: Any) -> dict[str, Any]:
+        if type(value) is not dict:
+            raise RecordRejected("bad_type")
+        if len(value) > max_items:
+            raise RecordRejected("out_of_range")
+        out = {}
+        for name, element in value.items():
+            try:
+                out[key(name)] = item(element)
+            except RecordRejected as rejected:
+                raise rejected.within(name) from None
+        return out
+
+    return check
+
+
+def _check_nesting(value: Any, levels_left: int) -> None:
+    if type(value) is dict:
+        value = value.values()
+    elif type(value) is not list:
+        return
+    if levels_left == 0:
+        raise RecordRejected("too_deep")
+    for item in value:
+        _check_nesting(item, levels_left - 1)
+
+
+def _object(required: Mapping[str, Check], optional: Mapping[str, Check] | None = None) -> Check:
+    """A JSON object with these fields; a null optional field counts as absent; unknown fields
+    are checked for nesting depth and dropped."""
+    optional = dict(optional or {})
+    known = required.keys() | optional.keys()
+
+    def check(value: Any) -> dict[str, Any]:
+        if type(value) is not dict:
+            raise RecordRejected("bad_type")
+        out = {}
+        name = ""
+        try:
+            for name, field in required.items():
+                if name not in value:
+                    raise RecordRejected("missing_field")
+                out[name] = field(value[name])
+            seen = len(required)
+            for name, field in optional.items():
+                element = value.get(name)
+                if element is not None:
+                    out[name] = field(element)
+                if name in value:
+                    seen += 1
+        except RecordRejected as rejected:
+            raise rejected.within(name) from None
+        if len(value) > seen:  # unknown fields: only their depth matters
+            for name in value.keys() - known:
+                try:
+                    _check_nesting(value[name], MAX_UNKNOWN_DEPTH)
+                except RecordRejected as rejected:
+                    raise rejected.within(name) from None
+        return out
+
+    return check
+
+
+def _environment(value: Any) -> dict[str, str]:
+    """Allowed names only: anything else is dropped unread, whatever the client sent."""
+    if type(value) is not dict:
+        raise RecordRejected("bad_type")
+    if len(value) > MAX_ENV_VARS:
+        raise RecordRejected("out_of_range")
+    out = {}
+    for name, text in value.items():
+        if not env_name_allowed(name):
+            continue
+        if type(text) is not str:
+            raise RecordRejected("bad_type", name)
+        if len(text) > MAX_ENV_VALUE_CHARS:
+            raise RecordRejected("out_of_range", name)
+        out[name] = text
+    return out
+
+
+def _checksum(value: Any) -> float | str:
+    """A float, or a hex digest for checksums that are not floats."""
+    if type(value) is not str:
+        return _ANY_FINITE(value)
+    if not _HEX.fullmatch(value):
+        raise RecordRejected("out_of_range")
+    return value
+
+
+def _histogram(value: Any) -> dict[str, Any]:
+    """One op's calls: a bucket per bound plus the overflow, adding up to the call count."""
+    op = _COLLECTIVE(value)
+    if len(op["buckets"]) != len(COLLECTIVE_BUCKETS) + 1 or sum(op["buckets"]) != op["count"]:
+        raise RecordRejected("out_of_range", "buckets")
+    return op
+
+
+def _unchecked(value: Any) -> Any:
+    """For ``v`` and ``kind``, validated before the fields are."""
+    return value
+
+
+_COUNT = _integer()
+_SECONDS = _number()
+_RATIO = _number(0.0, 1.0)
+_ANY_FINITE = _number(-math.inf, math.inf)
+_RANK = _integer(0, MAX_RANK)
+_SIZE = _integer(1, MAX_RANK + 1)
+
+_COLLECTIVE = _object({
+    "count": _COUNT, "bytes": _COUNT, "seconds": _SECONDS,
+    "buckets": _list(_COUNT, len(COLLECTIVE_BUCKETS) + 1),
+})
+
+_COMMON = {"v": _unchecked, "kind": _unchecked, "job": _label(128), "rank": _RANK, "time": _number()}
+
+_HELLO = _object(
+    {
+        **_COMMON,
+        "local_rank": _RANK, "world_size": _SIZE,
+        "tp_size": _SIZE, "pp_size": _SIZE, "dp_size": _SIZE,
+        "tp_rank": _RANK, "pp_stage": _RANK, "dp_rank": _RANK,
+        "hostname": _label(255), "pid": _integer(1, 2**22),
+    },
+    {
+        "schedule": _label(32), "micro_batches": _integer(1, MAX_RANK + 1), "precision": _label(32),
+        "gpu": _object({"index": _integer(0, 1023), "uuid": _label(96)}),
+        "torch_version": _label(64), "nccl_version": _label(64),
+        "process_groups": _mapping(_label(64), _list(_RANK, 65536), 16),
+        "env": _environment,
+        "faults": _list(_label(64), 32),
+    },
+)
+
+_STEP = _object(
+    {**_COMMON, "step": _integer(0, 2**53), "step_seconds": _SECONDS},
+    {
+        "compute_seconds": _SECONDS, "dataloader_wait_seconds": _SECONDS, "optimizer_seconds": _SECONDS,
+        "pipeline": _object(
+            {"busy_seconds": _SECONDS, "idle_seconds": _SECONDS, "bubble_ratio": _RATIO},
+            {"bubble_ratio_theoretical": _RATIO},
+        ),
+        "collectives": _object({}, dict.fromkeys(COLLECTIVE_OPS, _histogram)),
+        "loss": _number(-math.inf, math.inf, nonfinite_ok=True),
+        "grad_norm": _number(nonfinite_ok=True),
+        "nonfinite": _boolean,
+        "loss_scale": _number(),
+        "lr": _number(),
+        "grad_cosine_similarity": _number(-1.0 - COSINE_TOLERANCE, 1.0 + COSINE_TOLERANCE),
+        "param_checksum": _checksum,
+        "memory": _object(
+            {"kind": _choice(*MEMORY_KINDS), "peak_bytes": _COUNT},
+            dict.fromkeys(MEMORY_COUNTS, _COUNT),
+        ),
+        "tokens": _COUNT,
+        "model_flops_per_second": _number(),
+        "mfu": _RATIO,
+        "client": _object({
+            "sent": _COUNT, "dropped": _object({}, dict.fromkeys(CLIENT_DROP_REASONS, _COUNT)),
+        }),
+    },
+)
+
+_KINDS = {"hello": _HELLO, "step": _STEP}
+
+
+def _check_coordinates(body: dict[str, Any]) -> None:
+    """Each coordinate must lie inside its dimension, or the labels would lie."""
+    pairs: Iterable[tuple[str, str]] = (
+        ("rank", "world_size"), ("local_rank", "world_size"),
+        ("tp_rank", "tp_size"), ("pp_stage", "pp_size"), ("dp_rank", "dp_size"),
+    )
+    for coordinate, size in pairs:
+        if body[coordinate] >= body[size]:
+            raise RecordRejected("out_of_range", coordinate)
+
+
+def decode(datagram: bytes) -> Record:
+    """Validate one datagram; raise RecordRejected with a stable reason code when it is not a record."""
+    if len(datagram) > MAX_RECORD_BYTES:
+        raise RecordRejected("too_large")
+    try:
+        value = json.loads(datagram.decode("utf-8"))
+    except RecursionError:
+        raise RecordRejected("too_deep") from None
+    except ValueError:  # UnicodeDecodeError, JSONDecodeError, an integer with too many digits
+        raise RecordRejected("not_json") from None
+    if type(value) is not dict:
+        raise RecordRejected("not_object")
+    version = value.get("v")
+    if type(version) is not int or version != SCHEMA_VERSION:
+        raise RecordRejected("bad_version", "v")
+    kind = value.get("kind")
+    spec = _KINDS.get(kind) if type(kind) is str else None
+    if spec is None:
+        raise RecordRejected("bad_kind", "kind")
+    body = spec(value)
+    if kind == "hello":
+        _check_coordinates(body)
+    return Record(kind, body["job"], body["rank"], body)

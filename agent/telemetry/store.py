@@ -1,0 +1,187 @@
+"""Per-rank telemetry state in the agent: latest records and accumulated counters, bounded and expiring.
+
+One ``TelemetryStore`` is written by the receiver thread (``ingest``) and read by the sampler
+(``expire`` then ``snapshot``). Memory is bounded by ``max_ranks`` × one record of each kind
+(records are at most ``MAX_RECORD_BYTES``), whatever senders do: a new (job, rank) beyond the caps
+is rejected as ``cardinality``, and a rank silent for ``ttl`` seconds is forgotten, so its series
+disappear from /metrics.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gpuwatch.agent.telemetry.schema import (
+    CLIENT_DROP_REASONS,
+    COLLECTIVE_BUCKETS,
+    REJECT_REASONS,
+    Record,
+    RecordRejected,
+    decode,
+)
+
+DEFAULT_TTL = 120.0
+DEFAULT_MAX_RANKS = 1024
+DEFAULT_MAX_JOBS = 16
+#: Step fields measured every N steps only: their latest value is kept with the step it belongs to.
+SAMPLED_FIELDS = ("grad_cosine_similarity", "param_checksum")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OpTotals:
+    """One collective op's calls since the rank was first seen, as a cumulative histogram feeds on."""
+
+    count: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    buckets: tuple[int, ...] = (0,) * (len(COLLECTIVE_BUCKETS) + 1)
+
+    def plus(self, step: dict[str, Any]) -> OpTotals:
+        return OpTotals(
+            count=self.count + step["count"],
+            bytes=self.bytes + step["bytes"],
+            seconds=self.seconds + step["seconds"],
+            buckets=tuple(a + b for a, b in zip(self.buckets, step["buckets"], strict=True)),
+        )
+
+
+@dataclasses.dataclass(slots=True)
+class RankState:
+    """What the agent knows about one (job, rank). ``hello`` and ``last_step`` are validated
+    record bodies, replaced whole and never mutated, so a shallow copy is a consistent view."""
+
+    job: str
+    rank: int
+    last_seen: float  # the store's clock (monotonic), for the TTL
+    last_seen_time: float  # wall clock, for people
+    hello: dict[str, Any] | None = None
+    last_step: dict[str, Any] | None = None
+    steps: int = 0
+    nonfinite_steps: int = 0
+    tokens: int = 0
+    alloc_retries: int = 0
+    ooms: int = 0
+    collectives: dict[str, OpTotals] = dataclasses.field(default_factory=dict)
+    #: field → (step, value) for SAMPLED_FIELDS
+    sampled: dict[str, tuple[int, Any]] = dataclasses.field(default_factory=dict)
+    #: the client's cumulative drop counters as last reported, to turn them into increments
+    client_dropped: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def copy(self) -> RankState:
+        return dataclasses.replace(self, collectives=dict(self.collectives), sampled=dict(self.sampled),
+                                   client_dropped=dict(self.client_dropped))
+
+    def counters(self) -> dict[str, int]:
+        return {"steps": self.steps, "nonfinite_steps": self.nonfinite_steps, "tokens": self.tokens,
+                "alloc_retries": self.alloc_retries, "ooms": self.ooms}
+
+
+def _nonfinite(body: dict[str, Any]) -> bool:
+    """The client's flag, or a non-finite loss/grad norm it forgot to flag."""
+    if body.get("nonfinite"):
+        return True
+    return any(not math.isfinite(body[name]) for name in ("loss", "grad_norm") if name in body)
+
+
+class TelemetryStore:
+    """Thread-safe per-rank state plus the ``gpuwatch_telemetry_records_total`` counts."""
+
+    def __init__(
+        self,
+        *,
+        ttl: float = DEFAULT_TTL,
+        max_ranks: int = DEFAULT_MAX_RANKS,
+        max_jobs: int = DEFAULT_MAX_JOBS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ttl = ttl
+        self.max_ranks = max_ranks
+        self.max_jobs = max_jobs
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._ranks: dict[tuple[str, int], RankState] = {}
+        self._ranks_per_job: collections.Counter[str] = collections.Counter()
+        # Every known (result, reason) starts at 0, so rate() sees the first increment.
+        self._records: dict[tuple[str, str], int] = {("accepted", ""): 0}
+        self._records.update(dict.fromkeys((("rejected", reason) for reason in REJECT_REASONS), 0))
+        self._records.update(dict.fromkeys((("dropped", reason) for reason in CLIENT_DROP_REASONS), 0))
+
+    def ingest(self, datagram: bytes) -> str | None:
+        """Decode and apply one datagram; return the rejection reason, or None when accepted."""
+        try:
+            record = decode(datagram)
+        except RecordRejected as rejected:
+            with self._lock:
+                self._records["rejected", rejected.reason] += 1
+            return rejected.reason
+        with self._lock:
+            state = self._state_for(record)
+            if state is None:
+                self._records["rejected", "cardinality"] += 1
+                return "cardinality"
+            state.last_seen = self._clock()
+            state.last_seen_time = time.time()
+            if record.kind == "hello":
+                state.hello = record.body
+            else:
+                self._apply_step(state, record.body)
+            self._records["accepted", ""] += 1
+        return None
+
+    def _state_for(self, record: Record) -> RankState | None:
+        key = (record.job, record.rank)
+        state = self._ranks.get(key)
+        if state is not None:
+            return state
+        if len(self._ranks) >= self.max_ranks:
+            return None
+        if record.job not in self._ranks_per_job and len(self._ranks_per_job) >= self.max_jobs:
+            return None
+        state = self._ranks[key] = RankState(record.job, record.rank, 0.0, 0.0)
+        self._ranks_per_job[record.job] += 1
+        return state
+
+    def _apply_step(self, state: RankState, body: dict[str, Any]) -> None:
+        state.last_step = body
+        state.steps += 1
+        state.nonfinite_steps += _nonfinite(body)
+        state.tokens += body.get("tokens", 0)
+        memory = body.get("memory", {})
+        state.alloc_retries += memory.get("alloc_retries", 0)
+        state.ooms += memory.get("ooms", 0)
+        for op, stats in body.get("collectives", {}).items():
+            state.collectives[op] = state.collectives.get(op, OpTotals()).plus(stats)
+        for name in SAMPLED_FIELDS:
+            if name in body:
+                state.sampled[name] = (body["step"], body[name])
+        if "client" in body:
+            reported = body["client"]["dropped"]
+            for reason, total in reported.items():
+                previous = state.client_dropped.get(reason, 0)
+                # A smaller total means the rank's process restarted: its counter began again at 0.
+                self._records["dropped", reason] += total - previous if total >= previous else total
+            state.client_dropped = reported
+
+    def expire(self) -> list[RankState]:
+        """Forget ranks silent for longer than the TTL; return what was forgotten."""
+        deadline = self._clock() - self.ttl
+        with self._lock:
+            expired = [state for state in self._ranks.values() if state.last_seen < deadline]
+            for state in expired:
+                del self._ranks[state.job, state.rank]
+                self._ranks_per_job[state.job] -= 1
+                if not self._ranks_per_job[state.job]:
+                    del self._ranks_per_job[state.job]
+        return expired
+
+    def snapshot(self) -> tuple[list[RankState], dict[tuple[str, str], int]]:
+        """Copies of every rank's state, sorted by (job, rank), and the record counts."""
+        with self._lock:
+            ranks = [self._ranks[key].copy() for key in sorted(self._ranks)]
+            return ranks, dict(self._records)

@@ -1,0 +1,105 @@
+"""Scrape and sampling cost of the agent on a simulated dgx-h100 node, measured side by side.
+
+Prints, for the same metric families: prometheus-client's ``generate_latest`` against gpuwatch's
+cached renderer (the ratio is the point: absolute times wander on shared machines), the cost of one
+sampling round per collector, and /metrics latency over HTTP from a running agent.
+
+    python benchmarks/scrape_cost.py [--rounds 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from gpuwatch.agent.collectors import REGISTRY, CollectorContext
+from gpuwatch.agent.exposition import Renderer
+from gpuwatch.agent.sampler import Sampler
+from gpuwatch.agent.server import AgentHTTPServer, serve_in_thread
+from gpuwatch.agent.simulate import PRESETS, Simulation
+
+
+def _median_ms(function, rounds: int) -> float:
+    samples = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        function()
+        samples.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(samples)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=50)
+    parser.add_argument("--preset", default="dgx-h100", choices=sorted(PRESETS))
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as workdir:
+        simulation = Simulation(PRESETS[args.preset], Path(workdir))
+        context = CollectorContext(sysfs_root=simulation.sysfs_root, nvml=simulation.nvml, simulated=True)
+        collectors = [cls(context) for cls in REGISTRY.values()]
+        simulation.advance()
+        families = [family for c in collectors for family in c.collect().families]
+        samples = sum(len(f.samples) for f in families)
+
+        class _Static:
+            def collect(self):
+                return families
+
+        registry = CollectorRegistry()
+        registry.register(_Static())
+        renderer = Renderer()
+        assert renderer.render(families) == generate_latest(registry)  # same bytes, or the ratio means nothing
+        generic = _median_ms(lambda: generate_latest(registry), args.rounds)
+        cached = _median_ms(lambda: renderer.render(families), args.rounds)
+        print(f"{args.preset}: {len(families)} families, {samples} samples")
+        print(f"  render  prometheus_client.generate_latest  {generic:7.2f} ms (median of {args.rounds})")
+        print(f"  render  gpuwatch Renderer (cached lines)   {cached:7.2f} ms   ratio {generic / cached:5.1f}x")
+
+        for collector in collectors:
+            print(f"  collect {collector.name:<12} {_median_ms(collector.collect, args.rounds):7.2f} ms")
+        print(f"  simulation advance (the stand-in's cost, not the agent's) "
+              f"{_median_ms(simulation.advance, args.rounds):7.2f} ms")
+
+        sampler = Sampler(collectors, interval=1.0, node="bench", mode="simulated")
+        round_ms = _median_ms(sampler.sample_once, args.rounds)
+        print(f"  full sampling round (all collectors + render) {round_ms:7.2f} ms")
+
+        server = AgentHTTPServer(("127.0.0.1", 0), lambda: sampler.snapshot, stale_after=60)
+        serve_in_thread(server)
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        latencies = []
+        stop = threading.Event()
+
+        def keep_sampling() -> None:
+            while not stop.wait(1.0):
+                sampler.sample_once()
+
+        threading.Thread(target=keep_sampling, daemon=True).start()
+        for _ in range(max(args.rounds * 4, 200)):
+            started = time.perf_counter()
+            with urllib.request.urlopen(url) as response:
+                response.read()
+            latencies.append((time.perf_counter() - started) * 1e3)
+        stop.set()
+        server.shutdown()
+        server.server_close()
+        sampler.close()
+        print(f"  /metrics over HTTP while sampling at 1 s: p50 {_percentile(latencies, 0.5):.2f} ms, "
+              f"p99 {_percentile(latencies, 0.99):.2f} ms ({len(latencies)} scrapes)")
+
+
+if __name__ == "__main__":
+    main()

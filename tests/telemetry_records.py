@@ -1,0 +1,58 @@
+"""Valid telemetry records for the tests, built the way the hooks build them (tp=2, pp=2, dp=2)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from gpuwatch.agent.telemetry.schema import COLLECTIVE_BUCKETS, COLLECTIVE_OPS, SCHEMA_VERSION, bucket_index
+
+JOB = "job-42"
+
+
+def hello(rank: int = 0, job: str = JOB, **fields: Any) -> dict[str, Any]:
+    record = {
+        "v": SCHEMA_VERSION, "kind": "hello", "job": job, "rank": rank, "local_rank": rank % 4,
+        "world_size": 8, "tp_size": 2, "pp_size": 2, "dp_size": 2,
+        "tp_rank": rank % 2, "dp_rank": rank // 2 % 2, "pp_stage": rank // 4,
+        "schedule": "1f1b", "micro_batches": 4, "precision": "bf16", "hostname": "node-1", "pid": 4000 + rank,
+        "gpu": {"index": rank % 4, "uuid": f"GPU-0000000{rank}-1111-2222-3333-444444444444"},
+        "torch_version": "2.13.0+cpu", "nccl_version": "2.21.5",
+        "process_groups": {"tp": [rank - rank % 2, rank - rank % 2 + 1]},
+        "env": {"NCCL_DEBUG": "WARN", "CUDA_VISIBLE_DEVICES": "0,1,2,3"},
+        "faults": ["slow_rank"], "time": time.time(),
+    }
+    record.update(fields)
+    return record
+
+
+def collectives(latencies: dict[str, list[float]]) -> dict[str, Any]:
+    """Per-op stats of one step, pre-bucketed as the client does; 1 MiB per call."""
+    out = {}
+    for op, seconds in latencies.items():
+        buckets = [0] * (len(COLLECTIVE_BUCKETS) + 1)
+        for value in seconds:
+            buckets[bucket_index(value)] += 1
+        out[op] = {"count": len(seconds), "bytes": len(seconds) << 20, "seconds": sum(seconds), "buckets": buckets}
+    return out
+
+
+def step(rank: int = 0, number: int = 1, job: str = JOB, **fields: Any) -> dict[str, Any]:
+    record = {
+        "v": SCHEMA_VERSION, "kind": "step", "job": job, "rank": rank, "step": number, "time": time.time(),
+        "step_seconds": 0.5, "compute_seconds": 0.3, "dataloader_wait_seconds": 0.01, "optimizer_seconds": 0.02,
+        "pipeline": {"busy_seconds": 0.4, "idle_seconds": 0.1, "bubble_ratio": 0.2,
+                     "bubble_ratio_theoretical": 0.2},
+        "collectives": collectives({"all_reduce": [0.0015, 0.003], "send": [0.00004]}),
+        "loss": 2.5, "grad_norm": 1.25, "nonfinite": False, "loss_scale": 1024.0, "lr": 0.001,
+        "grad_cosine_similarity": 0.9, "param_checksum": 1234.5,
+        "memory": {"kind": "cuda", "peak_bytes": 3 << 30, "allocated_bytes": 2 << 30, "reserved_bytes": 4 << 30,
+                   "inactive_split_bytes": 1 << 20, "alloc_retries": 1, "ooms": 0},
+        "tokens": 4096, "model_flops_per_second": 1.5e12, "mfu": 0.25,
+    }
+    record.update(fields)
+    return record
+
+
+def all_ops() -> dict[str, Any]:
+    return collectives({op: [0.001] for op in COLLECTIVE_OPS})

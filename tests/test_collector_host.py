@@ -1,0 +1,107 @@
+"""Host collector: real psutil values in range, CPU ratio arithmetic, watched pids, network interfaces."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from gpuwatch.agent.collectors import host
+from gpuwatch.agent.collectors.base import CollectorContext
+from gpuwatch.agent.collectors.host import MAX_WATCHED_PIDS, HostCollector
+
+
+def values(result, sample_name):
+    return {tuple(s.labels.values()): s.value
+            for family in result.families for s in family.samples if s.name == sample_name}
+
+
+def only(result, sample_name):
+    (value,) = values(result, sample_name).values()
+    return value
+
+
+@pytest.fixture
+def collector():
+    return HostCollector(CollectorContext())
+
+
+def test_memory_load_and_own_process_are_present_and_in_range(collector):
+    result = collector.collect()
+    assert result.errors == []
+    total = only(result, "gpuwatch_host_memory_total_bytes")
+    assert total == psutil.virtual_memory().total
+    assert 0 < only(result, "gpuwatch_host_memory_available_bytes") <= total
+    assert 0 < only(result, "gpuwatch_host_memory_used_bytes") <= total
+    assert only(result, "gpuwatch_host_cpus") == psutil.cpu_count()
+    load = values(result, "gpuwatch_host_load_average")
+    assert set(load) == {("1m",), ("5m",), ("15m",)} and all(v >= 0 for v in load.values())
+    rss = values(result, "gpuwatch_host_process_resident_bytes")
+    own = (str(os.getpid()), psutil.Process().name())
+    assert list(rss) == [own] and 1e6 < rss[own] < psutil.virtual_memory().total
+    json.dumps(result.facts, allow_nan=False)
+
+
+def test_cpu_ratio_is_busy_share_since_the_previous_sample(monkeypatch):
+    scputimes = type(psutil.cpu_times())
+    samples = iter([
+        dict(user=100, system=50, idle=800, iowait=50, guest=20),
+        dict(user=160, system=70, idle=860, iowait=70, guest=40),  # +80 busy, +80 idle/iowait; +20 guest
+    ])
+
+    def cpu_times():
+        times = next(samples)
+        return scputimes(*(float(times.get(name, 0)) for name in scputimes._fields))
+
+    monkeypatch.setattr(host.psutil, "cpu_times", cpu_times)
+    result = HostCollector(CollectorContext()).collect()
+    # Guest time is already inside user time: counted once. Busy 60+20, idle+iowait 60+20.
+    assert only(result, "gpuwatch_host_cpu_utilization_ratio") == pytest.approx(0.5)
+    assert result.facts["cpu_ratio"] == pytest.approx(0.5)
+
+
+def test_real_cpu_ratio_is_in_range(collector):
+    collector.collect()
+    deadline = time.monotonic() + 0.3
+    while time.monotonic() < deadline:  # busy, so clock ticks pass and some are busy
+        pass
+    result = collector.collect()
+    assert 0.0 < only(result, "gpuwatch_host_cpu_utilization_ratio") <= 1.0
+
+
+def test_watched_pids_are_exported_and_dropped_when_they_exit(collector):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        collector.watch_pids([child.pid, 2**22 + 12345])  # the second one does not exist
+        result = collector.collect()
+        rss = values(result, "gpuwatch_host_process_resident_bytes")
+        assert rss[(str(child.pid), psutil.Process(child.pid).name())] > 0
+        assert len(rss) == 2 and result.errors == []
+        assert {p["pid"] for p in result.facts["processes"]} == {os.getpid(), child.pid}
+    finally:
+        child.kill()
+        child.wait()
+    result = collector.collect()
+    watched = values(result, "gpuwatch_host_process_resident_bytes")
+    assert [pid for pid, _ in watched] == [str(os.getpid())]
+    assert result.errors == []
+
+
+def test_watched_pids_are_bounded(collector):
+    collector.watch_pids(range(10**7, 10**7 + MAX_WATCHED_PIDS + 5))
+    result = collector.collect()
+    assert result.errors == [f"5 pids beyond the limit of {MAX_WATCHED_PIDS} not watched"]
+    collector.watch_pids([])
+    assert collector.collect().errors == []
+
+
+def test_network_interfaces_include_loopback_marked_as_such(collector):
+    interfaces = {i["name"]: i for i in collector.collect().facts["network_interfaces"]}
+    loopbacks = [i for i in interfaces.values() if i["is_loopback"]]
+    assert [i["name"] for i in loopbacks] == ["lo"]
+    assert interfaces["lo"]["up"] is True
+    assert {"family": "ipv4", "address": "127.0.0.1"} in interfaces["lo"]["addresses"]
+    assert set(interfaces) == set(psutil.net_if_stats())

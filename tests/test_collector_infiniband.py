@@ -1,0 +1,325 @@
+"""InfiniBand collector: against the real procfs sysfs fixture, against broken copies of it, and against
+the simulated node's generated tree."""
+
+import errno
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from gpuwatch.agent.collectors import infiniband
+from gpuwatch.agent.collectors.base import CollectorContext, CollectorError
+from gpuwatch.agent.collectors.infiniband import InfinibandCollector
+from gpuwatch.agent.simulate import PRESETS
+from gpuwatch.agent.simulate.sysfs import SimulatedSysfs
+
+FIXTURE_SYS = Path(__file__).parent / "fixtures" / "procfs-infiniband" / "sys"
+CLASS = "class/infiniband"
+
+
+def collect(root):
+    return InfinibandCollector(CollectorContext(sysfs_root=root)).collect()
+
+
+def values(result, sample_name):
+    """{label values in family order: value} of one series name."""
+    return {tuple(s.labels.values()): s.value
+            for family in result.families for s in family.samples if s.name == sample_name}
+
+
+@pytest.fixture
+def fixture_copy(tmp_path):
+    """A writable copy of the fixture, to break on purpose."""
+    root = tmp_path / "sys"
+    shutil.copytree(FIXTURE_SYS, root, symlinks=True)
+    return root
+
+
+def write(root, relative, text):
+    (root / CLASS / relative).write_text(text + "\n")
+
+
+# -- the real fixture -----------------------------------------------------------------------------
+
+def test_byte_counters_are_the_words_times_four_as_procfs_expects():
+    result = collect(FIXTURE_SYS)
+    assert result.errors == []
+    assert values(result, "gpuwatch_ib_port_transmitted_bytes_total") == {
+        ("hfi1_0", "1"): 1094233306172,
+        ("mlx4_0", "1"): 106036453180,
+        ("mlx4_0", "2"): 106161427560,
+        ("mlx5_0", "1"): 4 * 2880761508848,
+    }
+    received = values(result, "gpuwatch_ib_port_received_bytes_total")
+    assert received[("hfi1_0", "1")] == 1380366808104
+    assert received[("mlx4_0", "1")] == 8884894436
+    assert received[("mlx4_0", "2")] == 9841747136
+    assert values(result, "gpuwatch_ib_port_transmitted_packets_total")[("hfi1_0", "1")] == 568318856
+    assert values(result, "gpuwatch_ib_port_transmit_wait_ticks_total") == {
+        ("hfi1_0", "1"): 0, ("mlx4_0", "1"): 3599, ("mlx4_0", "2"): 3846, ("mlx5_0", "1"): 0,
+    }
+
+
+def test_rates_states_and_link_layer():
+    result = collect(FIXTURE_SYS)
+    assert values(result, "gpuwatch_ib_port_rate_bytes_per_second") == {
+        ("hfi1_0", "1", "InfiniBand"): 12.5e9,  # 100 Gb/sec (4X EDR)
+        ("mlx4_0", "1", "InfiniBand"): 5e9,  # 40 Gb/sec (4X QDR)
+        ("mlx4_0", "2", "InfiniBand"): 5e9,
+        ("mlx5_0", "1", "InfiniBand"): 3.125e9,  # 25 Gb/sec (1X EDR)
+    }
+    up = values(result, "gpuwatch_ib_port_up")
+    assert set(up.values()) == {1} and len(up) == 4
+    assert set(values(result, "gpuwatch_ib_port_state_id").values()) == {4}
+    # The fixture's mlx5_0 really says "4: ACTIVE" in phys_state: the number is exported as read.
+    assert values(result, "gpuwatch_ib_port_physical_state_id") == {
+        ("hfi1_0", "1"): 5, ("mlx4_0", "1"): 5, ("mlx4_0", "2"): 5, ("mlx5_0", "1"): 4,
+    }
+    port = result.facts["ports"][0]
+    assert [port[key] for key in ("device", "port", "state", "phys_state")] == [
+        "hfi1_0", 1, "ACTIVE", "LinkUp"]
+    assert port["transmitted_bytes"] == 1094233306172
+    json.dumps(result.facts, allow_nan=False)
+
+
+def test_device_info_including_the_omni_path_adapter_without_hca_type():
+    info = values(collect(FIXTURE_SYS), "gpuwatch_ib_device_info")
+    assert info == {
+        ("hfi1_0", "HPE 100Gb 1-port OP101 QSFP28 x16 PCIe Gen3 with Intel Omni-Path Adapter",
+         "1.27.0", "", ""): 1,
+        ("mlx4_0", "SM_1141000001000", "2.31.5050", "MT4099", ""): 1,
+        ("mlx5_0", "SM_2001000001034", "14.28.2006", "MT4118", "0a7f:bc12:45ef:d23b"): 1,
+    }
+
+
+def test_hw_counters_and_error_counters():
+    result = collect(FIXTURE_SYS)
+    hw = values(result, "gpuwatch_ib_port_hw_counters_total")
+    assert {device for device, _, _ in hw} == {"mlx5_0"}
+    assert hw[("mlx5_0", "1", "req_cqe_error")] == 3481
+    assert hw[("mlx5_0", "1", "rx_read_requests")] == 175528982
+    assert ("mlx5_0", "1", "lifespan") not in hw  # a cache period in ms, not a counter
+    assert len(hw) == 24
+    errors = values(result, "gpuwatch_ib_port_errors_total")
+    assert len(errors) == 4 * 12 and set(errors.values()) == {0}
+    assert ("mlx4_0", "2", "symbol_error") in errors
+    # unicast/multicast exist only in the extended counter group (mlx5 here).
+    unicast = values(result, "gpuwatch_ib_port_transmitted_unicast_packets_total")
+    assert unicast == {("mlx5_0", "1"): 10907922116}
+    assert values(result, "gpuwatch_ib_port_counter_saturated") == {}
+
+
+# -- driver quirks cost one value -----------------------------------------------------------------
+
+def test_no_pma_and_unreadable_files_cost_one_value_each(fixture_copy, monkeypatch):
+    write(fixture_copy, "mlx4_0/ports/1/counters/port_xmit_data", "N/A (no PMA)")
+    rate = fixture_copy / CLASS / "mlx4_0/ports/2/rate"
+    rate.unlink()
+    rate.mkdir()  # reading it fails with EISDIR, a real OSError
+    einval = str(fixture_copy / CLASS / "mlx5_0/ports/1/counters/symbol_error")
+    real_read = infiniband.read_sysfs
+
+    def read(path):
+        if path == einval:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_read(path)
+
+    monkeypatch.setattr(infiniband, "read_sysfs", read)
+    result = collect(fixture_copy)
+
+    assert len(result.errors) == 3
+    assert any("mlx4_0/ports/1/counters/port_xmit_data: unexpected content 'N/A (no PMA)'" in e
+               for e in result.errors)
+    assert any("mlx4_0/ports/2/rate: Is a directory" in e for e in result.errors)
+    assert any(e.startswith(einval) and "Invalid argument" in e for e in result.errors)
+    transmitted = values(result, "gpuwatch_ib_port_transmitted_bytes_total")
+    assert ("mlx4_0", "1") not in transmitted and transmitted[("mlx4_0", "2")] == 106161427560
+    assert values(result, "gpuwatch_ib_port_received_bytes_total")[("mlx4_0", "1")] == 8884894436
+    assert ("mlx4_0", "2", "InfiniBand") not in values(result, "gpuwatch_ib_port_rate_bytes_per_second")
+    assert values(result, "gpuwatch_ib_port_up")[("mlx4_0", "2", "InfiniBand")] == 1
+    errors = values(result, "gpuwatch_ib_port_errors_total")
+    assert ("mlx5_0", "1", "symbol_error") not in errors and ("mlx5_0", "1", "link_downed") in errors
+    assert len(values(result, "gpuwatch_ib_port_up")) == 4
+
+
+def test_unparsable_state_costs_the_state_not_the_port(fixture_copy):
+    write(fixture_copy, "hfi1_0/ports/1/state", "garbage")
+    result = collect(fixture_copy)
+    assert ("hfi1_0", "1", "InfiniBand") not in values(result, "gpuwatch_ib_port_up")
+    assert values(result, "gpuwatch_ib_port_transmitted_bytes_total")[("hfi1_0", "1")] == 1094233306172
+    assert result.facts["ports"][0]["state"] is None
+    assert result.errors == [f"{fixture_copy / CLASS}/hfi1_0/ports/1/state: unexpected content 'garbage'"]
+
+
+# -- counter widths ---------------------------------------------------------------------------------
+
+def test_saturated_32_bit_counters_are_flagged_and_not_exported(fixture_copy):
+    write(fixture_copy, "mlx4_0/ports/1/counters/port_xmit_data", str(2**32 - 1))
+    write(fixture_copy, "mlx4_0/ports/1/counters/symbol_error", str(2**16 - 1))
+    write(fixture_copy, "mlx4_0/ports/1/counters/link_downed", str(2**8 - 2))  # one below: still counting
+    result = collect(fixture_copy)
+    assert values(result, "gpuwatch_ib_port_counter_saturated") == {
+        ("mlx4_0", "1", "symbol_error"): 1, ("mlx4_0", "1", "port_xmit_data"): 1,
+    }
+    assert ("mlx4_0", "1") not in values(result, "gpuwatch_ib_port_transmitted_bytes_total")
+    errors = values(result, "gpuwatch_ib_port_errors_total")
+    assert ("mlx4_0", "1", "symbol_error") not in errors
+    assert errors[("mlx4_0", "1", "link_downed")] == 254
+    port = next(p for p in result.facts["ports"] if (p["device"], p["port"]) == ("mlx4_0", 1))
+    assert port["transmitted_bytes"] is None
+    assert port["saturated"] == ["symbol_error", "port_xmit_data"]
+    assert result.errors == []
+
+
+def test_extended_group_data_counters_are_64_bit_even_at_the_32_bit_maximum(fixture_copy):
+    # mlx5_0 has unicast_* files: the kernel chose the extended group, port_xmit_data is 64-bit.
+    write(fixture_copy, "mlx5_0/ports/1/counters/port_xmit_data", str(2**32 - 1))
+    result = collect(fixture_copy)
+    assert values(result, "gpuwatch_ib_port_transmitted_bytes_total")[("mlx5_0", "1")] == 4 * (2**32 - 1)
+    assert values(result, "gpuwatch_ib_port_counter_saturated") == {}
+
+
+def test_pre_4_5_kernels_counters_ext_is_preferred(fixture_copy):
+    write(fixture_copy, "mlx4_0/ports/1/counters/port_xmit_data", str(2**32 - 1))
+    ext = fixture_copy / CLASS / "mlx4_0/ports/1/counters_ext"
+    ext.mkdir()
+    (ext / "port_xmit_data_64").write_text("123456789012\n")
+    (ext / "port_unicast_xmit_packets").write_text("777\n")
+    result = collect(fixture_copy)
+    assert values(result, "gpuwatch_ib_port_transmitted_bytes_total")[("mlx4_0", "1")] == 4 * 123456789012
+    assert values(result, "gpuwatch_ib_port_transmitted_unicast_packets_total") == {
+        ("mlx4_0", "1"): 777, ("mlx5_0", "1"): 10907922116,
+    }
+    assert values(result, "gpuwatch_ib_port_counter_saturated") == {}
+
+
+# -- no InfiniBand at all ---------------------------------------------------------------------------
+
+def test_missing_class_directory_means_no_ports_not_an_error(tmp_path):
+    result = collect(tmp_path)
+    assert result.errors == []
+    assert result.facts == {"devices": [], "ports": []}
+    assert result.families and all(not family.samples for family in result.families)
+
+
+def test_unlistable_class_directory_is_a_collector_error(tmp_path):
+    (tmp_path / "class").mkdir()
+    (tmp_path / CLASS).write_text("not a directory")
+    with pytest.raises(CollectorError, match="cannot list"):
+        collect(tmp_path)
+
+
+# -- the simulated node -----------------------------------------------------------------------------
+
+@pytest.fixture
+def dgx(tmp_path):
+    return SimulatedSysfs(PRESETS["dgx-h100"], tmp_path / "sys", seed=3)
+
+
+def test_simulated_dgx_h100_has_eight_active_ndr_ports(dgx):
+    result = collect(dgx.root)
+    assert result.errors == []
+    rates = values(result, "gpuwatch_ib_port_rate_bytes_per_second")
+    assert rates == {(f"mlx5_{i}", "1", "InfiniBand"): 50e9 for i in range(8)}  # 400 Gb/s
+    assert set(values(result, "gpuwatch_ib_port_up").values()) == {1}
+    assert {labels[3] for labels in values(result, "gpuwatch_ib_device_info")} == {"MT4129"}
+    assert len(values(result, "gpuwatch_ib_port_hw_counters_total")) == 8 * 24
+    assert (dgx.root / CLASS / "mlx5_0").is_symlink()  # like the kernel: class links into devices/
+
+
+def test_simulated_counters_advance_at_a_plausible_share_of_line_rate(dgx):
+    before = values(collect(dgx.root), "gpuwatch_ib_port_transmitted_bytes_total")
+    dgx.advance(2.0)
+    after = collect(dgx.root)
+    for port, value in values(after, "gpuwatch_ib_port_transmitted_bytes_total").items():
+        assert 0.25 * 50e9 * 2 < value - before[port] < 0.85 * 50e9 * 2
+    assert values(after, "gpuwatch_ib_port_counter_saturated") == {}
+
+
+def test_simulated_port_down_shows_up_zero_and_stops_traffic(dgx):
+    dgx.set_port_down("mlx5_3", phys_state="Polling")
+    before = collect(dgx.root)
+    dgx.advance(1.0)
+    after = collect(dgx.root)
+    assert values(after, "gpuwatch_ib_port_up")[("mlx5_3", "1", "InfiniBand")] == 0
+    assert values(after, "gpuwatch_ib_port_up")[("mlx5_2", "1", "InfiniBand")] == 1
+    assert values(after, "gpuwatch_ib_port_state_id")[("mlx5_3", "1")] == 1
+    assert values(after, "gpuwatch_ib_port_physical_state_id")[("mlx5_3", "1")] == 2
+    assert values(after, "gpuwatch_ib_port_errors_total")[("mlx5_3", "1", "link_downed")] == 1
+    transmitted = "gpuwatch_ib_port_transmitted_bytes_total"
+    assert values(after, transmitted)[("mlx5_3", "1")] == values(before, transmitted)[("mlx5_3", "1")]
+    dgx.set_port_up("mlx5_3")
+    assert values(collect(dgx.root), "gpuwatch_ib_port_up")[("mlx5_3", "1", "InfiniBand")] == 1
+
+
+def test_simulated_faults_error_burst_no_pma_removal_and_32_bit_counters(dgx):
+    dgx.bump_counter("mlx5_1", "symbol_error", 5)
+    dgx.bump_counter("mlx5_2", "link_error_recovery", 10**6)  # 8-bit: sticks at 255
+    dgx.bump_counter("mlx5_1", "local_ack_timeout_err", 7)
+    dgx.make_unavailable("mlx5_4", "port_rcv_data")
+    dgx.remove_device("mlx5_7")
+    dgx.use_32bit_counters("mlx5_5")
+    dgx.advance(1.0)
+    result = collect(dgx.root)
+
+    assert values(result, "gpuwatch_ib_port_errors_total")[("mlx5_1", "1", "symbol_error")] == 5
+    assert values(result, "gpuwatch_ib_port_hw_counters_total")[("mlx5_1", "1", "local_ack_timeout_err")] == 7
+    assert len(result.errors) == 1 and "mlx5_4/ports/1/counters/port_rcv_data" in result.errors[0]
+    assert ("mlx5_4", "1") not in values(result, "gpuwatch_ib_port_received_bytes_total")
+    assert ("mlx5_4", "1") in values(result, "gpuwatch_ib_port_transmitted_bytes_total")
+    assert "mlx5_7" not in {labels[0] for labels in values(result, "gpuwatch_ib_port_up")}
+    assert len(values(result, "gpuwatch_ib_port_up")) == 7
+    assert values(result, "gpuwatch_ib_port_counter_saturated") == {
+        ("mlx5_2", "1", "link_error_recovery"): 1,
+        ("mlx5_5", "1", "port_xmit_data"): 1, ("mlx5_5", "1", "port_rcv_data"): 1,
+    }
+    assert ("mlx5_5", "1") not in values(result, "gpuwatch_ib_port_transmitted_bytes_total")
+    assert ("mlx5_5", "1") not in values(result, "gpuwatch_ib_port_transmitted_unicast_packets_total")
+    with pytest.raises(KeyError, match="no counter"):
+        dgx.bump_counter("mlx5_0", "not_a_counter")
+
+
+def test_simulated_roce_preset_is_ethernet_link_layer_with_congestion_counters(tmp_path):
+    sim = SimulatedSysfs(PRESETS["a100-roce"], tmp_path / "sys")
+    before = values(collect(sim.root), "gpuwatch_ib_port_hw_counters_total")
+    sim.advance(1.0)
+    result = collect(sim.root)
+    assert values(result, "gpuwatch_ib_port_rate_bytes_per_second") == {
+        ("mlx5_0", "1", "Ethernet"): 12.5e9, ("mlx5_1", "1", "Ethernet"): 12.5e9,
+    }
+    cnp = ("mlx5_0", "1", "np_cnp_sent")
+    assert values(result, "gpuwatch_ib_port_hw_counters_total")[cnp] > before[cnp]
+
+
+def test_a_reader_never_sees_half_written_files(dgx):
+    errors, stop = [], threading.Event()
+
+    def read_forever():
+        while not stop.is_set():
+            errors.extend(collect(dgx.root).errors)
+
+    reader = threading.Thread(target=read_forever)
+    reader.start()
+    try:
+        for _ in range(10):
+            dgx.advance(0.01)
+    finally:
+        stop.set()
+        reader.join()
+    assert errors == []
+
+
+def test_simulated_tree_regenerates_its_own_root_but_never_a_foreign_one(tmp_path):
+    root = tmp_path / "sys"
+    first = SimulatedSysfs(PRESETS["dgx-h100"], root)
+    first.remove_device("mlx5_0")
+    SimulatedSysfs(PRESETS["dgx-h100"], root)
+    assert (root / CLASS / "mlx5_0").exists()
+    foreign = tmp_path / "elsewhere"
+    foreign.mkdir()
+    (foreign / "precious").write_text("keep me")
+    with pytest.raises(FileExistsError):
+        SimulatedSysfs(PRESETS["dgx-h100"], foreign)
+    assert (foreign / "precious").read_text() == "keep me"

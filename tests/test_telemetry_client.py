@@ -1,0 +1,187 @@
+"""The rank's telemetry client: never blocks, never raises, counts every drop, finds the agent again."""
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from telemetry_records import hello, step
+
+from gpuwatch.agent.telemetry.paths import SYSTEM_SOCKET, default_socket_path, socket_path_candidates
+from gpuwatch.agent.telemetry.schema import MAX_RECORD_BYTES
+from gpuwatch.trainer.telemetry import BACKLOG_RECORDS, TelemetryClient, captured_environment
+
+
+class Receiver:
+    """A bare datagram socket standing in for the agent."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.setblocking(False)
+
+    def records(self) -> list[dict]:
+        out = []
+        while True:
+            try:
+                out.append(json.loads(self.sock.recv(MAX_RECORD_BYTES + 1)))
+            except BlockingIOError:
+                return out
+
+    def close(self) -> None:
+        self.sock.close()
+        self.path.unlink()
+
+
+@pytest.fixture
+def socket_path(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("client") / "agent.sock"
+
+
+def _send_in_thread(client: TelemetryClient, records: list[dict]) -> None:
+    """A send that blocked would hang the training loop: fail instead of hanging the suite."""
+    thread = threading.Thread(target=lambda: [client.send(record) for record in records], daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "send() blocked"
+
+
+def test_without_agent_every_record_is_dropped_counted_and_nothing_raises(socket_path):
+    client = TelemetryClient(socket_path, heartbeat_interval=0)
+    _send_in_thread(client, [hello(), *(step(number=n) for n in range(1000))])
+    assert (client.sent, client.dropped, client.drops["no_agent"]) == (0, 1001, 1001)
+    # A socket file left by a killed agent (nobody reading) is "no agent" too: ECONNREFUSED.
+    Receiver(socket_path).sock.close()
+    client.send(step())
+    assert client.drops["no_agent"] == 1002
+
+
+def test_records_arrive_once_the_agent_appears_hello_first(socket_path):
+    client = TelemetryClient(socket_path, heartbeat_interval=0)
+    client.send(hello())
+    client.send(step(number=1))
+    agent = Receiver(socket_path)
+    client.send(step(number=2))
+    received = agent.records()
+    assert [record["kind"] for record in received] == ["hello", "step"]  # the lost hello is replayed
+    assert received[1]["step"] == 2
+    assert received[1]["client"] == {"sent": 1, "dropped": {"no_agent": 2}}  # the agent learns about drops
+    assert client.sent == 2
+
+
+def test_client_follows_an_agent_restart_on_the_same_path(socket_path):
+    client = TelemetryClient(socket_path, heartbeat_interval=0)
+    first = Receiver(socket_path)
+    client.send(hello())
+    first.close()
+    client.send(step(number=1))
+    second = Receiver(socket_path)
+    client.send(step(number=2))
+    assert [(r["kind"], r.get("step")) for r in second.records()] == [("hello", None), ("step", 2)]
+    assert client.drops["no_agent"] == 1
+
+
+def test_a_stalled_agent_costs_drops_not_blocking_and_order_is_kept(socket_path):
+    agent = Receiver(socket_path)  # never reads until the end: its kernel queue fills
+    client = TelemetryClient(socket_path, heartbeat_interval=0)
+    total = 3 * BACKLOG_RECORDS
+    _send_in_thread(client, [step(number=n) for n in range(total)])
+    assert client.drops["busy"] > 0
+    received = agent.records()
+    for extra in range(total, total + 100):  # the agent catches up: later sends flush the backlog
+        client.send(step(number=extra))
+        received += agent.records()
+    numbers = [record["step"] for record in received]
+    assert numbers == sorted(numbers) and numbers[-1] == total + 99
+    assert len(numbers) + client.drops["busy"] == total + 100 == client.sent + client.dropped
+
+
+def test_encoding_errors_and_oversized_records_are_counted_with_one_warning(socket_path, caplog):
+    agent = Receiver(socket_path)
+    client = TelemetryClient(socket_path, heartbeat_interval=0)
+    with caplog.at_level(logging.WARNING, logger="gpuwatch.trainer.telemetry"):
+        client.send(step(loss=object()))
+        client.send(step(loss=object()))
+        client.send(hello(env={f"NCCL_VAR_{i}": "x" * 1000 for i in range(20)}))
+        client.send(None)
+    assert client.drops == {"encode_error": 2, "too_large": 1, "error": 1}
+    assert len([r for r in caplog.records if "encode_error" in r.getMessage()]) == 1
+    client.send(step())
+    assert len(agent.records()) == 1
+
+
+def test_run_log_keeps_every_record_even_when_the_agent_is_absent(socket_path, tmp_path):
+    log_path = tmp_path / "rank0.jsonl"
+    with TelemetryClient(socket_path, run_log=log_path, heartbeat_interval=0) as client:
+        client.send(hello())
+        client.send(step(number=1, loss=float("nan")))
+        client.send(step(number=2))
+    lines = log_path.read_text().splitlines()
+    assert [json.loads(line)["kind"] for line in lines] == ["hello", "step", "step"]
+    assert json.loads(lines[1])["loss"] != json.loads(lines[1])["loss"]  # NaN kept
+    assert client.drops["no_agent"] == 3
+
+
+def test_a_failing_run_log_is_disabled_with_one_warning_and_sending_goes_on(socket_path, caplog):
+    agent = Receiver(socket_path)
+    with caplog.at_level(logging.WARNING, logger="gpuwatch.trainer.telemetry"):
+        client = TelemetryClient(socket_path, run_log="/dev/full", heartbeat_interval=0)  # every write: ENOSPC
+        for number in range(5):
+            client.send(step(number=number))
+        unwritable = TelemetryClient(socket_path, run_log=socket_path.parent / "missing" / "x.jsonl",
+                                     heartbeat_interval=0)
+        unwritable.send(step())
+    assert len([r for r in caplog.records if "run log" in r.getMessage()]) == 2
+    assert client.sent == 5 and len(agent.records()) == 6
+
+
+def test_heartbeat_resends_the_hello_until_closed(socket_path):
+    agent = Receiver(socket_path)
+    client = TelemetryClient(socket_path, heartbeat_interval=0.02)
+    client.send(hello())
+    threading.Event().wait(0.3)
+    client.close()
+    hellos = len(agent.records())
+    assert hellos >= 3
+    threading.Event().wait(0.1)
+    assert agent.records() == []  # stopped
+
+
+def test_socket_path_from_argument_then_environment_then_the_shared_default(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPUWATCH_SOCKET", str(tmp_path / "env.sock"))
+    assert TelemetryClient(tmp_path / "arg.sock").socket_path == tmp_path / "arg.sock"
+    assert TelemetryClient().socket_path == tmp_path / "env.sock"
+    assert default_socket_path() == tmp_path / "env.sock"  # the agent reads the same variable
+    candidates = socket_path_candidates({})
+    assert candidates == (SYSTEM_SOCKET, Path(f"/tmp/gpuwatch-{os.geteuid()}/telemetry.sock"))
+    assert default_socket_path({}) in candidates
+
+
+def test_captured_environment_never_copies_secrets():
+    environ = {
+        "AWS_SECRET_ACCESS_KEY": "s3cr3t", "WANDB_API_KEY": "k", "NCCL_FAKE_TOKEN": "t", "HF_TOKEN": "t",
+        "TORCH_PASSWORD": "p", "PYTORCH_AUTH_HEADER": "h", "HOME": "/root", "PATH": "/bin",
+        "NCCL_DEBUG": "INFO", "NCCL_IB_DISABLE": "0", "CUDA_VISIBLE_DEVICES": "0,1", "MASTER_ADDR": "10.0.0.1",
+        "WORLD_SIZE": "8", "LOCAL_RANK": "3", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        "NCCL_LONG": "x" * 5000,
+    }
+    assert captured_environment(environ) == {
+        "CUDA_VISIBLE_DEVICES": "0,1", "LOCAL_RANK": "3", "MASTER_ADDR": "10.0.0.1", "NCCL_DEBUG": "INFO",
+        "NCCL_IB_DISABLE": "0", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "WORLD_SIZE": "8",
+    }
+
+
+def test_client_never_imports_torch(socket_path):
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from gpuwatch.trainer.telemetry import TelemetryClient\n"
+            f"client = TelemetryClient({str(socket_path)!r})\n"
+            "client.send({'v': 1, 'kind': 'step'})\n"
+            "assert client.drops['no_agent'] == 1\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,270 @@
+"""The agent side in-process: per-rank store (counters, caps, TTL) and the collector's socket and series."""
+
+import os
+import socket
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from telemetry_records import JOB, collectives, hello, step
+
+from gpuwatch.agent.collectors.base import CollectorContext, CollectorError
+from gpuwatch.agent.collectors.telemetry import TelemetryCollector
+from gpuwatch.agent.exposition import Renderer
+from gpuwatch.agent.telemetry.schema import encode
+from gpuwatch.agent.telemetry.store import TelemetryStore
+from gpuwatch.trainer.telemetry import TelemetryClient
+
+from conftest import require_tool, wait_until
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _feed(store: TelemetryStore, *records: dict) -> list[str | None]:
+    return [store.ingest(encode(record)) for record in records]
+
+
+def test_store_accumulates_step_increments_and_keeps_the_latest_values():
+    store = TelemetryStore()
+    assert _feed(store, hello(0), step(0, 1), step(0, 2, tokens=1000, grad_cosine_similarity=None),
+                 step(0, 3, loss=float("nan"), collectives=collectives({"all_reduce": [20.0]}))) == [None] * 4
+    (state,), records = store.snapshot()
+    assert state.counters() == {"steps": 3, "nonfinite_steps": 1, "tokens": 4096 + 1000 + 4096,
+                                "alloc_retries": 3, "ooms": 0}
+    all_reduce = state.collectives["all_reduce"]
+    assert (all_reduce.count, all_reduce.bytes) == (5, 5 << 20)
+    assert all_reduce.buckets[-1] == 1  # the 20 s call landed in the overflow bucket
+    assert state.collectives["send"].count == 2
+    assert state.last_step["step"] == 3
+    assert state.sampled["grad_cosine_similarity"] == (3, 0.9)
+    assert records["accepted", ""] == 4
+
+
+def test_nonfinite_flag_or_values_count_a_nonfinite_step():
+    store = TelemetryStore()
+    _feed(store, step(nonfinite=True), step(grad_norm=float("inf")), step())
+    (state,), _ = store.snapshot()
+    assert state.nonfinite_steps == 2
+
+
+def test_client_drop_counters_become_increments_across_a_rank_restart():
+    store = TelemetryStore()
+    _feed(store,
+          step(number=1, client={"sent": 5, "dropped": {"no_agent": 3}}),
+          step(number=2, client={"sent": 9, "dropped": {"no_agent": 4, "busy": 2}}),
+          step(number=1, client={"sent": 1, "dropped": {"no_agent": 1}}))  # the rank's process restarted
+    _, records = store.snapshot()
+    assert records["dropped", "no_agent"] == 3 + 1 + 1
+    assert records["dropped", "busy"] == 2
+
+
+def test_caps_reject_new_jobs_and_ranks_but_keep_serving_known_ones():
+    store = TelemetryStore(max_ranks=4, max_jobs=2)
+    assert _feed(store, hello(0, job="a"), hello(1, job="a"), hello(0, job="b")) == [None] * 3
+    assert _feed(store, hello(0, job="c")) == ["cardinality"]  # a third job
+    assert _feed(store, hello(2, job="a"), hello(3, job="a")) == [None, "cardinality"]  # a fifth rank
+    assert _feed(store, step(1, job="a"), step(0, job="b")) == [None, None]
+    ranks, records = store.snapshot()
+    assert [(s.job, s.rank) for s in ranks] == [("a", 0), ("a", 1), ("a", 2), ("b", 0)]
+    assert records["rejected", "cardinality"] == 2
+
+
+def test_silent_ranks_expire_after_the_ttl_and_free_their_slot():
+    clock = FakeClock()
+    store = TelemetryStore(ttl=60, max_ranks=2, clock=clock)
+    _feed(store, hello(0), hello(1))
+    clock.now += 50
+    _feed(store, step(1))
+    clock.now += 20
+    assert [(s.job, s.rank) for s in store.expire()] == [(JOB, 0)]
+    assert [s.rank for s in store.snapshot()[0]] == [1]
+    assert _feed(store, hello(2)) == [None]
+
+
+def test_rejections_are_counted_by_reason():
+    store = TelemetryStore()
+    assert _feed(store, step(job='evil"}'), step(step_seconds=-1)) == ["bad_label", "out_of_range"]
+    assert store.ingest(b"\x00garbage") == "not_json"
+    _, records = store.snapshot()
+    assert (records["rejected", "bad_label"], records["rejected", "not_json"], records["accepted", ""]) == (1, 1, 0)
+
+
+@pytest.fixture
+def socket_path(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("collector") / "run" / "telemetry.sock"
+
+
+@pytest.fixture
+def open_collector():
+    collectors: list[TelemetryCollector] = []
+
+    def start(path: Path, **context) -> TelemetryCollector:
+        collector = TelemetryCollector(CollectorContext(telemetry_socket=path, **context))
+        collectors.append(collector)
+        return collector
+
+    yield start
+    for collector in collectors:
+        collector.close()
+
+
+def _series(text: str, name: str) -> dict[str, float]:
+    """{label block: value} of one series name in exposition text."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name):].rsplit(" ", 1)
+            out[labels] = float(value)
+    return out
+
+
+def test_collector_serves_every_rank_with_its_coordinates_and_passes_promtool(socket_path, open_collector):
+    collector = open_collector(socket_path)
+    client = TelemetryClient(socket_path, heartbeat_interval=0)
+    for rank in range(8):
+        client.send(hello(rank))
+        client.send(step(rank, 1, compute_seconds=0.1 * (rank + 1)))
+    client.send(step(7, 2, memory={"kind": "host_rss", "peak_bytes": 123}, param_checksum="00ff"))
+    wait_until(lambda: collector.store.snapshot()[1]["accepted", ""] == 17, timeout=5, what="records")
+    result = collector.collect()
+    text = Renderer().render(result.families).decode()
+
+    coordinates = 'dp_rank="1",job="job-42",local_rank="2",pp_stage="1",rank="6",tp_rank="0"'
+    assert _series(text, "gpuwatch_train_compute_seconds")["{" + coordinates + "}"] == pytest.approx(0.7)
+    assert len(_series(text, "gpuwatch_train_step_seconds")) == 8
+    buckets = _series(text, "gpuwatch_train_collective_seconds_bucket")
+    assert buckets["{" + coordinates + ',le="0.002",op="all_reduce"}'] == 1  # 1.5 ms
+    assert buckets["{" + coordinates + ',le="+Inf",op="all_reduce"}'] == 2
+    assert _series(text, "gpuwatch_train_collective_seconds_sum")["{" + coordinates + ',op="all_reduce"}'] == \
+        pytest.approx(0.0045)
+    assert _series(text, "gpuwatch_train_collective_bytes_total")["{" + coordinates + ',op="send"}'] == 1 << 20
+    assert _series(text, "gpuwatch_gpu_job_info") == {
+        f'{{gpu="{r % 4}",job="job-42",rank="{r}",uuid="GPU-0000000{r}-1111-2222-3333-444444444444"}}': 1
+        for r in range(8)}
+    assert 'faults="slow_rank"' in text and 'schedule="1f1b"' in text
+    assert 'gpuwatch_telemetry_records_total{reason="",result="accepted"} 17.0' in text
+    # Rank 7's latest step is a CPU step: host RSS only, no allocator series; a hex checksum stays a fact.
+    rank7 = 'dp_rank="1",job="job-42",local_rank="3",pp_stage="1",rank="7",tp_rank="1"'
+    assert _series(text, "gpuwatch_train_memory_peak_bytes")["{" + rank7 + ',kind="host_rss"}'] == 123
+    assert not any(rank7 in labels for labels in _series(text, "gpuwatch_train_memory_reserved_bytes"))
+    assert not any(rank7 in labels for labels in _series(text, "gpuwatch_train_param_checksum"))
+    assert _series(text, "gpuwatch_train_steps_total")["{" + rank7 + "}"] == 2
+
+    facts = result.facts
+    assert facts["socket"] == str(socket_path)
+    assert [(r["rank"], r["hello"]["pid"]) for r in facts["ranks"]] == [(r, 4000 + r) for r in range(8)]
+    assert facts["processes"][3] == {"pid": 4003, "job": JOB, "rank": 3}
+    assert facts["ranks"][7]["sampled"]["param_checksum"] == {"step": 2, "value": "00ff"}
+    assert facts["records"]["accepted"] == 17
+    check = subprocess.run([require_tool("promtool"), "check", "metrics"], input=text, capture_output=True,
+                           text=True)
+    assert check.returncode == 0 and not check.stdout.strip() and not check.stderr.strip(), check
+
+
+def test_ranks_without_hello_are_tracked_but_not_exported(socket_path, open_collector):
+    collector = open_collector(socket_path)
+    collector.store.ingest(encode(step(3)))
+    text = Renderer().render(collector.collect().families).decode()
+    assert "gpuwatch_train_step_seconds{" not in text
+    assert 'gpuwatch_telemetry_ranks{job="job-42"} 1.0' in text
+
+
+def test_socket_is_private_and_removed_on_close(socket_path, open_collector):
+    collector = open_collector(socket_path)
+    assert stat.S_ISSOCK(os.lstat(socket_path).st_mode)
+    assert stat.S_IMODE(os.lstat(socket_path).st_mode) == 0o660
+    assert stat.S_IMODE(os.lstat(socket_path.parent).st_mode) == 0o750
+    receiver = collector._receiver._thread
+    collector.close()
+    assert not socket_path.exists() and not receiver.is_alive()
+
+
+def test_stale_socket_of_a_killed_agent_is_replaced(socket_path, open_collector):
+    socket_path.parent.mkdir(mode=0o750)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    stale.bind(str(socket_path))
+    stale.close()  # the file stays, nobody listens: what SIGKILL leaves behind
+    collector = open_collector(socket_path)
+    collector.collect()
+    client = TelemetryClient(socket_path, heartbeat_interval=0)
+    client.send(hello())
+    assert client.sent == 1
+
+
+def test_a_second_agent_on_a_live_socket_is_refused_and_does_not_steal_it(socket_path, open_collector):
+    first = open_collector(socket_path)
+    second = open_collector(socket_path)
+    with pytest.raises(CollectorError, match="already listening"):
+        second.collect()
+    second.close()
+    TelemetryClient(socket_path, heartbeat_interval=0).send(hello())
+    wait_until(lambda: first.store.snapshot()[0], timeout=5, what="the first agent still receiving")
+
+
+@pytest.mark.parametrize("occupant", ["symlink", "file", "directory"])
+def test_foreign_things_at_the_path_are_left_alone_and_reported(socket_path, open_collector, occupant):
+    socket_path.parent.mkdir(mode=0o750)
+    target = socket_path.parent / "elsewhere"
+    target.write_text("precious")
+    if occupant == "symlink":
+        socket_path.symlink_to(target)
+    elif occupant == "file":
+        socket_path.write_text("precious")
+    else:
+        socket_path.mkdir()
+    collector = open_collector(socket_path)
+    with pytest.raises(CollectorError, match=r"symlink|not a socket"):
+        collector.collect()
+    assert target.read_text() == "precious"
+    assert os.path.lexists(socket_path) and not stat.S_ISSOCK(os.lstat(socket_path).st_mode)
+    # Once the operator clears the path, the next sampling round binds the socket.
+    if occupant == "directory":
+        socket_path.rmdir()
+    else:
+        socket_path.unlink()
+    collector.collect()
+    assert stat.S_ISSOCK(os.lstat(socket_path).st_mode)
+
+
+def test_directories_others_control_are_refused(socket_path, open_collector):
+    socket_path.parent.mkdir(mode=0o777)
+    os.chmod(socket_path.parent, 0o777)
+    with pytest.raises(CollectorError, match="writable by group or others"):
+        open_collector(socket_path).collect()
+    os.chmod(socket_path.parent, 0o750)
+    os.chown(socket_path.parent, 4242, -1)
+    with pytest.raises(CollectorError, match="belongs to uid 4242"):
+        open_collector(socket_path).collect()
+    too_long = socket_path.parent.parent / ("x" * 120) / "telemetry.sock"
+    with pytest.raises(CollectorError, match="longer than"):
+        open_collector(too_long).collect()
+
+
+def test_close_leaves_a_successors_socket_alone(socket_path, open_collector):
+    collector = open_collector(socket_path)
+    socket_path.unlink()  # an operator removed it and another agent took the path
+    successor = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    successor.bind(str(socket_path))
+    collector.close()
+    assert socket_path.exists()
+    successor.close()
+
+
+def test_collect_expires_silent_ranks_so_their_series_disappear(socket_path, open_collector):
+    collector = open_collector(socket_path, telemetry_ttl=0.2)
+    collector.store.ingest(encode(hello()))
+    collector.store.ingest(encode(step()))
+    assert "gpuwatch_train_loss{" in Renderer().render(collector.collect().families).decode()
+    time.sleep(0.3)
+    result = collector.collect()
+    text = Renderer().render(result.families).decode()
+    assert "gpuwatch_train_" + "loss{" not in text and "gpuwatch_telemetry_ranks{" not in text
+    assert result.facts["ranks"] == []

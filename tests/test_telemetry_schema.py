@@ -1,0 +1,203 @@
+"""Telemetry record schema v1: what decode accepts, and the stable reason for everything it rejects."""
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from telemetry_records import hello, step
+
+from gpuwatch.agent.telemetry.schema import (
+    COLLECTIVE_BUCKETS,
+    MAX_RECORD_BYTES,
+    REJECT_REASONS,
+    RecordRejected,
+    bucket_index,
+    decode,
+    encode,
+    env_name_allowed,
+)
+from gpuwatch.agent.telemetry.store import TelemetryStore
+
+
+def _reason(datagram: bytes) -> tuple[str, str]:
+    with pytest.raises(RecordRejected) as rejected:
+        decode(datagram)
+    assert rejected.value.reason in REJECT_REASONS
+    return rejected.value.reason, rejected.value.field
+
+
+def _without(record: dict, *path: str) -> dict:
+    record = json.loads(json.dumps(record))
+    *parents, last = path
+    target = record
+    for key in parents:
+        target = target[key]
+    del target[last]
+    return record
+
+
+def test_valid_hello_and_step_decode_to_their_known_fields():
+    record = decode(encode(hello(rank=5, future_field={"nested": [1, 2]})))
+    assert (record.kind, record.job, record.rank) == ("hello", "job-42", 5)
+    assert record.body["gpu"]["uuid"].startswith("GPU-00000005")
+    assert "future_field" not in record.body  # forward compatible: ignored, not stored
+    assert (record.body["tp_rank"], record.body["dp_rank"], record.body["pp_stage"]) == (1, 0, 1)
+
+    body = decode(encode(step(step_seconds=2, lr=0))).body
+    assert body["step_seconds"] == 2.0 and isinstance(body["step_seconds"], float)
+    assert body["collectives"]["all_reduce"]["count"] == 2
+    assert body["memory"]["kind"] == "cuda"
+
+
+def test_minimal_step_of_a_partially_instrumented_script_is_accepted():
+    minimal = {key: step()[key] for key in ("v", "kind", "job", "rank", "step", "time", "step_seconds")}
+    assert set(decode(encode(minimal)).body) == set(minimal)
+
+
+def test_nulls_count_as_absent_for_optional_fields():
+    body = decode(encode(hello(gpu=None, schedule=None, nccl_version=None))).body
+    assert "gpu" not in body and "schedule" not in body
+
+
+@pytest.mark.parametrize("field, value", [
+    ("loss", math.nan), ("loss", math.inf), ("loss", -math.inf), ("grad_norm", math.nan), ("grad_norm", math.inf),
+])
+def test_non_finite_loss_and_grad_norm_are_data(field, value):
+    datagram = encode(step(**{field: value}))
+    assert b"NaN" in datagram or b"Infinity" in datagram  # as json.dumps writes them
+    decoded = decode(datagram).body[field]
+    assert math.isnan(decoded) if math.isnan(value) else decoded == value
+
+
+def test_environment_is_filtered_by_the_agent_too():
+    env = {"NCCL_DEBUG": "INFO", "AWS_SECRET_ACCESS_KEY": "hunter2", "WANDB_API_KEY": "k", "NCCL_FAKE_TOKEN": "t",
+           "HOME": "/root", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    body = decode(encode(hello(env=env))).body
+    assert body["env"] == {"NCCL_DEBUG": "INFO", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+
+
+@pytest.mark.parametrize("name, allowed", [
+    ("NCCL_IB_HCA", True), ("CUDA_VISIBLE_DEVICES", True), ("PYTORCH_CUDA_ALLOC_CONF", True),
+    ("MASTER_ADDR", True), ("LOCAL_RANK", True), ("TORCHELASTIC_RUN_ID", True),
+    ("AWS_SECRET_ACCESS_KEY", False), ("WANDB_API_KEY", False), ("NCCL_FAKE_TOKEN", False),
+    ("TORCH_HUB_PASSWORD", False), ("CUDA_CREDENTIALS", False), ("NCCL_AUTH_STRING", False),
+    ("HF_TOKEN", False), ("PATH", False), ("nccl_debug", False), ("NCCL_DEBUG\n", False),
+])
+def test_env_name_allowlist(name, allowed):
+    assert env_name_allowed(name) is allowed
+
+
+def _mutated(**fields) -> bytes:
+    return encode(step(**fields))
+
+
+def _nested_unknown(levels: int) -> bytes:
+    value: object = 1
+    for _ in range(levels):
+        value = [value]
+    return encode(step(extension=value))
+
+
+@pytest.mark.parametrize("datagram, reason, field", [
+    (b"{" + b" " * MAX_RECORD_BYTES + b"}", "too_large", ""),
+    (b"\xff\xfe{}", "not_json", ""),
+    (json.dumps(step()).encode("utf-16"), "not_json", ""),
+    (encode(step())[:-7], "not_json", ""),
+    (b"", "not_json", ""),
+    (b"[" * 5000, "too_deep", ""),
+    (_nested_unknown(5), "too_deep", "extension"),
+    (b"[]", "not_object", ""),
+    (b'"step"', "not_object", ""),
+    (_mutated(v=2), "bad_version", "v"),
+    (_mutated(v="1"), "bad_version", "v"),
+    (_mutated(v=True), "bad_version", "v"),
+    (encode(_without(step(), "v")), "bad_version", "v"),
+    (_mutated(kind="goodbye"), "bad_kind", "kind"),
+    (_mutated(kind=["step"]), "bad_kind", "kind"),
+    (encode(_without(step(), "step_seconds")), "missing_field", "step_seconds"),
+    (encode(_without(hello(), "pid")), "missing_field", "pid"),
+    (encode(_without(step(), "memory", "peak_bytes")), "missing_field", "memory.peak_bytes"),
+    (_mutated(loss="2.5"), "bad_type", "loss"),
+    (_mutated(rank=1.0), "bad_type", "rank"),
+    (_mutated(step=True), "bad_type", "step"),
+    (_mutated(nonfinite=1), "bad_type", "nonfinite"),
+    (_mutated(memory={"kind": "cuda", "peak_bytes": 1.5}), "bad_type", "memory.peak_bytes"),
+    (_mutated(collectives={"all_reduce": []}), "bad_type", "collectives.all_reduce"),
+    (_mutated(step_seconds=-0.1), "out_of_range", "step_seconds"),
+    (_mutated(mfu=1.5), "out_of_range", "mfu"),
+    (_mutated(rank=2**40), "out_of_range", "rank"),
+    (_mutated(tokens=10**400), "out_of_range", "tokens"),
+    (_mutated(grad_cosine_similarity=1.5), "out_of_range", "grad_cosine_similarity"),
+    (_mutated(param_checksum="not-hex"), "out_of_range", "param_checksum"),
+    (_mutated(memory={"kind": "gpu", "peak_bytes": 1}), "out_of_range", "memory.kind"),
+    (encode(hello(tp_rank=2)), "out_of_range", "tp_rank"),
+    (_mutated(collectives={"all_reduce": {"count": 3, "bytes": 0, "seconds": 0.1, "buckets": [1] * 20}}),
+     "out_of_range", "collectives.all_reduce.buckets"),
+    (_mutated(collectives={"all_reduce": {"count": 1, "bytes": 0, "seconds": 0.1, "buckets": [1]}}),
+     "out_of_range", "collectives.all_reduce.buckets"),
+    (_mutated(step_seconds=math.nan), "not_finite", "step_seconds"),
+    (_mutated(time=math.inf), "not_finite", "time"),
+    (_mutated(lr=1e999), "not_finite", "lr"),  # too large for a float: infinite
+    (_mutated(grad_cosine_similarity=math.nan), "not_finite", "grad_cosine_similarity"),
+    (encode(hello(schedule="1f1b interleaved")), "bad_label", "schedule"),
+    (encode(hello(faults=["slow_rank,fp16"])), "bad_label", "faults.0"),
+    (encode(hello(gpu={"index": 0, "uuid": 'GPU-"0"'})), "bad_label", "gpu.uuid"),
+])
+def test_rejections_carry_a_stable_reason_and_the_field(datagram, reason, field):
+    assert _reason(datagram) == (reason, field)
+
+
+@pytest.mark.parametrize("job", ['a"b', "a\nb", "a}b", 'x",rank="0', "a\\b", "", "j" * 129, "jöb", "a b", "a{b"])
+def test_label_injection_in_job_ids_is_rejected(job):
+    assert _reason(encode(step(job=job))) == ("bad_label", "job")
+    assert _reason(encode(hello(job=job))) == ("bad_label", "job")
+
+
+def test_collective_buckets_cover_10us_to_10s_with_le_semantics():
+    assert COLLECTIVE_BUCKETS[0] == 1e-5 and COLLECTIVE_BUCKETS[-1] == 10.0
+    assert list(COLLECTIVE_BUCKETS) == sorted(set(COLLECTIVE_BUCKETS))
+    assert bucket_index(1e-5) == 0  # a value on a bound belongs to that bound's bucket (le)
+    assert bucket_index(1.01e-5) == 1
+    assert bucket_index(10.0) == len(COLLECTIVE_BUCKETS) - 1
+    assert bucket_index(60.0) == len(COLLECTIVE_BUCKETS)  # the overflow (+Inf) bucket
+
+
+def test_a_full_step_record_fits_a_datagram_with_room_to_spare():
+    assert len(encode(step())) < MAX_RECORD_BYTES / 4
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_random_bytes_are_rejected_never_crash(datagram):
+    try:
+        decode(datagram)
+    except RecordRejected as rejected:
+        assert rejected.reason in REJECT_REASONS
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([step(), hello()]), st.data())
+def test_mutated_valid_records_are_accepted_or_rejected_never_crash(record, data):
+    """Replace one field, at any depth, with arbitrary JSON; what decode accepts the store must take."""
+    record = json.loads(json.dumps(record))
+    target = record
+    while True:
+        key = data.draw(st.sampled_from(sorted(target)))
+        if isinstance(target[key], dict) and target[key] and data.draw(st.booleans()):
+            target = target[key]
+            continue
+        target[key] = data.draw(_JSON)
+        break
+    store = TelemetryStore()
+    store.ingest(encode(hello()))
+    reason = store.ingest(encode(record))
+    assert reason is None or reason in REJECT_REASONS

@@ -1,0 +1,77 @@
+"""The fork launcher: results by rank, a failing rank fails the launch fast, no rank is left behind."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gpuwatch.trainer.launch import RankFailed, launch
+
+
+def _sum_of_ranks(device, offset):
+    value = torch.tensor([float(dist.get_rank() + offset)])
+    dist.all_reduce(value)
+    return dist.get_rank(), int(os.environ["LOCAL_RANK"]), torch.get_num_threads(), device.type, value.item()
+
+
+def test_results_come_back_in_rank_order_from_single_threaded_gloo_ranks():
+    results = launch(_sum_of_ranks, 4, 10, device="cpu", timeout=60)
+    assert results == [(rank, rank, 1, "cpu", 46.0) for rank in range(4)]  # 10+11+12+13
+
+
+def _rank_two_raises_while_the_others_wait(device):
+    if dist.get_rank() == 2:
+        raise ValueError("boom on purpose")
+    dist.all_reduce(torch.ones(1))  # never completes: rank 2 is gone
+    return "unreachable"
+
+
+def test_a_failing_rank_fails_the_launch_with_its_traceback_and_the_others_are_killed():
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as failure:
+        launch(_rank_two_raises_while_the_others_wait, 4, device="cpu", timeout=60)
+    assert failure.value.rank == 2
+    assert "ValueError: boom on purpose" in failure.value.details
+    assert "_rank_two_raises_while_the_others_wait" in failure.value.details  # the traceback, not just the text
+    assert time.monotonic() - start < 30  # not a hang until the 10-minute collective timeout
+    assert _live_children() == []
+
+
+def _rank_one_is_killed(device):
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_rank_that_dies_without_a_word_is_reported():
+    with pytest.raises(RankFailed, match="rank 1 failed: exited with code -9 before reporting"):
+        launch(_rank_one_is_killed, 2, device="cpu", timeout=60)
+    assert _live_children() == []
+
+
+def _sleeps(device):
+    time.sleep(60)
+
+
+def test_timeout_kills_the_ranks():
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] still running after 1"):
+        launch(_sleeps, 2, device="cpu", timeout=1)
+    assert _live_children() == []
+
+
+def _live_children() -> list[int]:
+    """Child processes of this test process that are still running (zombies excluded)."""
+    children = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == os.getpid() and fields[0] != "Z":
+                children.append(int(pid))
+    return children

@@ -1,0 +1,116 @@
+"""What a training run is, checked before any process starts.
+
+Kept free of torch: the CLI validates a layout instantly, and `gpuwatch` (the agent's CLI) never
+imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+SCHEDULES = ("gpipe", "1f1b")
+PRECISIONS = ("fp32", "bf16", "fp16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A combination of options that cannot run; the message names the options and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A GPT-style decoder; the defaults are tiny so a CPU run takes seconds."""
+
+    vocab_size: int = 128
+    seq_len: int = 32
+    hidden: int = 64
+    heads: int = 4
+    layers: int = 4
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One run. `global_batch` and `seed` define the work, whatever the layout (tp, pp, dp)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batches: int = 1
+    schedule: str = "1f1b"
+    steps: int = 20
+    global_batch: int = 16
+    seed: int = 0
+    lr: float = 3e-3
+    warmup_steps: int = 5
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0
+    precision: str = "fp32"
+    device: str = "auto"
+    bucket_bytes: int = 25 * 2**20
+    corpus_size: int = 2**14
+    log_jsonl: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Sequences per micro-batch on one DP rank."""
+        return self.global_batch // (self.dp * self.micro_batches)
+
+    def validate(self, world_size: int | None = None) -> None:
+        """Raise ConfigError for anything that would fail (or hang) later inside the ranks."""
+        m = self.model
+        positive = {
+            "--tp": self.tp, "--pp": self.pp, "--dp": self.dp, "--micro-batches": self.micro_batches,
+            "--global-batch": self.global_batch, "--layers": m.layers, "--heads": m.heads,
+            "--hidden": m.hidden, "--seq-len": m.seq_len, "--vocab": m.vocab_size,
+        }
+        for option, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"{option} must be at least 1 (got {value})")
+        checks = [
+            (self.schedule in SCHEDULES, f"--schedule must be one of {', '.join(SCHEDULES)}"),
+            (self.precision in PRECISIONS, f"--precision must be one of {', '.join(PRECISIONS)}"),
+            (self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}"),
+            (m.layers % self.pp == 0,
+             f"--layers {m.layers} cannot be split into --pp {self.pp} stages of equal size"),
+            (m.hidden % m.heads == 0, f"--hidden {m.hidden} is not divisible by --heads {m.heads}"),
+            (m.heads % self.tp == 0,
+             f"--heads {m.heads} cannot be split across --tp {self.tp} ranks (each rank owns whole heads)"),
+            (m.vocab_size % self.tp == 0,
+             f"--vocab {m.vocab_size} cannot be split across --tp {self.tp} ranks"),
+            (self.global_batch % (self.dp * self.micro_batches) == 0,
+             f"--global-batch {self.global_batch} is not divisible by --dp {self.dp} × "
+             f"--micro-batches {self.micro_batches} (each DP rank splits its share into equal micro-batches)"),
+            (self.steps >= 0, "--steps must not be negative"),
+            (self.lr > 0, "--lr must be positive"),
+            (self.warmup_steps >= 0, "--warmup-steps must not be negative"),
+            (self.clip_grad >= 0, "--clip-grad must not be negative (0 turns clipping off)"),
+            (self.checkpoint_every >= 0, "--checkpoint-every must not be negative"),
+            (self.checkpoint_dir is not None or (not self.resume and self.checkpoint_every == 0),
+             "--resume and --checkpoint-every need --checkpoint-dir"),
+            (not (self.precision == "fp16" and self.device == "cpu"),
+             "--precision fp16 needs CUDA (its loss scaler guards GPU fp16 kernels); use bf16 on CPU"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        if world_size is not None and world_size != self.world_size:
+            raise ConfigError(
+                f"--tp {self.tp} × --pp {self.pp} × --dp {self.dp} = {self.world_size} ranks, "
+                f"but the job has {world_size} (WORLD_SIZE)"
+            )
+
+
+def torchrun_world_size() -> int | None:
+    """WORLD_SIZE when torchrun (or another elastic launcher) started this process, else None."""
+    if all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        return int(os.environ["WORLD_SIZE"])
+    return None

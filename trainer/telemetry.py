@@ -1,0 +1,259 @@
+"""Telemetry client of a training rank: one JSON record per Unix datagram to the node agent.
+
+Observability must never hurt training, so ``TelemetryClient.send`` never blocks and never raises.
+When the agent is absent or restarting the record is dropped and counted. When it is slow — its
+kernel queue is full: Linux queues only ``net.unix.max_dgram_qlen`` datagrams (10 by default)
+per receiving socket, whatever its buffer size, and a step's burst from many ranks fills that —
+the record waits in a small backlog that a background thread retries every ``RETRY_SECONDS`` and
+later sends flush first; only what overflows the backlog is dropped. Every step record carries
+the client's counters (``client``), so the agent reports drops as
+``gpuwatch_telemetry_records_total{result="dropped"}``.
+
+The same thread re-sends the rank's hello every ``heartbeat_interval`` seconds, and the next send
+after the agent comes back re-sends it at once: a restarted agent relearns the rank's layout, and
+a rank that is alive but stuck (a hung collective) does not expire from the agent.
+
+Imports nothing from torch: the hooks build the records, this module only carries them.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from gpuwatch.agent.telemetry.paths import socket_path_candidates
+from gpuwatch.agent.telemetry.schema import (
+    MAX_ENV_VALUE_CHARS,
+    MAX_ENV_VARS,
+    MAX_RECORD_BYTES,
+    encode,
+    env_name_allowed,
+)
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL = 30.0  # well inside the agent's default 120 s TTL
+RETRY_SECONDS = 0.02
+#: Records held while the agent's queue is full; more are dropped oldest first.
+BACKLOG_RECORDS = 64
+_NO_AGENT = frozenset({errno.ENOENT, errno.ECONNREFUSED, errno.ENOTDIR})
+_BUSY = frozenset({errno.EAGAIN, errno.ENOBUFS})
+
+
+def captured_environment(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The environment variables a hello reports: NCCL_*, TORCH_*, PYTORCH_*, CUDA_* and the
+    launcher's (MASTER_ADDR, WORLD_SIZE, LOCAL_RANK, ...; ``schema.ENV_NAMES``), never a name
+    containing KEY, TOKEN, SECRET, PASSW, CREDENTIAL, AUTH or COOKIE, even under those prefixes."""
+    kept = {name: value for name, value in sorted(environ.items())
+            if env_name_allowed(name) and len(value) <= MAX_ENV_VALUE_CHARS}
+    return dict(list(kept.items())[:MAX_ENV_VARS])
+
+
+class TelemetryClient:
+    """Sends records to the node agent; ``sent``, ``dropped`` and ``drops`` (by reason) count them.
+
+    ``socket_path`` defaults to ``GPUWATCH_SOCKET``, else the agent's well-known places
+    (``gpuwatch.agent.telemetry.paths``). ``run_log``, when given, receives every record as one
+    JSON line, flushed, whether or not the agent got it: the post-mortem copy for diagnosis.
+    ``heartbeat_interval=0`` turns the hello heartbeat off. Safe to share between threads.
+    """
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str] | None = None,
+        run_log: str | os.PathLike[str] | None = None,
+        *,
+        heartbeat_interval: float = HEARTBEAT_INTERVAL,
+    ) -> None:
+        self.sent = 0
+        self.drops: collections.Counter[str] = collections.Counter()
+        self.heartbeat_interval = heartbeat_interval
+        self._candidates = (Path(socket_path),) if socket_path else socket_path_candidates()
+        self._path = self._find_agent()
+        self._address = os.fsencode(self._path)
+        self._next_search = 0.0
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._socket.setblocking(False)
+        self._lock = threading.Lock()
+        self._backlog: collections.deque[bytes] = collections.deque()
+        self._hello: bytes | None = None
+        self._replay_hello = False
+        self._warned: set[str] = set()
+        self._hello_sent_at = 0.0
+        self._log: BinaryIO | None = None
+        if run_log is not None:
+            try:
+                self._log = open(run_log, "ab")  # noqa: SIM115 - lives as long as the client
+            except OSError as exc:
+                log.warning("telemetry run log %s disabled: %s", run_log, exc)
+        self._closed = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._background, name="telemetry-client", daemon=True)
+        self._thread.start()
+
+    @property
+    def dropped(self) -> int:
+        return sum(self.drops.values())
+
+    @property
+    def socket_path(self) -> Path:
+        return self._path
+
+    def send(self, record: Mapping[str, Any]) -> None:
+        """Send one record (a dict as ``gpuwatch.agent.telemetry.schema`` describes); never raises."""
+        try:
+            self._send(record)
+        except Exception as exc:  # a bug here must cost a record, never the training run
+            self._count_drop("error", exc)
+
+    def _send(self, record: Mapping[str, Any]) -> None:
+        kind = record.get("kind")
+        with self._lock:
+            if kind != "hello" and self._replay_hello and self._hello is not None:
+                self._offer_hello()
+            if kind == "step":
+                record = {**record, "client": {"sent": self.sent, "dropped": dict(self.drops)}}
+            try:
+                payload = encode(record)
+            except (TypeError, ValueError) as exc:
+                self._count_drop("encode_error", exc)
+                return
+            self._write_log(payload)
+            if len(payload) > MAX_RECORD_BYTES:
+                self._count_drop("too_large", f"{len(payload)} bytes > {MAX_RECORD_BYTES}")
+                return
+            if kind == "hello":
+                self._hello = payload
+                self._hello_sent_at = time.monotonic()
+            self._backlog.append(payload)
+            self._flush()
+
+    def _flush(self) -> None:
+        """Send the backlog oldest first (so the agent sees a rank's records in order) until the
+        agent's queue is full; drop everything if the agent is gone."""
+        while self._backlog:
+            reason = self._send_datagram(self._backlog[0])
+            if reason is None:
+                self._backlog.popleft()
+                self.sent += 1
+            elif reason == "busy":
+                while len(self._backlog) > BACKLOG_RECORDS:
+                    self._backlog.popleft()
+                    self._count_drop("busy")
+                self._wake.set()  # the background thread retries soon
+                return
+            else:
+                for _ in range(len(self._backlog)):
+                    self._count_drop(reason)
+                self._backlog.clear()
+                if reason == "no_agent":
+                    self._replay_hello = True
+                return
+
+    def _offer_hello(self) -> None:
+        """Re-send the hello unless records wait before it. A failed re-send loses nothing new,
+        so it is not counted as a drop."""
+        if not self._backlog and self._send_datagram(self._hello) is None:
+            self.sent += 1
+            self._replay_hello = False
+            self._hello_sent_at = time.monotonic()
+
+    def _send_datagram(self, payload: bytes) -> str | None:
+        """None when sent, else the drop reason. The path is resolved by the kernel on every
+        call, so a restarted agent (a new socket at the same path) is found again."""
+        try:
+            self._socket.sendto(payload, self._address)
+        except OSError as exc:
+            if exc.errno in _BUSY:
+                return "busy"
+            if exc.errno in _NO_AGENT:
+                self._search_agent()
+                return "no_agent"
+            if exc.errno == errno.EMSGSIZE:
+                return "too_large"
+            self._warn_once("error", f"sending to {self._path}: {exc}")
+            return "error"
+        return None
+
+    def _find_agent(self) -> Path:
+        return next((path for path in self._candidates if path.exists()), self._candidates[0])
+
+    def _search_agent(self) -> None:
+        """Look again at the well-known places, at most once a second, in case the agent moved."""
+        now = time.monotonic()
+        if len(self._candidates) > 1 and now >= self._next_search:
+            self._next_search = now + 1.0
+            self._path = self._find_agent()
+            self._address = os.fsencode(self._path)
+
+    def _count_drop(self, reason: str, detail: object = None) -> None:
+        self.drops[reason] += 1
+        if detail is not None:
+            self._warn_once(reason, f"{detail}")
+
+    def _warn_once(self, reason: str, message: str) -> None:
+        if reason not in self._warned:
+            self._warned.add(reason)
+            log.warning("telemetry record dropped (%s): %s; further drops are only counted", reason, message)
+
+    def _write_log(self, payload: bytes) -> None:
+        if self._log is None:
+            return
+        try:
+            self._log.write(payload + b"\n")
+            self._log.flush()
+        except (OSError, ValueError) as exc:
+            log.warning("telemetry run log disabled after a failed write: %s", exc)
+            log_file, self._log = self._log, None
+            with contextlib.suppress(OSError):  # the buffered bytes cannot be written either
+                log_file.close()
+
+    def _background(self) -> None:
+        """Retry a backlog the agent had no room for; re-send the hello as a heartbeat. Sleeps
+        without a timeout when there is neither."""
+        while True:
+            with self._lock:
+                timeout = RETRY_SECONDS if self._backlog else (self.heartbeat_interval or None)
+            self._wake.wait(timeout)
+            self._wake.clear()
+            try:
+                with self._lock:
+                    if self._closed.is_set():
+                        return
+                    if self._backlog:
+                        self._flush()
+                    elif (self._hello is not None and self.heartbeat_interval
+                          and time.monotonic() - self._hello_sent_at >= self.heartbeat_interval):
+                        self._offer_hello()
+            except Exception as exc:
+                self._count_drop("error", exc)
+
+    def close(self) -> None:
+        """Stop the background thread, try the backlog once more, release the socket and the run log."""
+        self._closed.set()
+        self._wake.set()
+        self._thread.join(1.0)
+        with self._lock:
+            self._flush()
+            self._socket.close()
+            if self._log is not None:
+                try:
+                    self._log.close()
+                except OSError as exc:
+                    log.warning("closing the telemetry run log failed: %s", exc)
+                self._log = None
+
+    def __enter__(self) -> TelemetryClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,193 @@
+"""The training loop. One optimizer step, in order:
+
+    1. forward and backward through the pipeline schedule, micro-batch by micro-batch
+       (the tensor-parallel collectives happen inside the layers)
+    2. average the gradients over the DP group (bucketed all-reduce)
+    3. unscale (fp16), take the global gradient norm over TP and PP, clip
+    4. AdamW (skipped when the fp16 scaler saw inf/NaN), then the learning-rate schedule
+
+Each phase is a separate call in Trainer.train_step, where a hook can time or inspect it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch._dynamo  # noqa: F401 - torch.optim imports it lazily (~1.5 s): pay that before the fork, not per rank
+
+from gpuwatch.trainer import checkpoint
+from gpuwatch.trainer.config import TrainConfig
+from gpuwatch.trainer.data import DistributedSampler, SyntheticCorpus
+from gpuwatch.trainer.model import GPTStage
+from gpuwatch.trainer.parallel.data import all_reduce_gradients, clip_gradients, global_grad_norm
+from gpuwatch.trainer.parallel.groups import Grid, build_grid
+from gpuwatch.trainer.parallel.comm import all_reduce
+from gpuwatch.trainer.parallel.pipeline import MicroBatch, Pipeline
+from gpuwatch.trainer.precision import DynamicLossScaler, autocast
+
+MIN_LR_RATIO = 0.1  # cosine decay ends at 10 % of --lr
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int
+    loss: float | None  # mean over the global batch; known on last-stage ranks only
+    grad_norm: float  # before clipping
+    lr: float
+    loss_scale: float
+    skipped: bool
+    step_time_s: float
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int):
+    """LR multiplier: linear warm-up to 1, then cosine decay to MIN_LR_RATIO at `total_steps`."""
+
+    def multiplier(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return multiplier
+
+
+class Trainer:
+    """Everything one rank holds: its model slice, optimizer, schedule, data position."""
+
+    def __init__(self, cfg: TrainConfig, grid: Grid, device: torch.device) -> None:
+        self.cfg, self.grid, self.device = cfg, grid, device
+        m = cfg.model
+        self.model = GPTStage(m, grid, cfg.seed).to(device)
+        self.params = list(self.model.parameters())
+        self.pipeline = Pipeline(
+            self.model, grid, cfg.schedule, (cfg.micro_batch_size, m.seq_len, m.hidden), device,
+            partial(autocast, device, cfg.precision),
+        )
+        self.optimizer = torch.optim.AdamW(
+            [  # as nanoGPT: no weight decay on 1-D parameters (biases, norm gains)
+                {"params": [p for p in self.params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                {"params": [p for p in self.params if p.dim() < 2], "weight_decay": 0.0},
+            ],
+            lr=cfg.lr, betas=(0.9, 0.95),
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_cosine(cfg.warmup_steps, cfg.steps))
+        self.scaler = DynamicLossScaler(enabled=cfg.precision == "fp16")
+        self.corpus = SyntheticCorpus(m.vocab_size, m.seq_len, cfg.seed)
+        self.sampler = DistributedSampler(cfg.corpus_size, cfg.global_batch, grid.dp_rank, grid.dp, cfg.seed)
+        self.step = 0
+
+    def next_micro_batches(self) -> list[MicroBatch]:
+        inputs, targets = self.corpus.batch(self.sampler.next_indices())
+        m = self.cfg.micro_batches
+        return [
+            MicroBatch(i.to(self.device), t.to(self.device))
+            for i, t in zip(inputs.chunk(m), targets.chunk(m), strict=True)
+        ]
+
+    def train_step(self) -> StepResult:
+        start = time.perf_counter()
+        batches = self.next_micro_batches()
+        self.optimizer.zero_grad(set_to_none=True)
+        losses = self.pipeline.run(batches, self.scaler.scale)
+        all_reduce_gradients(self.params, self.grid, self.cfg.bucket_bytes)
+        self.scaler.unscale(self.params)
+        grad_norm = global_grad_norm(self.params, self.grid)
+        clip_gradients(self.params, self.cfg.clip_grad, grad_norm)
+        lr, loss_scale = self.scheduler.get_last_lr()[0], self.scaler.scale
+        take_step = self.scaler.update(grads_finite=math.isfinite(grad_norm))
+        if take_step:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        loss = self._global_batch_loss(losses)
+        return StepResult(
+            step=self.step, loss=loss, grad_norm=grad_norm, lr=lr, loss_scale=loss_scale,
+            skipped=not take_step, step_time_s=time.perf_counter() - start,
+        )
+
+    def _global_batch_loss(self, losses: list[torch.Tensor]) -> float | None:
+        """The mean of the micro-batch losses over the DP replicas (last stage only)."""
+        if not self.grid.is_last_stage:
+            return None
+        loss = all_reduce(torch.stack(losses).mean(), self.grid.dp_group)
+        return loss.item() / self.grid.dp
+
+    def state_dict(self) -> dict:
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "step": self.step,
+            "rng": torch.get_rng_state(),
+        }
+        if self.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.step = state["step"]
+        torch.set_rng_state(state["rng"])
+        if "cuda_rng" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+
+
+def train(device: torch.device, cfg: TrainConfig) -> list[StepResult]:
+    """One rank's whole run; the launcher (or torchrun) calls it once the process group exists.
+
+    Rank 0 of the last stage (tp 0, dp 0) prints each step and writes the JSONL log.
+    """
+    grid = build_grid(cfg.tp, cfg.pp, cfg.dp)
+    trainer = Trainer(cfg, grid, device)
+    reporter = grid.is_last_stage and grid.tp_rank == 0 and grid.dp_rank == 0
+    if grid.rank == 0:
+        print(
+            f"{cfg.world_size} ranks: tp {cfg.tp} × pp {cfg.pp} × dp {cfg.dp} on {device.type} "
+            f"({torch.distributed.get_backend()}), {cfg.schedule} over {cfg.micro_batches} micro-batches of "
+            f"{cfg.micro_batch_size} sequences, global batch {cfg.global_batch}, {cfg.precision}",
+            flush=True,
+        )
+    resumed = cfg.resume and checkpoint.load_latest(trainer, Path(cfg.checkpoint_dir), grid)
+    if grid.rank == 0 and cfg.resume:
+        print(f"resumed from step {trainer.step}" if resumed else f"no checkpoint in {cfg.checkpoint_dir}: "
+              "starting from step 0", flush=True)
+    log = open(cfg.log_jsonl, "a" if resumed else "w") if reporter and cfg.log_jsonl else None  # noqa: SIM115
+    results = []
+    try:
+        while trainer.step < cfg.steps:
+            result = trainer.train_step()
+            results.append(result)
+            if reporter:
+                _report(result, cfg.steps, log)
+            if cfg.checkpoint_dir and (trainer.step == cfg.steps or (
+                    cfg.checkpoint_every and trainer.step % cfg.checkpoint_every == 0)):
+                checkpoint.save(trainer, Path(cfg.checkpoint_dir), grid)
+    finally:
+        if log is not None:
+            log.close()
+    return results
+
+
+def _report(result: StepResult, total_steps: int, log) -> None:
+    skipped = "  (skipped: inf/NaN gradients)" if result.skipped else ""
+    print(
+        f"step {result.step:>5}/{total_steps}  loss {result.loss:.4f}  grad-norm {result.grad_norm:.3f}  "
+        f"lr {result.lr:.2e}  {result.step_time_s * 1000:.1f} ms{skipped}",
+        file=sys.stdout, flush=True,
+    )
+    if log is not None:
+        log.write(json.dumps(asdict(result)) + "\n")
+        log.flush()

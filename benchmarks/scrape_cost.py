@@ -48,7 +48,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as workdir:
         simulation = Simulation(PRESETS[args.preset], Path(workdir))
-        context = CollectorContext(sysfs_root=simulation.sysfs_root, nvml=simulation.nvml, simulated=True)
+        context = CollectorContext(sysfs_root=simulation.sysfs_root, nvml=simulation.nvml, simulated=True,
+                                   telemetry_socket=Path(workdir) / "telemetry.sock")
         collectors = [cls(context) for cls in REGISTRY.values()]
         simulation.advance()
         families = [family for c in collectors for family in c.collect().families]

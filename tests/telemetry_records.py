@@ -1,11 +1,13 @@
-"""Valid telemetry records for the tests, built the way the hooks build them (tp=2, pp=2, dp=2)."""
+"""Telemetry test helpers: valid records built the way the hooks build them (tp=2, pp=2, dp=2), and a
+reader for the series they turn into."""
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
-from gpuwatch.agent.telemetry.schema import COLLECTIVE_BUCKETS, COLLECTIVE_OPS, SCHEMA_VERSION, bucket_index
+from gpuwatch.agent.telemetry.schema import COLLECTIVE_BUCKETS, SCHEMA_VERSION, bucket_index
 
 JOB = "job-42"
 
@@ -54,5 +56,21 @@ def step(rank: int = 0, number: int = 1, job: str = JOB, **fields: Any) -> dict[
     return record
 
 
-def all_ops() -> dict[str, Any]:
-    return collectives({op: [0.001] for op in COLLECTIVE_OPS})
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def samples(text: str, name: str) -> dict[frozenset, float]:
+    """{frozenset of (label, value): value} for one series name in exposition text."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name):].rsplit(" ", 1)
+            out[frozenset(_LABEL.findall(labels))] = float(value)
+    return out
+
+
+def coordinates(rank: int, **extra: str) -> frozenset:
+    """The label set of a rank of telemetry_records' tp=2 pp=2 dp=2 layout."""
+    labels = {"job": JOB, "rank": str(rank), "local_rank": str(rank % 4), "tp_rank": str(rank % 2),
+              "dp_rank": str(rank // 2 % 2), "pp_stage": str(rank // 4), **extra}
+    return frozenset(labels.items())

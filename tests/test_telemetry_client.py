@@ -16,6 +16,8 @@ from gpuwatch.agent.telemetry.paths import SYSTEM_SOCKET, default_socket_path, s
 from gpuwatch.agent.telemetry.schema import MAX_RECORD_BYTES
 from gpuwatch.trainer.telemetry import BACKLOG_RECORDS, TelemetryClient, captured_environment
 
+from conftest import wait_until
+
 
 class Receiver:
     """A bare datagram socket standing in for the agent."""
@@ -102,6 +104,25 @@ def test_a_stalled_agent_costs_drops_not_blocking_and_order_is_kept(socket_path)
     assert len(numbers) + client.drops["busy"] == total + 100 == client.sent + client.dropped
 
 
+def test_the_backlog_drains_by_itself_and_close_counts_what_never_left(socket_path):
+    agent = Receiver(socket_path)
+    client = TelemetryClient(socket_path, heartbeat_interval=0)
+    _send_in_thread(client, [step(number=n) for n in range(40)])  # more than the kernel queues
+    received = []
+
+    def all_arrived() -> bool:
+        received.extend(record["step"] for record in agent.records())
+        return len(received) == 40
+
+    wait_until(all_arrived, timeout=5, what="the backlog, retried by the client's own thread")
+    assert received == list(range(40)) and client.dropped == 0
+
+    stalled = TelemetryClient(socket_path, heartbeat_interval=0)
+    _send_in_thread(stalled, [step(number=n) for n in range(40)])
+    stalled.close(timeout=0.05)
+    assert stalled.sent + stalled.drops["busy"] == 40 and stalled.drops["busy"] > 0
+
+
 def test_encoding_errors_and_oversized_records_are_counted_with_one_warning(socket_path, caplog):
     agent = Receiver(socket_path)
     client = TelemetryClient(socket_path, heartbeat_interval=0)
@@ -163,6 +184,23 @@ def test_socket_path_from_argument_then_environment_then_the_shared_default(monk
     assert default_socket_path({}) in candidates
 
 
+def test_a_root_agents_socket_the_rank_may_not_look_at_is_still_chosen(monkeypatch, tmp_path):
+    """Agent as root, job as a user outside its group: stat() says EACCES. Sending there fails with a
+    warning naming the socket; falling back to the user's own path would only say "no agent"."""
+    system = tmp_path / "root-only" / "telemetry.sock"
+    lstat = Path.lstat
+
+    def no_access(path):
+        if path == system:
+            raise PermissionError(13, "Permission denied", str(path))
+        return lstat(path)
+
+    monkeypatch.setattr(Path, "lstat", no_access)
+    monkeypatch.setattr("gpuwatch.agent.telemetry.paths.SYSTEM_SOCKET", system)
+    monkeypatch.delenv("GPUWATCH_SOCKET", raising=False)
+    assert TelemetryClient(heartbeat_interval=0).socket_path == system
+
+
 def test_captured_environment_never_copies_secrets():
     environ = {
         "AWS_SECRET_ACCESS_KEY": "s3cr3t", "WANDB_API_KEY": "k", "NCCL_FAKE_TOKEN": "t", "HF_TOKEN": "t",
@@ -175,6 +213,16 @@ def test_captured_environment_never_copies_secrets():
         "CUDA_VISIBLE_DEVICES": "0,1", "LOCAL_RANK": "3", "MASTER_ADDR": "10.0.0.1", "NCCL_DEBUG": "INFO",
         "NCCL_IB_DISABLE": "0", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "WORLD_SIZE": "8",
     }
+
+
+def test_captured_environment_always_fits_the_hello_datagram(socket_path):
+    environ = {f"NCCL_SETTING_{i:03d}": "v" * 1000 for i in range(200)}
+    env = captured_environment(environ)
+    assert 4 <= len(env) < 200
+    agent = Receiver(socket_path)
+    client = TelemetryClient(socket_path, heartbeat_interval=0)
+    client.send(hello(env=env))
+    assert client.sent == 1 and agent.records()[0]["env"] == env
 
 
 def test_client_never_imports_torch(socket_path):

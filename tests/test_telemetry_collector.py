@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from telemetry_records import JOB, collectives, hello, step
+from telemetry_records import JOB, collectives, coordinates, hello, samples, step
 
 from gpuwatch.agent.collectors.base import CollectorContext, CollectorError
 from gpuwatch.agent.collectors.telemetry import TelemetryCollector
@@ -116,16 +116,6 @@ def open_collector():
         collector.close()
 
 
-def _series(text: str, name: str) -> dict[str, float]:
-    """{label block: value} of one series name in exposition text."""
-    out = {}
-    for line in text.splitlines():
-        if line.startswith(name + "{"):
-            labels, value = line[len(name):].rsplit(" ", 1)
-            out[labels] = float(value)
-    return out
-
-
 def test_collector_serves_every_rank_with_its_coordinates_and_passes_promtool(socket_path, open_collector):
     collector = open_collector(socket_path)
     client = TelemetryClient(socket_path, heartbeat_interval=0)
@@ -137,31 +127,39 @@ def test_collector_serves_every_rank_with_its_coordinates_and_passes_promtool(so
     result = collector.collect()
     text = Renderer().render(result.families).decode()
 
-    coordinates = 'dp_rank="1",job="job-42",local_rank="2",pp_stage="1",rank="6",tp_rank="0"'
-    assert _series(text, "gpuwatch_train_compute_seconds")["{" + coordinates + "}"] == pytest.approx(0.7)
-    assert len(_series(text, "gpuwatch_train_step_seconds")) == 8
-    buckets = _series(text, "gpuwatch_train_collective_seconds_bucket")
-    assert buckets["{" + coordinates + ',le="0.002",op="all_reduce"}'] == 1  # 1.5 ms
-    assert buckets["{" + coordinates + ',le="+Inf",op="all_reduce"}'] == 2
-    assert _series(text, "gpuwatch_train_collective_seconds_sum")["{" + coordinates + ',op="all_reduce"}'] == \
+    assert samples(text, "gpuwatch_train_compute_seconds")[coordinates(6)] == pytest.approx(0.7)
+    assert len(samples(text, "gpuwatch_train_step_seconds")) == 8
+    buckets = samples(text, "gpuwatch_train_collective_seconds_bucket")
+    assert buckets[coordinates(6, op="all_reduce", le="0.001")] == 0
+    assert buckets[coordinates(6, op="all_reduce", le="0.002")] == 1  # 1.5 ms
+    assert buckets[coordinates(6, op="all_reduce", le="+Inf")] == 2
+    assert samples(text, "gpuwatch_train_collective_seconds_count")[coordinates(6, op="all_reduce")] == 2
+    assert samples(text, "gpuwatch_train_collective_seconds_sum")[coordinates(6, op="all_reduce")] == \
         pytest.approx(0.0045)
-    assert _series(text, "gpuwatch_train_collective_bytes_total")["{" + coordinates + ',op="send"}'] == 1 << 20
-    assert _series(text, "gpuwatch_gpu_job_info") == {
-        f'{{gpu="{r % 4}",job="job-42",rank="{r}",uuid="GPU-0000000{r}-1111-2222-3333-444444444444"}}': 1
+    assert samples(text, "gpuwatch_train_collective_bytes_total")[coordinates(6, op="send")] == 1 << 20
+    assert samples(text, "gpuwatch_gpu_job_info") == {
+        frozenset({"gpu": str(r % 4), "job": JOB, "rank": str(r),
+                   "uuid": f"GPU-0000000{r}-1111-2222-3333-444444444444"}.items()): 1
         for r in range(8)}
-    assert 'faults="slow_rank"' in text and 'schedule="1f1b"' in text
-    assert 'gpuwatch_telemetry_records_total{reason="",result="accepted"} 17.0' in text
+    info = samples(text, "gpuwatch_train_rank_info")
+    assert info[coordinates(0, faults="slow_rank", schedule="1f1b", micro_batches="4", precision="bf16",
+                            world_size="8", tp_size="2", pp_size="2", dp_size="2", torch_version="2.13.0+cpu",
+                            nccl_version="2.21.5")] == 1
+    assert samples(text, "gpuwatch_telemetry_records_total")[frozenset({"result": "accepted", "reason": ""}.items())] \
+        == 17
     # Rank 7's latest step is a CPU step: host RSS only, no allocator series; a hex checksum stays a fact.
-    rank7 = 'dp_rank="1",job="job-42",local_rank="3",pp_stage="1",rank="7",tp_rank="1"'
-    assert _series(text, "gpuwatch_train_memory_peak_bytes")["{" + rank7 + ',kind="host_rss"}'] == 123
-    assert not any(rank7 in labels for labels in _series(text, "gpuwatch_train_memory_reserved_bytes"))
-    assert not any(rank7 in labels for labels in _series(text, "gpuwatch_train_param_checksum"))
-    assert _series(text, "gpuwatch_train_steps_total")["{" + rank7 + "}"] == 2
+    assert samples(text, "gpuwatch_train_memory_peak_bytes")[coordinates(7, kind="host_rss")] == 123
+    assert len(samples(text, "gpuwatch_train_memory_reserved_bytes")) == 7
+    assert coordinates(7) not in samples(text, "gpuwatch_train_param_checksum")
+    assert samples(text, "gpuwatch_train_param_checksum")[coordinates(6)] == 1234.5
+    assert samples(text, "gpuwatch_train_steps_total")[coordinates(7)] == 2
 
     facts = result.facts
     assert facts["socket"] == str(socket_path)
     assert [(r["rank"], r["hello"]["pid"]) for r in facts["ranks"]] == [(r, 4000 + r) for r in range(8)]
-    assert facts["processes"][3] == {"pid": 4003, "job": JOB, "rank": 3}
+    # The hellos claim pids 4000+; the kernel says who really sent them (here: this test process).
+    assert facts["processes"][3] == {"pid": os.getpid(), "job": JOB, "rank": 3}
+    assert {r["sender_pid"] for r in facts["ranks"]} == {os.getpid()}
     assert facts["ranks"][7]["sampled"]["param_checksum"] == {"step": 2, "value": "00ff"}
     assert facts["records"]["accepted"] == 17
     check = subprocess.run([require_tool("promtool"), "check", "metrics"], input=text, capture_output=True,

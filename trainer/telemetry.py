@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL = 30.0  # well inside the agent's default 120 s TTL
 RETRY_SECONDS = 0.02
+#: Half a datagram for the hello's environment, whatever the job's environment holds.
+ENV_BUDGET_BYTES = MAX_RECORD_BYTES // 2
 #: Records held while the agent's queue is full; more are dropped oldest first.
 BACKLOG_RECORDS = 64
 _NO_AGENT = frozenset({errno.ENOENT, errno.ECONNREFUSED, errno.ENOTDIR})
@@ -52,10 +54,33 @@ _BUSY = frozenset({errno.EAGAIN, errno.ENOBUFS})
 def captured_environment(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """The environment variables a hello reports: NCCL_*, TORCH_*, PYTORCH_*, CUDA_* and the
     launcher's (MASTER_ADDR, WORLD_SIZE, LOCAL_RANK, ...; ``schema.ENV_NAMES``), never a name
-    containing KEY, TOKEN, SECRET, PASSW, CREDENTIAL, AUTH or COOKIE, even under those prefixes."""
-    kept = {name: value for name, value in sorted(environ.items())
-            if env_name_allowed(name) and len(value) <= MAX_ENV_VALUE_CHARS}
-    return dict(list(kept.items())[:MAX_ENV_VARS])
+    containing KEY, TOKEN, SECRET, PASSW, CREDENTIAL, AUTH or COOKIE, even under those prefixes.
+    Bounded by ``ENV_BUDGET_BYTES`` so the hello always fits its datagram."""
+    kept: dict[str, str] = {}
+    budget = ENV_BUDGET_BYTES
+    for name, value in sorted(environ.items()):
+        if not env_name_allowed(name) or len(value) > MAX_ENV_VALUE_CHARS:
+            continue
+        cost = len(encode({name: value}))
+        if cost <= budget:
+            kept[name] = value
+            budget -= cost
+            if len(kept) == MAX_ENV_VARS:
+                break
+    return kept
+
+
+def _present(path: Path) -> bool:
+    """Whether something is at ``path``. A root agent's socket that this user may not even look at
+    counts as present: sending to it then fails with a warning that says why, where falling back to
+    another place would only report "no agent"."""
+    try:
+        path.lstat()
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return True
 
 
 class TelemetryClient:
@@ -185,7 +210,7 @@ class TelemetryClient:
         return None
 
     def _find_agent(self) -> Path:
-        return next((path for path in self._candidates if path.exists()), self._candidates[0])
+        return next((path for path in self._candidates if _present(path)), self._candidates[0])
 
     def _search_agent(self) -> None:
         """Look again at the well-known places, at most once a second, in case the agent moved."""
@@ -237,13 +262,24 @@ class TelemetryClient:
             except Exception as exc:
                 self._count_drop("error", exc)
 
-    def close(self) -> None:
-        """Stop the background thread, try the backlog once more, release the socket and the run log."""
+    def close(self, timeout: float = 1.0) -> None:
+        """Stop the background thread, give the backlog up to ``timeout`` seconds to reach the agent
+        (the last steps of a run matter; what stays is counted as dropped), release the socket and
+        the run log. Not for the training loop: this one may wait."""
         self._closed.set()
         self._wake.set()
         self._thread.join(1.0)
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                self._flush()
+                if not self._backlog or time.monotonic() >= deadline:
+                    break
+            time.sleep(RETRY_SECONDS)
         with self._lock:
-            self._flush()
+            for _ in range(len(self._backlog)):
+                self._count_drop("busy")
+            self._backlog.clear()
             self._socket.close()
             if self._log is not None:
                 try:

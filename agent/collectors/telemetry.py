@@ -23,13 +23,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
+
 from gpuwatch.agent.collectors.base import Collector, CollectorContext, CollectorError, CollectorResult
 from gpuwatch.agent.telemetry import listener
 from gpuwatch.agent.telemetry.paths import default_socket_path
 from gpuwatch.agent.telemetry.schema import COLLECTIVE_BUCKETS
 from gpuwatch.agent.telemetry.store import RankState, TelemetryStore
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.utils import floatToGoString
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +183,7 @@ def _rank_facts(state: RankState) -> dict[str, Any]:
         "counters": state.counters(),
         "collectives": {op: dataclasses.asdict(totals) for op, totals in state.collectives.items()},
         "sampled": {name: {"step": step, "value": value} for name, (step, value) in state.sampled.items()},
+        "sender_pid": state.sender_pid,
         "last_seen": state.last_seen_time,
     }
 
@@ -198,10 +200,10 @@ class _Receiver:
         self._thread.start()
 
     def _run(self) -> None:
-        receive, ingest = self._socket.recv, self._store.ingest
+        receive, ingest = self._socket.recvmsg, self._store.ingest
         while True:
             try:
-                datagram = receive(listener.RECV_BYTES)
+                datagram, ancillary, _, _ = receive(listener.RECV_BYTES, listener.CREDENTIALS_SPACE)
             except OSError as exc:
                 if self._closing.is_set():
                     return
@@ -211,7 +213,7 @@ class _Receiver:
             if self._closing.is_set():  # woken by close()
                 return
             try:
-                ingest(datagram)
+                ingest(datagram, listener.sender_pid(ancillary))
             except Exception:  # the store must never stop the receiver; decode() raises only RecordRejected
                 log.exception("telemetry record could not be stored")
 
@@ -225,6 +227,9 @@ class _Receiver:
 
 
 class TelemetryCollector(Collector):
+    """Owns the telemetry socket and the per-rank store; reported down while the socket cannot be
+    set up (the reason is its last error), and retries every sampling round."""
+
     name = "telemetry"
 
     def __init__(self, context: CollectorContext) -> None:
@@ -267,8 +272,9 @@ class TelemetryCollector(Collector):
                 **{result: {reason: count for (kind, reason), count in records.items() if kind == result}
                    for result in ("rejected", "dropped")},
             },
-            # For per-process attribution (host RSS): pids as the ranks see them, in their pid namespace.
-            "processes": [{"pid": s.hello["pid"], "job": s.job, "rank": s.rank} for s in ranks if s.hello],
+            # For per-process attribution (host RSS): the senders' pids as the kernel reported them, in the
+            # agent's pid namespace; the pid in a hello is the rank's view, wrong across containers.
+            "processes": [{"pid": s.sender_pid, "job": s.job, "rank": s.rank} for s in ranks if s.sender_pid],
             "ranks": [_rank_facts(state) for state in ranks],
         }
         return CollectorResult(families(ranks, records), facts)

@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import stat
+import struct
 from pathlib import Path
 
 from gpuwatch.agent.telemetry.paths import MAX_PATH_BYTES
@@ -27,13 +28,13 @@ log = logging.getLogger(__name__)
 DIRECTORY_MODE = 0o750
 #: Owner and group may send. Non-root ranks need the agent's group (issue 8: --telemetry.socket-group).
 SOCKET_MODE = 0o660
-#: Ask for room for bursts; the kernel caps it at net.core.rmem_max. On Linux the number of
-#: queued datagrams is capped separately, by net.unix.max_dgram_qlen (see ``queue_limit``).
-RECEIVE_BUFFER_BYTES = 4 * 1024 * 1024
 #: One byte more than a record may have: an oversized datagram arrives truncated but still
 #: longer than the limit, and is rejected as too_large.
 RECV_BYTES = MAX_RECORD_BYTES + 1
 _QUEUE_LIMIT_FILE = Path("/proc/sys/net/unix/max_dgram_qlen")
+_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
+#: Ancillary buffer for recvmsg: the sender's credentials, which SO_PASSCRED makes the kernel attach.
+CREDENTIALS_SPACE = socket.CMSG_SPACE(_UCRED.size)
 
 
 class SocketSetupError(Exception):
@@ -41,7 +42,10 @@ class SocketSetupError(Exception):
 
 
 def queue_limit() -> int | None:
-    """How many datagrams the kernel queues for the receiver before senders get EAGAIN."""
+    """How many datagrams the kernel queues for the receiver before senders get EAGAIN.
+
+    For AF_UNIX datagrams this count, not SO_RCVBUF, is the limit (queued bytes are charged to
+    the sender's SO_SNDBUF): raising SO_RCVBUF does nothing, raising the sysctl does."""
     try:
         return int(_QUEUE_LIMIT_FILE.read_text())
     except (OSError, ValueError):
@@ -107,7 +111,7 @@ def bind(path: Path) -> tuple[socket.socket, tuple[int, int]]:
     try:
         sock.bind(str(path))
         os.chmod(path, SOCKET_MODE)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         info = os.lstat(path)
     except OSError as exc:
         sock.close()
@@ -115,6 +119,16 @@ def bind(path: Path) -> tuple[socket.socket, tuple[int, int]]:
             raise SocketSetupError(f"{path} appeared while binding (another agent starting?)") from None
         raise SocketSetupError(f"cannot bind {path}: {exc.strerror or exc}") from None
     return sock, (info.st_dev, info.st_ino)
+
+
+def sender_pid(ancillary: list[tuple[int, int, bytes]]) -> int | None:
+    """The sending process's pid from recvmsg's ancillary data, as the kernel vouches for it and in
+    the agent's pid namespace (unlike the pid a hello claims, seen from inside the rank's container);
+    None when the sender is not visible from the agent's namespace."""
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= _UCRED.size:
+            return _UCRED.unpack_from(data)[0] or None
+    return None
 
 
 def unlink_if_ours(path: Path, identity: tuple[int, int]) -> None:

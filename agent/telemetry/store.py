@@ -60,6 +60,8 @@ class RankState:
     rank: int
     last_seen: float  # the store's clock (monotonic), for the TTL
     last_seen_time: float  # wall clock, for people
+    #: pid of the process that sent the latest record, from the kernel (None: not visible to the agent)
+    sender_pid: int | None = None
     hello: dict[str, Any] | None = None
     last_step: dict[str, Any] | None = None
     steps: int = 0
@@ -112,7 +114,7 @@ class TelemetryStore:
         self._records.update(dict.fromkeys((("rejected", reason) for reason in REJECT_REASONS), 0))
         self._records.update(dict.fromkeys((("dropped", reason) for reason in CLIENT_DROP_REASONS), 0))
 
-    def ingest(self, datagram: bytes) -> str | None:
+    def ingest(self, datagram: bytes, sender_pid: int | None = None) -> str | None:
         """Decode and apply one datagram; return the rejection reason, or None when accepted."""
         try:
             record = decode(datagram)
@@ -127,6 +129,7 @@ class TelemetryStore:
                 return "cardinality"
             state.last_seen = self._clock()
             state.last_seen_time = time.time()
+            state.sender_pid = sender_pid
             if record.kind == "hello":
                 state.hello = record.body
             else:

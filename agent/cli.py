@@ -42,7 +42,7 @@ class LazyGroup(click.Group):
 
 @click.group(
     cls=LazyGroup,
-    lazy={"train": ("gpuwatch.trainer.cli", "train")},
+    lazy={"train": ("gpuwatch.trainer.cli", "train"), "diagnose": ("gpuwatch.agent.diagnosis.cli", "diagnose")},
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
 @click.version_option(__version__, prog_name="gpuwatch")
@@ -73,8 +73,7 @@ def _collector_options(function):
             f"--collector.{name}/--no-collector.{name}",
             f"collector_{name}",
             default=REGISTRY[name].enabled_by_default,
-            show_default=True,
-            help=f"Enable the {name} collector.",
+            help=f"Enable the {name} collector ({'on' if REGISTRY[name].enabled_by_default else 'off'} by default).",
         )(function)
     return function
 

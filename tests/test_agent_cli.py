@@ -118,3 +118,10 @@ def test_agent_and_cli_never_import_torch():
             "assert 'agent' in result.output and 'train' in result.output, result.output\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_collector_switch_disables_a_collector(start_agent):
+    agent = start_agent("--simulate", "a100-roce", "--interval", "0.5", "--no-collector.nvlink")
+    collectors = agent.state()["collectors"]
+    assert "nvlink" not in collectors and collectors["nvml"]["up"] is True
+    assert "gpuwatch_nvlink_" not in agent.get("/metrics").decode()

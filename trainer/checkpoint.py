@@ -25,6 +25,8 @@ from gpuwatch.trainer.parallel.groups import Grid
 if TYPE_CHECKING:
     from gpuwatch.trainer.train import Trainer
 
+SAME_RUN = "resume with the same --tp/--pp/--dp and model options"
+
 
 def rank_file(directory: Path, step: int, grid: Grid) -> Path:
     return directory / f"step_{step:08d}" / f"tp{grid.tp_rank}-pp{grid.pp_rank}-dp{grid.dp_rank}.pt"
@@ -60,12 +62,10 @@ def load_latest(trainer: Trainer, directory: Path, grid: Grid) -> bool:
         return False
     path = rank_file(directory, int(latest.read_text()), grid)
     if not path.exists():
-        raise ConfigError(f"{path} is missing: was {directory} saved with another --tp/--pp/--dp layout?")
-    state = torch.load(path, map_location=trainer.device, weights_only=True)
+        raise ConfigError(f"{path} is missing: {directory} holds another layout; {SAME_RUN}")
+    state = torch.load(path, map_location="cpu", weights_only=True)  # RNG states must stay on the CPU
     if state["identity"] != _identity(trainer, grid):
-        raise ConfigError(
-            f"{path} was saved by a different layout or model ({state['identity']}); this run is "
-            f"{_identity(trainer, grid)}. Resume with the same --tp/--pp/--dp and model options."
-        )
+        this_run = _identity(trainer, grid)
+        raise ConfigError(f"{path} was saved by {state['identity']}, this run is {this_run}; {SAME_RUN}")
     trainer.load_state_dict(state)
     return True

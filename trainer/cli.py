@@ -37,7 +37,8 @@ DEFAULTS = TrainConfig()
 @click.option("--lr", default=DEFAULTS.lr, show_default=True, help="Peak AdamW learning rate.")
 @click.option("--warmup-steps", default=DEFAULTS.warmup_steps, show_default=True,
               help="Linear warm-up steps before the cosine decay.")
-@click.option("--weight-decay", default=DEFAULTS.weight_decay, show_default=True)
+@click.option("--weight-decay", default=DEFAULTS.weight_decay, show_default=True,
+              help="AdamW weight decay (not applied to biases and norm gains).")
 @click.option("--clip-grad", default=DEFAULTS.clip_grad, show_default=True,
               help="Clip the global gradient norm (after the DP reduction) to this; 0 turns it off.")
 @click.option("--precision", type=click.Choice(PRECISIONS), default=DEFAULTS.precision, show_default=True,

@@ -39,10 +39,10 @@ class TrainConfig:
     dp: int = 1
     micro_batches: int = 1
     schedule: str = "1f1b"
-    steps: int = 20
+    steps: int = 30
     global_batch: int = 16
     seed: int = 0
-    lr: float = 3e-3
+    lr: float = 1e-2
     warmup_steps: int = 5
     weight_decay: float = 0.1
     clip_grad: float = 1.0
@@ -97,7 +97,7 @@ class TrainConfig:
             (self.checkpoint_dir is not None or (not self.resume and self.checkpoint_every == 0),
              "--resume and --checkpoint-every need --checkpoint-dir"),
             (not (self.precision == "fp16" and self.device == "cpu"),
-             "--precision fp16 needs CUDA (its loss scaler guards GPU fp16 kernels); use bf16 on CPU"),
+             "--precision fp16 needs CUDA; use bf16 on CPU"),
         ]
         for ok, message in checks:
             if not ok:

@@ -6,8 +6,10 @@ Why fork: on a small machine 8 ranks start in ~0.2 s with fork, against ~11 s wi
 enters the parent's OpenMP pool (which is not fork-safe). Fork is also unsafe once CUDA is
 initialised, so the parent never touches CUDA: each child picks its own device after the fork.
 
-Rendezvous: the parent hosts the TCPStore on a port the OS picks (port 0), so there is no window in
-which another process can take the port; the children connect to it.
+Rendezvous: the parent binds a listening socket to a port the OS picks (port 0) before forking,
+and rank 0 serves the TCPStore on that very socket (`master_listen_fd`): no window in which
+another process can take the port. (A store served by the parent itself hung about one launch in
+ten: its server thread's sockets leak into the children forked after it.)
 
 Failure: a rank that raises sends its error to the parent and exits 1; the parent kills the other
 ranks (they may wait in a collective forever) and raises RankFailed naming the rank. Its peers
@@ -22,6 +24,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import socket
 import sys
 import time
 import traceback
@@ -38,6 +41,7 @@ T = TypeVar("T")
 RankFunction = Callable[..., T]  # called as fn(device, *args) once the default process group exists
 HOST = "127.0.0.1"
 FAILURE_GRACE_S = 2.0
+STORE_TIMEOUT = timedelta(seconds=60)
 
 
 class RankFailed(RuntimeError):
@@ -64,18 +68,21 @@ def resolve_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def run_rank(fn: RankFunction[T], args: tuple, device: str = "auto", store: dist.Store | None = None) -> T:
+def run_rank(
+    fn: RankFunction[T], args: tuple, device: str = "auto", connect: Callable[[], dist.Store] | None = None
+) -> T:
     """Join the job as the rank described by RANK/WORLD_SIZE/LOCAL_RANK, call fn(device, *args), leave.
 
     Under torchrun the rendezvous comes from MASTER_ADDR/MASTER_PORT (env://); the local launcher
-    passes its store instead. gloo on CPU, NCCL on CUDA: the same code either way.
+    passes `connect`, which returns its store. gloo on CPU, NCCL on CUDA: the same code either way.
+    The device is checked first, so a rank without one fails before its peers wait for it.
     """
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     chosen = resolve_device(device, int(os.environ["LOCAL_RANK"]))
     backend = "nccl" if chosen.type == "cuda" else "gloo"
     options: dict[str, Any] = {"rank": rank, "world_size": world_size, "timeout": timedelta(minutes=10)}
-    if store is not None:
-        options["store"] = store
+    if connect is not None:
+        options["store"] = connect()
     if chosen.type == "cuda":
         options["device_id"] = chosen  # eager NCCL init: a wrong GPU mapping fails here, not mid-step
     dist.init_process_group(backend, **options)
@@ -94,19 +101,19 @@ def launch(
     pickle, not multiprocessing's: that one hands tensors over in shared memory, which is gone once
     the child exits.
     """
-    store = dist.TCPStore(HOST, 0, None, is_master=True, wait_for_workers=False)
     context = mp.get_context("fork")
     processes, readers = [], []
     try:
-        for rank in range(world_size):
-            reader, writer = context.Pipe(duplex=False)
-            process = context.Process(
-                target=_child, args=(writer, rank, world_size, store.port, device, fn, args), name=f"rank{rank}"
-            )
-            process.start()
-            writer.close()  # the child holds the only writer: EOF here means it died
-            processes.append(process)
-            readers.append(reader)
+        with socket.create_server((HOST, 0), backlog=world_size) as listener:
+            for rank in range(world_size):
+                reader, writer = context.Pipe(duplex=False)
+                process = context.Process(
+                    target=_child, args=(writer, rank, world_size, listener, device, fn, args), name=f"rank{rank}"
+                )
+                process.start()
+                writer.close()  # the child holds the only writer: EOF here means it died
+                processes.append(process)
+                readers.append(reader)
         return _collect(processes, readers, timeout)
     finally:
         for process in processes:
@@ -115,17 +122,26 @@ def launch(
             process.join()
 
 
-def _child(writer, rank: int, world_size: int, port: int, device: str, fn: RankFunction, args: tuple) -> None:
+def _child(
+    writer, rank: int, world_size: int, listener: socket.socket, device: str, fn: RankFunction, args: tuple
+) -> None:
     torch.set_num_threads(1)
+    port = listener.getsockname()[1]
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR=HOST, MASTER_PORT=str(port),
     )
+    def connect() -> dist.Store:  # rank 0 serves the store on the socket the parent bound
+        if rank == 0:
+            return dist.TCPStore(HOST, port, world_size, is_master=True, master_listen_fd=listener.fileno(),
+                                 wait_for_workers=False, timeout=STORE_TIMEOUT)
+        listener.close()
+        return dist.TCPStore(HOST, port, world_size, is_master=False, timeout=STORE_TIMEOUT)
+
     try:
-        store = dist.TCPStore(HOST, port, None, is_master=False, timeout=timedelta(seconds=60))
-        writer.send_bytes(pickle.dumps(("ok", run_rank(fn, args, device, store))))
+        writer.send_bytes(pickle.dumps(("ok", run_rank(fn, args, device, connect))))
         code = 0
-    except BaseException as error:  # noqa: BLE001 - every failure must reach the parent
+    except BaseException as error:
         details = str(error) if isinstance(error, ConfigError) else traceback.format_exc()
         writer.send_bytes(pickle.dumps(("error", (time.monotonic(), details))))
         code = 1

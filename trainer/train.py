@@ -15,20 +15,24 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
+from typing import TextIO
 
 import torch
-import torch._dynamo  # noqa: F401 - torch.optim imports it lazily (~1.5 s): pay that before the fork, not per rank
+import torch._dynamo  # torch.optim imports it lazily (~1.5 s): pay that once, before the fork, not per rank
+import torch.distributed as dist
 
 from gpuwatch.trainer import checkpoint
-from gpuwatch.trainer.config import TrainConfig
+from gpuwatch.trainer.config import ConfigError, TrainConfig
 from gpuwatch.trainer.data import DistributedSampler, SyntheticCorpus
 from gpuwatch.trainer.model import GPTStage
+from gpuwatch.trainer.parallel.comm import all_reduce
 from gpuwatch.trainer.parallel.data import all_reduce_gradients, clip_gradients, global_grad_norm
 from gpuwatch.trainer.parallel.groups import Grid, build_grid
-from gpuwatch.trainer.parallel.comm import all_reduce
 from gpuwatch.trainer.parallel.pipeline import MicroBatch, Pipeline
 from gpuwatch.trainer.precision import DynamicLossScaler, autocast
 
@@ -46,7 +50,7 @@ class StepResult:
     step_time_s: float
 
 
-def warmup_cosine(warmup_steps: int, total_steps: int):
+def warmup_cosine(warmup_steps: int, total_steps: int) -> Callable[[int], float]:
     """LR multiplier: linear warm-up to 1, then cosine decay to MIN_LR_RATIO at `total_steps`."""
 
     def multiplier(step: int) -> float:
@@ -107,6 +111,8 @@ class Trainer:
         self.scheduler.step()
         self.step += 1
         loss = self._global_batch_loss(losses)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the step's time includes its queued kernels
         return StepResult(
             step=self.step, loss=loss, grad_norm=grad_norm, lr=lr, loss_scale=loss_scale,
             skipped=not take_step, step_time_s=time.perf_counter() - start,
@@ -150,13 +156,15 @@ def train(device: torch.device, cfg: TrainConfig) -> list[StepResult]:
 
     Rank 0 of the last stage (tp 0, dp 0) prints each step and writes the JSONL log.
     """
+    if cfg.precision == "fp16" and device.type != "cuda":
+        raise ConfigError(f"--precision fp16 needs CUDA, and this rank runs on {device.type}; use bf16")
     grid = build_grid(cfg.tp, cfg.pp, cfg.dp)
     trainer = Trainer(cfg, grid, device)
     reporter = grid.is_last_stage and grid.tp_rank == 0 and grid.dp_rank == 0
     if grid.rank == 0:
         print(
             f"{cfg.world_size} ranks: tp {cfg.tp} × pp {cfg.pp} × dp {cfg.dp} on {device.type} "
-            f"({torch.distributed.get_backend()}), {cfg.schedule} over {cfg.micro_batches} micro-batches of "
+            f"({dist.get_backend()}), {cfg.schedule} over {cfg.micro_batches} micro-batches of "
             f"{cfg.micro_batch_size} sequences, global batch {cfg.global_batch}, {cfg.precision}",
             flush=True,
         )
@@ -164,24 +172,20 @@ def train(device: torch.device, cfg: TrainConfig) -> list[StepResult]:
     if grid.rank == 0 and cfg.resume:
         print(f"resumed from step {trainer.step}" if resumed else f"no checkpoint in {cfg.checkpoint_dir}: "
               "starting from step 0", flush=True)
-    log = open(cfg.log_jsonl, "a" if resumed else "w") if reporter and cfg.log_jsonl else None  # noqa: SIM115
     results = []
-    try:
+    with open(cfg.log_jsonl, "a" if resumed else "w") if reporter and cfg.log_jsonl else nullcontext() as log:
         while trainer.step < cfg.steps:
             result = trainer.train_step()
             results.append(result)
             if reporter:
                 _report(result, cfg.steps, log)
-            if cfg.checkpoint_dir and (trainer.step == cfg.steps or (
-                    cfg.checkpoint_every and trainer.step % cfg.checkpoint_every == 0)):
+            every = cfg.checkpoint_every and trainer.step % cfg.checkpoint_every == 0
+            if cfg.checkpoint_dir and (every or trainer.step == cfg.steps):
                 checkpoint.save(trainer, Path(cfg.checkpoint_dir), grid)
-    finally:
-        if log is not None:
-            log.close()
     return results
 
 
-def _report(result: StepResult, total_steps: int, log) -> None:
+def _report(result: StepResult, total_steps: int, log: TextIO | None) -> None:
     skipped = "  (skipped: inf/NaN gradients)" if result.skipped else ""
     print(
         f"step {result.step:>5}/{total_steps}  loss {result.loss:.4f}  grad-norm {result.grad_norm:.3f}  "

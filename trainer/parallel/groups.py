@@ -74,8 +74,6 @@ class Grid:
         """Global rank of the next pipeline stage (only meaningful off the last stage)."""
         return self.pp_ranks[self.pp_rank + 1]
 
-    def describe(self) -> str:
-        return f"rank {self.rank} (tp {self.tp_rank}/{self.tp}, pp {self.pp_rank}/{self.pp}, dp {self.dp_rank}/{self.dp})"
 
 
 def build_grid(tp: int, pp: int, dp: int) -> Grid:

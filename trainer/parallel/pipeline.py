@@ -101,15 +101,24 @@ class Pipeline:
         return loss * scale
 
     @staticmethod
-    def _backward(x: torch.Tensor | None, output: torch.Tensor, output_grad: torch.Tensor | None):
+    def _backward(
+        x: torch.Tensor | None, output: torch.Tensor, output_grad: torch.Tensor | None
+    ) -> torch.Tensor | None:
         """Backpropagate through the stage; returns the gradient for the previous stage."""
         torch.autograd.backward(output, grad_tensors=output_grad)
         return None if x is None else x.grad
 
     # -- communication ------------------------------------------------------------------------
 
-    def _p2p(self, send_prev=None, send_next=None, recv_prev=False, recv_next=False):
-        """Exchange with the neighbour stages (directions that do not exist are skipped)."""
+    def _p2p(
+        self,
+        send_prev: torch.Tensor | None = None,
+        send_next: torch.Tensor | None = None,
+        recv_prev: bool = False,
+        recv_next: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        """One batched exchange with the neighbour stages; returns what arrived, keyed "prev"/"next".
+        Directions that do not exist (before the first stage, after the last) are skipped."""
         grid = self.grid
         send, recv, received = [], [], {}
         if not grid.is_first_stage:

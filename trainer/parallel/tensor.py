@@ -46,7 +46,8 @@ def is_tp_split(param: torch.Tensor) -> bool:
     return hasattr(param, "tp_split")
 
 
-def _split_parameter(full: torch.Tensor, dim: int, group: ProcessGroup, chunks: int = 1) -> nn.Parameter:
+def split_parameter(full: torch.Tensor, dim: int, group: ProcessGroup, chunks: int = 1) -> nn.Parameter:
+    """This rank's slice of `full` as a parameter, marked as split."""
     param = nn.Parameter(shard(full, dim, dist.get_rank(group), dist.get_world_size(group), chunks))
     param.tp_split = (dim, chunks)
     return param
@@ -93,8 +94,8 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor, group: ProcessGroup, chunks: int = 1) -> None:
         super().__init__()
         self.group = group
-        self.weight = _split_parameter(weight, 0, group, chunks)
-        self.bias = _split_parameter(bias, 0, group, chunks)
+        self.weight = split_parameter(weight, 0, group, chunks)
+        self.bias = split_parameter(bias, 0, group, chunks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
@@ -107,7 +108,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor, group: ProcessGroup) -> None:
         super().__init__()
         self.group = group
-        self.weight = _split_parameter(weight, 1, group)
+        self.weight = split_parameter(weight, 1, group)
         self.bias = nn.Parameter(bias.clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,7 +122,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, weight: torch.Tensor, group: ProcessGroup) -> None:
         super().__init__()
         self.group = group
-        self.weight = _split_parameter(weight, 0, group)
+        self.weight = split_parameter(weight, 0, group)
         self.vocab_start = dist.get_rank(group) * self.weight.shape[0]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

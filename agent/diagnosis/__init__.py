@@ -1,0 +1,1 @@
+"""Rule-based diagnosis: sources fill typed facts, rules turn them into findings with evidence and fixes."""

@@ -1,0 +1,131 @@
+"""Runs the selected rules over the facts: findings, and the rules that could not run with the reason."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import yaml
+
+from gpuwatch.agent.diagnosis import rules as _catalogue  # noqa: F401 - importing registers every rule
+from gpuwatch.agent.diagnosis.facts import Facts
+from gpuwatch.agent.diagnosis.registry import REGISTRY, Finding, Rule
+
+log = logging.getLogger(__name__)
+
+#: Catalogue order of the families' code prefixes (DESIGN.md §6): listings and reports follow it.
+PREFIX_ORDER = ("NCCL", "HW", "PERF", "MEM", "CONV", "TOPO")
+
+Overrides = Mapping[str, Mapping[str, float]]
+
+
+class SelectionError(ValueError):
+    """A --select/--ignore code that matches no rule."""
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be read or names unknown rules or thresholds."""
+
+
+def _order(code: str) -> tuple[int, str]:
+    prefix = code.rstrip("0123456789")
+    return (PREFIX_ORDER.index(prefix) if prefix in PREFIX_ORDER else len(PREFIX_ORDER), code)
+
+
+def catalogue() -> list[Rule]:
+    """Every registered rule, in catalogue order."""
+    return [REGISTRY[code] for code in sorted(REGISTRY, key=_order)]
+
+
+def _matching(prefixes: Iterable[str]) -> set[str]:
+    codes: set[str] = set()
+    for prefix in prefixes:
+        prefix = prefix.strip().upper()
+        if not prefix:
+            continue
+        matched = set(REGISTRY) if prefix == "ALL" else {code for code in REGISTRY if code.startswith(prefix)}
+        if not matched:
+            raise SelectionError(f"unknown rule selector {prefix!r} (codes: {', '.join(r.code for r in catalogue())})")
+        codes |= matched
+    return codes
+
+
+def select(select: Iterable[str] | None = None, ignore: Iterable[str] | None = None) -> list[Rule]:
+    """Rules whose code starts with a ``select`` prefix (all when none given), minus the ``ignore``d ones,
+    as a linter's ``--select``/``--ignore``."""
+    chosen = _matching(select) if select else set(REGISTRY)
+    chosen -= _matching(ignore or ())
+    return [rule for rule in catalogue() if rule.code in chosen]
+
+
+def load_config(path: Path) -> dict[str, dict[str, float]]:
+    """Threshold overrides from a YAML file::
+
+        thresholds:
+          PERF002: {straggler_ratio: 1.5}
+          PERF001: {max_bubble_ratio: 0.25}
+    """
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict) or not set(data) <= {"thresholds"}:
+        raise ConfigError(f"{path}: expected a mapping with one key, 'thresholds'")
+    overrides: dict[str, dict[str, float]] = {}
+    for code, values in (data.get("thresholds") or {}).items():
+        rule = REGISTRY.get(str(code).upper())
+        if rule is None:
+            raise ConfigError(f"{path}: unknown rule {code!r}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: thresholds of {code} must be a mapping of name: number")
+        for name, value in values.items():
+            if name not in rule.thresholds:
+                known = ", ".join(rule.thresholds) or "none"
+                raise ConfigError(f"{path}: {rule.code} has no threshold {name!r} (it has: {known})")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"{path}: {rule.code}.{name} must be a finite number, got {value!r}")
+            overrides.setdefault(rule.code, {})[name] = float(value)
+    return overrides
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    code: str
+    reason: str
+
+
+@dataclasses.dataclass
+class Report:
+    facts: Facts
+    findings: list[Finding]
+    ran: list[str]
+    skipped: list[Skipped]
+
+
+def run(facts: Facts, rules: Iterable[Rule] | None = None, overrides: Overrides | None = None) -> Report:
+    """Run ``rules`` (default: all) on ``facts``. A rule whose needs are unmet, or that fails, is skipped
+    with the reason; its findings would rest on missing facts."""
+    findings: list[Finding] = []
+    ran: list[str] = []
+    skipped: list[Skipped] = []
+    for rule in catalogue() if rules is None else rules:
+        reason = rule.missing(facts)
+        if reason is not None:
+            skipped.append(Skipped(rule.code, reason))
+            continue
+        try:
+            issues = list(rule.check(facts, rule.params((overrides or {}).get(rule.code))))
+        except Exception as exc:  # one broken rule must not cost the rest of the report
+            log.debug("rule %s failed", rule.code, exc_info=True)
+            skipped.append(Skipped(rule.code, f"rule failed: {type(exc).__name__}: {exc}"))
+            continue
+        ran.append(rule.code)
+        findings += [Finding(rule.code, rule.family, rule.severity, issue.title, issue.evidence, issue.fix,
+                             issue.reason) for issue in issues]
+    findings.sort(key=lambda finding: (-finding.severity, _order(finding.code)))
+    return Report(facts, findings, ran, skipped)

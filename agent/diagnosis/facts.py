@@ -1,0 +1,385 @@
+"""The typed facts diagnosis rules judge: nodes (GPUs, NVLink, InfiniBand ports, network interfaces, shell
+environment) and training ranks (layout, environment, latest step, counters, history).
+
+Sources fill them; rules only read them. A value nobody could observe is ``None``, never 0, so a rule can
+tell "no errors" from "not known" and stay silent on the latter. Each part of a node that is ``None`` may
+carry the reason in ``NodeFacts.missing`` (a collector down, no NVML), which the report repeats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+#: Clock-event reasons that mean the GPU slowed itself down (not idling, not an application clock setting).
+#: ``sw_power_cap`` is left out: a fully loaded GPU sits at its power cap as a matter of course.
+SLOWDOWN_REASONS = ("hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown", "hw_power_brake")
+
+
+@dataclasses.dataclass(frozen=True)
+class Where:
+    """Where a number came from, for evidence: any of node, job, rank, GPU, port."""
+
+    node: str | None = None
+    job: str | None = None
+    rank: int | None = None
+    gpu: int | None = None
+    port: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {key: value for key, value in dataclasses.asdict(self).items() if value is not None}
+
+
+# -- nodes ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class GpuFacts:
+    index: int
+    uuid: str | None = None
+    model: str | None = None
+    lost: bool = False
+    utilization_ratio: float | None = None
+    sm_active_ratio: float | None = None
+    memory_total_bytes: float | None = None
+    memory_used_bytes: float | None = None
+    temperature_celsius: float | None = None
+    power_watts: float | None = None
+    sm_clock_hertz: float | None = None
+    #: Active clock-event (throttle) reasons, the nvml collector's names; None when unknown.
+    clock_event_reasons: tuple[str, ...] | None = None
+    pcie_generation: int | None = None
+    pcie_max_generation: int | None = None
+    pcie_width: int | None = None
+    pcie_max_width: int | None = None
+    #: Critical Xid events by Xid code, counted since the agent started.
+    xid_errors: dict[str, int] | None = None
+    ecc_uncorrected: int | None = None  # volatile: since the driver loaded
+    remap_pending: bool | None = None
+    remap_failure: bool | None = None
+
+    @property
+    def busy(self) -> float | None:
+        """How busy the GPU is: SM activity where known, else NVML's utilisation rate."""
+        return self.sm_active_ratio if self.sm_active_ratio is not None else self.utilization_ratio
+
+
+@dataclasses.dataclass
+class NvlinkFacts:
+    """The NVLink links of one GPU: how many answer, which are down, and the rated speed of the up ones."""
+
+    gpu: int
+    links: int
+    down: tuple[int, ...] = ()
+    #: Sum of the rated one-direction speeds of the links that are up; None when unknown.
+    up_speed_bytes_per_second: float | None = None
+
+
+@dataclasses.dataclass
+class IbPortFacts:
+    device: str
+    port: int
+    link_layer: str | None = None  # "InfiniBand", or "Ethernet" for RoCE
+    #: The HCA model (board_id / PSID, else hca_type); None when unknown.
+    hca: str | None = None
+    state: str | None = None  # "ACTIVE", "DOWN", ...
+    phys_state: str | None = None
+    rate_bytes_per_second: float | None = None
+    #: Error counter totals by kernel counter name.
+    errors: dict[str, int] | None = None
+    #: Error counter increases over ``window_seconds`` (needs two samples: Prometheus); None when unknown.
+    errors_increase: dict[str, float] | None = None
+    window_seconds: float | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.device}/{self.port}"
+
+    @property
+    def active(self) -> bool | None:
+        return None if self.state is None else self.state == "ACTIVE"
+
+    @property
+    def kind(self) -> tuple[str, str | None]:
+        """What makes ports peers: the same HCA model (else driver family, ``mlx5_3`` -> ``mlx5``) and link
+        layer. A node's 25G frontend ConnectX is no peer of its 400G NDR ones."""
+        return self.hca or self.device.rstrip("0123456789").rstrip("_"), self.link_layer
+
+    def describe(self) -> str:
+        rate = f", {gbit(self.rate_bytes_per_second)}" if self.rate_bytes_per_second is not None else ""
+        return f"{self.name} ({self.link_layer or 'unknown link layer'}{rate})"
+
+
+@dataclasses.dataclass
+class InterfaceFacts:
+    name: str
+    up: bool
+    loopback: bool
+    addresses: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class NodeFacts:
+    name: str
+    simulated: bool | None = None
+    gpus: list[GpuFacts] | None = None
+    nvlinks: list[NvlinkFacts] | None = None
+    ib_ports: list[IbPortFacts] | None = None
+    interfaces: list[InterfaceFacts] | None = None
+    #: The shell environment a pre-flight check runs in (NCCL_*, ...); None unless ``--preflight``.
+    env: dict[str, str] | None = None
+    #: Why a part is None: {"gpus": "nvml collector down: ...", ...}.
+    missing: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def gpu(self, uuid: str | None = None, index: int | None = None) -> GpuFacts | None:
+        """The GPU with this UUID (authoritative), else with this NVML index."""
+        for gpu in self.gpus or ():
+            if (uuid is not None and gpu.uuid == uuid) or (uuid is None and index is not None and gpu.index == index):
+                return gpu
+        return None
+
+    def active_ports(self) -> list[IbPortFacts]:
+        return [port for port in self.ib_ports or () if port.active]
+
+    def has_nvlink(self) -> bool | None:
+        """Whether any GPU has an NVLink link up; None when unknown."""
+        if self.nvlinks is None:
+            return None
+        return any(gpu.links > len(gpu.down) for gpu in self.nvlinks)
+
+
+# -- ranks ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Layout:
+    """A rank's place in the TP × PP × DP grid and its schedule, from its hello."""
+
+    world_size: int
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    tp_rank: int
+    pp_stage: int
+    dp_rank: int
+    local_rank: int | None = None
+    schedule: str | None = None
+    micro_batches: int | None = None
+    precision: str | None = None
+
+
+@dataclasses.dataclass
+class StepFacts:
+    """The rank's latest step."""
+
+    step: int
+    step_seconds: float | None = None
+    compute_seconds: float | None = None
+    dataloader_wait_seconds: float | None = None
+    bubble_ratio: float | None = None
+    bubble_ratio_theoretical: float | None = None
+    loss: float | None = None
+    grad_norm: float | None = None
+    loss_scale: float | None = None
+    memory_kind: str | None = None  # "cuda" or "host_rss"
+    peak_bytes: float | None = None
+    allocated_bytes: float | None = None
+    reserved_bytes: float | None = None
+    inactive_split_bytes: float | None = None
+
+
+@dataclasses.dataclass
+class CollectiveFacts:
+    """One collective op of one rank since it started: calls, time, bytes and latency quantiles."""
+
+    op: str
+    count: int
+    seconds: float
+    bytes: float | None = None
+    p50_seconds: float | None = None
+    p99_seconds: float | None = None
+
+
+@dataclasses.dataclass
+class Sampled:
+    """A value measured every N steps (parameter checksum, gradient cosine similarity).
+
+    ``step`` is the step it was measured at; where a source cannot tell (Prometheus), ``as_of_step`` is
+    the rank's latest step instead: ranks at the same latest step measured at the same step.
+    """
+
+    value: float | str
+    step: int | None = None
+    as_of_step: int | None = None
+
+    @property
+    def when(self) -> tuple[str, int | None]:
+        return ("step", self.step) if self.step is not None else ("as_of", self.as_of_step)
+
+
+@dataclasses.dataclass
+class History:
+    """Per-step series of one rank, oldest first, as (step, value); only a run log has them whole."""
+
+    loss: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    grad_norm: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    host_rss_bytes: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class RankFacts:
+    job: str
+    rank: int
+    #: The node the rank runs on, as the node facts name it (agent node name, run-log hostname).
+    node: str | None = None
+    hostname: str | None = None
+    layout: Layout | None = None
+    gpu_index: int | None = None
+    gpu_uuid: str | None = None
+    env: dict[str, str] | None = None
+    process_groups: dict[str, list[int]] | None = None
+    faults: tuple[str, ...] = ()
+    last: StepFacts | None = None
+    steps: int | None = None
+    nonfinite_steps: int | None = None
+    alloc_retries: int | None = None
+    ooms: int | None = None
+    collectives: dict[str, CollectiveFacts] | None = None
+    param_checksum: Sampled | None = None
+    grad_cosine: Sampled | None = None
+    history: History | None = None
+
+    @property
+    def where(self) -> Where:
+        return Where(node=self.node, job=self.job, rank=self.rank)
+
+    @property
+    def host(self) -> str | None:
+        """The machine the rank runs on, for grouping ranks by node."""
+        return self.node or self.hostname
+
+
+# -- measurements -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class BandwidthMeasurement:
+    """An active interconnect measurement (``gpuwatch probe``, nccl-tests style): bus bandwidth of one
+    collective at one message size, over NVLink inside a node or InfiniBand between nodes."""
+
+    node: str
+    interconnect: str  # "nvlink" or "ib"
+    op: str
+    size_bytes: int
+    busbw_bytes_per_second: float
+    ranks: int
+    gpu: int | None = None
+
+
+@dataclasses.dataclass
+class SourceInfo:
+    kind: str  # "local", "preflight", "agent", "run_log", "prometheus"
+    location: str
+
+
+@dataclasses.dataclass
+class Facts:
+    nodes: dict[str, NodeFacts] = dataclasses.field(default_factory=dict)
+    ranks: list[RankFacts] = dataclasses.field(default_factory=list)
+    #: Interconnect measurements; None when no source could provide any.
+    bandwidth: list[BandwidthMeasurement] | None = None
+    sources: list[SourceInfo] = dataclasses.field(default_factory=list)
+    #: What the sources want the reader to know (bad run-log lines, a collector down).
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def jobs(self) -> dict[str, list[RankFacts]]:
+        """Ranks by job, each list sorted by rank."""
+        jobs: dict[str, list[RankFacts]] = {}
+        for rank in sorted(self.ranks, key=lambda r: (r.job, r.rank)):
+            jobs.setdefault(rank.job, []).append(rank)
+        return jobs
+
+    def node_of(self, rank: RankFacts) -> NodeFacts | None:
+        return self.nodes.get(rank.node) if rank.node is not None else None
+
+    def gpu_of(self, rank: RankFacts) -> GpuFacts | None:
+        node = self.node_of(rank)
+        if node is None or (rank.gpu_uuid is None and rank.gpu_index is None):
+            return None
+        return node.gpu(rank.gpu_uuid, rank.gpu_index)
+
+    def merge(self, other: Facts) -> None:
+        """Add another source's facts: new nodes and ranks are added, known ones get the values they lacked."""
+        for name, node in other.nodes.items():
+            if name in self.nodes:
+                _fill(self.nodes[name], node)
+            else:
+                self.nodes[name] = node
+        known = {(rank.job, rank.rank): rank for rank in self.ranks}
+        for rank in other.ranks:
+            if (rank.job, rank.rank) in known:
+                _fill(known[rank.job, rank.rank], rank)
+            else:
+                self.ranks.append(rank)
+        if other.bandwidth is not None:
+            self.bandwidth = [*(self.bandwidth or ()), *other.bandwidth]
+        self.sources.extend(other.sources)
+        self.notes.extend(other.notes)
+
+
+def _fill(target: Any, source: Any) -> None:
+    """Copy the fields ``target`` lacks (None) from ``source``."""
+    for field in dataclasses.fields(target):
+        if getattr(target, field.name) is None:
+            setattr(target, field.name, getattr(source, field.name))
+    if isinstance(target, NodeFacts):
+        for part, reason in source.missing.items():
+            if getattr(target, part) is None:
+                target.missing.setdefault(part, reason)
+        target.missing = {part: reason for part, reason in target.missing.items() if getattr(target, part) is None}
+
+
+# -- small helpers the rules share ------------------------------------------------------------------
+
+
+def finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def median(values: Iterable[float]) -> float:
+    return statistics.median(values)
+
+
+def gbit(bytes_per_second: float) -> str:
+    """A link rate as people write it: ``400 Gb/s``."""
+    return f"{bytes_per_second * 8 / 1e9:g} Gb/s"
+
+
+def gib(value: float) -> str:
+    return f"{value / 2**30:.1f} GiB"
+
+
+def rank_list(ranks: Iterable[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2,5,7-8"``."""
+    ordered = sorted(set(ranks))
+    spans: list[str] = []
+    start = previous = None
+    for rank in [*ordered, None]:
+        if rank is not None and previous is not None and rank == previous + 1:
+            previous = rank
+            continue
+        if start is not None:
+            spans.append(str(start) if start == previous else f"{start}-{previous}")
+        start = previous = rank
+    return ",".join(spans)
+
+
+def group_by(items: Iterable[Any], key: Any) -> Iterator[tuple[Any, list[Any]]]:
+    """Groups in first-seen order, like ``itertools.groupby`` without the sorting requirement."""
+    groups: dict[Any, list[Any]] = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    return iter(groups.items())

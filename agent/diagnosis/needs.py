@@ -1,0 +1,110 @@
+"""The facts rules declare they need. Each check returns None when the facts are there, else why they are
+not, in words a user can act on; a rule with an unmet need is reported as not run with that reason."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from gpuwatch.agent.diagnosis.facts import Facts, RankFacts
+from gpuwatch.agent.diagnosis.registry import Need
+
+
+def _node_part(part: str, what: str) -> Need:
+    """A part of the node facts (``gpus``, ``ib_ports`` ...) known on at least one node."""
+
+    def available(facts: Facts) -> str | None:
+        if any(getattr(node, part) is not None for node in facts.nodes.values()):
+            return None
+        if not facts.nodes:
+            return f"no node facts ({what} unknown): use --agent, --prometheus or run on the node"
+        reasons = sorted({f"{node.name}: {node.missing[part]}" for node in facts.nodes.values()
+                          if part in node.missing})
+        return f"{what} unknown" + (f" ({'; '.join(reasons)})" if reasons else "")
+
+    return Need(what, available)
+
+
+def _rank_fact(what: str, present: Callable[[RankFacts], bool], hint: str) -> Need:
+    """A per-rank fact present on at least one rank."""
+
+    def available(facts: Facts) -> str | None:
+        if not facts.ranks:
+            return "no training telemetry (no rank has reported): use --agent, --run-log or --prometheus"
+        return None if any(present(rank) for rank in facts.ranks) else f"no {what}: {hint}"
+
+    return Need(what, available)
+
+
+def _env_available(facts: Facts) -> str | None:
+    if any(rank.env is not None for rank in facts.ranks) or any(n.env is not None for n in facts.nodes.values()):
+        return None
+    return ("no NCCL environment: no rank hello carries one (Prometheus series do not) and --preflight "
+            "was not given")
+
+
+def _bandwidth_available(facts: Facts) -> str | None:
+    if facts.bandwidth:
+        return None
+    return ("no interconnect bandwidth measurement: needs gpuwatch probe results (not yet carried by the "
+            "telemetry schema v1)")
+
+
+def _has_cuda_memory(rank: RankFacts) -> bool:
+    return rank.last is not None and rank.last.memory_kind == "cuda"
+
+
+def _capacity_available(facts: Facts) -> str | None:
+    cuda = [rank for rank in facts.ranks if _has_cuda_memory(rank)]
+    if not cuda:
+        return CUDA_MEMORY.available(facts) or "no CUDA memory figures"
+    if any(rank.ooms for rank in cuda):
+        return None
+    for rank in cuda:
+        gpu = facts.gpu_of(rank)
+        if gpu is not None and gpu.memory_total_bytes is not None:
+            return None
+    return "GPU memory capacity unknown: the ranks' GPUs are not among the known nodes' GPUs (needs NVML facts)"
+
+
+def _pipeline_available(facts: Facts) -> str | None:
+    """Measured bubble or micro-batch count wherever a pipeline exists; no pipeline is nothing to judge."""
+    piped = [r for r in facts.ranks if r.layout is not None and r.layout.pp_size > 1]
+    if any(r.layout.micro_batches is not None or (r.last is not None and r.last.bubble_ratio is not None)
+           for r in piped) or not piped:
+        return LAYOUT.available(facts)
+    return "pipeline ranks report neither a measured bubble nor micro_batches"
+
+
+ENV = Need("NCCL environment", _env_available)
+GPUS = _node_part("gpus", "GPU facts (NVML)")
+NVLINKS = _node_part("nvlinks", "NVLink facts")
+IB_PORTS = _node_part("ib_ports", "InfiniBand/RoCE port facts")
+INTERFACES = _node_part("interfaces", "network interfaces")
+LAYOUT = _rank_fact("rank layout", lambda r: r.layout is not None, "no hello record arrived")
+COMPUTE = _rank_fact("compute time", lambda r: r.last is not None and r.last.compute_seconds is not None,
+                     "step records lack compute_seconds")
+DATALOADER = _rank_fact("data-loader wait", lambda r: r.last is not None and r.last.dataloader_wait_seconds
+                        is not None, "step records lack dataloader_wait_seconds")
+PIPELINE = Need("pipeline bubble or micro-batches", _pipeline_available)
+COLLECTIVES = _rank_fact("collective timings", lambda r: bool(r.collectives), "step records lack collectives")
+CUDA_MEMORY = _rank_fact("CUDA allocator figures", _has_cuda_memory,
+                         "step records carry no CUDA memory (CPU ranks report host RSS only)")
+GPU_CAPACITY = Need("GPU memory capacity", _capacity_available)
+RSS_HISTORY = _rank_fact("host RSS history", lambda r: r.history is not None and len(r.history.host_rss_bytes) > 1,
+                         "needs per-step host_rss memory from a run log or Prometheus (one snapshot cannot "
+                         "show growth)")
+LOSS = _rank_fact("loss", lambda r: (r.last is not None and r.last.loss is not None)
+                  or (r.history is not None and bool(r.history.loss)),
+                  "step records lack loss")
+GRAD_NORM = _rank_fact("gradient norm", lambda r: (r.last is not None and r.last.grad_norm is not None)
+                       or (r.history is not None and bool(r.history.grad_norm)), "step records lack grad_norm")
+CHECKSUM = _rank_fact("parameter checksums", lambda r: r.param_checksum is not None,
+                      "step records lack param_checksum")
+COSINE = _rank_fact("gradient cosine similarity", lambda r: r.grad_cosine is not None,
+                    "step records lack grad_cosine_similarity")
+PROCESS_GROUPS = _rank_fact("process-group membership",
+                            lambda r: r.process_groups is not None and {"pp", "dp"} <= r.process_groups.keys(),
+                            "hellos lack process_groups with 'pp' and 'dp' members (Prometheus does not carry them)")
+HOSTS = _rank_fact("rank placement", lambda r: r.layout is not None and r.host is not None,
+                   "hellos lack the rank's hostname")
+BANDWIDTH = Need("interconnect bandwidth measurement", _bandwidth_available)

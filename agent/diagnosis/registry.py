@@ -1,0 +1,125 @@
+"""The rule registry, after ruff's: every rule has a stable code, a family, a severity and a title, and lives
+in one function registered with ``@rule``. The decorator also records the facts the rule needs (so the
+engine can say why a rule did not run), its named thresholds (overridable from a config file) and its
+explanation (the function's docstring, shown by ``--explain``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import inspect
+import types
+from collections.abc import Callable, Iterable, Mapping
+
+from gpuwatch.agent.diagnosis.facts import Facts, Where
+
+
+class Severity(enum.IntEnum):
+    """Ordered, so ``--fail-on warning`` means warning or worse."""
+
+    INFO = 1
+    WARNING = 2
+    CRITICAL = 3
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+@dataclasses.dataclass(frozen=True)
+class Need:
+    """A fact a rule cannot work without. ``available`` returns None when present, else why it is not."""
+
+    name: str
+    available: Callable[[Facts], str | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Threshold:
+    value: float
+    #: Where the number comes from (a seed and its story, or why it was chosen).
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Evidence:
+    text: str
+    where: Where = dataclasses.field(default_factory=Where)
+    values: Mapping[str, float | int | str | None] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Issue:
+    """What a rule yields: a one-line title, the evidence, the fix and the reason for it in a sentence."""
+
+    title: str
+    evidence: tuple[Evidence, ...]
+    fix: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """An issue stamped with its rule's code, family and severity, as the report shows it."""
+
+    code: str
+    family: str
+    severity: Severity
+    title: str
+    evidence: tuple[Evidence, ...]
+    fix: str
+    reason: str
+
+
+Check = Callable[[Facts, types.SimpleNamespace], Iterable[Issue]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    code: str
+    family: str
+    severity: Severity
+    title: str
+    needs: tuple[Need, ...]
+    thresholds: Mapping[str, Threshold]
+    explanation: str
+    check: Check
+
+    def params(self, overrides: Mapping[str, float] | None = None) -> types.SimpleNamespace:
+        """The thresholds as attributes, config overrides applied."""
+        values = {name: threshold.value for name, threshold in self.thresholds.items()}
+        values.update(overrides or {})
+        return types.SimpleNamespace(**values)
+
+    def missing(self, facts: Facts) -> str | None:
+        """Why the rule cannot run on these facts, or None."""
+        reasons = dict.fromkeys(reason for need in self.needs if (reason := need.available(facts)) is not None)
+        return "; ".join(reasons) if reasons else None
+
+
+#: Every rule by code, filled by importing ``gpuwatch.agent.diagnosis.rules``.
+REGISTRY: dict[str, Rule] = {}
+
+
+def rule(
+    code: str,
+    *,
+    family: str,
+    severity: Severity,
+    title: str,
+    needs: Iterable[Need] = (),
+    thresholds: Mapping[str, Threshold] | None = None,
+) -> Callable[[Check], Check]:
+    """Register ``check`` as rule ``code``; a duplicate code is a programming error."""
+
+    def register(check: Check) -> Check:
+        if code in REGISTRY:
+            raise ValueError(f"rule code {code} registered twice")
+        if not check.__doc__:
+            raise ValueError(f"rule {code} needs a docstring: it is the --explain text")
+        REGISTRY[code] = Rule(code, family, severity, title, tuple(needs), dict(thresholds or {}),
+                              inspect.cleandoc(check.__doc__), check)
+        return check
+
+    return register

@@ -1,0 +1,236 @@
+"""Convergence: non-finite losses, exploding gradients, replicas out of sync, duplicated or skewed data."""
+
+from __future__ import annotations
+
+import bisect
+import math
+import types
+from collections.abc import Iterator
+
+from gpuwatch.agent.diagnosis import needs
+from gpuwatch.agent.diagnosis.facts import Facts, RankFacts, Where, finite, group_by, median, rank_list
+from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
+from gpuwatch.agent.diagnosis.rules.common import capped
+
+FAMILY = "convergence"
+
+
+def _dp_groups(ranks: list[RankFacts]) -> Iterator[list[RankFacts]]:
+    """Data-parallel replicas: ranks of a job holding the same parameters (same TP rank and PP stage)."""
+    laid_out = [r for r in ranks if r.layout is not None and r.layout.dp_size > 1]
+    for _, group in group_by(laid_out, lambda r: (r.layout.tp_rank, r.layout.pp_stage)):
+        yield group
+
+
+def _first_nonfinite_loss(rank: RankFacts) -> tuple[int, float] | None:
+    for step, loss in rank.history.loss if rank.history else ():
+        if not math.isfinite(loss):
+            return step, loss
+    if rank.last is not None and rank.last.loss is not None and not math.isfinite(rank.last.loss):
+        return rank.last.step, rank.last.loss
+    return None
+
+
+@rule("CONV001", family=FAMILY, severity=Severity.CRITICAL, title="Non-finite (NaN/Inf) loss", needs=(needs.LOSS,))
+def nonfinite_loss(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
+    """A NaN or infinite loss poisons every later update. The classic cause is fp16 training without loss
+    scaling (seed 004: "autocast without GradScaler: gradients underflow or overflow and the loss turns
+    NaN"; its troubleshooting table: "loss becomes NaN: fp16 gradient overflow or a learning rate too
+    high: enable gradient scaling, lower the LR, check the inputs for abnormal values"). With a loss
+    scaler, occasional non-finite *gradients* are expected (the scaler skips the step and lowers the
+    scale), so non-finite steps count only when no loss scale is reported; a non-finite loss always
+    counts."""
+    for job, ranks in facts.jobs().items():
+        bad = []
+        for rank in ranks:
+            first = _first_nonfinite_loss(rank)
+            unscaled = bool(rank.nonfinite_steps) and (rank.last is None or rank.last.loss_scale is None)
+            if first is None and not unscaled:
+                continue
+            precision = rank.layout.precision if rank.layout else None
+            text = f"rank {rank.rank}: " + (f"loss {first[1]} at step {first[0]}" if first else
+                                             "non-finite gradients with no loss scaler")
+            text += f"; {rank.nonfinite_steps} non-finite step(s)" if rank.nonfinite_steps else ""
+            text += f"; precision {precision}" if precision else ""
+            text += "; no loss scaler" if rank.last is not None and rank.last.loss_scale is None else ""
+            bad.append((rank, Evidence(text, rank.where, {"step": first[0] if first else None,
+                                                          "nonfinite_steps": rank.nonfinite_steps,
+                                                          "precision": precision})))
+        if not bad:
+            continue
+        fp16_unscaled = any(r.layout is not None and r.layout.precision == "fp16" and
+                            (r.last is None or r.last.loss_scale is None) for r, _ in bad)
+        yield Issue(
+            title=f"non-finite loss in job {job} on {len(bad)} rank(s)"
+                  + (": fp16 without a loss scaler" if fp16_unscaled else ""),
+            evidence=capped([e for _, e in bad], what="ranks"),
+            fix=("use torch.amp.GradScaler with fp16: scaler.scale(loss).backward(); scaler.step(optimizer); "
+                 "scaler.update() (or train in bf16)" if fp16_unscaled else
+                 "lower the learning rate or lengthen warm-up, clip the global gradient norm after the all-reduce, "
+                 "and check the batch of the first non-finite step for NaN or extreme inputs"),
+            reason=("fp16 cannot represent the gradients without loss scaling: they overflow to Inf and the loss "
+                    "turns NaN (seed 004)." if fp16_unscaled else
+                    "Once the loss is NaN every later update is NaN too; the first bad step points at the cause."),
+        )
+
+
+#: Steps the running median of CONV002 looks back over.
+RUNNING_WINDOW = 200
+
+
+def _first_explosion(series: list[tuple[int, float]],
+                     t: types.SimpleNamespace) -> tuple[int, float, float | None] | None:
+    """The first (step, norm, running median) above the absolute threshold or the spike factor."""
+    window: list[float] = []  # the previous RUNNING_WINDOW norms, sorted
+    for index, (step, value) in enumerate(series):
+        typical = median(window) if len(window) >= t.min_history else None
+        if value > t.max_grad_norm or (typical and value > t.spike_factor * typical):
+            return step, value, typical
+        bisect.insort(window, value)
+        if index >= RUNNING_WINDOW:
+            window.pop(bisect.bisect_left(window, series[index - RUNNING_WINDOW][1]))
+    return None
+
+
+@rule("CONV002", family=FAMILY, severity=Severity.WARNING, title="Gradient norm explosion",
+      needs=(needs.GRAD_NORM,),
+      thresholds={
+          "max_grad_norm": Threshold(100, "seed 000: \"if the gradient norm exceeds 100, the gradients exploded\""),
+          "spike_factor": Threshold(10, "not from the seeds: ten times the running median of the steps before"),
+          "min_history": Threshold(20, "not from the seeds: steps needed for a meaningful running median"),
+      })
+def grad_norm_explosion(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
+    """A gradient norm far above its usual value is the step before a loss spike or a NaN (seed 000: loss
+    jumping from 0.15 to 0.8 — first look at the gradient norm; above 100 the gradients exploded). The
+    rule flags a norm above the absolute threshold, or, where a run log gives the history, a norm far
+    above the running median of the steps before it. Non-finite norms are CONV001's (with a loss scaler
+    they are routine overflow steps)."""
+    for job, ranks in facts.jobs().items():
+        hits = []
+        for rank in ranks:
+            series = [(s, v) for s, v in (rank.history.grad_norm if rank.history else ()) if math.isfinite(v)]
+            if not series and rank.last is not None and finite(rank.last.grad_norm):
+                series = [(rank.last.step, rank.last.grad_norm)]
+            hit = _first_explosion(series, t)
+            if hit is not None:
+                hits.append((rank, *hit))
+        if not hits:
+            continue
+        hits.sort(key=lambda hit: hit[1])
+        yield Issue(
+            title=f"gradient norm explosion in job {job}: {hits[0][2]:.4g} at step {hits[0][1]}",
+            evidence=capped([Evidence(f"rank {r.rank}: grad norm {value:.4g} at step {step}"
+                                      + (f" ({value / typical:.0f}x the running median {typical:.3g})" if typical
+                                         else ""), r.where, {"grad_norm": value, "step": step, "median": typical})
+                             for r, step, value, typical in hits], what="ranks"),
+            fix="clip the global gradient norm after the all-reduce (torch.nn.utils.clip_grad_norm_(params, 1.0)), "
+                "lower the learning rate or lengthen warm-up (seed 000: warm-up over 2 % of the steps)",
+            reason="Exploding gradients throw the weights off in one update: the loss spikes or turns NaN next.",
+        )
+
+
+def _differs(value: float | str, reference: float | str, tolerance: float) -> bool:
+    if isinstance(value, str) or isinstance(reference, str):
+        return value != reference
+    return abs(value - reference) > tolerance * max(abs(reference), abs(value), 1e-30)
+
+
+@rule("CONV003", family=FAMILY, severity=Severity.CRITICAL, title="Data-parallel replicas out of sync",
+      needs=(needs.CHECKSUM,),
+      thresholds={"relative_tolerance": Threshold(
+          1e-5, "seed 000: after a restore, verify that every card's gradient norm agrees to 1e-5")})
+def replicas_out_of_sync(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
+    """Data-parallel replicas must hold identical parameters after every update; a parameter checksum that
+    differs between the ranks of a DP group (same TP rank and PP stage) at the same step means a replica
+    diverged: a skipped all-reduce, an unsynchronised buffer, a different initialisation. From then on
+    each replica trains a different model while the loss curve looks normal (seed 000: consistency check
+    of every card to 1e-5 after a restore; seed 004: gradient synchronisation failure)."""
+    for job, ranks in facts.jobs().items():
+        for group in _dp_groups(ranks):
+            for when, members in group_by([r for r in group if r.param_checksum is not None],
+                                          lambda r: r.param_checksum.when):
+                if len(members) < 2 or when[1] is None:
+                    continue
+                members.sort(key=lambda r: r.layout.dp_rank)
+                reference = members[0].param_checksum.value
+                odd = [r for r in members[1:] if _differs(r.param_checksum.value, reference, t.relative_tolerance)]
+                if not odd:
+                    continue
+                at = f"step {when[1]}" if when[0] == "step" else f"latest sample (ranks at step {when[1]})"
+                layout = members[0].layout
+                yield Issue(
+                    title=f"DP replicas of job {job} disagree at {at}: ranks {rank_list(r.rank for r in odd)} "
+                          f"differ from rank {members[0].rank}",
+                    evidence=tuple(Evidence(f"rank {r.rank} (dp {r.layout.dp_rank}): parameter checksum "
+                                            f"{r.param_checksum.value}", r.where,
+                                            {"checksum": r.param_checksum.value, "dp_rank": r.layout.dp_rank})
+                                   for r in members),
+                    fix=f"stop and restore the last checkpoint where tp {layout.tp_rank} / stage {layout.pp_stage} "
+                        "replicas agreed; check every gradient reaches the all-reduce (unused parameters, "
+                        "find_unused_parameters), buffers are broadcast (broadcast_buffers) and all replicas start "
+                        "from rank 0's weights",
+                    reason="Replicas that disagree train different models; the averaged gradient fits none of them.",
+                )
+
+
+@rule("CONV004", family=FAMILY, severity=Severity.WARNING, title="Duplicated data shards across DP ranks",
+      needs=(needs.COSINE,),
+      thresholds={"min_cosine": Threshold(
+          0.999, "not from the seeds: local gradients of different data agree far less; identical batches "
+                 "give cos = 1 up to rounding")})
+def duplicated_shards(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
+    """When every data-parallel rank reads the same samples (no DistributedSampler), their local gradients
+    are identical: each one's cosine similarity with the DP mean is 1. Compute is wasted dp_size times
+    over and the effective batch is one replica's (seed 004: "each process reading the full data means
+    the data is trained repeatedly; I check this first whenever training looks wrong"; seed 002: shard
+    with DistributedSampler)."""
+    for job, ranks in facts.jobs().items():
+        for group in _dp_groups(ranks):
+            known = [r for r in group if r.grad_cosine is not None and isinstance(r.grad_cosine.value, float)]
+            if len(known) < 2 or any(r.grad_cosine.value < t.min_cosine for r in known):
+                continue
+            yield Issue(
+                title=f"duplicated data shards in job {job}: DP ranks {rank_list(r.rank for r in known)} compute "
+                      "identical gradients",
+                evidence=tuple(Evidence(f"rank {r.rank} (dp {r.layout.dp_rank}): gradient cosine similarity "
+                                        f"{r.grad_cosine.value:.5f} with the DP mean", r.where,
+                                        {"grad_cosine_similarity": r.grad_cosine.value}) for r in known),
+                fix="shard the data: DataLoader(..., sampler=DistributedSampler(dataset, num_replicas=dp_size, "
+                    "rank=dp_rank)) and call sampler.set_epoch(epoch) every epoch",
+                reason="Identical batches on every replica waste dp_size − 1 of the GPUs and shrink the effective "
+                       "batch to one replica's.",
+            )
+
+
+@rule("CONV005", family=FAMILY, severity=Severity.INFO, title="Gradient agreement out of band (tuning hint)",
+      needs=(needs.COSINE,),
+      thresholds={
+          "low_cosine": Threshold(0.85, "seed 000: mean similarity below 0.85 means skewed data across ranks"),
+          "high_cosine": Threshold(0.95, "seed 000: above 0.95 the batch is larger than useful"),
+      })
+def gradient_agreement(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
+    """Seed 000's tuning trick: compute the mean cosine similarity of the ranks' local gradients; below 0.85
+    the data is skewed across ranks (temporarily grow the DP group), above 0.95 the batch is larger than
+    useful (shrink the micro-batch). It is a hint, never a warning: small per-rank batches are naturally
+    noisy, and a healthy run can sit outside the band."""
+    for job, ranks in facts.jobs().items():
+        values = [(r, r.grad_cosine.value) for r in ranks if r.layout is not None and r.layout.dp_size > 1
+                  and r.grad_cosine is not None and isinstance(r.grad_cosine.value, float)]
+        if len(values) < 2:
+            continue
+        mean = sum(value for _, value in values) / len(values)
+        if t.low_cosine <= mean <= t.high_cosine:
+            continue
+        low = mean < t.low_cosine
+        yield Issue(
+            title=f"mean gradient cosine similarity {mean:.3f} in job {job}: "
+                  + ("data may be skewed across ranks" if low else "batch larger than useful"),
+            evidence=(Evidence(f"mean {mean:.3f}, min {min(v for _, v in values):.3f}, max "
+                               f"{max(v for _, v in values):.3f} over {len(values)} DP ranks", Where(job=job),
+                               {"mean": mean, "ranks": len(values)}),),
+            fix=("check that shuffling and sharding balance the data across ranks, or try a larger DP group"
+                 if low else "try a smaller micro-batch (or global batch) and spend the GPUs elsewhere"),
+            reason=("Ranks whose gradients point in different directions see differently distributed data "
+                    "(seed 000, below 0.85)." if low else
+                    "Gradients this alike add little information per extra sample (seed 000, above 0.95)."),
+        )

@@ -1,0 +1,263 @@
+"""Performance: pipeline bubbles, stragglers, input stalls, communication-bound data parallelism, and
+interconnects that deliver less than they are rated for."""
+
+from __future__ import annotations
+
+import math
+import types
+from collections.abc import Iterator
+
+from gpuwatch.agent.diagnosis import needs
+from gpuwatch.agent.diagnosis.facts import Facts, RankFacts, Where, finite, gbit, group_by, median
+from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
+from gpuwatch.agent.diagnosis.rules.common import capped, ratio_text
+
+FAMILY = "performance"
+
+
+def theoretical_bubble(stages: int, micro_batches: int) -> float:
+    """GPipe / 1F1B idle share: (p − 1) / (m + p − 1)."""
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+def micro_batches_for(stages: int, max_bubble: float) -> int:
+    """The fewest micro-batches whose theoretical bubble is at most ``max_bubble``."""
+    return max(1, math.ceil((stages - 1) * (1 - max_bubble) / max_bubble - 1e-9))
+
+
+@rule("PERF001", family=FAMILY, severity=Severity.WARNING, title="Pipeline bubble ratio high",
+      needs=(needs.PIPELINE,),
+      thresholds={"max_bubble_ratio": Threshold(
+          0.2, "seed 002: (p−1)/(m+p−1), p=8 and m=4 idle 47 %; the rule of thumb m ≥ 4p keeps the "
+               "theoretical bubble under 0.2 for any p (seed 000: 12 % at m=4, 5 % at m=8)")})
+def pipeline_bubble(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
+    """A pipeline of p stages fed m micro-batches per step idles (p − 1)/(m + p − 1) of the step at best:
+    the first stage waits for the pipeline to drain, the last for it to fill (seed 002: p=8, m=4 idles
+    47 %; seed 000: 12 % at m=4, 5 % at m=8). The rule takes each job's measured bubble (median over its
+    ranks), falls back to the theoretical one when nothing is measured, and compares it with the
+    threshold. When the schedule itself is the cause (theoretical above the threshold) it says how many
+    micro-batches bring the bubble under it; when the measured bubble is far above the theoretical one,
+    the stages are unbalanced or waiting on communication, and more micro-batches will not help."""
+    for job, ranks in facts.jobs().items():
+        piped = [rank for rank in ranks if rank.layout is not None and rank.layout.pp_size > 1]
+        if not piped:
+            continue
+        layout = piped[0].layout
+        stages, micro = layout.pp_size, layout.micro_batches
+        measured = [rank for rank in piped if rank.last is not None and rank.last.bubble_ratio is not None]
+        theory = theoretical_bubble(stages, micro) if micro else next(
+            (r.last.bubble_ratio_theoretical for r in measured if r.last.bubble_ratio_theoretical is not None), None)
+        bubble = median(r.last.bubble_ratio for r in measured) if measured else theory
+        if bubble is None or bubble <= t.max_bubble_ratio:
+            continue
+        values = {"pp_size": stages, "micro_batches": micro, "bubble_ratio": bubble,
+                  "bubble_ratio_theoretical": theory, "threshold": t.max_bubble_ratio}
+        shape = f"p={stages}, m={micro}" if micro else f"p={stages}"
+        what = f"measured bubble {ratio_text(bubble)} (median of {len(measured)} ranks)" if measured else \
+            f"theoretical bubble {ratio_text(bubble)} (nothing measured)"
+        evidence = [Evidence(f"job {job}: {what}, theoretical {ratio_text(theory)} for {shape}"
+                             if theory is not None else f"job {job}: {what} for {shape}", Where(job=job), values)]
+        for stage, members in group_by(sorted(measured, key=lambda r: r.layout.pp_stage), lambda r: r.layout.pp_stage):
+            stage_bubble = median(r.last.bubble_ratio for r in members)
+            evidence.append(Evidence(f"stage {stage}: bubble {ratio_text(stage_bubble)}",
+                                     Where(job=job, rank=members[0].rank), {"pp_stage": stage,
+                                                                            "bubble_ratio": stage_bubble}))
+        if theory is not None and theory > t.max_bubble_ratio:
+            needed = micro_batches_for(stages, t.max_bubble_ratio)
+            yield Issue(
+                title=f"pipeline bubble {ratio_text(bubble)} in job {job} ({shape}): too few micro-batches",
+                evidence=tuple(evidence),
+                fix=f"raise the micro-batches per step from {micro or 'the current count'} to at least {needed} "
+                    f"(bubble ≤ {ratio_text(t.max_bubble_ratio)}; the rule of thumb m ≥ 4p = {4 * stages}), "
+                    "keeping the micro-batch size (e.g. --micro-batches)",
+                reason=f"With p={stages} stages the pipeline idles (p−1)/(m+p−1) of every step; more micro-batches "
+                       "shrink that share.",
+            )
+        else:
+            yield Issue(
+                title=f"pipeline bubble {ratio_text(bubble)} in job {job} against {ratio_text(theory)} in theory: "
+                      "stages unbalanced or waiting on communication",
+                evidence=tuple(evidence),
+                fix="rebalance layers across pipeline stages (give the slowest stage fewer layers) and check the "
+                    "stage-to-stage send/recv time",
+                reason="The schedule allows a small bubble, so the extra idle time comes from a slow stage or "
+                       "slow activation transfers, not from too few micro-batches.",
+            )
+
+
+@rule("PERF002", family=FAMILY, severity=Severity.WARNING, title="Straggler rank or node",
+      needs=(needs.COMPUTE,),
+      thresholds={"straggler_ratio": Threshold(
+          1.25, "not from the seeds (seed 004 reports a straggling node without a number): a rank computing "
+                "25 % longer than the median of its peers holds every synchronous step back by that much")})
+def straggler(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
+    """A straggler is found from each rank's compute time (forward and backward without waiting on
+    collectives), not its step time: the data-parallel all-reduce makes every rank wait for the slowest,
+    so whole-step times come out even. Each rank is compared with the median of its peers, the ranks
+    doing the same work (the same pipeline stage of the same job: stages differ in layers). When every
+    rank of a node is slow, the node is named instead (seed 004: a node reading from slow disks set the
+    pace of the whole job)."""
+    for job, ranks in facts.jobs().items():
+        timed = [r for r in ranks
+                 if r.last is not None and finite(r.last.compute_seconds) and r.last.compute_seconds > 0]
+        slow: list[tuple[float, RankFacts, float]] = []
+        for _, peers in group_by(timed, lambda r: r.layout.pp_stage if r.layout is not None else 0):
+            if len(peers) < 2:
+                continue
+            typical = median(r.last.compute_seconds for r in peers)
+            slow += [(r.last.compute_seconds / typical, r, typical) for r in peers
+                     if r.last.compute_seconds >= t.straggler_ratio * typical]
+        if not slow:
+            continue
+        slow.sort(key=lambda item: -item[0])
+        by_node = {host: members for host, members in group_by(timed, lambda r: r.host) if host is not None}
+        slow_ranks = {r.rank for _, r, _ in slow}
+        whole_nodes = [host for host, members in by_node.items()
+                       if len(members) > 1 and {r.rank for r in members} <= slow_ranks]
+        evidence = [Evidence(f"rank {r.rank} ({r.host or 'unknown node'}"
+                             + (f", stage {r.layout.pp_stage}" if r.layout and r.layout.pp_size > 1 else "")
+                             + f") computes {r.last.compute_seconds:.3g} s per step, {ratio:.2f}x the median "
+                             f"{typical:.3g} s of its peers", r.where,
+                             {"compute_seconds": r.last.compute_seconds, "median_seconds": typical, "ratio": ratio})
+                    for ratio, r, typical in slow]
+        culprit = f"node {', '.join(whole_nodes)}" if whole_nodes else \
+            f"rank {slow[0][1].rank} on {slow[0][1].host or 'an unknown node'}" if len(slow) == 1 else \
+            f"{len(slow)} ranks"
+        yield Issue(
+            title=f"straggler in job {job}: {culprit} computes up to {slow[0][0]:.2f}x the median",
+            evidence=capped(evidence, what="slow ranks"),
+            fix=("check the straggling GPU(s) for throttling (HW005), a degraded PCIe link (HW002) and competing "
+                 "processes (`nvidia-smi`); replace or exclude " + (culprit if whole_nodes else "the node")
+                 + " if it persists"),
+            reason=f"Synchronous training runs at the pace of its slowest rank: all {len(ranks)} ranks of the job "
+                   "wait for it at every collective.",
+        )
+
+
+@rule("PERF003", family=FAMILY, severity=Severity.WARNING, title="Input pipeline stall",
+      needs=(needs.DATALOADER,),
+      thresholds={
+          "max_wait_share": Threshold(0.2, "not from the seeds: a fifth of the step spent waiting for input is "
+                                           "worth fixing before anything else"),
+          "low_sm_active": Threshold(0.3, "seed 004: GPU utilisation dropping below 30 % while the process "
+                                          "mostly waits for data"),
+      })
+def input_stall(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
+    """When the data loader cannot keep up, the GPU idles at the start of every step (seed 004: GPU
+    utilisation often below 30 %, the training process spending most of its time waiting for data to
+    come from disk to memory to the GPU). The rule measures each rank's data-loader wait as a share of
+    its step, and adds the rank's GPU activity as corroboration where the node's GPUs are known."""
+    for job, ranks in facts.jobs().items():
+        stalled = []
+        for rank in ranks:
+            last = rank.last
+            if last is None or last.dataloader_wait_seconds is None or not last.step_seconds:
+                continue
+            share = last.dataloader_wait_seconds / last.step_seconds
+            if share < t.max_wait_share:
+                continue
+            gpu = facts.gpu_of(rank)
+            activity = "" if gpu is None or gpu.busy is None else \
+                f"; its GPU is {ratio_text(gpu.busy)} busy" + (" (low)" if gpu.busy < t.low_sm_active else "")
+            stalled.append((share, Evidence(
+                f"rank {rank.rank}: waits {last.dataloader_wait_seconds:.3g} s for input in a "
+                f"{last.step_seconds:.3g} s step ({ratio_text(share)}){activity}", rank.where,
+                {"dataloader_wait_seconds": last.dataloader_wait_seconds, "step_seconds": last.step_seconds,
+                 "share": share, "gpu_busy": gpu.busy if gpu else None})))
+        if not stalled:
+            continue
+        stalled.sort(key=lambda item: -item[0])
+        yield Issue(
+            title=f"input pipeline stall in job {job}: {len(stalled)} of {len(ranks)} rank(s) wait up to "
+                  f"{ratio_text(stalled[0][0])} of the step for data",
+            evidence=capped([e for _, e in stalled], what="ranks"),
+            fix="DataLoader(num_workers=N, pin_memory=True, persistent_workers=True, prefetch_factor=4); move "
+                "preprocessing out of the training loop (precompute it) and keep the data on fast local storage",
+            reason="The GPU sits idle while the step waits for its batch; a faster input pipeline converts that "
+                   "wait directly into throughput.",
+        )
+
+
+@rule("PERF004", family=FAMILY, severity=Severity.WARNING, title="Communication-bound data parallelism",
+      needs=(needs.COLLECTIVES, needs.COMPUTE),
+      thresholds={"max_ccr": Threshold(0.5, "seed 000: \"with CCR above 0.5, do not use pure data parallelism\"")})
+def communication_bound(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
+    """The communication-to-compute ratio (CCR) of a pure data-parallel job is its collective time per step
+    over its compute time per step. Seed 000: "always estimate CCR before writing code; above 0.5 do not
+    use pure data parallelism" — the gradient all-reduce grows with the model and the number of GPUs
+    while each GPU's compute does not, so adding GPUs stops paying off. Judged on the median rank of
+    jobs with tp = pp = 1 (hybrid jobs communicate by design)."""
+    for job, ranks in facts.jobs().items():
+        pure = [r for r in ranks if r.layout is not None and r.layout.tp_size == r.layout.pp_size == 1
+                and r.layout.dp_size > 1]
+        ratios = []
+        for rank in pure:
+            if not rank.collectives or not rank.steps or rank.last is None or not rank.last.compute_seconds:
+                continue
+            per_step = sum(op.seconds for op in rank.collectives.values()) / rank.steps
+            ratios.append((per_step / rank.last.compute_seconds, per_step, rank))
+        if not ratios:
+            continue
+        ccr = median(ratio for ratio, _, _ in ratios)
+        if ccr <= t.max_ccr:
+            continue
+        ratios.sort(key=lambda item: -item[0])
+        yield Issue(
+            title=f"job {job} is communication-bound: CCR {ccr:.2f} (collective time / compute time) with pure "
+                  f"data parallelism over {pure[0].layout.dp_size} ranks",
+            evidence=capped([Evidence(f"rank {r.rank}: {comm:.3g} s in collectives per step against "
+                                      f"{r.last.compute_seconds:.3g} s compute (CCR {ratio:.2f})", r.where,
+                                      {"collective_seconds_per_step": comm, "compute_seconds": r.last.compute_seconds,
+                                       "ccr": ratio}) for ratio, comm, r in ratios], what="ranks"),
+            fix="move to hybrid parallelism (tensor parallel inside the node, pipeline across nodes), or give each "
+                "all-reduce more compute: larger per-GPU batch or gradient accumulation (DDP no_sync), bigger "
+                "gradient buckets overlapped with backward",
+            reason="Above a CCR of 0.5 the gradient all-reduce, not the GPUs, sets the step time, and adding "
+                   "data-parallel ranks makes it worse (seed 000).",
+        )
+
+
+def _rated(facts: Facts, node_name: str, interconnect: str, gpu: int | None) -> float | None:
+    """What the measured path is rated for: a GPU's NVLink links together, or the node's slowest active port."""
+    node = facts.nodes.get(node_name)
+    if node is None:
+        return None
+    if interconnect == "nvlink":
+        speeds = [g.up_speed_bytes_per_second for g in node.nvlinks or ()
+                  if g.up_speed_bytes_per_second and (gpu is None or g.gpu == gpu)]
+        return min(speeds) if speeds else None
+    rates = [port.rate_bytes_per_second for port in node.active_ports() if port.rate_bytes_per_second]
+    return min(rates) if rates else None
+
+
+@rule("PERF005", family=FAMILY, severity=Severity.WARNING, title="Interconnect far below its rated bandwidth",
+      needs=(needs.BANDWIDTH,),
+      thresholds={"min_fraction": Threshold(
+          0.7, "seed 000: NVLink measured at only 63 % of its rated bandwidth was the problem that forced a "
+               "redesign; 0.7 flags that case while a healthy NCCL bus bandwidth reaches 75-95 % of line rate")})
+def bandwidth_below_rating(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
+    """An active measurement (nccl-tests style bus bandwidth, from gpuwatch probe) is compared with what the
+    path is rated for: the sum of a GPU's NVLink links, or the node's InfiniBand port rate. Seed 000: the
+    team found NVLink delivering only 63 % of its theoretical bandwidth, and that, not the model, decided
+    the parallel layout. A path far below its rating points at a degraded link, a wrong topology
+    (traffic through PCIe or the CPU) or an NCCL setting."""
+    for measurement in facts.bandwidth or ():
+        rated = _rated(facts, measurement.node, measurement.interconnect, measurement.gpu)
+        if rated is None:
+            continue
+        fraction = measurement.busbw_bytes_per_second / rated
+        if fraction >= t.min_fraction:
+            continue
+        what = "NVLink" if measurement.interconnect == "nvlink" else "InfiniBand"
+        yield Issue(
+            title=f"{what} on {measurement.node} delivers {ratio_text(fraction)} of its rated bandwidth",
+            evidence=(Evidence(f"{measurement.op} of {measurement.size_bytes / 2**20:g} MiB over {measurement.ranks} "
+                               f"ranks: bus bandwidth {gbit(measurement.busbw_bytes_per_second)} against "
+                               f"{gbit(rated)} rated", Where(node=measurement.node, gpu=measurement.gpu),
+                               {"busbw_bytes_per_second": measurement.busbw_bytes_per_second,
+                                "rated_bytes_per_second": rated, "fraction": fraction}),),
+            fix="check the topology (`nvidia-smi topo -m`), link states (HW001, HW003) and NCCL_P2P/NCCL_IB settings; "
+                "rerun the probe with NCCL_DEBUG=INFO to see which transport NCCL picked",
+            reason="Collectives cannot beat the bandwidth the path actually delivers; far below its rating, it "
+                   "is degraded or bypassed.",
+        )

@@ -1,0 +1,54 @@
+"""``--agent URL``: one node's facts and its ranks' telemetry from a gpuwatch agent's /api/v1/state."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from gpuwatch.agent.diagnosis.facts import Facts, SourceInfo
+from gpuwatch.agent.diagnosis.sources import HTTP_TIMEOUT, SourceError, http_json
+from gpuwatch.agent.diagnosis.sources.collectors import PARTS, node_facts
+from gpuwatch.agent.diagnosis.sources.telemetry import rank_facts
+
+STATE_PATH = "/api/v1/state"
+
+
+def state_url(url: str) -> str:
+    """The state endpoint of an agent given by its base URL (or by the endpoint itself)."""
+    url = url.rstrip("/")
+    return url if url.endswith(STATE_PATH) else url + STATE_PATH
+
+
+def fetch(url: str, timeout: float = HTTP_TIMEOUT) -> Facts:
+    return facts_from_state(http_json(state_url(url), "a gpuwatch agent", timeout), state_url(url))
+
+
+def _is_state(state: Any) -> bool:
+    return (isinstance(state, dict) and isinstance(state.get("agent"), dict) and "node" in state["agent"]
+            and isinstance(state.get("facts"), dict) and isinstance(state.get("collectors"), dict))
+
+
+def facts_from_state(state: Any, location: str) -> Facts:
+    """Facts of the agent's node and of every rank that reported to it."""
+    if not _is_state(state):
+        raise SourceError(f"{location} is not a gpuwatch agent's state (no agent/collectors/facts objects)")
+    name = state["agent"]["node"]
+    collected: Mapping[str, Any] = state["facts"]
+    facts = Facts(sources=[SourceInfo("agent", location)])
+    missing = {}
+    for collector in (*PARTS, "telemetry"):
+        status = state["collectors"].get(collector)
+        if collector in collected:
+            if status is not None and status.get("partial_errors"):
+                facts.notes.append(f"{name}: {collector} collector: {'; '.join(status['partial_errors'][:3])}")
+            continue
+        missing[collector] = (f"{collector} collector down: {status.get('last_error')}" if status is not None
+                              else f"{collector} collector not enabled on the agent")
+        facts.notes.append(f"{name}: {missing[collector]}")
+    facts.nodes[name] = node_facts(name, collected, missing, simulated=state["agent"].get("mode") == "simulated")
+    for raw in collected.get("telemetry", {}).get("ranks", ()):
+        sampled = {key: (item["step"], item["value"]) for key, item in (raw.get("sampled") or {}).items()}
+        facts.ranks.append(rank_facts(raw["job"], raw["rank"], node=name, hello=raw.get("hello"),
+                                      last_step=raw.get("last_step"), counters=raw.get("counters") or {},
+                                      collectives=raw.get("collectives") or {}, sampled=sampled))
+    return facts

@@ -1,0 +1,345 @@
+"""``--prometheus URL``: every node and rank of a cluster from the agents' series, through the HTTP API.
+
+A fixed handful of instant queries, each returning a whole family for all nodes at once (never one query
+per node), so the cost stays flat from 1 node to 1,024. Nodes are named by ``gpuwatch_agent_info``'s
+``node`` label and joined to other series on ``instance``. The training job is the series' ``job``
+label, which Prometheus renames ``exported_job`` unless the scrape honours labels.
+
+What Prometheus does not carry stays unknown (None): ranks' environment and process groups, network
+interfaces. Error counters become increases over ``WINDOW``, which a single agent snapshot cannot give.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import urllib.parse
+from collections.abc import Iterator
+from typing import Any
+
+from gpuwatch.agent.collectors.infiniband import PHYS_STATES, PORT_STATES
+from gpuwatch.agent.diagnosis.facts import (
+    CollectiveFacts,
+    Facts,
+    GpuFacts,
+    History,
+    IbPortFacts,
+    Layout,
+    NodeFacts,
+    NvlinkFacts,
+    RankFacts,
+    Sampled,
+    SourceInfo,
+    StepFacts,
+)
+from gpuwatch.agent.diagnosis.sources import HTTP_TIMEOUT, SourceError, http_json
+from gpuwatch.agent.diagnosis.sources.collectors import PARTS, hca_model
+
+#: Window of the error-counter increases.
+WINDOW = "10m"
+#: How far back the per-step host RSS history reaches, and its resolution.
+HISTORY = "30m:30s"
+
+_GPU_GAUGES = {
+    "gpuwatch_gpu_utilization_ratio": "utilization_ratio", "gpuwatch_gpu_sm_active_ratio": "sm_active_ratio",
+    "gpuwatch_gpu_memory_total_bytes": "memory_total_bytes", "gpuwatch_gpu_memory_used_bytes": "memory_used_bytes",
+    "gpuwatch_gpu_temperature_celsius": "temperature_celsius", "gpuwatch_gpu_power_watts": "power_watts",
+    "gpuwatch_gpu_sm_clock_hertz": "sm_clock_hertz",
+}
+_GPU_SERIES = "|".join(["gpuwatch_gpu_info", "gpuwatch_gpu_lost", "gpuwatch_gpu_pcie_link_generation",
+                        "gpuwatch_gpu_pcie_link_width", "gpuwatch_gpu_row_remap_pending",
+                        "gpuwatch_gpu_row_remap_failure", "gpuwatch_gpu_job_info", *_GPU_GAUGES])
+_IB_SERIES = "gpuwatch_ib_(device_info|port_up|port_rate_bytes_per_second|port_state_id|port_physical_state_id)"
+#: Latest-step gauges of the telemetry collector -> StepFacts field.
+_STEP_GAUGES = {
+    "gpuwatch_train_step_seconds": "step_seconds", "gpuwatch_train_compute_seconds": "compute_seconds",
+    "gpuwatch_train_dataloader_wait_seconds": "dataloader_wait_seconds",
+    "gpuwatch_train_pipeline_bubble_ratio": "bubble_ratio",
+    "gpuwatch_train_pipeline_bubble_ratio_theoretical": "bubble_ratio_theoretical",
+    "gpuwatch_train_loss": "loss", "gpuwatch_train_grad_norm": "grad_norm", "gpuwatch_train_loss_scale": "loss_scale",
+    "gpuwatch_train_memory_peak_bytes": "peak_bytes", "gpuwatch_train_memory_allocated_bytes": "allocated_bytes",
+    "gpuwatch_train_memory_reserved_bytes": "reserved_bytes",
+    "gpuwatch_train_memory_inactive_split_bytes": "inactive_split_bytes",
+}
+_RANK_COUNTERS = {"gpuwatch_train_steps_total": "steps", "gpuwatch_train_nonfinite_steps_total": "nonfinite_steps",
+                  "gpuwatch_train_alloc_retries_total": "alloc_retries", "gpuwatch_train_ooms_total": "ooms"}
+_RANK_SERIES = "|".join(["gpuwatch_train_rank_info", "gpuwatch_train_last_step", "gpuwatch_train_param_checksum",
+                         "gpuwatch_train_grad_cosine_similarity", "gpuwatch_train_collective_seconds_count",
+                         "gpuwatch_train_collective_seconds_sum", "gpuwatch_train_collective_bytes_total",
+                         *_STEP_GAUGES, *_RANK_COUNTERS])
+_RANK_KEY = "instance, job, exported_job, rank"
+
+
+class _Api:
+    def __init__(self, url: str, timeout: float) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        """An instant query's result (vector or matrix samples); any failure is a SourceError."""
+        url = f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}"
+        answer = http_json(url, "a Prometheus server", self.timeout)
+        if not isinstance(answer, dict) or answer.get("status") not in ("success", "error"):
+            raise SourceError(f"{self.url} is not a Prometheus HTTP API (unexpected answer to /api/v1/query)")
+        if answer["status"] == "error":
+            raise SourceError(f"{self.url} rejected the query {expr!r}: {answer.get('error')}")
+        return answer["data"]["result"]
+
+
+def _value(sample: dict[str, Any]) -> float:
+    """Prometheus writes sample values as strings, non-finite ones as "NaN", "+Inf", "-Inf"."""
+    return float(sample["value"][1])
+
+
+def _int(text: str | None) -> int | None:
+    return int(text) if text not in (None, "") else None
+
+
+def fetch(url: str, timeout: float = HTTP_TIMEOUT) -> Facts:
+    return _Reader(_Api(url, timeout)).read()
+
+
+class _Reader:
+    """One diagnosis' worth of queries, turned into Facts."""
+
+    def __init__(self, api: _Api) -> None:
+        self.api = api
+        self.nodes: dict[str, NodeFacts] = {}  # by instance
+        self.facts = Facts(sources=[SourceInfo("prometheus", api.url)])
+        self.gpu_of_rank: dict[tuple[str, str, str], tuple[int, str | None]] = {}  # (node, job, rank) -> GPU
+
+    def read(self) -> Facts:
+        agents = self.api.query("gpuwatch_agent_info")
+        if not agents:
+            raise SourceError(f"{self.api.url} has no gpuwatch_agent_info series: it scrapes no gpuwatch agent")
+        for sample in agents:
+            labels = sample["metric"]
+            name = labels.get("node") or labels.get("instance", "unknown")
+            self.nodes[labels.get("instance", name)] = self.facts.nodes[name] = NodeFacts(
+                name=name, simulated=labels.get("mode") == "simulated",
+                missing={"interfaces": "network interfaces are not exported to Prometheus"})
+        self._collectors()
+        self._gpus()
+        self._nvlinks()
+        self._ib_ports()
+        self._ranks()
+        return self.facts
+
+    def _node_samples(self, expr: str) -> Iterator[tuple[NodeFacts, dict[str, str], dict[str, Any]]]:
+        for sample in self.api.query(expr):
+            node = self.nodes.get(sample["metric"].get("instance"))
+            if node is not None:
+                yield node, sample["metric"], sample
+
+    def _collectors(self) -> None:
+        """A part whose collector is up starts known (empty); one that is down or absent stays unknown."""
+        up: dict[str, dict[str, float]] = collections.defaultdict(dict)
+        for node, labels, sample in self._node_samples("gpuwatch_collector_up"):
+            up[node.name][labels.get("collector")] = _value(sample)
+        for node in self.nodes.values():
+            for collector, part in PARTS.items():
+                if part == "interfaces":
+                    continue
+                state = up[node.name].get(collector)
+                if state == 1:
+                    setattr(node, part, [])
+                else:
+                    node.missing[part] = f"{collector} collector " + ("down" if state == 0 else "not running")
+                    self.facts.notes.append(f"{node.name}: {node.missing[part]}")
+
+    def _gpu(self, node: NodeFacts, index: str | None) -> GpuFacts | None:
+        if node.gpus is None or index is None:
+            return None
+        found = node.gpu(index=int(index))
+        if found is None:
+            found = GpuFacts(index=int(index), xid_errors={})
+            node.gpus.append(found)
+            node.gpus.sort(key=lambda gpu: gpu.index)
+        return found
+
+    def _gpus(self) -> None:
+        for node, labels, sample in self._node_samples(f'{{__name__=~"{_GPU_SERIES}"}}'):
+            name, value = labels["__name__"], _value(sample)
+            if name == "gpuwatch_gpu_job_info":
+                self.gpu_of_rank[node.name, _job(labels), labels.get("rank")] = (int(labels["gpu"]), labels.get("uuid"))
+                continue
+            gpu = self._gpu(node, labels.get("gpu"))
+            if gpu is None:
+                continue
+            if name == "gpuwatch_gpu_info":
+                gpu.uuid, gpu.model = labels.get("uuid"), labels.get("model")
+            elif name == "gpuwatch_gpu_lost":
+                gpu.lost = value == 1
+            elif name in ("gpuwatch_gpu_row_remap_pending", "gpuwatch_gpu_row_remap_failure"):
+                setattr(gpu, "remap_pending" if name.endswith("pending") else "remap_failure", value == 1)
+            elif name.startswith("gpuwatch_gpu_pcie_link_"):
+                quantity = "generation" if name.endswith("generation") else "width"
+                field = f"pcie_{quantity}" if labels.get("kind") == "current" else f"pcie_max_{quantity}"
+                setattr(gpu, field, int(value))
+            else:
+                setattr(gpu, _GPU_GAUGES[name], value)
+        for node, labels, _ in self._node_samples("count by (instance, gpu) (gpuwatch_gpu_clock_event_active)"):
+            if (gpu := self._gpu(node, labels.get("gpu"))) is not None:
+                gpu.clock_event_reasons = ()
+        for node, labels, _ in self._node_samples("gpuwatch_gpu_clock_event_active == 1"):
+            if (gpu := self._gpu(node, labels.get("gpu"))) is not None:
+                gpu.clock_event_reasons = (*(gpu.clock_event_reasons or ()), labels["reason"])
+        faults = '{__name__=~"gpuwatch_gpu_(xid_errors|ecc_volatile_errors)_total"} > 0'
+        for node, labels, sample in self._node_samples(faults):
+            gpu = self._gpu(node, labels.get("gpu"))
+            if gpu is None:
+                continue
+            if labels["__name__"] == "gpuwatch_gpu_xid_errors_total":
+                gpu.xid_errors[labels["xid"]] = int(_value(sample))
+            elif labels.get("error") == "uncorrected":
+                gpu.ecc_uncorrected = int(_value(sample))
+        for node in self.nodes.values():
+            for gpu in node.gpus or ():
+                gpu.ecc_uncorrected = gpu.ecc_uncorrected or 0
+
+    def _nvlinks(self) -> None:
+        links: dict[tuple[str, int], NvlinkFacts] = {}
+        for node, labels, sample in self._node_samples("count by (instance, gpu) (gpuwatch_nvlink_up)"):
+            if node.nvlinks is not None:
+                links[node.name, int(labels["gpu"])] = entry = NvlinkFacts(gpu=int(labels["gpu"]),
+                                                                           links=int(_value(sample)))
+                node.nvlinks.append(entry)
+        for node, labels, _ in self._node_samples("gpuwatch_nvlink_up == 0"):
+            if (entry := links.get((node.name, int(labels["gpu"])))) is not None:
+                entry.down = tuple(sorted((*entry.down, int(labels["link"]))))
+        speed = ("sum by (instance, gpu) (gpuwatch_nvlink_speed_bytes_per_second "
+                 "* on (instance, gpu, link) gpuwatch_nvlink_up)")
+        for node, labels, sample in self._node_samples(speed):
+            if (entry := links.get((node.name, int(labels["gpu"])))) is not None:
+                entry.up_speed_bytes_per_second = _value(sample)
+        for node in self.nodes.values():
+            if node.nvlinks is not None:
+                node.nvlinks.sort(key=lambda entry: entry.gpu)
+
+    def _ib_ports(self) -> None:
+        ports: dict[tuple[str, str, str], IbPortFacts] = {}
+
+        def port(node: NodeFacts, labels: dict[str, str]) -> IbPortFacts | None:
+            if node.ib_ports is None:
+                return None
+            key = (node.name, labels["device"], labels["port"])
+            if key not in ports:
+                ports[key] = IbPortFacts(device=labels["device"], port=int(labels["port"]), errors_increase={},
+                                         window_seconds=_seconds(WINDOW))
+                node.ib_ports.append(ports[key])
+            return ports[key]
+
+        models: dict[tuple[str, str], str | None] = {}
+        for node, labels, sample in self._node_samples(f'{{__name__=~"{_IB_SERIES}"}}'):
+            name, value = labels["__name__"], _value(sample)
+            if name == "gpuwatch_ib_device_info":
+                models[node.name, labels["device"]] = hca_model(labels)
+                continue
+            if (entry := port(node, labels)) is None:
+                continue
+            entry.link_layer = labels.get("link_layer", entry.link_layer)
+            if name == "gpuwatch_ib_port_rate_bytes_per_second":
+                entry.rate_bytes_per_second = value
+            elif name == "gpuwatch_ib_port_state_id":
+                entry.state = PORT_STATES.get(int(value), str(int(value)))
+            elif name == "gpuwatch_ib_port_physical_state_id":
+                entry.phys_state = PHYS_STATES.get(int(value), str(int(value)))
+        for node, labels, sample in self._node_samples(f"increase(gpuwatch_ib_port_errors_total[{WINDOW}]) > 0"):
+            if (entry := port(node, labels)) is not None:
+                entry.errors_increase[labels["counter"]] = _value(sample)
+        for node in self.nodes.values():
+            for entry in node.ib_ports or ():
+                entry.hca = models.get((node.name, entry.device))
+            if node.ib_ports is not None:
+                node.ib_ports.sort(key=lambda entry: (entry.device, entry.port))
+
+    def _ranks(self) -> None:
+        series: dict[tuple[str, str], dict[str, Any]] = collections.defaultdict(dict)
+        labels_of: dict[tuple[str, str], tuple[NodeFacts, dict[str, str]]] = {}
+        for node, labels, sample in self._node_samples(f'{{__name__=~"{_RANK_SERIES}"}}'):
+            key = (_job(labels), labels["rank"])
+            name = labels["__name__"]
+            if name == "gpuwatch_train_rank_info":
+                labels_of[key] = (node, labels)
+            elif name.startswith("gpuwatch_train_collective_"):
+                series[key].setdefault("collectives", {}).setdefault(labels["op"], {})[name] = _value(sample)
+            else:
+                series[key][name] = _value(sample)
+                if name.startswith("gpuwatch_train_memory_"):
+                    series[key]["memory_kind"] = labels.get("kind")
+        for quantile in ("0.5", "0.99"):
+            expr = f"histogram_quantile({quantile}, gpuwatch_train_collective_seconds_bucket)"
+            for _, labels, sample in self._node_samples(expr):
+                ops = series[_job(labels), labels["rank"]].setdefault("collectives", {})
+                ops.setdefault(labels["op"], {})[quantile] = _value(sample)
+        histories = self._rss_histories()
+        for key, (node, labels) in sorted(labels_of.items(), key=lambda item: (item[0][0], int(item[0][1]))):
+            self.facts.ranks.append(self._rank(node, labels, series[key], histories.get(key)))
+
+    def _rss_histories(self) -> dict[tuple[str, str], History]:
+        """Host RSS per step over ``HISTORY``: two subqueries at one resolution, so their timestamps align."""
+        rss = 'gpuwatch_train_memory_peak_bytes{kind="host_rss"}'
+        steps_at: dict[tuple[str, str], dict[float, float]] = {}
+        steps = f"(gpuwatch_train_last_step and on ({_RANK_KEY}) {rss})[{HISTORY}]"
+        for _, labels, sample in self._node_samples(steps):
+            steps_at[_job(labels), labels["rank"]] = {float(t): float(v) for t, v in sample["values"]}
+        histories = {}
+        for _, labels, sample in self._node_samples(f"{rss}[{HISTORY}]"):
+            key = (_job(labels), labels["rank"])
+            steps = steps_at.get(key, {})
+            # One point per step: a step slower than the resolution is sampled more than once.
+            per_step = {int(steps[float(t)]): float(v) for t, v in sample["values"] if float(t) in steps}
+            histories[key] = History(host_rss_bytes=sorted(per_step.items()))
+        return histories
+
+    def _rank(self, node: NodeFacts, labels: dict[str, str], values: dict[str, Any],
+              history: History | None) -> RankFacts:
+        job, rank = _job(labels), int(labels["rank"])
+        layout = Layout(
+            world_size=int(labels["world_size"]), tp_size=int(labels["tp_size"]), pp_size=int(labels["pp_size"]),
+            dp_size=int(labels["dp_size"]), tp_rank=int(labels["tp_rank"]), pp_stage=int(labels["pp_stage"]),
+            dp_rank=int(labels["dp_rank"]), local_rank=_int(labels.get("local_rank")),
+            schedule=labels.get("schedule") or None, micro_batches=_int(labels.get("micro_batches")),
+            precision=labels.get("precision") or None)
+        last_step = values.get("gpuwatch_train_last_step")
+        last = None
+        if last_step is not None:
+            last = StepFacts(step=int(last_step), memory_kind=values.get("memory_kind"),
+                             **{field: values.get(name) for name, field in _STEP_GAUGES.items()})
+        collectives = {
+            op: CollectiveFacts(op=op, count=int(stats.get("gpuwatch_train_collective_seconds_count", 0)),
+                                seconds=stats.get("gpuwatch_train_collective_seconds_sum", 0.0),
+                                bytes=stats.get("gpuwatch_train_collective_bytes_total"),
+                                p50_seconds=_finite_or_none(stats.get("0.5")),
+                                p99_seconds=_finite_or_none(stats.get("0.99")))
+            for op, stats in values.get("collectives", {}).items()}
+        gpu_index, gpu_uuid = self.gpu_of_rank.get((node.name, job, labels["rank"]), (None, None))
+
+        def sampled(name: str) -> Sampled | None:
+            value = values.get(name)
+            return None if value is None else Sampled(value=value, as_of_step=_int_or_none(last_step))
+
+        return RankFacts(
+            job=job, rank=rank, node=node.name, layout=layout, gpu_index=gpu_index, gpu_uuid=gpu_uuid,
+            faults=tuple(filter(None, labels.get("faults", "").split(","))), last=last,
+            collectives=collectives or None, param_checksum=sampled("gpuwatch_train_param_checksum"),
+            grad_cosine=sampled("gpuwatch_train_grad_cosine_similarity"), history=history,
+            **{field: _int_or_none(values.get(name)) for name, field in _RANK_COUNTERS.items()})
+
+
+def _job(labels: dict[str, str]) -> str:
+    """The training job: ``exported_job`` when Prometheus renamed the series' own ``job`` label."""
+    return labels.get("exported_job") or labels.get("job", "")
+
+
+def _seconds(duration: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600}
+    return float(duration[:-1]) * units[duration[-1]]
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _int_or_none(value: float | None) -> int | None:
+    return int(value) if value is not None and math.isfinite(value) else None

@@ -1,0 +1,85 @@
+"""``--run-log FILE``: the JSONL run log the hooks write (one telemetry record per line, schema v1), for a
+post-mortem after the job ended.
+
+Every line is validated with the agent's own ``decode``; a bad line is reported (line number and reason)
+and skipped. Counters are accumulated by the agent's own ``TelemetryStore``, so a run log and a live agent
+count alike; the per-step history (loss, grad norm, host RSS) is what only a log has.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from pathlib import Path
+
+from gpuwatch.agent.diagnosis.facts import Facts, History, SourceInfo
+from gpuwatch.agent.diagnosis.sources import SourceError
+from gpuwatch.agent.diagnosis.sources.telemetry import rank_facts
+from gpuwatch.agent.telemetry.schema import MAX_RANK, RecordRejected, decode
+from gpuwatch.agent.telemetry.store import TelemetryStore
+
+#: Steps of history kept per rank and series (the latest ones); bounds memory on very long runs.
+HISTORY_LIMIT = 20_000
+#: Bad lines quoted in the notes; the rest are counted.
+MAX_QUOTED_BAD_LINES = 20
+
+
+@dataclasses.dataclass
+class _Series:
+    loss: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=HISTORY_LIMIT))
+    grad_norm: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=HISTORY_LIMIT))
+    host_rss_bytes: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=HISTORY_LIMIT))
+
+    def history(self) -> History:
+        return History(loss=list(self.loss), grad_norm=list(self.grad_norm), host_rss_bytes=list(self.host_rss_bytes))
+
+
+def read(path: Path) -> Facts:
+    store = TelemetryStore(ttl=float("inf"), max_ranks=MAX_RANK + 1, max_jobs=MAX_RANK + 1)
+    series: dict[tuple[str, int], _Series] = collections.defaultdict(_Series)
+    bad: list[str] = []
+    records = 0
+    try:
+        with open(path, "rb") as log:
+            for number, line in enumerate(log, 1):
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    record = decode(line)
+                except RecordRejected as rejected:
+                    bad.append(f"{path}:{number}: {rejected}")
+                    continue
+                store.ingest(line)
+                records += 1
+                if record.kind == "step":
+                    _add(series[record.job, record.rank], record.body)
+    except OSError as exc:
+        raise SourceError(f"cannot read run log {path}: {exc.strerror or exc}") from None
+    if not records:
+        raise SourceError(f"{path} holds no valid telemetry record ({len(bad)} bad line(s)"
+                          + (f", first: {bad[0]}" if bad else "") + ")")
+    facts = Facts(sources=[SourceInfo("run_log", str(path))])
+    facts.notes += bad[:MAX_QUOTED_BAD_LINES]
+    if len(bad) > MAX_QUOTED_BAD_LINES:
+        facts.notes.append(f"{path}: ... and {len(bad) - MAX_QUOTED_BAD_LINES} more bad line(s)")
+    ranks, _ = store.snapshot()
+    for state in ranks:
+        facts.ranks.append(rank_facts(
+            state.job, state.rank, node=None, hello=state.hello, last_step=state.last_step,
+            counters=state.counters(),
+            collectives={op: dataclasses.asdict(totals) for op, totals in state.collectives.items()},
+            sampled=state.sampled, history=series[state.job, state.rank].history()))
+    return facts
+
+
+def _add(series: _Series, body: dict) -> None:
+    step = body["step"]
+    if "loss" in body:
+        series.loss.append((step, body["loss"]))
+    if "grad_norm" in body:
+        series.grad_norm.append((step, body["grad_norm"]))
+    memory = body.get("memory")
+    if memory is not None and memory["kind"] == "host_rss":
+        series.host_rss_bytes.append((step, memory["peak_bytes"]))

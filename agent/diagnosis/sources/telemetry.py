@@ -1,0 +1,94 @@
+"""Rank facts from telemetry as the agent keeps it: a rank's hello and latest step record bodies (schema v1),
+its accumulated counters, collective totals and sampled values. Shared by the agent and run-log sources."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gpuwatch.agent.diagnosis.facts import CollectiveFacts, History, Layout, RankFacts, Sampled, StepFacts
+from gpuwatch.agent.telemetry.schema import COLLECTIVE_BUCKETS
+
+
+def histogram_quantile(quantile: float, buckets: Sequence[int]) -> float | None:
+    """The quantile of per-bucket counts over COLLECTIVE_BUCKETS (+ overflow), interpolated inside the bucket
+    as Prometheus's histogram_quantile does; the overflow bucket answers with the highest finite bound."""
+    total = sum(buckets)
+    if total == 0:
+        return None
+    target = quantile * total
+    seen = 0
+    for index, count in enumerate(buckets):
+        if seen + count >= target and count:
+            if index == len(COLLECTIVE_BUCKETS):
+                return COLLECTIVE_BUCKETS[-1]
+            lower = COLLECTIVE_BUCKETS[index - 1] if index else 0.0
+            upper = COLLECTIVE_BUCKETS[index]
+            return lower + (upper - lower) * (target - seen) / count
+        seen += count
+    return COLLECTIVE_BUCKETS[-1]
+
+
+def collective(op: str, totals: Mapping[str, Any]) -> CollectiveFacts:
+    buckets = totals.get("buckets") or ()
+    return CollectiveFacts(op=op, count=totals["count"], seconds=totals["seconds"], bytes=totals.get("bytes"),
+                           p50_seconds=histogram_quantile(0.5, buckets), p99_seconds=histogram_quantile(0.99, buckets))
+
+
+def layout(hello: Mapping[str, Any]) -> Layout:
+    return Layout(
+        world_size=hello["world_size"], tp_size=hello["tp_size"], pp_size=hello["pp_size"], dp_size=hello["dp_size"],
+        tp_rank=hello["tp_rank"], pp_stage=hello["pp_stage"], dp_rank=hello["dp_rank"],
+        local_rank=hello.get("local_rank"), schedule=hello.get("schedule"), micro_batches=hello.get("micro_batches"),
+        precision=hello.get("precision"))
+
+
+def _maybe_nonfinite(value: Any) -> float | None:
+    """Loss and grad norm may be non-finite; JSON state carries those as "NaN", "+Inf", "-Inf"."""
+    return float(value) if isinstance(value, str) else value
+
+
+def step(body: Mapping[str, Any]) -> StepFacts:
+    pipeline = body.get("pipeline") or {}
+    memory = body.get("memory") or {}
+    return StepFacts(
+        step=body["step"], step_seconds=body.get("step_seconds"), compute_seconds=body.get("compute_seconds"),
+        dataloader_wait_seconds=body.get("dataloader_wait_seconds"),
+        bubble_ratio=pipeline.get("bubble_ratio"), bubble_ratio_theoretical=pipeline.get("bubble_ratio_theoretical"),
+        loss=_maybe_nonfinite(body.get("loss")), grad_norm=_maybe_nonfinite(body.get("grad_norm")),
+        loss_scale=body.get("loss_scale"),
+        memory_kind=memory.get("kind"), peak_bytes=memory.get("peak_bytes"),
+        allocated_bytes=memory.get("allocated_bytes"), reserved_bytes=memory.get("reserved_bytes"),
+        inactive_split_bytes=memory.get("inactive_split_bytes"))
+
+
+def rank_facts(
+    job: str,
+    rank: int,
+    *,
+    node: str | None,
+    hello: Mapping[str, Any] | None,
+    last_step: Mapping[str, Any] | None,
+    counters: Mapping[str, int],
+    collectives: Mapping[str, Mapping[str, Any]],
+    sampled: Mapping[str, tuple[int, Any]],
+    history: History | None = None,
+) -> RankFacts:
+    """One rank. Counters and collectives are totals since the agent (or the log) first saw the rank."""
+    hello = hello or {}
+    gpu = hello.get("gpu") or {}
+    sampled_facts = {name: Sampled(value=value, step=at) for name, (at, value) in sampled.items()}
+    return RankFacts(
+        job=job, rank=rank, node=node or hello.get("hostname"), hostname=hello.get("hostname"),
+        layout=layout(hello) if hello else None, gpu_index=gpu.get("index"), gpu_uuid=gpu.get("uuid"),
+        env=dict(hello["env"]) if "env" in hello else None,
+        process_groups={name: list(members) for name, members in hello["process_groups"].items()}
+        if "process_groups" in hello else None,
+        faults=tuple(hello.get("faults", ())),
+        last=step(last_step) if last_step else None,
+        steps=counters.get("steps"), nonfinite_steps=counters.get("nonfinite_steps"),
+        alloc_retries=counters.get("alloc_retries"), ooms=counters.get("ooms"),
+        collectives={op: collective(op, totals) for op, totals in collectives.items()},
+        param_checksum=sampled_facts.get("param_checksum"), grad_cosine=sampled_facts.get("grad_cosine_similarity"),
+        history=history,
+    )

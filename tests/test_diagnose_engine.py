@@ -1,0 +1,120 @@
+"""The rule registry and engine: stable unique codes, the whole catalogue, linter-style selection, config
+overrides, rules that cannot run or fail."""
+
+from __future__ import annotations
+
+import pytest
+from diagnose_facts import facts, rank, step
+
+from gpuwatch.agent.diagnosis import engine
+from gpuwatch.agent.diagnosis.facts import Facts
+from gpuwatch.agent.diagnosis.registry import REGISTRY, Issue, Rule, Severity, rule
+
+#: DESIGN.md §6: the codes are a contract (dashboards, alerts, --select in users' scripts); so are families.
+CATALOGUE = {
+    "NCCL001": ("network config", "critical"), "NCCL002": ("network config", "warning"),
+    "NCCL003": ("network config", "critical"), "NCCL004": ("network config", "warning"),
+    "NCCL005": ("network config", "warning"),
+    "HW001": ("hardware", "warning"), "HW002": ("hardware", "warning"), "HW003": ("hardware", "critical"),
+    "HW004": ("hardware", "critical"), "HW005": ("hardware", "warning"),
+    "PERF001": ("performance", "warning"), "PERF002": ("performance", "warning"),
+    "PERF003": ("performance", "warning"), "PERF004": ("performance", "warning"),
+    "PERF005": ("performance", "warning"),
+    "MEM001": ("memory", "warning"), "MEM002": ("memory", "warning"), "MEM003": ("memory", "warning"),
+    "CONV001": ("convergence", "critical"), "CONV002": ("convergence", "warning"),
+    "CONV003": ("convergence", "critical"), "CONV004": ("convergence", "warning"),
+    "CONV005": ("convergence", "info"),
+    "TOPO001": ("topology", "critical"), "TOPO002": ("topology", "warning"),
+}
+
+
+def test_catalogue_codes_families_and_severities_are_the_contract():
+    assert {r.code: (r.family, r.severity.label) for r in engine.catalogue()} == CATALOGUE
+    assert [r.code for r in engine.catalogue()][:6] == ["NCCL001", "NCCL002", "NCCL003", "NCCL004", "NCCL005", "HW001"]
+
+
+def test_every_rule_documents_itself():
+    for entry in engine.catalogue():
+        assert entry.title and "\n" not in entry.title, entry.code
+        assert len(entry.explanation) > 100, entry.code  # the --explain text: why, with the seeds' numbers
+        assert entry.needs, f"{entry.code} declares no needs: the engine could not say why it did not run"
+        for name, threshold in entry.thresholds.items():
+            assert name.isidentifier() and threshold.source, (entry.code, name)
+
+
+def test_a_code_registers_once():
+    before = dict(REGISTRY)
+    with pytest.raises(ValueError, match="PERF002 registered twice"):
+        rule("PERF002", family="performance", severity=Severity.INFO, title="again")(lambda f, t: ())
+    with pytest.raises(ValueError, match="docstring"):
+        rule("ZZZ999", family="x", severity=Severity.INFO, title="undocumented")(lambda f, t: ())
+    assert before == REGISTRY
+
+
+@pytest.mark.parametrize(("selected", "ignored", "expected"), [
+    (["NCCL"], [], ["NCCL001", "NCCL002", "NCCL003", "NCCL004", "NCCL005"]),
+    (["perf001", " MEM "], [], ["PERF001", "MEM001", "MEM002", "MEM003"]),
+    (["CONV00"], ["CONV005"], ["CONV001", "CONV002", "CONV003", "CONV004"]),
+    (["ALL"], ["NCCL", "HW", "PERF", "MEM", "CONV"], ["TOPO001", "TOPO002"]),
+    ([], ["TOPO"], [c for c in CATALOGUE if not c.startswith("TOPO")]),
+    (["HW001"], ["HW"], []),
+])
+def test_select_and_ignore_are_prefix_matches(selected, ignored, expected):
+    assert [r.code for r in engine.select(selected, ignored)] == expected
+
+
+def test_unknown_selector_is_an_error():
+    with pytest.raises(engine.SelectionError, match="unknown rule selector 'XYZ'"):
+        engine.select(["XYZ"])
+    with pytest.raises(engine.SelectionError, match="'PERF9'"):
+        engine.select([], ["PERF9"])
+
+
+def test_config_overrides_a_threshold(tmp_path):
+    config = tmp_path / "diagnose.yaml"
+    config.write_text("thresholds:\n  perf002: {straggler_ratio: 2.5}\n  PERF001:\n    max_bubble_ratio: 0.3\n")
+    overrides = engine.load_config(config)
+    assert overrides == {"PERF002": {"straggler_ratio": 2.5}, "PERF001": {"max_bubble_ratio": 0.3}}
+    ranks = [rank(r, dp=4, last=step(compute_seconds=0.6 if r == 1 else 0.3)) for r in range(4)]
+    assert [f.code for f in engine.run(facts(ranks=ranks), engine.select(["PERF002"])).findings] == ["PERF002"]
+    assert engine.run(facts(ranks=ranks), engine.select(["PERF002"]), overrides).findings == []
+
+
+@pytest.mark.parametrize(("text", "error"), [
+    ("thresholds:\n  NOPE001: {x: 1}\n", "unknown rule 'NOPE001'"),
+    ("thresholds:\n  PERF002: {ratio: 1}\n", "has no threshold 'ratio' (it has: straggler_ratio)"),
+    ("thresholds:\n  PERF002: {straggler_ratio: fast}\n", "must be a finite number"),
+    ("thresholds:\n  PERF002: {straggler_ratio: .nan}\n", "must be a finite number"),
+    ("thresholds:\n  PERF002: 3\n", "must be a mapping"),
+    ("rules: {}\n", "one key, 'thresholds'"),
+    ("thresholds: [unclosed\n", "not valid YAML"),
+])
+def test_bad_config_is_an_error(tmp_path, text, error):
+    config = tmp_path / "diagnose.yaml"
+    config.write_text(text)
+    with pytest.raises(engine.ConfigError, match=error.replace("(", r"\(").replace(")", r"\)")):
+        engine.load_config(config)
+
+
+def test_missing_config_file_is_an_error(tmp_path):
+    with pytest.raises(engine.ConfigError, match="cannot read"):
+        engine.load_config(tmp_path / "absent.yaml")
+
+
+def test_findings_sorted_by_severity_and_rules_that_fail_are_reported():
+    def broken(f: Facts, t) -> list[Issue]:
+        """Fails on purpose."""
+        raise KeyError("gpu")
+
+    failing = Rule("ZZZ001", "test", Severity.CRITICAL, "broken", (), {}, "Fails.", broken)
+    ranks = [rank(r, dp=2, last=step(grad_norm=500.0, loss=float("nan"))) for r in range(2)]
+    result = engine.run(facts(ranks=ranks), [*engine.select(["CONV002", "CONV001"]), failing])
+    assert [(f.code, f.severity.label) for f in result.findings] == [("CONV001", "critical"), ("CONV002", "warning")]
+    assert result.ran == ["CONV001", "CONV002"]
+    assert [(s.code, s.reason) for s in result.skipped] == [("ZZZ001", "rule failed: KeyError: 'gpu'")]
+
+
+def test_no_facts_means_every_rule_not_run_and_no_findings():
+    result = engine.run(Facts())
+    assert result.findings == [] and result.ran == []
+    assert sorted(s.code for s in result.skipped) == sorted(CATALOGUE)

@@ -1,0 +1,598 @@
+"""Every diagnosis rule on Facts built in the test: one that fires (with the right evidence), one just on the
+other side of its threshold that stays silent, one with the needed facts missing (silent, reported not run)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from diagnose_facts import GIB, NDR, facts, gpu, node, port, rank, step
+
+from gpuwatch.agent.diagnosis import engine
+from gpuwatch.agent.diagnosis.facts import (
+    BandwidthMeasurement,
+    CollectiveFacts,
+    Facts,
+    History,
+    NvlinkFacts,
+    RankFacts,
+    Sampled,
+    StepFacts,
+)
+from gpuwatch.agent.diagnosis.registry import Severity
+
+
+def run(code: str, f: Facts, overrides=None) -> engine.Report:
+    return engine.run(f, engine.select([code]), overrides)
+
+
+def fired(code: str, f: Facts, overrides=None) -> list:
+    result = run(code, f, overrides)
+    assert code in result.ran, result.skipped
+    assert {finding.code for finding in result.findings} <= {code}
+    assert result.findings, f"{code} did not fire"
+    return result.findings
+
+
+def silent(code: str, f: Facts) -> None:
+    result = run(code, f)
+    assert code in result.ran, result.skipped
+    assert result.findings == [], [x.title for x in result.findings]
+
+
+def not_run(code: str, f: Facts, reason: str) -> None:
+    result = run(code, f)
+    assert result.findings == [] and result.ran == []
+    assert [s.code for s in result.skipped] == [code]
+    assert reason in result.skipped[0].reason, result.skipped[0].reason
+
+
+def texts(findings) -> str:
+    return "\n".join([f.title for f in findings] + [e.text for f in findings for e in f.evidence]
+                     + [f.fix for f in findings])
+
+
+# -- network config ---------------------------------------------------------------------------------
+
+
+def test_nccl001_names_the_active_ports_and_not_the_down_one():
+    ports = [port("mlx5_0"), port("mlx5_1"), port("mlx5_2", state="DOWN")]
+    ranks = [rank(r, dp=4, env={"NCCL_IB_DISABLE": "1"}) for r in range(4)]
+    (finding,) = fired("NCCL001", facts([node(ib_ports=ports)], ranks))
+    assert finding.severity is Severity.CRITICAL
+    assert "mlx5_0/1" in finding.title and "mlx5_1/1" in finding.title and "mlx5_2" not in texts([finding])
+    assert {e.where.port for e in finding.evidence} == {None, "mlx5_0/1", "mlx5_1/1"}
+    assert "ranks 0-3 of job job-1 on node-a" in finding.evidence[0].text
+    assert "NCCL_IB_DISABLE=0" in finding.fix
+
+
+def test_nccl001_preflight_shell_and_nccl_net_socket():
+    shell = node(env={"NCCL_NET": "Socket"})
+    (finding,) = fired("NCCL001", facts([shell]))
+    assert "pre-flight shell on node-a" in finding.evidence[0].text
+
+
+def test_nccl001_silent_when_ib_enabled_or_no_port_active():
+    silent("NCCL001", facts([node()], [rank(0, env={"NCCL_IB_DISABLE": "0"})]))
+    silent("NCCL001", facts([node(ib_ports=[port("mlx5_0", state="DOWN")])], [rank(0, env={"NCCL_IB_DISABLE": "1"})]))
+
+
+def test_nccl001_not_run_without_port_facts():
+    bare = node(ib_ports=None, missing={"ib_ports": "infiniband collector down: EACCES"})
+    not_run("NCCL001", facts([bare], [rank(0, env={"NCCL_IB_DISABLE": "1"})]), "infiniband collector down: EACCES")
+
+
+def test_nccl002_roce_ports_without_gid_index():
+    roce = [port("mlx5_0", link_layer="Ethernet", rate=100e9 / 8), port("mlx5_1", link_layer="Ethernet")]
+    (finding,) = fired("NCCL002", facts([node(ib_ports=roce)], [rank(0, env={"NCCL_DEBUG": "WARN"})]))
+    assert "NCCL_IB_GID_INDEX=3" in finding.fix and "mlx5_0/1" in texts([finding])
+    silent("NCCL002", facts([node(ib_ports=roce)], [rank(0, env={"NCCL_IB_GID_INDEX": "3"})]))
+    silent("NCCL002", facts([node()], [rank(0, env={})]))  # InfiniBand, not RoCE
+
+
+def test_nccl002_not_run_without_environment():
+    not_run("NCCL002", facts([node()], [rank(0, env=None)]), "no NCCL environment")
+
+
+@pytest.mark.parametrize(("spec", "problem"), [
+    ("eth9", "no interface of that name exists"),
+    ("eth1", "eth1 is down"),
+    ("docker0", "only reaches this host"),
+    ("=lo", "only reaches this host"),
+    ("^eth,docker", "excludes every interface"),
+])
+def test_nccl003_unusable_socket_interface(spec, problem):
+    (finding,) = fired("NCCL003", facts([node()], [rank(0, dp=2, env={"NCCL_SOCKET_IFNAME": spec})]))
+    assert problem in finding.title
+    assert finding.fix.startswith("export NCCL_SOCKET_IFNAME=eth0")
+
+
+def test_nccl003_silent_on_a_usable_interface_or_loopback_for_a_one_node_job():
+    silent("NCCL003", facts([node()], [rank(0, dp=2, env={"NCCL_SOCKET_IFNAME": "eth"})]))
+    silent("NCCL003", facts([node()], [rank(0, dp=2, env={"NCCL_SOCKET_IFNAME": "^docker,lo"})]))
+    # Every rank of the job is known and on node-a: loopback is fine.
+    silent("NCCL003", facts([node()], [rank(r, dp=2, env={"NCCL_SOCKET_IFNAME": "lo"}) for r in range(2)]))
+
+
+def test_nccl003_not_run_without_interfaces():
+    not_run("NCCL003", facts([node(interfaces=None, missing={"interfaces": "network interfaces are not exported"})],
+                             [rank(0, env={"NCCL_SOCKET_IFNAME": "eth9"})]), "network interfaces are not exported")
+
+
+def test_nccl004_p2p_disabled_on_nvlink_node():
+    (finding,) = fired("NCCL004", facts([node()], [rank(0, env={"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"})]))
+    assert "NCCL_P2P_DISABLE=1 and NCCL_SHM_DISABLE=1" in finding.title
+    assert "8 GPU(s) on node-a with 144 NVLink links up" in texts([finding])
+
+
+def test_nccl004_silent_for_shm_alone_or_without_nvlink():
+    silent("NCCL004", facts([node()], [rank(0, env={"NCCL_SHM_DISABLE": "1", "NCCL_P2P_DISABLE": "0"})]))
+    silent("NCCL004", facts([node(nvlinks=[])], [rank(0, env={"NCCL_P2P_DISABLE": "1"})]))
+
+
+def test_nccl004_not_run_without_nvlink_facts():
+    not_run("NCCL004", facts([node(nvlinks=None)], [rank(0, env={"NCCL_P2P_DISABLE": "1"})]), "NVLink facts unknown")
+
+
+def _all_reduce(p50: float, p99: float, count: int = 200) -> dict:
+    return {"all_reduce": CollectiveFacts("all_reduce", count, p50 * count, 1 << 30, p50, p99)}
+
+
+def test_nccl005_heavy_tail_on_a_multi_node_job():
+    ranks = [rank(0, dp=2, host="node-a", collectives=_all_reduce(0.083, 0.142)),
+             rank(1, dp=2, host="node-b", collectives=_all_reduce(0.031, 0.045))]
+    (finding,) = fired("NCCL005", facts([node("node-a"), node("node-b")], ranks))
+    assert "rank 0: all-reduce p50 83.00 ms, p99 142.00 ms (1.7x)" in texts([finding])
+    assert "rank 1" not in texts([finding]) and "NCCL_ALGO=Tree" in finding.fix
+
+
+def test_nccl005_silent_below_ratio_with_tree_or_on_one_node():
+    two_nodes = [node("node-a"), node("node-b")]
+    silent("NCCL005", facts(two_nodes, [rank(0, dp=2, host="node-a", collectives=_all_reduce(0.1, 0.169)),
+                                        rank(1, dp=2, host="node-b", collectives=_all_reduce(0.1, 0.1))]))
+    silent("NCCL005", facts(two_nodes, [rank(0, dp=2, host="node-a", env={"NCCL_ALGO": "Tree"},
+                                             collectives=_all_reduce(0.1, 0.5)), rank(1, dp=2, host="node-b")]))
+    silent("NCCL005", facts([node()], [rank(r, dp=2, collectives=_all_reduce(0.1, 0.5)) for r in range(2)]))
+    silent("NCCL005", facts(two_nodes, [rank(0, dp=2, host="node-a", collectives=_all_reduce(0.1, 0.5, count=99)),
+                                        rank(1, dp=2, host="node-b")]))
+
+
+def test_nccl005_not_run_without_collectives():
+    not_run("NCCL005", facts([node()], [rank(0)]), "no collective timings")
+
+
+# -- hardware ---------------------------------------------------------------------------------------
+
+
+def test_hw001_down_links_named_per_gpu():
+    links = [NvlinkFacts(i, 18, (4, 7) if i == 3 else (), 18 * 26.5e9) for i in range(8)]
+    (finding,) = fired("HW001", facts([node(nvlinks=links)]))
+    assert finding.title == "2 NVLink link(s) down on node-a (GPU 3)"
+    assert finding.evidence[0].where.gpu == 3 and "link(s) 4, 7 down of 18" in finding.evidence[0].text
+
+
+def test_hw001_silent_when_all_up_or_gpu_has_no_links():
+    silent("HW001", facts([node(nvlinks=[NvlinkFacts(0, 18, (), 1.0), NvlinkFacts(1, 0, (), None)])]))
+
+
+def test_hw001_not_run_without_nvlink_facts():
+    not_run("HW001", facts([node(nvlinks=None, missing={"nvlinks": "nvlink collector down"})]), "nvlink collector down")
+
+
+def test_hw002_degraded_pcie_under_load():
+    gpus = [gpu(0), gpu(1, pcie_generation=3), gpu(2, pcie_width=8, sm_active_ratio=0.305)]
+    (finding,) = fired("HW002", facts([node(gpus=gpus)]))
+    assert [e.where.gpu for e in finding.evidence] == [1, 2]
+    assert "PCIe Gen3 x16 of Gen5 x16 at 85% load" in finding.evidence[0].text
+
+
+def test_hw002_silent_on_idle_gpu():
+    # Idle GPUs lower their PCIe generation on purpose: just under the load threshold, nothing to say.
+    silent("HW002", facts([node(gpus=[gpu(0, pcie_generation=1, sm_active_ratio=0.295, utilization_ratio=0.9)])]))
+
+
+def test_hw002_not_run_without_gpus():
+    not_run("HW002", facts([node(gpus=None, missing={"gpus": "nvml: NVML library not found"})]), "NVML library")
+
+
+def test_hw003_down_slow_and_erring_ports():
+    ports = [port("mlx5_0"), port("mlx5_1", rate=NDR / 2), port("mlx5_2", state="DOWN"),
+             port("mlx5_3", errors_increase={"symbol_error": 9.0, "link_error_recovery": 2.0}, window_seconds=600)]
+    findings = fired("HW003", facts([node(ib_ports=ports)]))
+    by_problem = {f.title.split(" port(s) on node-a ")[1].split(":")[0]: f for f in findings}
+    assert set(by_problem) == {"not ACTIVE", "slower than its peers", "with rising error counters"}
+    assert by_problem["not ACTIVE"].evidence[0].where.port == "mlx5_2/1"
+    assert "mlx5_1/1 runs at 200 Gb/s, its peers at 400 Gb/s" in by_problem["slower than its peers"].evidence[0].text
+    erring = by_problem["with rising error counters"].evidence[0]
+    assert "link_error_recovery +2, symbol_error +9 in 600 s" in erring.text
+
+
+def test_hw003_silent_at_the_error_threshold_and_for_ports_without_peers():
+    ports = [port("mlx5_0", errors_increase={"symbol_error": 10.0}), port("mlx5_1"),
+             port("mlx4_0", state="DOWN")]  # no active mlx4 peer: a spare port, not a broken one
+    silent("HW003", facts([node(ib_ports=ports)]))
+    # RoCE: a 25G frontend ConnectX-6 Dx next to 400G ConnectX-7 data ports is not their slow peer.
+    roce = [port(f"mlx5_{i}", link_layer="Ethernet", hca="MT_0000000838") for i in range(2)]
+    roce.append(port("mlx5_2", link_layer="Ethernet", rate=25e9 / 8, hca="MT_0000000359"))
+    silent("HW003", facts([node(ib_ports=roce)]))
+    roce[2].hca = "MT_0000000838"
+    assert "mlx5_2/1 runs at 25 Gb/s" in texts(fired("HW003", facts([node(ib_ports=roce)])))
+
+
+def test_hw003_not_run_without_port_facts():
+    not_run("HW003", facts(), "no node facts")
+
+
+def test_hw004_xid_ecc_and_pending_remap():
+    gpus = [gpu(0), gpu(2, xid_errors={"79": 1, "48": 0}), gpu(5, ecc_uncorrected=2, remap_pending=True),
+            gpu(6, xid_errors={"13": 3})]
+    findings = fired("HW004", facts([node(gpus=gpus)]))
+    assert [f.evidence[0].where.gpu for f in findings] == [2, 5, 6]
+    assert "Xid 79 (GPU has fallen off the bus) x1" in findings[0].title and "Xid 48" not in texts(findings[:1])
+    assert "nvidia-smi -r -i 5" in findings[1].fix
+    assert "compute-sanitizer" in findings[2].fix  # Xid 13 is usually the application's
+
+
+def test_hw004_silent_with_zero_counts():
+    silent("HW004", facts([node(gpus=[gpu(0, xid_errors={"79": 0, "48": 0}, ecc_uncorrected=0)])]))
+
+
+def test_hw004_not_run_without_gpus():
+    not_run("HW004", facts([node(gpus=None)]), "GPU facts (NVML) unknown")
+
+
+def test_hw005_thermal_throttle_under_load():
+    gpus = [gpu(0), gpu(4, clock_event_reasons=("sw_power_cap", "hw_thermal_slowdown"), temperature_celsius=91.0,
+                    sm_clock_hertz=990e6), gpu(5, clock_event_reasons=("hw_power_brake",), sm_active_ratio=0.305)]
+    (finding,) = fired("HW005", facts([node(gpus=gpus)]))
+    assert [e.where.gpu for e in finding.evidence] == [4, 5]
+    assert "hw_thermal_slowdown at 85% load, 91 °C, SM clock 990 MHz" in finding.evidence[0].text
+    assert "sw_power_cap" not in finding.evidence[0].text
+
+
+def test_hw005_silent_at_power_cap_or_when_idle():
+    silent("HW005", facts([node(gpus=[gpu(0, clock_event_reasons=("sw_power_cap",)),
+                                      gpu(1, clock_event_reasons=("hw_slowdown",), sm_active_ratio=0.295)])]))
+
+
+def test_hw005_not_run_without_gpus():
+    not_run("HW005", facts([node(gpus=None)]), "GPU facts (NVML) unknown")
+
+
+# -- performance ------------------------------------------------------------------------------------
+
+
+def _pipeline(m: int | None, measured: float | None, pp: int = 4, theory: float | None = None) -> list[RankFacts]:
+    return [rank(r, pp=pp, micro_batches=m, last=step(bubble_ratio=measured, bubble_ratio_theoretical=theory))
+            for r in range(pp)]
+
+
+def test_perf001_too_few_micro_batches_says_how_many():
+    (finding,) = fired("PERF001", facts(ranks=_pipeline(m=1, measured=0.74)))
+    assert finding.title == "pipeline bubble 74% in job job-1 (p=4, m=1): too few micro-batches"
+    assert "theoretical 75% for p=4, m=1" in finding.evidence[0].text
+    assert "from 1 to at least 12" in finding.fix and "m ≥ 4p = 16" in finding.fix
+
+
+def test_perf001_measured_far_above_theory_blames_the_stages():
+    (finding,) = fired("PERF001", facts(ranks=_pipeline(m=16, measured=0.45)))
+    assert "against 16% in theory" in finding.title and "rebalance layers" in finding.fix
+
+
+def test_perf001_theoretical_fallback_and_threshold_override():
+    # Nothing measured: the schedule's own bubble is judged.
+    (finding,) = fired("PERF001", facts(ranks=_pipeline(m=4, measured=None)))
+    assert "theoretical bubble 43% (nothing measured)" in finding.evidence[0].text
+    relaxed = {"PERF001": {"max_bubble_ratio": 0.5}}
+    assert run("PERF001", facts(ranks=_pipeline(m=4, measured=None)), relaxed).findings == []
+
+
+def test_perf001_silent_at_the_threshold():
+    silent("PERF001", facts(ranks=_pipeline(m=12, measured=0.2)))  # (4-1)/(12+4-1) = 0.2 exactly
+    silent("PERF001", facts(ranks=[rank(0, dp=2)]))  # no pipeline
+
+
+def test_perf001_not_run_without_bubble_or_micro_batches():
+    not_run("PERF001", facts(ranks=_pipeline(m=None, measured=None)), "neither a measured bubble nor micro_batches")
+
+
+def _compute(times: dict[int, float], dp: int = 8, pp: int = 1, hosts=None) -> list[RankFacts]:
+    hosts = hosts or {}
+    # Whole-step times are even (the all-reduce waits for the slowest): only compute time tells.
+    return [rank(r, dp=dp, pp=pp, host=hosts.get(r, "node-a"), last=step(step_seconds=1.0, compute_seconds=t))
+            for r, t in times.items()]
+
+
+def test_perf002_straggler_from_compute_time_not_step_time():
+    ranks = _compute({r: 0.6 if r == 5 else 0.3 for r in range(8)}, hosts={r: "node-b" for r in range(4, 8)})
+    (finding,) = fired("PERF002", facts(ranks=ranks))
+    assert finding.title == "straggler in job job-1: rank 5 on node-b computes up to 2.00x the median"
+    assert finding.evidence[0].where.rank == 5 and finding.evidence[0].where.node == "node-b"
+
+
+def test_perf002_names_a_node_whose_ranks_are_all_slow():
+    times = {r: 0.6 if r >= 6 else 0.3 for r in range(8)}
+    (finding,) = fired("PERF002", facts(ranks=_compute(times, hosts={6: "node-c", 7: "node-c"})))
+    assert "node node-c" in finding.title
+
+
+def test_perf002_silent_under_ratio_and_across_unequal_stages():
+    silent("PERF002", facts(ranks=_compute({r: 0.37 if r == 5 else 0.3 for r in range(8)})))
+    # pp=2: stage 1 has twice the layers; ranks are compared with their own stage only.
+    silent("PERF002", facts(ranks=_compute({r: 0.6 if r >= 4 else 0.3 for r in range(8)}, dp=4, pp=2)))
+
+
+def test_perf002_not_run_without_compute_time():
+    not_run("PERF002", facts(ranks=[rank(0, last=step(compute_seconds=None))]), "step records lack compute_seconds")
+
+
+def test_perf003_input_stall_with_low_gpu_activity():
+    gpus = [gpu(i, sm_active_ratio=0.2 if i == 1 else 0.9) for i in range(8)]
+    ranks = [rank(r, dp=2, last=step(dataloader_wait_seconds=0.15 if r == 1 else 0.01)) for r in range(2)]
+    (finding,) = fired("PERF003", facts([node(gpus=gpus)], ranks))
+    assert "rank 1: waits 0.15 s for input in a 0.5 s step (30%); its GPU is 20% busy (low)" in finding.evidence[0].text
+    assert "num_workers" in finding.fix
+
+
+def test_perf003_silent_just_under_the_share():
+    silent("PERF003", facts(ranks=[rank(0, last=step(dataloader_wait_seconds=0.099))]))
+
+
+def test_perf003_not_run_without_dataloader_wait():
+    not_run("PERF003", facts(ranks=[rank(0)]), "dataloader_wait_seconds")
+
+
+def _comm(seconds_total: float) -> dict:
+    return {"all_reduce": CollectiveFacts("all_reduce", 400, seconds_total, 1 << 32)}
+
+
+def test_perf004_pure_data_parallel_communication_bound():
+    ranks = [rank(r, dp=4, steps=100, collectives=_comm(60.0), last=step(compute_seconds=1.0)) for r in range(4)]
+    (finding,) = fired("PERF004", facts(ranks=ranks))
+    assert "CCR 0.60" in finding.title and "4 ranks" in finding.title
+    assert "0.6 s in collectives per step against 1 s compute" in finding.evidence[0].text
+
+
+def test_perf004_silent_at_threshold_and_for_hybrid_jobs():
+    silent("PERF004", facts(ranks=[rank(r, dp=4, collectives=_comm(50.0), last=step(compute_seconds=1.0))
+                                   for r in range(4)]))
+    silent("PERF004", facts(ranks=[rank(r, tp=2, dp=2, collectives=_comm(200.0), last=step(compute_seconds=1.0))
+                                   for r in range(4)]))
+
+
+def test_perf004_not_run_without_collectives():
+    not_run("PERF004", facts(ranks=[rank(0, dp=2, collectives={})]), "step records lack collectives")
+
+
+def test_perf005_nvlink_below_rating():
+    rated = 18 * 26.5e9
+    measured = BandwidthMeasurement("node-a", "nvlink", "all_reduce", 1 << 30, 0.63 * rated, 8, gpu=0)
+    (finding,) = fired("PERF005", facts([node()], bandwidth=[measured]))
+    assert finding.title == "NVLink on node-a delivers 63% of its rated bandwidth"
+    ib = BandwidthMeasurement("node-a", "ib", "all_reduce", 1 << 30, 0.5 * NDR, 16)
+    assert "InfiniBand on node-a delivers 50%" in fired("PERF005", facts([node()], bandwidth=[ib]))[0].title
+
+
+def test_perf005_silent_at_the_fraction():
+    measured = BandwidthMeasurement("node-a", "nvlink", "all_reduce", 1 << 30, 0.7 * 18 * 26.5e9, 8, gpu=0)
+    silent("PERF005", facts([node()], bandwidth=[measured]))
+
+
+def test_perf005_not_run_without_measurement():
+    not_run("PERF005", facts([node()], [rank(0)]), "gpuwatch probe")
+
+
+# -- memory -----------------------------------------------------------------------------------------
+
+
+def _cuda(reserved: float, allocated: float, peak: float | None = None, split: float | None = None) -> StepFacts:
+    return step(memory_kind="cuda", reserved_bytes=reserved, allocated_bytes=allocated,
+                peak_bytes=peak if peak is not None else allocated, inactive_split_bytes=split)
+
+
+def test_mem001_fragmentation_names_expandable_segments():
+    ranks = [rank(0, dp=2, alloc_retries=3, last=_cuda(85 * GIB, 60 * GIB, split=20 * GIB)),
+             rank(1, dp=2, alloc_retries=0, last=_cuda(85 * GIB, 30 * GIB))]
+    (finding,) = fired("MEM001", facts(ranks=ranks))
+    assert finding.fix == "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    (evidence,) = finding.evidence
+    assert evidence.where.rank == 0
+    assert "reserved 85.0 GiB, allocated 60.0 GiB (25.0 GiB, 29% held unused, 20.0 GiB of it in inactive split " \
+           "blocks); 3 allocation retries" in evidence.text
+
+
+def test_mem001_already_expandable_suggests_max_split():
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    (finding,) = fired("MEM001", facts(ranks=[rank(0, env=env, alloc_retries=1, last=_cuda(10 * GIB, 5 * GIB))]))
+    assert "max_split_size_mb:128" in finding.fix
+
+
+def test_mem001_silent_without_retries_or_below_share():
+    silent("MEM001", facts(ranks=[rank(0, alloc_retries=0, last=_cuda(85 * GIB, 30 * GIB))]))
+    silent("MEM001", facts(ranks=[rank(0, alloc_retries=5, last=_cuda(100 * GIB, 75.1 * GIB))]))
+
+
+def test_mem001_not_run_on_cpu_ranks():
+    not_run("MEM001", facts(ranks=[rank(0, last=step(memory_kind="host_rss", peak_bytes=GIB))]), "CPU ranks")
+
+
+def test_mem002_peak_near_capacity_and_ooms():
+    ranks = [rank(0, dp=3, last=_cuda(78 * GIB, 70 * GIB, peak=77 * GIB)),
+             rank(1, dp=3, ooms=1, last=_cuda(10 * GIB, 5 * GIB)), rank(2, dp=3, last=_cuda(40 * GIB, 30 * GIB))]
+    (finding,) = fired("MEM002", facts([node()], ranks))
+    assert finding.title == "GPU memory near capacity in job job-1: 2 rank(s), peak up to 96% of the GPU, 1 with OOMs"
+    assert [e.text for e in finding.evidence] == ["rank 1: peak 5.0 GiB of 80.0 GiB (6%), 10.0 GiB reserved; 1 OOM(s)",
+                                                  "rank 0: peak 77.0 GiB of 80.0 GiB (96%), 78.0 GiB reserved"]
+
+
+def test_mem002_silent_just_under_capacity_share_and_for_cached_memory():
+    silent("MEM002", facts([node()], [rank(0, last=_cuda(75.9 * GIB, 70 * GIB, peak=75.9 * GIB))]))
+    # Reserved by the caching allocator but never allocated at once: not an OOM risk of its own.
+    silent("MEM002", facts([node()], [rank(0, last=_cuda(79.5 * GIB, 60 * GIB, peak=70 * GIB))]))
+
+
+def test_mem002_not_run_without_gpu_capacity():
+    not_run("MEM002", facts(ranks=[rank(0, last=_cuda(77 * GIB, 70 * GIB))]), "GPU memory capacity unknown")
+
+
+def _rss(values: list[float]) -> History:
+    return History(host_rss_bytes=[(step_number, value) for step_number, value in enumerate(values, 1)])
+
+
+def test_mem003_rss_growing_step_after_step():
+    leak = _rss([GIB + n * 20 * 2**20 for n in range(50)])
+    (finding,) = fired("MEM003", facts(ranks=[rank(0, history=leak), rank(1, history=_rss([GIB] * 50))]))
+    (evidence,) = finding.evidence
+    assert evidence.where.rank == 0 and "over steps 11–50, rising in 100% of them" in evidence.text
+
+
+def test_mem003_silent_for_one_jump_small_growth_or_too_few_rising_steps():
+    jump = _rss([GIB] * 25 + [2 * GIB] * 25)  # grew once (a cache filling), not step after step
+    slow = _rss([GIB * (1 + 0.0026 * n) for n in range(50)])  # +9.9 % over the 40 judged steps (11-50)
+    # 31 of the 39 judged steps rise (79 %), by 1 % each: grows a lot, but not step after step.
+    deltas = [0.01 * GIB] * 31 + [0.0] * 8
+    choppy = _rss([GIB] * 11 + [GIB + sum(deltas[:n]) for n in range(1, 40)])
+    silent("MEM003", facts(ranks=[rank(0, history=jump), rank(1, history=slow), rank(2, history=choppy)]))
+
+
+def test_mem003_not_run_from_a_single_snapshot():
+    not_run("MEM003", facts(ranks=[rank(0, history=None)]), "one snapshot cannot show growth")
+
+
+# -- convergence ------------------------------------------------------------------------------------
+
+
+def test_conv001_fp16_without_scaler_names_gradscaler():
+    history = History(loss=[(33, 2.1), (34, 2.0), (35, math.nan), (36, math.nan)])
+    ranks = [rank(0, precision="fp16", history=history, nonfinite_steps=2, last=step(step=36, loss=math.nan))]
+    (finding,) = fired("CONV001", facts(ranks=ranks))
+    assert finding.severity is Severity.CRITICAL and "fp16 without a loss scaler" in finding.title
+    assert finding.evidence[0].text == \
+        "rank 0: loss nan at step 35; 2 non-finite step(s); precision fp16; no loss scaler"
+    assert "GradScaler" in finding.fix
+
+
+def test_conv001_silent_when_a_scaler_handles_overflow():
+    scaled = step(loss=2.0, loss_scale=512.0)
+    silent("CONV001", facts(ranks=[rank(0, precision="fp16", nonfinite_steps=3, last=scaled)]))
+
+
+def test_conv001_not_run_without_loss():
+    not_run("CONV001", facts(ranks=[rank(0, last=step(loss=None))]), "step records lack loss")
+
+
+def test_conv002_absolute_and_spike():
+    (finding,) = fired("CONV002", facts(ranks=[rank(0, last=step(grad_norm=150.0))]))
+    assert finding.title == "gradient norm explosion in job job-1: 150 at step 100"
+    spike = History(grad_norm=[(n, 1.0) for n in range(30)] + [(30, 12.0)])
+    (finding,) = fired("CONV002", facts(ranks=[rank(0, history=spike)]))
+    assert "grad norm 12 at step 30 (12x the running median 1)" in finding.evidence[0].text
+
+
+def test_conv002_silent_below_both_thresholds():
+    spike = History(grad_norm=[(n, 1.0) for n in range(30)] + [(30, 9.9)])
+    silent("CONV002", facts(ranks=[rank(0, last=step(grad_norm=99.0)), rank(1, history=spike)]))
+
+
+def test_conv002_not_run_without_grad_norm():
+    not_run("CONV002", facts(ranks=[rank(0, last=step(grad_norm=None))]), "grad_norm")
+
+
+def _checksums(values: list, steps: list | None = None) -> list[RankFacts]:
+    steps = steps or [200] * len(values)
+    return [rank(r, dp=len(values), param_checksum=Sampled(v, step=s))
+            for r, (v, s) in enumerate(zip(values, steps, strict=True))]
+
+
+def test_conv003_replica_diverged():
+    (finding,) = fired("CONV003", facts(ranks=_checksums([1234.5, 1234.5, 1240.0, 1234.5])))
+    assert finding.severity is Severity.CRITICAL
+    assert finding.title == "DP replicas of job job-1 disagree at step 200: ranks 2 differ from rank 0"
+    hex_sums = fired("CONV003", facts(ranks=_checksums(["abc1", "abc2"])))
+    assert "rank 1 (dp 1): parameter checksum abc2" in texts(hex_sums)
+
+
+def test_conv003_silent_within_tolerance_or_at_different_steps():
+    silent("CONV003", facts(ranks=_checksums([1234.5, 1234.5 * (1 + 9.9e-6)])))
+    silent("CONV003", facts(ranks=_checksums([1234.5, 999.0], steps=[200, 100])))
+
+
+def test_conv003_not_run_without_checksums():
+    not_run("CONV003", facts(ranks=[rank(r, dp=2) for r in range(2)]), "param_checksum")
+
+
+def _cosines(values: list[float], tp: int = 1) -> list[RankFacts]:
+    return [rank(r, tp=tp, dp=len(values) // tp, grad_cosine=Sampled(v, step=50)) for r, v in enumerate(values)]
+
+
+def test_conv004_identical_gradients_across_replicas():
+    (finding,) = fired("CONV004", facts(ranks=_cosines([1.0, 0.9999, 0.9995, 1.0])))
+    assert "DistributedSampler" in finding.fix and len(finding.evidence) == 4
+
+
+def test_conv004_silent_when_one_replica_differs():
+    silent("CONV004", facts(ranks=_cosines([1.0, 0.9999, 0.998, 1.0])))
+
+
+def test_conv004_not_run_without_cosine():
+    not_run("CONV004", facts(ranks=[rank(r, dp=2) for r in range(2)]), "grad_cosine_similarity")
+
+
+def test_conv005_out_of_band_is_info_only():
+    (low,) = fired("CONV005", facts(ranks=_cosines([0.8, 0.79, 0.81, 0.8])))
+    assert low.severity is Severity.INFO and "skewed" in low.title
+    (high,) = fired("CONV005", facts(ranks=_cosines([0.97, 0.96, 0.97, 0.98])))
+    assert high.severity is Severity.INFO and "batch larger than useful" in high.title
+
+
+def test_conv005_silent_at_band_edges():
+    silent("CONV005", facts(ranks=_cosines([0.85, 0.85])))
+    silent("CONV005", facts(ranks=_cosines([0.95, 0.95])))
+
+
+def test_conv005_not_run_without_cosine():
+    not_run("CONV005", facts(ranks=[rank(0)]), "grad_cosine_similarity")
+
+
+# -- topology ---------------------------------------------------------------------------------------
+
+
+def _groups(shared: bool) -> list[RankFacts]:
+    ranks = []
+    for r in range(4):  # pp=2 × dp=2, tp=1: rank = stage * 2 + dp
+        stage, dp = r // 2, r % 2
+        pp_group = [dp, 2 + dp]
+        dp_group = [stage * 2, stage * 2 + 1]
+        groups = {"pp": [0, 1, 2, 3], "dp": [0, 1, 2, 3]} if shared else {"pp": pp_group, "dp": dp_group}
+        ranks.append(rank(r, pp=2, dp=2, process_groups=groups))
+    return ranks
+
+
+def test_topo001_shared_pp_and_dp_group():
+    (finding,) = fired("TOPO001", facts(ranks=_groups(shared=True)))
+    assert finding.severity is Severity.CRITICAL and "new_group" in finding.fix
+    assert finding.evidence[0].text == "rank 0: pipeline group [0-3] and data-parallel group [0-3] for pp=2, dp=2"
+
+
+def test_topo001_silent_with_separate_groups():
+    silent("TOPO001", facts(ranks=_groups(shared=False)))
+
+
+def test_topo001_not_run_without_process_groups():
+    not_run("TOPO001", facts(ranks=[rank(r, pp=2, dp=2) for r in range(4)]), "process_groups")
+
+
+def test_topo002_tp_group_across_nodes():
+    # tp=4 with 2 GPUs per node: each TP group straddles two nodes.
+    ranks = [rank(r, tp=4, dp=2, host=f"node-{r // 2}") for r in range(8)]
+    (finding,) = fired("TOPO002", facts(ranks=ranks))
+    assert finding.evidence[0].text == "TP group of stage 0, dp 0: ranks 0-1 on node-0, ranks 2-3 on node-1"
+    assert finding.title == "2 tensor-parallel group(s) of job job-1 span nodes (tp=4)"
+
+
+def test_topo002_silent_when_tp_stays_inside_nodes():
+    silent("TOPO002", facts(ranks=[rank(r, tp=4, dp=2, host=f"node-{r // 4}") for r in range(8)]))
+
+
+def test_topo002_not_run_without_placement():
+    not_run("TOPO002", facts(ranks=[rank(0, tp=2, host=None)]), "hostname")

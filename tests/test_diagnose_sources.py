@@ -1,0 +1,157 @@
+"""Diagnosis sources on real components: a simulated `gpuwatch agent` fed by a real TelemetryClient, a run log
+written by the real client, and a real Prometheus server scraping two simulated agents."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from telemetry_records import JOB, hello, step
+
+from gpuwatch.agent.cli import main
+from gpuwatch.agent.diagnosis import cli as diagnose_cli
+from gpuwatch.agent.diagnosis import engine
+from gpuwatch.agent.diagnosis.sources import agent as agent_source
+from gpuwatch.agent.diagnosis.sources import run_log
+from gpuwatch.trainer.telemetry import TelemetryClient
+
+from conftest import FIXTURES, wait_until
+
+pytestmark = pytest.mark.integration
+
+#: CUDA memory of a healthy step: no allocation retries, little slack.
+HEALTHY_MEMORY = {"kind": "cuda", "peak_bytes": 3 << 30, "allocated_bytes": 2 << 30, "reserved_bytes": 3 << 29,
+                  "inactive_split_bytes": 1 << 20, "alloc_retries": 0, "ooms": 0}
+#: The agents' own threads only: lighter on a small machine.
+FAST = ("--simulate", "dgx-h100", "--interval", "0.5")
+
+
+def diagnose(*args: str) -> tuple[int, dict]:
+    result = CliRunner().invoke(main, ["diagnose", *args, "--format", "json"])
+    assert result.exit_code in (0, 1), result.output
+    return result.exit_code, json.loads(result.output)
+
+
+def findings(document: dict, code: str) -> list[dict]:
+    return [finding for finding in document["findings"] if finding["code"] == code]
+
+
+def feed(agent, ranks: range, steps: dict[int, dict], hostname: str, env: dict[int, dict] | None = None,
+         number: int = 1) -> None:
+    """Each rank's hello (with the GPU it runs on, by the agent's UUIDs) and one step record."""
+    uuids = [gpu["uuid"] for gpu in agent.state()["facts"]["nvml"]["gpus"]]
+    with TelemetryClient(agent.telemetry_socket, heartbeat_interval=0) as client:
+        for rank in ranks:
+            client.send(hello(rank, hostname=hostname, gpu={"index": rank % 4, "uuid": uuids[rank % 4]},
+                              env=(env or {}).get(rank, {"NCCL_DEBUG": "WARN"})))
+            client.send(step(rank, number, memory=HEALTHY_MEMORY, **steps.get(rank, {})))
+
+
+def test_agent_source_finds_ib_disabled_straggler_and_nan(start_agent, monkeypatch):
+    agent = start_agent(*FAST, "--node", "sim-a")
+    feed(agent, range(8), {5: {"compute_seconds": 0.6}, 2: {"loss": float("nan")}}, "sim-a",
+         env={3: {"NCCL_IB_DISABLE": "1"}})
+    wait_until(lambda: sum(r["last_step"] is not None for r in agent.state()["facts"]["telemetry"]["ranks"]) == 8,
+               what="8 ranks with a step in the agent's state")
+
+    status, document = diagnose("--agent", agent.url)
+    assert status == 1
+    assert {f["code"] for f in document["findings"]} == {"NCCL001", "PERF002", "CONV001"}, document["findings"]
+    (ib,) = findings(document, "NCCL001")
+    assert ib["evidence"][0]["where"] == {"node": "sim-a", "job": JOB, "rank": 3}
+    assert [e["where"]["port"] for e in ib["evidence"][1:]] == [f"mlx5_{i}/1" for i in range(8)]
+    assert "400 Gb/s" in ib["evidence"][1]["text"]
+    (straggler,) = findings(document, "PERF002")
+    assert straggler["title"] == f"straggler in job {JOB}: rank 5 on sim-a computes up to 2.00x the median"
+    (nan,) = findings(document, "CONV001")
+    assert nan["evidence"][0]["where"]["rank"] == 2 and "loss nan at step 1" in nan["evidence"][0]["text"]
+    # The simulated hardware is healthy: every hardware rule ran and said nothing.
+    not_run = {item["code"] for item in document["not_run"]}
+    assert not not_run & {"HW001", "HW002", "HW003", "HW004", "HW005", "MEM002"}, document["not_run"]
+
+    # Without a source option: this node read directly (here: a sysfs fixture), the ranks from the local agent.
+    monkeypatch.setattr(diagnose_cli, "DEFAULT_AGENT_URL", agent.url)
+    status, local = diagnose("--sysfs-root", str(FIXTURES / "procfs-infiniband" / "sys"), "--select", "NCCL001")
+    assert status == 1 and local["summary"]["ranks"] == 8
+    assert [s["kind"] for s in local["sources"]] == ["local", "agent"]
+    (ib,) = local["findings"]
+    assert ib["evidence"][0]["where"]["rank"] == 3
+    assert [e["where"]["port"] for e in ib["evidence"][1:]] == ["hfi1_0/1", "mlx4_0/1", "mlx4_0/2", "mlx5_0/1"]
+
+
+def test_agent_state_with_collectors_down_or_disabled():
+    state = {
+        "agent": {"node": "n1", "mode": "real"},
+        "collectors": {"nvml": {"up": False, "last_error": "CollectorError: NVML library not found"},
+                       "telemetry": {"up": True, "partial_errors": []}},
+        "facts": {"telemetry": {"ranks": [{"job": "j", "rank": 0, "hello": hello(0, env={"NCCL_IB_DISABLE": "1"}),
+                                           "last_step": None, "counters": {}, "collectives": {}, "sampled": {}}]}},
+    }
+    facts = agent_source.facts_from_state(state, "http://n1:9746/api/v1/state")
+    node = facts.nodes["n1"]
+    assert node.gpus is None and node.missing["gpus"] == "nvml collector down: CollectorError: NVML library not found"
+    assert node.missing["ib_ports"] == "infiniband collector not enabled on the agent"
+    result = engine.run(facts, engine.select(["NCCL001", "HW004"]))
+    assert result.findings == []
+    assert {s.code: s.reason for s in result.skipped} == {
+        "NCCL001": "InfiniBand/RoCE port facts unknown (n1: infiniband collector not enabled on the agent)",
+        "HW004": "GPU facts (NVML) unknown (n1: nvml collector down: CollectorError: NVML library not found)"}
+
+
+def test_run_log_written_by_the_client_gives_history_rules(tmp_path):
+    path = tmp_path / "run.jsonl"
+    layout = {"world_size": 2, "tp_size": 1, "pp_size": 1, "dp_size": 2, "tp_rank": 0, "pp_stage": 0, "gpu": None}
+    with TelemetryClient(tmp_path / "no-agent.sock", run_log=path, heartbeat_interval=0) as client:
+        for rank in range(2):
+            client.send(hello(rank, local_rank=rank, dp_rank=rank, **layout))
+        for number in range(1, 41):
+            for rank in range(2):
+                client.send(step(rank, number, grad_norm=25.0 if number == 25 else 1.0,
+                                 loss=float("nan") if number >= 30 and rank == 1 else 2.0,
+                                 memory={"kind": "host_rss", "peak_bytes": (1 << 30) + rank * number * (16 << 20)}))
+    with path.open("a") as log:
+        log.write("garbage\n")
+        log.write(json.dumps(step(0, 41, loss="high")) + "\n")
+
+    facts = run_log.read(path)
+    assert [(r.rank, r.steps, r.nonfinite_steps, len(r.history.loss)) for r in facts.ranks] == [(0, 40, 0, 40),
+                                                                                            (1, 40, 11, 40)]
+    assert facts.notes == [f"{path}:83: not_json", f"{path}:84: bad_type: loss"]
+
+    status, document = diagnose("--run-log", str(path))
+    assert status == 1
+    assert {f["code"] for f in document["findings"]} == {"CONV001", "CONV002", "MEM003"}, document["findings"]
+    (nan,) = findings(document, "CONV001")
+    assert "rank 1: loss nan at step 30; 11 non-finite step(s)" in nan["evidence"][0]["text"]
+    assert findings(document, "CONV002")[0]["title"] == f"gradient norm explosion in job {JOB}: 25 at step 25"
+    (leak,) = findings(document, "MEM003")
+    assert [e["where"]["rank"] for e in leak["evidence"]] == [1]
+    assert document["sources"] == [{"kind": "run_log", "location": str(path)}]
+
+
+def test_prometheus_over_two_simulated_nodes_names_the_straggler(start_agent, prometheus_server):
+    agents = {name: start_agent(*FAST, "--node", name) for name in ("node-a", "node-b")}
+    prometheus = prometheus_server([f"127.0.0.1:{a.port}" for a in agents.values()], scrape_interval="1s")
+    feed(agents["node-a"], range(4), {}, "node-a")
+    feed(agents["node-b"], range(4, 8), {}, "node-b")
+    wait_until(lambda: len(prometheus.query("gpuwatch_train_compute_seconds")) == 8
+               and len(prometheus.query("gpuwatch_gpu_info")) == 16 and prometheus.query("gpuwatch_gpu_job_info"),
+               what="both nodes' GPUs and 8 ranks in Prometheus")
+
+    status, healthy = diagnose("--prometheus", prometheus.url)
+    assert status == 0 and healthy["summary"]["nodes"] == 2 and healthy["summary"]["ranks"] == 8
+    assert [f for f in healthy["findings"] if f["severity"] != "info"] == []
+    not_run = {item["code"] for item in healthy["not_run"]}
+    assert not not_run & {"PERF002", "HW001", "HW002", "HW003", "HW004", "HW005", "MEM002", "CONV003", "TOPO002"}
+    assert "NCCL001" in not_run  # the ranks' environment is not in Prometheus
+
+    feed(agents["node-b"], range(4, 8), {6: {"compute_seconds": 0.6}}, "node-b", number=2)
+    wait_until(lambda: prometheus.query('gpuwatch_train_compute_seconds{rank="6"} == 0.6'),
+               what="the slow rank's compute time in Prometheus")
+    status, slow = diagnose("--prometheus", prometheus.url, "--fail-on", "warning")
+    assert status == 1
+    (straggler,) = findings(slow, "PERF002")
+    assert straggler["title"] == f"straggler in job {JOB}: rank 6 on node-b computes up to 2.00x the median"
+    assert straggler["evidence"][0]["where"] == {"node": "node-b", "job": JOB, "rank": 6}
+    assert [f["code"] for f in slow["findings"] if f["severity"] != "info"] == ["PERF002"]

@@ -42,7 +42,10 @@ class LazyGroup(click.Group):
 
 @click.group(
     cls=LazyGroup,
-    lazy={"train": ("gpuwatch.trainer.cli", "train"), "diagnose": ("gpuwatch.agent.diagnosis.cli", "diagnose")},
+    lazy={"train": ("gpuwatch.trainer.cli", "train"), "diagnose": ("gpuwatch.agent.diagnosis.cli", "diagnose"),
+          "probe": ("gpuwatch.trainer.probe", "probe"),
+          "alerts": ("gpuwatch.alerts.cli", "alerts"),
+          "dashboards": ("gpuwatch.dashboards.cli", "dashboards")},
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
 @click.version_option(__version__, prog_name="gpuwatch")

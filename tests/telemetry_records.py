@@ -56,6 +56,24 @@ def step(rank: int = 0, number: int = 1, job: str = JOB, **fields: Any) -> dict[
     return record
 
 
+def probe(job: str = JOB, interconnect: str = "infiniband", busbw: float = 40e9, **fields: Any) -> dict[str, Any]:
+    """A probe record of 2 ranks, one per node: all-reduce and all-gather at 1 and 64 MiB; the 64 MiB all-reduce
+    peaks at ``busbw``, all-gather at 90 % of it (n=2: busbw = algbw for all-reduce, algbw / 2 for all-gather)."""
+    results = []
+    for op, factor, share in (("all_reduce", 1.0, 1.0), ("all_gather", 0.5, 0.9)):
+        for size, ramp in ((1 << 20, 0.25), (64 << 20, 1.0)):
+            bus = busbw * share * ramp
+            results.append({"op": op, "bytes": size, "seconds": size * factor / bus,
+                            "algbw_bytes_per_second": bus / factor, "busbw_bytes_per_second": bus})
+    record = {
+        "v": SCHEMA_VERSION, "kind": "probe", "job": job, "rank": 0, "time": time.time(), "hostname": "node-1",
+        "nodes": 2, "hostnames": ["node-1", "node-2"], "world_size": 2, "ranks_per_node": 1, "backend": "nccl",
+        "device": "cuda", "interconnect": interconnect, "dtype": "float32", "results": results,
+    }
+    record.update(fields)
+    return record
+
+
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 

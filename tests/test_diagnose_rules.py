@@ -369,7 +369,7 @@ def test_perf005_nvlink_below_rating():
     measured = BandwidthMeasurement("node-a", "nvlink", "all_reduce", 1 << 30, 0.63 * rated, 8, gpu=0)
     (finding,) = fired("PERF005", facts([node()], bandwidth=[measured]))
     assert finding.title == "NVLink on node-a delivers 63% of its rated bandwidth"
-    ib = BandwidthMeasurement("node-a", "ib", "all_reduce", 1 << 30, 0.5 * NDR, 16)
+    ib = BandwidthMeasurement("node-a", "infiniband", "all_reduce", 1 << 30, 0.5 * NDR, 16)
     assert "InfiniBand on node-a delivers 50%" in fired("PERF005", facts([node()], bandwidth=[ib]))[0].title
 
 

@@ -28,13 +28,13 @@ def _trace(device, cfg: TrainConfig):
         peak[0] = max(peak[0], alive[0])
         return output
 
-    def traced_backward(x, output, output_grad):
+    def traced_backward(self, x, output, output_grad):
         events.append(f"B{number_of[id(output)]}")
         alive[0] -= 1
-        return backward(x, output, output_grad)
+        return backward(self, x, output, output_grad)
 
     trainer.pipeline._forward = traced_forward.__get__(trainer.pipeline)
-    trainer.pipeline._backward = traced_backward
+    trainer.pipeline._backward = traced_backward.__get__(trainer.pipeline)
     trainer.pipeline.run(batches)
     return grid.pp_rank, " ".join(events), peak[0]
 

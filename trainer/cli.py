@@ -11,6 +11,7 @@ import click
 
 from gpuwatch.trainer.config import (
     DEVICES,
+    FAULTS,
     PRECISIONS,
     SCHEDULES,
     ConfigError,
@@ -55,6 +56,20 @@ DEFAULTS = TrainConfig()
 @click.option("--checkpoint-every", default=0, show_default=True,
               help="Also save every N steps (a checkpoint is always saved at the end with --checkpoint-dir).")
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --checkpoint-dir, if any.")
+@click.option("--telemetry/--no-telemetry", default=True, show_default=True,
+              help="Measure every rank with gpuwatch's hooks and send the records to the node agent.")
+@click.option("--telemetry-socket", type=click.Path(dir_okay=False),
+              help="The agent's telemetry socket.  [default: GPUWATCH_SOCKET, else the agent's well-known places]")
+@click.option("--job", help="Job id the records carry.  [default: GPUWATCH_JOB, SLURM_JOB_ID, TORCHELASTIC_RUN_ID, "
+              "else generated]")
+@click.option("--run-log", type=click.Path(file_okay=False), metavar="DIR",
+              help="Also write every record to DIR/rank-NNNNN.jsonl, for diagnosis after the run.")
+@click.option("--grad-similarity-every", default=DEFAULTS.grad_similarity_every, show_default=True, metavar="N",
+              help="Gradient cosine similarity between each DP rank and the DP mean every N steps (0: off).")
+@click.option("--checksum-every", default=DEFAULTS.checksum_every, show_default=True, metavar="N",
+              help="Parameter checksum every N steps, for comparing DP replicas (0: off).")
+@click.option("--fault", "faults", type=click.Choice(FAULTS), multiple=True,
+              help="Reproduce a failure on purpose; duplicate-shards: every DP rank reads the same data.")
 def train(**options) -> None:
     """Train a small GPT with tensor × pipeline × data parallelism on synthetic data.
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 SCHEDULES = ("gpipe", "1f1b")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
+#: Failures the trainer reproduces on purpose, so that diagnosis can be shown to find them.
+FAULTS = ("duplicate-shards",)
 
 
 class ConfigError(ValueError):
@@ -54,6 +56,13 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     resume: bool = False
+    telemetry: bool = False  # the hooks, sending to the node agent; `gpuwatch train` turns them on
+    telemetry_socket: str | None = None  # default: GPUWATCH_SOCKET, else the agent's well-known places
+    job: str | None = None  # default: GPUWATCH_JOB, SLURM_JOB_ID, TORCHELASTIC_RUN_ID, else generated
+    run_log: str | None = None  # a directory: every telemetry record, one JSONL file per rank
+    grad_similarity_every: int = 10
+    checksum_every: int = 10
+    faults: tuple[str, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -98,6 +107,11 @@ class TrainConfig:
              "--resume and --checkpoint-every need --checkpoint-dir"),
             (not (self.precision == "fp16" and self.device == "cpu"),
              "--precision fp16 needs CUDA; use bf16 on CPU"),
+            (self.grad_similarity_every >= 0 and self.checksum_every >= 0,
+             "--grad-similarity-every and --checksum-every must not be negative (0 turns them off)"),
+            (self.telemetry or (self.run_log is None and self.telemetry_socket is None),
+             "--run-log and --telemetry-socket need --telemetry"),
+            (set(self.faults) <= set(FAULTS), f"--fault must be one of {', '.join(FAULTS)}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -6,16 +6,19 @@
     3. unscale (fp16), take the global gradient norm over TP and PP, clip
     4. AdamW (skipped when the fp16 scaler saw inf/NaN), then the learning-rate schedule
 
-Each phase is a separate call in Trainer.train_step, where a hook can time or inspect it.
+Each phase is a separate call in Trainer.train_step, where the hooks (`gpuwatch.trainer.hooks`) time
+and inspect it: the step and its data / compute / optimizer phases, every collective (through the
+comm layer), the pipeline's busy and idle time, and each gradient before and after its DP reduction.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -29,12 +32,24 @@ import torch.distributed as dist
 from gpuwatch.trainer import checkpoint
 from gpuwatch.trainer.config import ConfigError, TrainConfig
 from gpuwatch.trainer.data import DistributedSampler, SyntheticCorpus
+from gpuwatch.trainer.hooks import (
+    OFF,
+    SIGNALS,
+    GradientSimilarity,
+    Layout,
+    Monitor,
+    Step,
+    transformer_flops_per_token,
+)
+from gpuwatch.trainer.hooks.off import Off
 from gpuwatch.trainer.model import GPTStage
-from gpuwatch.trainer.parallel.comm import all_reduce
+from gpuwatch.trainer.parallel import comm
 from gpuwatch.trainer.parallel.data import all_reduce_gradients, clip_gradients, global_grad_norm
-from gpuwatch.trainer.parallel.groups import Grid, build_grid
+from gpuwatch.trainer.parallel.groups import Grid, build_grid, layout
 from gpuwatch.trainer.parallel.pipeline import MicroBatch, Pipeline
+from gpuwatch.trainer.parallel.tensor import is_tp_split
 from gpuwatch.trainer.precision import DynamicLossScaler, autocast
+from gpuwatch.trainer.telemetry import TelemetryClient
 
 MIN_LR_RATIO = 0.1  # cosine decay ends at 10 % of --lr
 
@@ -84,8 +99,11 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_cosine(cfg.warmup_steps, cfg.steps))
         self.scaler = DynamicLossScaler(enabled=cfg.precision == "fp16")
         self.corpus = SyntheticCorpus(m.vocab_size, m.seq_len, cfg.seed)
-        self.sampler = DistributedSampler(cfg.corpus_size, cfg.global_batch, grid.dp_rank, grid.dp, cfg.seed)
+        self.sampler = DistributedSampler(cfg.corpus_size, cfg.global_batch, grid.dp_rank, grid.dp, cfg.seed,
+                                          duplicate_shards="duplicate-shards" in cfg.faults)
         self.step = 0
+        self.monitor: Monitor | None = None  # `instrument` attaches one
+        self.tokens_per_step = cfg.micro_batch_size * cfg.micro_batches * m.seq_len  # this DP replica's
 
     def next_micro_batches(self) -> list[MicroBatch]:
         inputs, targets = self.corpus.batch(self.sampler.next_indices())
@@ -97,22 +115,28 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         start = time.perf_counter()
-        batches = self.next_micro_batches()
-        self.optimizer.zero_grad(set_to_none=True)
-        losses = self.pipeline.run(batches, self.scaler.scale)
-        all_reduce_gradients(self.params, self.grid, self.cfg.bucket_bytes)
-        self.scaler.unscale(self.params)
-        grad_norm = global_grad_norm(self.params, self.grid)
-        clip_gradients(self.params, self.cfg.clip_grad, grad_norm)
-        lr, loss_scale = self.scheduler.get_last_lr()[0], self.scaler.scale
-        take_step = self.scaler.update(grads_finite=math.isfinite(grad_norm))
-        if take_step:
-            self.optimizer.step()
-        self.scheduler.step()
-        self.step += 1
-        loss = self._global_batch_loss(losses)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the step's time includes its queued kernels
+        with self._measured_step() as step:
+            with step.data():
+                batches = self.next_micro_batches()
+            self.optimizer.zero_grad(set_to_none=True)
+            with step.compute():
+                clock = step.pipeline_clock(self.grid.pp_group, self.cfg.micro_batches)
+                losses = self.pipeline.run(batches, self.scaler.scale, clock)
+            all_reduce_gradients(self.params, self.grid, self.cfg.bucket_bytes, self._observer(step.similarity))
+            self.scaler.unscale(self.params)
+            grad_norm = global_grad_norm(self.params, self.grid)
+            clip_gradients(self.params, self.cfg.clip_grad, grad_norm)
+            lr, loss_scale = self.scheduler.get_last_lr()[0], self.scaler.scale
+            take_step = self.scaler.update(grads_finite=math.isfinite(grad_norm))
+            with step.optimizer():
+                if take_step:
+                    self.optimizer.step()
+                self.scheduler.step()
+            self.step += 1
+            loss = self._global_batch_loss(losses)
+            step.report(loss=loss, grad_norm=grad_norm, lr=lr, loss_scale=loss_scale)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the step's time includes its queued kernels
         return StepResult(
             step=self.step, loss=loss, grad_norm=grad_norm, lr=lr, loss_scale=loss_scale,
             skipped=not take_step, step_time_s=time.perf_counter() - start,
@@ -122,8 +146,26 @@ class Trainer:
         """The mean of the micro-batch losses over the DP replicas (last stage only)."""
         if not self.grid.is_last_stage:
             return None
-        loss = all_reduce(torch.stack(losses).mean(), self.grid.dp_group)
+        loss = comm.all_reduce(torch.stack(losses).mean(), self.grid.dp_group)
         return loss.item() / self.grid.dp
+
+    def _measured_step(self) -> Step | Off:
+        if self.monitor is None:
+            return OFF
+        return self.monitor.step(tokens=self.tokens_per_step, number=self.step + 1)
+
+    def _observer(self, similarity: GradientSimilarity | None) -> Callable | None:
+        """Feeds the gradient similarity each parameter's local and DP-mean gradient. The similarity is of
+        the whole replica, summed over its TP and PP shards, so a replicated parameter counts on TP rank 0 only."""
+        if similarity is None:
+            return None
+        tp_rank = self.grid.tp_rank
+
+        def observe(param: torch.nn.Parameter, mean: torch.Tensor) -> None:
+            if is_tp_split(param) or tp_rank == 0:
+                similarity.observe(param.grad, mean)
+
+        return observe
 
     def state_dict(self) -> dict:
         state = {
@@ -151,10 +193,52 @@ class Trainer:
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
 
 
+def model_flops_per_token(trainer: Trainer) -> float:
+    """Training FLOPs per token of the whole model, 6·N + 12·L·h·s (gpuwatch.trainer.hooks.flops). N counts
+    every parameter outside the embeddings (lookups, not matmuls): split ones on every TP rank, replicated
+    ones once, over all stages."""
+    grid = trainer.grid
+    local = sum(p.numel() for name, p in trainer.model.named_parameters()
+                if not name.startswith("embed.") and (is_tp_split(p) or grid.tp_rank == 0))
+    count = torch.tensor(float(local), dtype=torch.float64, device=trainer.device)
+    comm.all_reduce(comm.all_reduce(count, grid.tp_group), grid.pp_group)
+    m = trainer.cfg.model
+    return transformer_flops_per_token(int(count.item()), m.layers, m.hidden, m.seq_len)
+
+
+def instrument(trainer: Trainer, signals: Iterable[str] = SIGNALS) -> Monitor:
+    """Attach the hooks to a trainer: a Monitor sending to the node agent, timing the comm layer too.
+    Every rank must call it (it agrees on the job id and counts the model's parameters with its peers)."""
+    cfg, grid = trainer.cfg, trainer.grid
+    groups = {kind: next(tuple(g) for g in members if grid.rank in g)
+              for kind, members in layout(cfg.tp, cfg.pp, cfg.dp).items()}
+    place = Layout(
+        rank=grid.rank, world_size=cfg.world_size, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        tp_size=grid.tp, pp_size=grid.pp, dp_size=grid.dp,
+        tp_rank=grid.tp_rank, pp_stage=grid.pp_rank, dp_rank=grid.dp_rank,
+        schedule=cfg.schedule, micro_batches=cfg.micro_batches, precision=cfg.precision, process_groups=groups,
+    )
+    run_log = None
+    if cfg.run_log:
+        Path(cfg.run_log).mkdir(parents=True, exist_ok=True)
+        run_log = Path(cfg.run_log) / f"rank-{grid.rank:05d}.jsonl"
+    monitor = Monitor(
+        trainer.model, layout=place, job=cfg.job, device=trainer.device,
+        client=TelemetryClient(cfg.telemetry_socket, run_log),
+        grad_similarity_every=cfg.grad_similarity_every, checksum_every=cfg.checksum_every,
+        flops_per_token=model_flops_per_token(trainer) / (grid.tp * grid.pp),  # this rank's share
+        shard_groups=(grid.tp_group, grid.pp_group), faults=cfg.faults, signals=signals,
+    )
+    trainer.monitor = monitor
+    comm.set_timer(monitor.collective)
+    return monitor
+
+
 def train(device: torch.device, cfg: TrainConfig) -> list[StepResult]:
     """One rank's whole run; the launcher (or torchrun) calls it once the process group exists.
 
-    Rank 0 of the last stage (tp 0, dp 0) prints each step and writes the JSONL log.
+    Rank 0 of the last stage (tp 0, dp 0) prints each step and writes the JSONL log. With
+    `cfg.telemetry` every rank reports every step to the node agent.
     """
     if cfg.precision == "fp16" and device.type != "cuda":
         raise ConfigError(f"--precision fp16 needs CUDA, and this rank runs on {device.type}; use bf16")
@@ -172,6 +256,7 @@ def train(device: torch.device, cfg: TrainConfig) -> list[StepResult]:
     if grid.rank == 0 and cfg.resume:
         print(f"resumed from step {trainer.step}" if resumed else f"no checkpoint in {cfg.checkpoint_dir}: "
               "starting from step 0", flush=True)
+    monitor = instrument(trainer) if cfg.telemetry else None
     results = []
     with open(cfg.log_jsonl, "a" if resumed else "w") if reporter and cfg.log_jsonl else nullcontext() as log:
         while trainer.step < cfg.steps:
@@ -182,6 +267,9 @@ def train(device: torch.device, cfg: TrainConfig) -> list[StepResult]:
             every = cfg.checkpoint_every and trainer.step % cfg.checkpoint_every == 0
             if cfg.checkpoint_dir and (every or trainer.step == cfg.steps):
                 checkpoint.save(trainer, Path(cfg.checkpoint_dir), grid)
+    if monitor is not None:
+        comm.set_timer(None)
+        monitor.close()
     return results
 
 

@@ -10,6 +10,10 @@ accumulated from the buckets every step record carries.
 Ranks are exported once their ``hello`` has arrived (it carries the coordinate labels); until
 then, after an agent restart for instance, their counters accumulate unexported, and the
 client's hello heartbeat brings them back within its interval.
+
+The latest ``gpuwatch probe`` of each job is exported as its peak bus bandwidth per op, one series
+per (job, op): a series per message size would multiply them by ~20 for no alert or rule that needs
+them. The whole sweep stays in /api/v1/state.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from gpuwatch.agent.collectors.base import Collector, CollectorContext, Collecto
 from gpuwatch.agent.telemetry import listener
 from gpuwatch.agent.telemetry.paths import default_socket_path
 from gpuwatch.agent.telemetry.schema import COLLECTIVE_BUCKETS
-from gpuwatch.agent.telemetry.store import RankState, TelemetryStore
+from gpuwatch.agent.telemetry.store import RankState, TelemetryStore, probe_peaks
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +178,27 @@ def families(ranks: Sequence[RankState], records: dict[tuple[str, str], int]) ->
             latency, volume]
 
 
+def probe_families(probes: Sequence[dict[str, Any]]) -> list[Metric]:
+    """The metric families of the latest probe of each job (record bodies as the store keeps them)."""
+    bandwidth = GaugeMetricFamily(
+        "gpuwatch_probe_bus_bandwidth_bytes_per_second", "Peak bus bandwidth over the message sizes of the job's "
+        "latest gpuwatch probe, per collective (nccl-tests' busbw: comparable with a link's rated speed whatever "
+        "the rank count).", labels=["job", "op", "interconnect"])
+    info = GaugeMetricFamily("gpuwatch_probe_info", "Shape of the job's latest gpuwatch probe; value 1.",
+                             labels=["job", "interconnect", "backend", "device", "world_size", "nodes",
+                                     "ranks_per_node"])
+    finished = GaugeMetricFamily("gpuwatch_probe_timestamp_seconds", "When the job's latest gpuwatch probe "
+                                 "finished, by the prober's clock: how old its bandwidth figures are.", labels=["job"])
+    for probe in probes:
+        job, interconnect = probe["job"], probe["interconnect"]
+        for op, row in sorted(probe_peaks(probe).items()):
+            bandwidth.add_metric([job, op, interconnect], row["busbw_bytes_per_second"])
+        info.add_metric([job, interconnect, probe["backend"], probe["device"],
+                         *(str(probe[name]) for name in ("world_size", "nodes", "ranks_per_node"))], 1)
+        finished.add_metric([job], probe["time"])
+    return [bandwidth, info, finished]
+
+
 def _rank_facts(state: RankState) -> dict[str, Any]:
     return {
         "job": state.job,
@@ -263,6 +288,7 @@ class TelemetryCollector(Collector):
             log.info("telemetry of job %s rank %d expired after %.0fs of silence", state.job, state.rank,
                      self.store.ttl)
         ranks, records = self.store.snapshot()
+        probes = self.store.probes()
         facts = {
             "socket": str(self.path),
             "queue_limit": self._queue_limit,
@@ -276,8 +302,9 @@ class TelemetryCollector(Collector):
             # agent's pid namespace; the pid in a hello is the rank's view, wrong across containers.
             "processes": [{"pid": s.sender_pid, "job": s.job, "rank": s.rank} for s in ranks if s.sender_pid],
             "ranks": [_rank_facts(state) for state in ranks],
+            "probes": probes,
         }
-        return CollectorResult(families(ranks, records), facts)
+        return CollectorResult(families(ranks, records) + probe_families(probes), facts)
 
     def close(self) -> None:
         if self._receiver is not None:

@@ -267,16 +267,25 @@ class RankFacts:
 
 @dataclasses.dataclass
 class BandwidthMeasurement:
-    """An active interconnect measurement (``gpuwatch probe``, nccl-tests style): bus bandwidth of one
-    collective at one message size, over NVLink inside a node or InfiniBand between nodes."""
+    """An active interconnect measurement (``gpuwatch probe``, nccl-tests style): the peak bus bandwidth of one
+    collective over the message sizes, and the path it took."""
 
     node: str
-    interconnect: str  # "nvlink" or "ib"
+    #: As the probe classified the path: one of the telemetry schema's INTERCONNECTS ("nvlink", "infiniband" ...).
+    interconnect: str
     op: str
-    size_bytes: int
+    size_bytes: int | None  # the message size of the peak; None when unknown (Prometheus keeps only the peak)
     busbw_bytes_per_second: float
-    ranks: int
+    ranks: int | None
     gpu: int | None = None
+    job: str | None = None
+    #: Ranks on the busiest node: how many NICs their traffic can spread over.
+    ranks_per_node: int | None = None
+
+
+#: The node part that rates each interconnect a probe can name; the others ("loopback", "socket", "pcie",
+#: "unknown") have no rating a measurement could be judged against.
+RATED_BY = {"nvlink": "nvlinks", "infiniband": "ib_ports", "roce": "ib_ports"}
 
 
 @dataclasses.dataclass

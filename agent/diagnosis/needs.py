@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gpuwatch.agent.diagnosis.facts import Facts, RankFacts
+from gpuwatch.agent.diagnosis.facts import RATED_BY, Facts, RankFacts
 from gpuwatch.agent.diagnosis.registry import Need
 
 
@@ -42,11 +42,34 @@ def _env_available(facts: Facts) -> str | None:
             "was not given")
 
 
+#: Why a probed path cannot be judged against a rating (see ``facts.RATED_BY`` for those that can).
+UNRATED_PATHS = {
+    "loopback": "a single-node gloo probe moves data through this host's loopback and memory, which have no "
+                "link rating",
+    "socket": "TCP sockets reach a share of the NIC rate that the kernel and CPUs set, not the link",
+    "pcie": "PCIe peer traffic crosses switches and the CPU root complex, so its achievable share of the link "
+            "rate depends on the platform",
+    "unknown": "the probe could not tell which interconnect carried its traffic",
+}
+
+
 def _bandwidth_available(facts: Facts) -> str | None:
-    if facts.bandwidth:
-        return None
-    return ("no interconnect bandwidth measurement: needs gpuwatch probe results (not yet carried by the "
-            "telemetry schema v1)")
+    """A probe of a rated path (NVLink, InfiniBand, RoCE) whose node's link facts are known."""
+    if not facts.bandwidth:
+        return ("no interconnect bandwidth measurement: run gpuwatch probe (it reports to the node's agent and "
+                "to --run-log)")
+    rated = [m for m in facts.bandwidth if m.interconnect in RATED_BY]
+    if not rated:
+        paths = sorted({m.interconnect for m in facts.bandwidth})
+        return "; ".join(f"the probe measured {path}: {UNRATED_PATHS.get(path, 'it has no known rating')}"
+                         for path in paths)
+    for measurement in rated:
+        node = facts.nodes.get(measurement.node)
+        if node is not None and getattr(node, RATED_BY[measurement.interconnect]) is not None:
+            return None
+    nodes = ", ".join(sorted({m.node for m in rated}))
+    return (f"rated link speed unknown: no NVLink/port facts of the probed node(s) {nodes} (add --agent, or "
+            "diagnose on the node)")
 
 
 def _has_cuda_memory(rank: RankFacts) -> bool:

@@ -58,6 +58,26 @@ that restarted learns the rank's layout and a hung-but-alive rank does not expir
     client?             {sent: int, dropped: {reason: int}}   the client's cumulative send
                                      counters, added by ``TelemetryClient`` (CLIENT_DROP_REASONS)
 
+``probe`` — the result of ``gpuwatch probe``, an nccl-tests style sweep of collectives, sent once by
+the probe's rank 0; the agent keeps the latest per job, with no TTL (it is a one-off measurement,
+judged long after the probe exits)::
+
+    hostname            label        the reporting rank's host
+    nodes               int          hosts the probe's ranks ran on, at most world_size
+    hostnames?          [label]      the first MAX_PROBE_HOSTNAMES of them, sorted; at most ``nodes``
+    world_size          int          ranks in the probe; rank < world_size
+    ranks_per_node      int          ranks on the busiest host, at most world_size
+    backend             label        "nccl", "gloo", ...
+    device              label        "cuda", "cpu", ...
+    interconnect        INTERCONNECTS  the path the traffic took, as the prober classified it: "loopback"
+                                     (one host, gloo), "socket" (TCP between hosts), "nvlink", "pcie",
+                                     "infiniband", "roce", or "unknown" when it could not tell
+    dtype?              label        element type of the buffers ("float32")
+    results             [{op: PROBE_OPS, bytes: int ≥ 1, seconds: float ≥ 0,
+                          algbw_bytes_per_second, busbw_bytes_per_second: float ≥ 0}]
+                        1..MAX_PROBE_RESULTS rows, one per op and message size: the slowest rank's
+                        mean time, algbw = bytes / seconds, busbw = algbw × the op's bus factor
+
 Types are strict: an int field takes only JSON integers, a float field integers or floats, never
 strings or booleans. Non-finite numbers are written as ``json.dumps`` writes them by default
 (``NaN``, ``Infinity``, ``-Infinity``) and are rejected everywhere except ``loss`` and
@@ -101,6 +121,12 @@ REJECT_REASONS = (
     "cardinality",  # raised by the agent's store, not by decode: too many jobs or ranks
 )
 COSINE_TOLERANCE = 1e-3
+#: What ``gpuwatch probe`` measures, and how it names the path its traffic took.
+PROBE_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+INTERCONNECTS = ("nvlink", "pcie", "infiniband", "roce", "socket", "loopback", "unknown")
+#: A probe record must fit one datagram: 90 rows (3 ops × 30 sizes) of ~125 bytes and 8 long hostnames do.
+MAX_PROBE_RESULTS = 90
+MAX_PROBE_HOSTNAMES = 8
 
 MAX_RANK = 2**20 - 1
 _MAX_COUNT = 2**63 - 1
@@ -410,7 +436,20 @@ _STEP = _object(
     },
 )
 
-_KINDS = {"hello": _HELLO, "step": _STEP}
+_PROBE = _object(
+    {
+        **_COMMON,
+        "hostname": _label(255), "nodes": _SIZE, "world_size": _SIZE, "ranks_per_node": _SIZE,
+        "backend": _label(32), "device": _label(32), "interconnect": _choice(*INTERCONNECTS),
+        "results": _list(_object({
+            "op": _choice(*PROBE_OPS), "bytes": _integer(1), "seconds": _SECONDS,
+            "algbw_bytes_per_second": _number(), "busbw_bytes_per_second": _number(),
+        }), MAX_PROBE_RESULTS),
+    },
+    {"hostnames": _list(_label(255), MAX_PROBE_HOSTNAMES), "dtype": _label(32)},
+)
+
+_KINDS = {"hello": _HELLO, "step": _STEP, "probe": _PROBE}
 
 
 def _check_coordinates(body: dict[str, Any]) -> None:
@@ -422,6 +461,18 @@ def _check_coordinates(body: dict[str, Any]) -> None:
     for coordinate, size in pairs:
         if body[coordinate] >= body[size]:
             raise RecordRejected("out_of_range", coordinate)
+
+
+def _check_probe(body: dict[str, Any]) -> None:
+    """Counts that contradict each other, and a probe that measured nothing, are not a measurement."""
+    if not body["results"]:
+        raise RecordRejected("out_of_range", "results")
+    size = body["world_size"]
+    for field, most in (("rank", size - 1), ("nodes", size), ("ranks_per_node", size)):
+        if body[field] > most:
+            raise RecordRejected("out_of_range", field)
+    if len(body.get("hostnames", ())) > body["nodes"]:
+        raise RecordRejected("out_of_range", "hostnames")
 
 
 def decode(datagram: bytes) -> Record:
@@ -446,4 +497,6 @@ def decode(datagram: bytes) -> Record:
     body = spec(value)
     if kind == "hello":
         _check_coordinates(body)
+    elif kind == "probe":
+        _check_probe(body)
     return Record(kind, body["job"], body["rank"], body)

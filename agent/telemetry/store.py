@@ -4,7 +4,8 @@ One ``TelemetryStore`` is written by the receiver thread (``ingest``) and read b
 (``expire`` then ``snapshot``). Memory is bounded by ``max_ranks`` × one record of each kind
 (records are at most ``MAX_RECORD_BYTES``), whatever senders do: a new (job, rank) beyond the caps
 is rejected as ``cardinality``, and a rank silent for ``ttl`` seconds is forgotten, so its series
-disappear from /metrics.
+disappear from /metrics. Probe records are kept apart from the ranks: the latest per job, for at most
+``max_jobs`` jobs (a new job's probe pushes out the oldest), without a TTL.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import dataclasses
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from gpuwatch.agent.telemetry.schema import (
@@ -109,6 +110,7 @@ class TelemetryStore:
         self._lock = threading.Lock()
         self._ranks: dict[tuple[str, int], RankState] = {}
         self._ranks_per_job: collections.Counter[str] = collections.Counter()
+        self._probes: dict[str, dict[str, Any]] = {}  # job -> latest probe body, least recently received first
         # Every known (result, reason) starts at 0, so rate() sees the first increment.
         self._records: dict[tuple[str, str], int] = {("accepted", ""): 0}
         self._records.update(dict.fromkeys((("rejected", reason) for reason in REJECT_REASONS), 0))
@@ -123,6 +125,10 @@ class TelemetryStore:
                 self._records["rejected", rejected.reason] += 1
             return rejected.reason
         with self._lock:
+            if record.kind == "probe":
+                self._keep_probe(record)
+                self._records["accepted", ""] += 1
+                return None
             state = self._state_for(record)
             if state is None:
                 self._records["rejected", "cardinality"] += 1
@@ -149,6 +155,12 @@ class TelemetryStore:
         state = self._ranks[key] = RankState(record.job, record.rank, 0.0, 0.0)
         self._ranks_per_job[record.job] += 1
         return state
+
+    def _keep_probe(self, record: Record) -> None:
+        self._probes.pop(record.job, None)
+        self._probes[record.job] = record.body
+        if len(self._probes) > self.max_jobs:
+            del self._probes[next(iter(self._probes))]
 
     def _apply_step(self, state: RankState, body: dict[str, Any]) -> None:
         state.last_step = body
@@ -188,3 +200,19 @@ class TelemetryStore:
         with self._lock:
             ranks = [self._ranks[key].copy() for key in sorted(self._ranks)]
             return ranks, dict(self._records)
+
+    def probes(self) -> list[dict[str, Any]]:
+        """The latest probe record body of each job, sorted by job; bodies are replaced whole, never mutated."""
+        with self._lock:
+            return [self._probes[job] for job in sorted(self._probes)]
+
+
+def probe_peaks(probe: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each op's result row with the highest bus bandwidth: what the path delivers once messages are large
+    enough to hide latency, the figure to compare with a link's rating."""
+    peaks: dict[str, dict[str, Any]] = {}
+    for row in probe["results"]:
+        best = peaks.get(row["op"])
+        if best is None or row["busbw_bytes_per_second"] > best["busbw_bytes_per_second"]:
+            peaks[row["op"]] = row
+    return peaks

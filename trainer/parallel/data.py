@@ -12,7 +12,7 @@ factor from its local norm, and the update no longer matches the single-process 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -36,14 +36,25 @@ def buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> Iterator[lis
         yield bucket
 
 
-def all_reduce_gradients(params: list[torch.nn.Parameter], grid: Grid, bucket_bytes: int) -> None:
-    """Replace each gradient by its mean over the DP ranks."""
+def all_reduce_gradients(
+    params: list[torch.nn.Parameter],
+    grid: Grid,
+    bucket_bytes: int,
+    observe: Callable[[torch.nn.Parameter, torch.Tensor], None] | None = None,
+) -> None:
+    """Replace each gradient by its mean over the DP ranks.
+
+    `observe(param, mean)`, when given, sees each parameter's DP-mean gradient while `param.grad`
+    still holds this rank's own (the hooks' gradient similarity needs both, and this way no copy).
+    """
     if grid.dp == 1:
         return
     for bucket in buckets([p for p in params if p.grad is not None], bucket_bytes):
         flat = torch.cat([p.grad.reshape(-1) for p in bucket])
         comm.all_reduce(flat, grid.dp_group).div_(grid.dp)
         for param, reduced in zip(bucket, flat.split([p.grad.numel() for p in bucket]), strict=True):
+            if observe is not None:
+                observe(param, reduced)
             param.grad.copy_(reduced.view_as(param.grad))
 
 

@@ -15,7 +15,9 @@ Both idle a stage for (pp - 1) / (m + pp - 1) of the step (the bubble); 1F1B sav
 Neighbours exchange through comm.exchange, which posts each pair of transfers together: in the
 steady state a stage sends its activation while receiving a gradient from the same neighbour, and
 two blocking sends facing each other would hang. Compute (_forward, _backward) and communication
-(_p2p) are separate methods, so what a stage spends busy and waiting can be measured apart.
+(_p2p) are separate methods, so what a stage spends busy and waiting can be measured apart: `run`
+takes the hooks' PipelineClock, which times every pass as busy and closes the stage's window when
+the schedule ends.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gpuwatch.trainer.hooks import OFF, PipelineClock
+from gpuwatch.trainer.hooks.off import Off
 from gpuwatch.trainer.model import GPTStage
 from gpuwatch.trainer.parallel import comm
 from gpuwatch.trainer.parallel.groups import Grid
@@ -53,17 +57,22 @@ class Pipeline:
         self.stage, self.grid, self.schedule = stage, grid, schedule
         self.activation_shape, self.device, self.autocast = activation_shape, device, autocast
         self.losses: list[torch.Tensor] = []
+        self.clock: PipelineClock | Off = OFF
 
-    def run(self, batches: list[MicroBatch], loss_scale: float = 1.0) -> list[torch.Tensor]:
+    def run(
+        self, batches: list[MicroBatch], loss_scale: float = 1.0, clock: PipelineClock | Off = OFF
+    ) -> list[torch.Tensor]:
         """Forward and backward over all micro-batches; returns their losses (last stage, else empty).
 
         Each micro-batch's loss is divided by m (the step's loss is their mean) and multiplied by
-        `loss_scale` (fp16) before the backward pass.
+        `loss_scale` (fp16) before the backward pass. `clock` measures the stage's bubble.
         """
         m = len(batches)
         warmup = m if self.schedule == "gpipe" else min(self.grid.pp - self.grid.pp_rank - 1, m)
         scale = loss_scale / m
         self.losses = []
+        self.clock = clock
+        clock.start()
         in_flight: deque[tuple[torch.Tensor | None, torch.Tensor]] = deque()
 
         for batch in batches[:warmup]:
@@ -86,13 +95,14 @@ class Pipeline:
         for _ in range(warmup):  # cool-down: the backwards still owed
             output_grad = self._recv_backward()
             self._send_backward(self._backward(*in_flight.popleft(), output_grad))
+        clock.stop()
         return self.losses
 
     # -- compute ------------------------------------------------------------------------------
 
     def _forward(self, x: torch.Tensor | None, batch: MicroBatch, scale: float) -> torch.Tensor:
         """The stage's output; on the last stage the scaled loss, whose unscaled value is recorded."""
-        with self.autocast():
+        with self.clock.busy(), self.autocast():
             output = self.stage(batch.inputs if x is None else x)
             if not self.grid.is_last_stage:
                 return output
@@ -100,12 +110,12 @@ class Pipeline:
         self.losses.append(loss.detach())
         return loss * scale
 
-    @staticmethod
     def _backward(
-        x: torch.Tensor | None, output: torch.Tensor, output_grad: torch.Tensor | None
+        self, x: torch.Tensor | None, output: torch.Tensor, output_grad: torch.Tensor | None
     ) -> torch.Tensor | None:
         """Backpropagate through the stage; returns the gradient for the previous stage."""
-        torch.autograd.backward(output, grad_tensors=output_grad)
+        with self.clock.busy():
+            torch.autograd.backward(output, grad_tensors=output_grad)
         return None if x is None else x.grad
 
     # -- communication ------------------------------------------------------------------------

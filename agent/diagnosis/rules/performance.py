@@ -8,7 +8,17 @@ import types
 from collections.abc import Iterator
 
 from gpuwatch.agent.diagnosis import needs
-from gpuwatch.agent.diagnosis.facts import Facts, RankFacts, Where, finite, gbit, group_by, median
+from gpuwatch.agent.diagnosis.facts import (
+    RATED_BY,
+    BandwidthMeasurement,
+    Facts,
+    RankFacts,
+    Where,
+    finite,
+    gbit,
+    group_by,
+    median,
+)
 from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
 from gpuwatch.agent.diagnosis.rules.common import capped, ratio_text
 
@@ -217,17 +227,37 @@ def communication_bound(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issu
         )
 
 
-def _rated(facts: Facts, node_name: str, interconnect: str, gpu: int | None) -> float | None:
-    """What the measured path is rated for: a GPU's NVLink links together, or the node's slowest active port."""
-    node = facts.nodes.get(node_name)
+#: Port link layer of each network a probe can name.
+_LINK_LAYERS = {"infiniband": "InfiniBand", "roce": "Ethernet"}
+_PATH_NAMES = {"nvlink": "NVLink", "infiniband": "InfiniBand", "roce": "RoCE"}
+
+
+def _rated(facts: Facts, measurement: BandwidthMeasurement) -> tuple[float, str] | None:
+    """What the probed path is rated for, and how that was reckoned; None when the node's links are unknown."""
+    node = facts.nodes.get(measurement.node)
     if node is None:
         return None
-    if interconnect == "nvlink":
+    if measurement.interconnect == "nvlink":
         speeds = [g.up_speed_bytes_per_second for g in node.nvlinks or ()
-                  if g.up_speed_bytes_per_second and (gpu is None or g.gpu == gpu)]
-        return min(speeds) if speeds else None
-    rates = [port.rate_bytes_per_second for port in node.active_ports() if port.rate_bytes_per_second]
-    return min(rates) if rates else None
+                  if g.up_speed_bytes_per_second and (measurement.gpu is None or g.gpu == measurement.gpu)]
+        return (min(speeds), "the slowest GPU's NVLink links together") if speeds else None
+    layer = _LINK_LAYERS[measurement.interconnect]
+    rates = [p.rate_bytes_per_second for p in node.active_ports() if p.link_layer == layer and p.rate_bytes_per_second]
+    if not rates:
+        return None
+    rails = min(measurement.ranks_per_node or 1, len(rates))
+    return min(rates) * rails, f"{rails} active {layer} port(s) of {gbit(min(rates))}"
+
+
+def _measured(measurement: BandwidthMeasurement, rated: float) -> Evidence:
+    size = f" at {measurement.size_bytes / 2**20:g} MiB" if measurement.size_bytes is not None else ""
+    ranks = f" over {measurement.ranks} ranks" if measurement.ranks is not None else ""
+    busbw = measurement.busbw_bytes_per_second
+    return Evidence(f"{measurement.op}: peak bus bandwidth {gbit(busbw)} ({ratio_text(busbw / rated)} of rated){size}"
+                    f"{ranks}",
+                    Where(node=measurement.node, job=measurement.job, gpu=measurement.gpu),
+                    {"busbw_bytes_per_second": busbw, "rated_bytes_per_second": rated, "fraction": busbw / rated,
+                     "size_bytes": measurement.size_bytes, "ranks": measurement.ranks})
 
 
 @rule("PERF005", family=FAMILY, severity=Severity.WARNING, title="Interconnect far below its rated bandwidth",
@@ -237,25 +267,34 @@ def _rated(facts: Facts, node_name: str, interconnect: str, gpu: int | None) -> 
                "redesign; 0.7 flags that case while a healthy NCCL bus bandwidth reaches 75-95 % of line rate")})
 def bandwidth_below_rating(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """An active measurement (nccl-tests style bus bandwidth, from gpuwatch probe) is compared with what the
-    path is rated for: the sum of a GPU's NVLink links, or the node's InfiniBand port rate. Seed 000: the
-    team found NVLink delivering only 63 % of its theoretical bandwidth, and that, not the model, decided
-    the parallel layout. A path far below its rating points at a degraded link, a wrong topology
-    (traffic through PCIe or the CPU) or an NCCL setting."""
-    for measurement in facts.bandwidth or ():
-        rated = _rated(facts, measurement.node, measurement.interconnect, measurement.gpu)
+    path is rated for. Seed 000: the team found NVLink delivering only 63 % of its theoretical bandwidth, and
+    that, not the model, decided the parallel layout. A path far below its rating points at a degraded link,
+    a wrong topology (traffic through PCIe or the CPU) or an NCCL setting.
+
+    Bus bandwidth is algbw × 2(n−1)/n for all-reduce and × (n−1)/n for all-gather and reduce-scatter: the
+    data each rank's link carries, so it compares with one link's speed whatever the rank count. The rating
+    of NVLink is the slowest GPU's up links together (a GPU's links all carry its share); of InfiniBand or
+    RoCE, the node's slowest active port of that link layer times the ports the node's ranks drive at once
+    (NCCL gives each GPU its nearest NIC, so bus bandwidth across nodes grows with min(ranks per node,
+    ports)). The best op's peak over the message sizes is judged: a path that delivers its rating on any
+    collective is not degraded. Loopback, sockets, PCIe and unclassified paths have no rating to judge
+    against, and the rule reports itself not run for them."""
+    judged = [m for m in facts.bandwidth or () if m.interconnect in RATED_BY]
+    for (_, node, path, _), measurements in group_by(judged, lambda m: (m.job, m.node, m.interconnect, m.gpu)):
+        rated = _rated(facts, measurements[0])
         if rated is None:
             continue
-        fraction = measurement.busbw_bytes_per_second / rated
+        rating, how = rated
+        best: dict[str, BandwidthMeasurement] = {}  # per op: one probe may reach us through several sources
+        for measurement in sorted(measurements, key=lambda m: -m.busbw_bytes_per_second):
+            best.setdefault(measurement.op, measurement)
+        fraction = max(m.busbw_bytes_per_second for m in best.values()) / rating
         if fraction >= t.min_fraction:
             continue
-        what = "NVLink" if measurement.interconnect == "nvlink" else "InfiniBand"
         yield Issue(
-            title=f"{what} on {measurement.node} delivers {ratio_text(fraction)} of its rated bandwidth",
-            evidence=(Evidence(f"{measurement.op} of {measurement.size_bytes / 2**20:g} MiB over {measurement.ranks} "
-                               f"ranks: bus bandwidth {gbit(measurement.busbw_bytes_per_second)} against "
-                               f"{gbit(rated)} rated", Where(node=measurement.node, gpu=measurement.gpu),
-                               {"busbw_bytes_per_second": measurement.busbw_bytes_per_second,
-                                "rated_bytes_per_second": rated, "fraction": fraction}),),
+            title=f"{_PATH_NAMES[path]} on {node} delivers {ratio_text(fraction)} of its rated bandwidth",
+            evidence=(Evidence(f"rated {gbit(rating)}: {how}", Where(node=node), {"rated_bytes_per_second": rating}),
+                      *(_measured(m, rating) for m in best.values())),
             fix="check the topology (`nvidia-smi topo -m`), link states (HW001, HW003) and NCCL_P2P/NCCL_IB settings; "
                 "rerun the probe with NCCL_DEBUG=INFO to see which transport NCCL picked",
             reason="Collectives cannot beat the bandwidth the path actually delivers; far below its rating, it "

@@ -8,7 +8,7 @@ from typing import Any
 from gpuwatch.agent.diagnosis.facts import Facts, SourceInfo
 from gpuwatch.agent.diagnosis.sources import HTTP_TIMEOUT, SourceError, http_json
 from gpuwatch.agent.diagnosis.sources.collectors import PARTS, node_facts
-from gpuwatch.agent.diagnosis.sources.telemetry import rank_facts
+from gpuwatch.agent.diagnosis.sources.telemetry import bandwidth, rank_facts
 
 STATE_PATH = "/api/v1/state"
 
@@ -29,7 +29,7 @@ def _is_state(state: Any) -> bool:
 
 
 def facts_from_state(state: Any, location: str) -> Facts:
-    """Facts of the agent's node and of every rank that reported to it."""
+    """Facts of the agent's node, of every rank that reported to it and of the latest probe of each job."""
     if not _is_state(state):
         raise SourceError(f"{location} is not a gpuwatch agent's state (no agent/collectors/facts objects)")
     name = state["agent"]["node"]
@@ -51,4 +51,5 @@ def facts_from_state(state: Any, location: str) -> Facts:
         facts.ranks.append(rank_facts(raw["job"], raw["rank"], node=name, hello=raw.get("hello"),
                                       last_step=raw.get("last_step"), counters=raw.get("counters") or {},
                                       collectives=raw.get("collectives") or {}, sampled=sampled))
+    facts.bandwidth = bandwidth(collected.get("telemetry", {}).get("probes", ()), name)
     return facts

@@ -19,6 +19,7 @@ from typing import Any
 
 from gpuwatch.agent.collectors.infiniband import PHYS_STATES, PORT_STATES
 from gpuwatch.agent.diagnosis.facts import (
+    BandwidthMeasurement,
     CollectiveFacts,
     Facts,
     GpuFacts,
@@ -123,6 +124,7 @@ class _Reader:
         self._nvlinks()
         self._ib_ports()
         self._ranks()
+        self._bandwidth()
         return self.facts
 
     def _node_samples(self, expr: str) -> Iterator[tuple[NodeFacts, dict[str, str], dict[str, Any]]]:
@@ -275,6 +277,26 @@ class _Reader:
         histories = self._rss_histories()
         for key, (node, labels) in sorted(labels_of.items(), key=lambda item: (item[0][0], int(item[0][1]))):
             self.facts.ranks.append(self._rank(node, labels, series[key], histories.get(key)))
+
+    def _bandwidth(self) -> None:
+        """Each job's latest probe, as its agent exports it: the peak bus bandwidth per op (the message size of
+        the peak is not exported)."""
+        shapes: dict[tuple[str, str], dict[str, str]] = {}
+        peaks: list[tuple[NodeFacts, dict[str, str], float]] = []
+        for node, labels, sample in self._node_samples(
+                '{__name__=~"gpuwatch_probe_(bus_bandwidth_bytes_per_second|info)"}'):
+            if labels["__name__"] == "gpuwatch_probe_info":
+                shapes[node.name, _job(labels)] = labels
+            else:
+                peaks.append((node, labels, _value(sample)))
+        measurements = []
+        for node, labels, busbw in peaks:
+            shape = shapes.get((node.name, _job(labels)), {})
+            measurements.append(BandwidthMeasurement(
+                node=node.name, interconnect=labels["interconnect"], op=labels["op"], size_bytes=None,
+                busbw_bytes_per_second=busbw, ranks=_int(shape.get("world_size")), job=_job(labels),
+                ranks_per_node=_int(shape.get("ranks_per_node"))))
+        self.facts.bandwidth = measurements or None
 
     def _rss_histories(self) -> dict[tuple[str, str], History]:
         """Host RSS per step over ``HISTORY``: two subqueries at one resolution, so their timestamps align."""

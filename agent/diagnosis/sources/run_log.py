@@ -14,7 +14,7 @@ from pathlib import Path
 
 from gpuwatch.agent.diagnosis.facts import Facts, History, SourceInfo
 from gpuwatch.agent.diagnosis.sources import SourceError
-from gpuwatch.agent.diagnosis.sources.telemetry import rank_facts
+from gpuwatch.agent.diagnosis.sources.telemetry import bandwidth, rank_facts
 from gpuwatch.agent.telemetry.schema import MAX_RANK, RecordRejected, decode
 from gpuwatch.agent.telemetry.store import TelemetryStore
 
@@ -71,6 +71,7 @@ def read(path: Path) -> Facts:
             counters=state.counters(),
             collectives={op: dataclasses.asdict(totals) for op, totals in state.collectives.items()},
             sampled=state.sampled, history=series[state.job, state.rank].history()))
+    facts.bandwidth = bandwidth(store.probes(), None)
     return facts
 
 

@@ -1,13 +1,23 @@
 """Rank facts from telemetry as the agent keeps it: a rank's hello and latest step record bodies (schema v1),
-its accumulated counters, collective totals and sampled values. Shared by the agent and run-log sources."""
+its accumulated counters, collective totals and sampled values; and bandwidth measurements from probe records.
+Shared by the agent and run-log sources."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpuwatch.agent.diagnosis.facts import CollectiveFacts, History, Layout, RankFacts, Sampled, StepFacts
+from gpuwatch.agent.diagnosis.facts import (
+    BandwidthMeasurement,
+    CollectiveFacts,
+    History,
+    Layout,
+    RankFacts,
+    Sampled,
+    StepFacts,
+)
 from gpuwatch.agent.telemetry.schema import COLLECTIVE_BUCKETS
+from gpuwatch.agent.telemetry.store import probe_peaks
 
 
 def histogram_quantile(quantile: float, buckets: Sequence[int]) -> float | None:
@@ -92,3 +102,13 @@ def rank_facts(
         param_checksum=sampled_facts.get("param_checksum"), grad_cosine=sampled_facts.get("grad_cosine_similarity"),
         history=history,
     )
+
+
+def bandwidth(probes: Sequence[Mapping[str, Any]], node: str | None) -> list[BandwidthMeasurement] | None:
+    """Each probe's peak bus bandwidth per op, placed on ``node`` (the agent's node; None: the probe's host)."""
+    measurements = [
+        BandwidthMeasurement(node=node or probe["hostname"], interconnect=probe["interconnect"], op=op,
+                             size_bytes=row["bytes"], busbw_bytes_per_second=row["busbw_bytes_per_second"],
+                             ranks=probe["world_size"], job=probe["job"], ranks_per_node=probe["ranks_per_node"])
+        for probe in probes for op, row in sorted(probe_peaks(probe).items())]
+    return measurements or None

@@ -1,0 +1,110 @@
+"""Cluster overview: is the fleet healthy, how fast do the jobs train, and which findings' signals are lit."""
+
+from __future__ import annotations
+
+from gpuwatch.dashboards.panels import (
+    COUNT,
+    FLOPS,
+    JOBS,
+    NODE,
+    NONE,
+    PERCENT,
+    RANKS,
+    RED,
+    SECONDS,
+    YELLOW,
+    Dashboard,
+    PanelBuilder,
+    Query,
+    dashboard,
+    datasource_variable,
+    heatmap,
+    job_variable,
+    node_variable,
+    rank_variable,
+    red_above,
+    stat,
+    thresholds,
+    timeseries,
+)
+
+UID = "gpuwatch-cluster"
+
+
+def _fleet() -> list[PanelBuilder]:
+    return [
+        stat("Nodes up", COUNT, "Agents Prometheus scraped successfully (scrape job `gpuwatch`).",
+             Query(f'sum(up{{job="gpuwatch", {NODE}}})')),
+        stat("Nodes down", COUNT, "Agents Prometheus failed to scrape: their GPUs and ranks are unobserved.",
+             Query(f'count(up{{job="gpuwatch", {NODE}}} == 0) or vector(0)'), limits=red_above(1)),
+        stat("GPUs", COUNT, "GPUs the agents see through NVML.", Query(f"count(gpuwatch_gpu_info{{{NODE}}})")),
+        stat("GPUs lost", COUNT, "GPUs NVML reports fallen off the bus (Xid 79); see the GpuLost runbook.",
+             Query(f"sum(gpuwatch_gpu_lost{{{NODE}}})"), limits=red_above(1)),
+        stat("Collectors down", COUNT, "Agent collectors failing every round; the reason is in /api/v1/state.",
+             Query(f"count(gpuwatch_collector_up{{{NODE}}} == 0) or vector(0)"), limits=red_above(1)),
+        stat("Ranks reporting", COUNT, "Training ranks whose telemetry the agents hold.",
+             Query(f"sum(gpuwatch_telemetry_ranks{{{JOBS}, {NODE}}})")),
+    ]
+
+
+def _jobs() -> list[PanelBuilder]:
+    return [
+        timeseries("Step time", SECONDS, "Wall time of the latest step of the job's slowest rank: synchronous "
+                   "training runs at its pace.",
+                   Query(f"max by (job) (gpuwatch_train_step_seconds{{{RANKS}}})", "{{job}}"), width=6),
+        timeseries("Throughput", "suffix: tokens/s", "Tokens per second, all ranks of the job together.",
+                   Query(f"sum by (job) (rate(gpuwatch_train_tokens_total{{{RANKS}}}[$__rate_interval]))",
+                         "{{job}}"), width=6),
+        timeseries("Achieved model FLOP/s", FLOPS, "Model FLOP/s of the latest step, summed over the job's ranks.",
+                   Query(f"sum by (job) (gpuwatch_train_model_flops_per_second{{{RANKS}}})", "{{job}}"), width=6),
+        timeseries("Model FLOPs utilisation", PERCENT, "Achieved over peak FLOP/s (MFU), mean of the job's ranks.",
+                   Query(f"avg by (job) (gpuwatch_train_mfu_ratio{{{RANKS}}})", "{{job}}"), width=6,
+                   minimum=0, maximum=1),
+    ]
+
+
+def _findings() -> list[PanelBuilder]:
+    checksum = f"gpuwatch_train_param_checksum{{{RANKS}}}"
+    replicas = "by (job, tp_rank, pp_stage)"
+    return [
+        timeseries("Straggler ratio", NONE, "Slowest rank's compute time over the median of its pipeline stage "
+                   "(PERF002 and the TrainingStraggler alert fire above 1.25).",
+                   Query(f"max by (job) (gpuwatch_train_compute_seconds{{{RANKS}}} / on (job, pp_stage) group_left () "
+                         f"quantile by (job, pp_stage) (0.5, gpuwatch_train_compute_seconds{{{RANKS}}}))", "{{job}}"),
+                   width=6, limits=red_above(1.25)),
+        timeseries("Pipeline bubble", PERCENT, "Largest measured bubble of any stage against the schedule's "
+                   "theory, (p-1)/(m+p-1) (PERF001 above 20 %).",
+                   Query(f"max by (job) (gpuwatch_train_pipeline_bubble_ratio{{{RANKS}}})", "{{job}} measured"),
+                   Query(f"max by (job) (gpuwatch_train_pipeline_bubble_ratio_theoretical{{{RANKS}}})",
+                         "{{job}} theory"),
+                   width=6, minimum=0, maximum=1, limits=red_above(0.2)),
+        timeseries("Non-finite steps", COUNT, "Steps with a NaN or Inf loss or gradient (CONV001), all ranks.",
+                   Query(f"sum by (job) (gpuwatch_train_nonfinite_steps_total{{{RANKS}}})", "{{job}}"),
+                   width=6, limits=red_above(1)),
+        timeseries("Replica desync", NONE, "Largest relative spread of the parameter checksums of data-parallel "
+                   "replicas (CONV003 above 1e-5; 0 when in sync).",
+                   Query(f"max by (job) ((max {replicas} ({checksum}) - min {replicas} ({checksum})) "
+                         f"/ max {replicas} (abs({checksum})))", "{{job}}"),
+                   width=6, limits=thresholds((None, "green"), (1e-6, YELLOW), (1e-5, RED))),
+    ]
+
+
+def build() -> Dashboard:
+    """The Cluster overview dashboard."""
+    return dashboard(
+        UID, "gpuwatch / Cluster overview",
+        "Fleet health, job speed and the diagnosis signals of every training job gpuwatch agents observe.",
+        [datasource_variable(), job_variable(), node_variable(), rank_variable()],
+        [
+            ("Fleet", _fleet()),
+            ("Jobs", _jobs()),
+            ("Findings' signals", _findings()),
+            ("Achieved FLOP/s per rank", [
+                heatmap("Achieved model FLOP/s per rank", FLOPS,
+                        "One row per rank, time across, colour the rank's achieved model FLOP/s: a slow rank or "
+                        "node is a dark row, a stall a dark column.",
+                        Query(f"sum by (job, rank) (gpuwatch_train_model_flops_per_second{{{RANKS}}})",
+                              "{{job}} rank {{rank}}")),
+            ]),
+        ],
+    )

@@ -1,0 +1,127 @@
+"""Node: one node's GPUs — activity, memory, power, heat, clocks and throttling, PCIe, Xid and ECC — and host."""
+
+from __future__ import annotations
+
+from gpuwatch.dashboards.panels import (
+    BYTES,
+    COUNT,
+    GPU,
+    NODE,
+    PER_SECOND,
+    PERCENT,
+    RED,
+    YELLOW,
+    Dashboard,
+    PanelBuilder,
+    Query,
+    dashboard,
+    datasource_variable,
+    gpu_variable,
+    node_variable,
+    red_above,
+    thresholds,
+    timeseries,
+)
+
+UID = "gpuwatch-node"
+PER_GPU = "GPU {{gpu}}"
+
+
+def _ratio(title: str, series: str, description: str) -> PanelBuilder:
+    return timeseries(title, PERCENT, description, Query(f"{series}{{{GPU}}}", PER_GPU), width=6,
+                      minimum=0, maximum=1)
+
+
+def _activity() -> list[PanelBuilder]:
+    return [
+        _ratio("SM activity", "gpuwatch_gpu_sm_active_ratio", "Share of time the SMs had work (GPM on Hopper and "
+               "newer; the utilisation rate elsewhere). Below 30 % in training: input stall (PERF003)."),
+        _ratio("SM occupancy", "gpuwatch_gpu_sm_occupancy_ratio", "Resident warps over the SMs' maximum (GPM)."),
+        _ratio("Tensor core activity", "gpuwatch_gpu_tensor_active_ratio", "Share of time the tensor cores were "
+               "busy (GPM): low while SMs are busy means the math is not on tensor cores."),
+        _ratio("DRAM activity", "gpuwatch_gpu_dram_active_ratio", "Share of time device memory was read or "
+               "written (GPM)."),
+    ]
+
+
+def _memory_power() -> list[PanelBuilder]:
+    return [
+        timeseries("Memory used", PERCENT, "Device memory used over total, per GPU (MEM002 warns above 95 % "
+                   "of a rank's peak).",
+                   Query(f"gpuwatch_gpu_memory_used_bytes{{{GPU}}} / gpuwatch_gpu_memory_total_bytes{{{GPU}}}",
+                         PER_GPU), width=6, minimum=0, maximum=1,
+                   limits=thresholds((None, "green"), (0.9, YELLOW), (0.95, RED))),
+        timeseries("Memory used (bytes)", BYTES, "Device memory used, per GPU.",
+                   Query(f"gpuwatch_gpu_memory_used_bytes{{{GPU}}}", PER_GPU), width=6),
+        timeseries("Power", "watt", "Power draw per GPU; a GPU pinned at its limit may show sw_power_cap below.",
+                   Query(f"gpuwatch_gpu_power_watts{{{GPU}}}", PER_GPU),
+                   width=6),
+        timeseries("Temperature", "celsius", "GPU temperature; throttling typically starts in the high 80s.",
+                   Query(f"gpuwatch_gpu_temperature_celsius{{{GPU}}}", PER_GPU), width=6,
+                   limits=thresholds((None, "green"), (80, YELLOW), (87, RED))),
+    ]
+
+
+def _clocks_pcie() -> list[PanelBuilder]:
+    return [
+        timeseries("SM clock", "hertz", "Current SM clock per GPU: drops below the others' under throttling.",
+                   Query(f"gpuwatch_gpu_sm_clock_hertz{{{GPU}}}", PER_GPU), width=6),
+        timeseries("Throttle reasons", COUNT, "GPUs held down by each clock-event reason (HW005: thermal and "
+                   "hardware slowdowns under load; gpu_idle is normal power saving).",
+                   Query(f"sum by (reason) (gpuwatch_gpu_clock_event_active{{{GPU}}})", "{{reason}}"), width=6),
+        timeseries("PCIe width, current / max", PERCENT, "Trained PCIe link width over the GPU's maximum "
+                   "(HW002 below 100 %).",
+                   Query(f'gpuwatch_gpu_pcie_link_width{{{GPU}, kind="current"}} / ignoring (kind) '
+                         f'gpuwatch_gpu_pcie_link_width{{{GPU}, kind="max"}}', PER_GPU), width=6,
+                   minimum=0, maximum=1),
+        timeseries("PCIe generation, current / max", PERCENT, "Current PCIe generation over the maximum; an "
+                   "idle GPU lowers it to save power, a busy one should not.",
+                   Query(f'gpuwatch_gpu_pcie_link_generation{{{GPU}, kind="current"}} / ignoring (kind) '
+                         f'gpuwatch_gpu_pcie_link_generation{{{GPU}, kind="max"}}', PER_GPU), width=6,
+                   minimum=0, maximum=1),
+    ]
+
+
+def _errors() -> list[PanelBuilder]:
+    return [
+        timeseries("Xid errors", COUNT, "Xid events per GPU and code over the interval (HW004; 13/31/43/45 are "
+                   "application errors).",
+                   Query(f"sum by (gpu, xid) (increase(gpuwatch_gpu_xid_errors_total{{{GPU}}}[$__rate_interval]))",
+                         "GPU {{gpu}} Xid {{xid}}"), width=6, limits=red_above(1)),
+        timeseries("ECC errors", COUNT, "Volatile ECC errors per GPU over the interval; any uncorrected one "
+                   "pages (GpuUncorrectableEccErrors).",
+                   Query(f"sum by (gpu, error) (increase(gpuwatch_gpu_ecc_volatile_errors_total{{{GPU}}}"
+                         "[$__rate_interval]))", "GPU {{gpu}} {{error}}"), width=6),
+        timeseries("Row remapping", COUNT, "Rows remapped per cause, and pending/failed remaps (a reset applies "
+                   "them; a failure means replace the GPU).",
+                   Query(f"sum by (gpu, cause) (gpuwatch_gpu_remapped_rows{{{GPU}}})", "GPU {{gpu}} {{cause}}"),
+                   Query(f"gpuwatch_gpu_row_remap_pending{{{GPU}}} + gpuwatch_gpu_row_remap_failure{{{GPU}}}",
+                         "GPU {{gpu}} pending or failed"), width=6),
+        timeseries("PCIe replays", PER_SECOND, "PCIe replay rate per GPU: link-level retransmissions.",
+                   Query(f"rate(gpuwatch_gpu_pcie_replays_total{{{GPU}}}[$__rate_interval])", PER_GPU), width=6),
+    ]
+
+
+def _host() -> list[PanelBuilder]:
+    return [
+        timeseries("Host CPU", PERCENT, "CPU utilisation of the node: data loading competes with it.",
+                   Query(f"gpuwatch_host_cpu_utilization_ratio{{{NODE}}}", "{{instance}}"), minimum=0, maximum=1),
+        timeseries("Host memory available", BYTES, "Host memory available for new allocations.",
+                   Query(f"gpuwatch_host_memory_available_bytes{{{NODE}}}", "{{instance}}")),
+    ]
+
+
+def build() -> Dashboard:
+    """The Node dashboard."""
+    return dashboard(
+        UID, "gpuwatch / Node",
+        "One node's GPUs as NVML sees them, and its host: pick the node, optionally some GPUs.",
+        [datasource_variable(), node_variable(multi=False), gpu_variable()],
+        [
+            ("GPU activity", _activity()),
+            ("Memory, power and temperature", _memory_power()),
+            ("Clocks, throttling and PCIe", _clocks_pcie()),
+            ("Errors", _errors()),
+            ("Host", _host()),
+        ],
+    )

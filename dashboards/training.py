@@ -1,0 +1,134 @@
+"""Training health: convergence (loss, gradients), parallelism costs (bubble, collectives, input), memory and
+per-rank timing of the jobs the hooks report."""
+
+from __future__ import annotations
+
+from gpuwatch.dashboards.panels import (
+    BYTES,
+    BYTES_PER_SECOND,
+    NONE,
+    PER_SECOND,
+    PERCENT,
+    RANKS,
+    RED,
+    SECONDS,
+    YELLOW,
+    Dashboard,
+    PanelBuilder,
+    Query,
+    dashboard,
+    datasource_variable,
+    job_variable,
+    node_variable,
+    rank_variable,
+    red_above,
+    thresholds,
+    timeseries,
+)
+
+UID = "gpuwatch-training"
+PER_RANK = "{{job}} rank {{rank}}"
+
+
+def _per_rank(series: str) -> Query:
+    return Query(f"{series}{{{RANKS}}}", PER_RANK)
+
+
+def _convergence() -> list[PanelBuilder]:
+    loss = f"gpuwatch_train_loss{{{RANKS}}}"
+    return [
+        timeseries("Loss", NONE, "Loss of each rank's latest step (NaN or Inf: CONV001).",
+                   _per_rank("gpuwatch_train_loss"), width=8),
+        timeseries("Loss spread across ranks", NONE, "Max minus min and standard deviation of the ranks' loss: "
+                   "ranks of one job should agree closely.",
+                   Query(f"max by (job) ({loss}) - min by (job) ({loss})", "{{job}} max - min"),
+                   Query(f"stddev by (job) ({loss})", "{{job}} stddev"), width=8),
+        timeseries("Gradient norm", NONE, "Global gradient norm (CONV002 above 100 or 10x its running median).",
+                   _per_rank("gpuwatch_train_grad_norm"), width=8, limits=red_above(100)),
+        timeseries("Gradient cosine similarity", NONE, "Cosine between each data-parallel rank's local gradient "
+                   "and the DP mean: ~1 on every rank means duplicated data (CONV004); a mean below 0.85 skewed "
+                   "data, above 0.95 a batch larger than useful (CONV005).",
+                   _per_rank("gpuwatch_train_grad_cosine_similarity"), width=8, minimum=-1, maximum=1,
+                   limits=thresholds((None, YELLOW), (0.85, "green"), (0.95, YELLOW), (0.999, RED))),
+        timeseries("Loss scale", NONE, "Mixed-precision loss scale: a collapse toward 1 means overflow every step.",
+                   _per_rank("gpuwatch_train_loss_scale"), width=8),
+        timeseries("Model FLOPs utilisation", PERCENT, "Achieved over peak FLOP/s per rank.",
+                   _per_rank("gpuwatch_train_mfu_ratio"), width=8, minimum=0, maximum=1),
+    ]
+
+
+def _quantile(q: float) -> Query:
+    return Query(f"histogram_quantile({q}, sum by (job, op, le) (rate(gpuwatch_train_collective_seconds_bucket"
+                 f"{{{RANKS}}}[$__rate_interval])))", f"{{{{job}}}} {{{{op}}}} p{round(q * 100)}")
+
+
+def _parallelism() -> list[PanelBuilder]:
+    return [
+        timeseries("Pipeline bubble per stage", PERCENT, "Measured bubble, idle / (busy + idle), of each stage "
+                   "against the schedule's theory (p-1)/(m+p-1): PERF001 above 20 %.",
+                   Query(f"max by (job, pp_stage) (gpuwatch_train_pipeline_bubble_ratio{{{RANKS}}})",
+                         "{{job}} stage {{pp_stage}} measured"),
+                   Query(f"max by (job, pp_stage) (gpuwatch_train_pipeline_bubble_ratio_theoretical{{{RANKS}}})",
+                         "{{job}} stage {{pp_stage}} theory"),
+                   width=8, minimum=0, maximum=1, limits=red_above(0.2)),
+        timeseries("Collective latency p50 / p99", SECONDS, "Latency quantiles of the ranks' collective calls by "
+                   "op; a p99 far above p50 on a ring is NCCL005's tail.", _quantile(0.5), _quantile(0.99),
+                   width=8),
+        timeseries("Collective traffic", BYTES_PER_SECOND, "Bytes per second the ranks' collectives move, by op.",
+                   Query(f"sum by (job, op) (rate(gpuwatch_train_collective_bytes_total{{{RANKS}}}"
+                         "[$__rate_interval]))", "{{job}} {{op}}"), width=8),
+        timeseries("Data-loader wait", SECONDS, "Time each rank's latest step waited for its batch.",
+                   _per_rank("gpuwatch_train_dataloader_wait_seconds"), width=12),
+        timeseries("Data-loader wait share", PERCENT, "Input wait over step time: PERF003 above 20 %.",
+                   Query(f"gpuwatch_train_dataloader_wait_seconds{{{RANKS}}} / gpuwatch_train_step_seconds{{{RANKS}}}",
+                         PER_RANK), width=12, minimum=0, maximum=1, limits=red_above(0.2)),
+    ]
+
+
+def _memory() -> list[PanelBuilder]:
+    def series(name: str, what: str) -> Query:
+        return Query(f'{name}{{{RANKS}, kind="cuda"}}', f"{PER_RANK} {what}")
+
+    reserved = f'gpuwatch_train_memory_reserved_bytes{{{RANKS}, kind="cuda"}}'
+    allocated = f'gpuwatch_train_memory_allocated_bytes{{{RANKS}, kind="cuda"}}'
+    return [
+        timeseries("CUDA memory: peak, reserved, allocated", BYTES, "The caching allocator's peak of the latest "
+                   "step, what it holds, and what tensors use (MEM002: peak near the GPU's capacity).",
+                   series("gpuwatch_train_memory_peak_bytes", "peak"),
+                   series("gpuwatch_train_memory_reserved_bytes", "reserved"),
+                   series("gpuwatch_train_memory_allocated_bytes", "allocated"), width=8),
+        timeseries("Fragmentation", PERCENT, "Reserved but unallocated share of the caching allocator's memory, "
+                   "and the inactive split blocks' share (MEM001 above 25 % with allocation retries).",
+                   Query(f"({reserved} - {allocated}) / {reserved}", f"{PER_RANK} unallocated"),
+                   Query(f'gpuwatch_train_memory_inactive_split_bytes{{{RANKS}, kind="cuda"}} / {reserved}',
+                         f"{PER_RANK} inactive split"), width=8, minimum=0, maximum=1, limits=red_above(0.25)),
+        timeseries("Allocation retries", PER_SECOND, "Caching-allocator retries per second (a cache flush and "
+                   "retry after a failed cudaMalloc): each stalls the step.",
+                   Query(f"rate(gpuwatch_train_alloc_retries_total{{{RANKS}}}[$__rate_interval])", PER_RANK),
+                   width=8, limits=red_above(0.001)),
+    ]
+
+
+def _timing() -> list[PanelBuilder]:
+    return [
+        timeseries("Step time per rank", SECONDS, "Wall time of each rank's latest step; data-parallel "
+                   "all-reduce evens these out.", _per_rank("gpuwatch_train_step_seconds")),
+        timeseries("Compute time per rank", SECONDS, "Forward and backward without collective waits: the "
+                   "straggler shows here (PERF002, 1.25x its stage's median).",
+                   _per_rank("gpuwatch_train_compute_seconds")),
+    ]
+
+
+def build() -> Dashboard:
+    """The Training health dashboard."""
+    return dashboard(
+        UID, "gpuwatch / Training health",
+        "Convergence, parallelism overheads, memory and per-rank timing of the training jobs the hooks report.",
+        [datasource_variable(), job_variable(), node_variable(), rank_variable()],
+        [
+            ("Convergence", _convergence()),
+            ("Pipeline, collectives and input", _parallelism()),
+            ("Memory", _memory()),
+            ("Per-rank timing", _timing()),
+        ],
+    )

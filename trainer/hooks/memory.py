@@ -1,0 +1,84 @@
+"""Memory per step: the CUDA caching allocator's figures on a GPU, the process's peak resident set on the CPU.
+
+Peaks are per step (reset as each step starts), so a step that needs more than its predecessors
+shows at once instead of hiding under the run's all-time high. Nothing here waits for the device:
+the allocator's statistics are host-side bookkeeping of what the host has already asked for.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+PROC_STATUS = "/proc/self/status"
+#: Writing "5" resets the process's peak RSS (VmHWM) to its current RSS (proc(5), Linux 4.0+).
+PROC_CLEAR_REFS = "/proc/self/clear_refs"
+
+
+class CudaMemory:
+    """Peak allocated bytes per step, with allocated, reserved, inactive-split bytes after the step;
+    allocation retries (a cache flush and retry after a failed cudaMalloc) and OOMs as per-step increments."""
+
+    kind = "cuda"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        stats = torch.cuda.memory_stats(device)
+        self._retries, self._ooms = stats.get("num_alloc_retries", 0), stats.get("num_ooms", 0)
+
+    def reset(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def read(self) -> dict[str, Any]:
+        stats = torch.cuda.memory_stats(self.device)
+        retries, ooms = stats.get("num_alloc_retries", 0), stats.get("num_ooms", 0)
+        record = {
+            "kind": self.kind,
+            "peak_bytes": stats.get("allocated_bytes.all.peak", 0),
+            "allocated_bytes": stats.get("allocated_bytes.all.current", 0),
+            "reserved_bytes": stats.get("reserved_bytes.all.current", 0),
+            "inactive_split_bytes": stats.get("inactive_split_bytes.all.current", 0),
+            "alloc_retries": retries - self._retries,
+            "ooms": ooms - self._ooms,
+        }
+        self._retries, self._ooms = retries, ooms
+        return record
+
+    def close(self) -> None:
+        pass
+
+
+class HostMemory:
+    """The process's peak resident set per step (VmHWM), labelled kind="host_rss". Where clear_refs
+    cannot be written (an old kernel, a locked-down /proc) the peak is the process's since it started."""
+
+    kind = "host_rss"
+
+    def __init__(self) -> None:
+        # Opened here, in the rank's own process: /proc/self is resolved at open time, so a descriptor
+        # inherited through fork would describe the parent.
+        self._status = os.open(PROC_STATUS, os.O_RDONLY)
+        try:
+            self._clear_refs: int | None = os.open(PROC_CLEAR_REFS, os.O_WRONLY)
+        except OSError:
+            self._clear_refs = None
+
+    def reset(self) -> None:
+        if self._clear_refs is not None:
+            os.write(self._clear_refs, b"5")
+
+    def read(self) -> dict[str, Any]:
+        status = os.pread(self._status, 8192, 0)
+        kib = int(status.split(b"VmHWM:", 1)[1].split(None, 1)[0])
+        return {"kind": self.kind, "peak_bytes": kib * 1024}
+
+    def close(self) -> None:
+        for fd in (self._status, self._clear_refs):
+            if fd is not None:
+                os.close(fd)
+
+
+def memory_for(device: torch.device) -> CudaMemory | HostMemory:
+    return CudaMemory(device) if device.type == "cuda" else HostMemory()

@@ -96,7 +96,7 @@ def build() -> Dashboard:
     """The Interconnect dashboard."""
     return dashboard(
         UID, "gpuwatch / Interconnect",
-        "One node's NVLinks per link and InfiniBand/RoCE ports: bandwidth against the rated rate, errors and link state.",
+        "One node's NVLinks and InfiniBand/RoCE ports: bandwidth against the rated rate, errors and link state.",
         [datasource_variable(), node_variable(multi=False)],
         [("NVLink", _nvlink()), ("InfiniBand / RoCE", _infiniband())],
     )

@@ -153,7 +153,7 @@ def heatmap(title: str, unit: str, description: str, query: Query, *, width: int
     return (_common(heatmap_panel.Panel(), title, unit, description, [query], width, height)
             .calculate(False)
             .color(heatmap_panel.HeatmapColorOptions().mode(heatmap_model.HeatmapColorMode.SCHEME)
-                   .scheme("Turbo").fill("dark-orange").exponent(0.5).steps(64).reverse(False)
+                   .scheme("Turbo").exponent(0.5).steps(64).reverse(False)
                    .scale(heatmap_model.HeatmapColorScale.LINEAR))
             # The default hides cells at or below 1e-9: a stalled rank's zero must show, as the darkest cell.
             .filter_values(heatmap_panel.FilterValueRange().le(-1))

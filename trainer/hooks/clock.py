@@ -50,9 +50,12 @@ class WallClock:
 
 
 class CudaClock:
-    """CUDA events on the current stream, pooled; `ready` asks the device without waiting for it."""
+    """CUDA events on the calling thread's current stream of `device`, pooled; `ready` asks the device
+    without waiting for it. In a communication callback the current stream is one ordered after the
+    communication, so a mark there is its end."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
         self._pool: list[torch.cuda.Event] = []
 
     def mark(self) -> torch.cuda.Event:
@@ -60,7 +63,7 @@ class CudaClock:
             event = self._pool.pop()
         except IndexError:  # a comm-hook thread may have taken the last one since we looked
             event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def ready(self, mark: torch.cuda.Event) -> bool:
@@ -74,4 +77,4 @@ class CudaClock:
 
 
 def clock_for(device: torch.device) -> Clock:
-    return CudaClock() if device.type == "cuda" else WallClock()
+    return CudaClock(device) if device.type == "cuda" else WallClock()

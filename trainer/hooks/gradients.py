@@ -13,9 +13,10 @@ over the tensor- and pipeline-parallel shards of the replica.
   gradient copy, freed bucket by bucket);
 * communication: none under plain DDP; one all-reduce of 3 fp64 numbers per TP and per PP group
   when the replica is sharded;
-* accuracy: exact up to rounding. Each dot product is an fp32 reduction (relative error about
-  1e-7·log2(n) for n elements) and the partial sums are added in fp64; measured against an fp64
-  brute force over the full gathered gradients the difference is below 1e-6.
+* accuracy: exact up to rounding. Each dot product is an fp32 reduction over one tensor and the
+  partial sums are added in fp64; against an fp64 brute force over the gathered full gradients of
+  a tp 2 × pp 2 × dp 2 run the difference was at most 5e-8 (55 k and 0.87 M parameters), and the
+  test suite holds it to 1e-6.
 
 Parameter checksum: Σ_j (j + 1) · Σ_k p_jk over this rank's parameters j in a fixed order, summed in
 fp64. Replicas that hold the same weights produce the same bits (the same reduction in the same

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gpuwatch.agent.telemetry.schema import SCHEMA_VERSION
 from gpuwatch.trainer.hooks._safety import Failures, guarded
-from gpuwatch.trainer.hooks.clock import Mark, clock_for
+from gpuwatch.trainer.hooks.clock import Clock, Mark, clock_for
 from gpuwatch.trainer.hooks.collectives import Call, exposed_seconds, histogram
 from gpuwatch.trainer.hooks.flops import peak_flops
 from gpuwatch.trainer.hooks.gradients import GradientSimilarity, cosine, parameter_checksum
@@ -160,7 +160,7 @@ class Monitor:
 
     def _end(self, step: Step, failed: bool) -> None:
         self._current = None
-        if failed:
+        if failed:  # the training loop raised: no record, and no collective of ours to wait in
             return
         step.end = self._mark()
         if step.similarity is not None:
@@ -276,7 +276,7 @@ class Monitor:
                         phase=step.phase)
             step.calls.append(call)
         local = buffer.clone() if step.similarity is not None else None  # DDP's hook reduces in place
-        return step, call, local
+        return None if call is None and local is None else (step, call, local)
 
     def _bucket_done(self, step: Step, call: Call | None, local: torch.Tensor | None, future: Any) -> torch.Tensor:
         mean = future.value()  # a failed all-reduce raises here, into DDP, as it would without the hooks
@@ -376,8 +376,9 @@ class Step:
         self.values.update((name, value) for name, value in reported.items() if value is not None)
 
     def pipeline_clock(self, group: ProcessGroup, micro_batches: int) -> PipelineClock | Off:
-        """A clock for this step's pipeline schedule over `group` (the stage's pipeline), or OFF when the
-        pipeline signal is off or has one stage. Every stage must ask on the same steps."""
+        """A clock for this step's pipeline schedule over `group` (the stage's pipeline, its rank 0 the first
+        stage), or OFF when the pipeline signal is off or there is one stage. Every stage must ask on
+        the same steps and call its `start`, `busy` and `stop` (`PipelineClock`)."""
         try:
             if "pipeline" in self.monitor.signals and torch.distributed.get_world_size(group) > 1:
                 self.pipeline = PipelineClock(self.monitor._clock, self.failures, group, micro_batches,
@@ -454,33 +455,42 @@ class _HostValues:
     """A step's values, some of them device tensors, brought to the host without a sync: one
     non-blocking copy into pinned memory, read once the device has passed the mark after it."""
 
-    def __init__(self, values: dict[str, float | torch.Tensor], clock) -> None:
-        self._numbers = {name: float(v) for name, v in values.items() if not isinstance(v, torch.Tensor)}
-        tensors = {name: v.detach().reshape(-1).double() for name, v in values.items() if isinstance(v, torch.Tensor)}
-        self._sizes = {name: t.numel() for name, t in tensors.items()}
+    def __init__(self, values: dict[str, float | torch.Tensor], clock: Clock) -> None:
         self._clock = clock
-        self.mark: Mark | None = None
+        self._values = {name: _plain(v) for name, v in values.items() if not _on_gpu(v)}
+        on_gpu = {name: v.detach().reshape(-1).double() for name, v in values.items() if _on_gpu(v)}
+        self._sizes = {name: t.numel() for name, t in on_gpu.items()}
         self._host: torch.Tensor | None = None
-        if tensors:
-            flat = torch.cat(list(tensors.values()))
-            if flat.is_cuda:
-                self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-                self._host.copy_(flat, non_blocking=True)
-                self.mark = clock.mark()
-            else:
-                self._host = flat
+        self.mark: Mark | None = None
+        if on_gpu:
+            flat = torch.cat(list(on_gpu.values()))
+            self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self._host.copy_(flat, non_blocking=True)
+            self.mark = clock.mark()
 
     def ready(self) -> bool:
         return self.mark is None or self._clock.ready(self.mark)
 
     def read(self) -> dict[str, Any]:
         """name → float, or a list of floats for a tensor of several elements."""
-        values: dict[str, Any] = dict(self._numbers)
+        values = dict(self._values)
         if self._host is not None:
             flat = self._host.tolist()
             for name, size in self._sizes.items():
                 values[name], flat = (flat[0] if size == 1 else flat[:size]), flat[size:]
         return values
+
+
+def _on_gpu(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_cuda
+
+
+def _plain(value: float | torch.Tensor) -> float | list[float]:
+    """A number, or a CPU tensor's value(s) (reading a CPU tensor needs no device sync)."""
+    if not isinstance(value, torch.Tensor):
+        return float(value)
+    values = value.detach().reshape(-1).double().tolist()
+    return values[0] if len(values) == 1 else values
 
 
 def _scalars(values: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,386 @@
+"""Cluster-scale diagnosis: ``gpuwatch diagnose --prometheus`` over 64 … 1,024 simulated 8-GPU nodes.
+
+Why this shape: diagnosis must answer within seconds for a whole cluster, and its Prometheus source sends a fixed
+handful of whole-family queries, so its cost should grow with the number of series, not with round trips. To
+measure that against a real Prometheus without 1,024 agents, one real agent (``--simulate dgx-h100``, 8 ranks
+reporting through the real telemetry socket) is scraped once; its exposition is the per-node template, replicated
+with each node's ``instance``/``node``/rank labels into OpenMetrics, backfilled with ``promtool tsdb
+create-blocks-from openmetrics`` and served by a real ``prometheus``. The series names are therefore exactly the
+agent's. Only families the Prometheus source reads are kept (every query selects by metric name, so the others
+would cost disk, not query time).
+
+Planted faults, and whether Prometheus can show them:
+
+* a straggler node (all 8 ranks compute 2× the median)  → PERF002
+* a down InfiniBand port (mlx5_3/1 DOWN, Disabled)       → HW003
+* a NaN rank (loss NaN, non-finite steps counted)         → CONV001
+* a fragmented rank (reserved ≫ allocated, alloc retries) → MEM001
+* NCCL_IB_DISABLE=1 on some nodes                         → invisible: the ranks' environment travels in their
+  ``hello`` records to the agent (``/api/v1/state``, run logs) but is not exported as series, so NCCL001 cannot
+  run from Prometheus; ``gpuwatch diagnose --preflight`` (the Slurm prolog) or ``--agent`` on the node finds it.
+
+The backfilled samples end when the file is written, so the server runs with ``--query.lookback-delta=30m``: the
+source's instant queries carry no ``time`` parameter (they ask for "now"), and the default 5 m lookback would
+expire the data while a 1,024-node backfill is still running.
+
+    python benchmarks/cluster_diagnosis.py [--nodes 64,256,1024] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from telemetry_records import collectives, hello, step
+
+from gpuwatch.trainer.telemetry import TelemetryClient
+
+GPUS = 8
+JOB = "llm-pretrain"
+LOOKBACK = "30m"
+#: Families the Prometheus source of ``gpuwatch diagnose`` queries (agent/diagnosis/sources/prometheus.py).
+READ_BY_DIAGNOSE = re.compile(
+    r"gpuwatch_(agent_info|collector_up|gpu_(info|lost|job_info|pcie_link_(generation|width)|row_remap_(pending|failure)"
+    r"|utilization_ratio|sm_active_ratio|memory_(total|used)_bytes|temperature_celsius|power_watts|sm_clock_hertz"
+    r"|clock_event_active|xid_errors_total|ecc_volatile_errors_total)"
+    r"|nvlink_(up|speed_bytes_per_second)"
+    r"|ib_(device_info|port_(up|rate_bytes_per_second|state_id|physical_state_id|errors_total))"
+    r"|train_.*|probe_.*)")
+HEALTHY_MEMORY = {"kind": "cuda", "peak_bytes": 30 << 30, "allocated_bytes": 24 << 30, "reserved_bytes": 26 << 30,
+                  "inactive_split_bytes": 64 << 20, "alloc_retries": 0, "ooms": 0}
+_SAMPLE = re.compile(r'^(\w+)(?:\{(.*)\})? (\S+)$')
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass(frozen=True)
+class Series:
+    name: str
+    labels: tuple[tuple[str, str], ...]
+    value: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where the faults go in a cluster of ``nodes`` (spread out, never on the same node)."""
+
+    nodes: int
+
+    def __post_init__(self) -> None:
+        if self.nodes < 16:
+            raise ValueError("the planted faults need at least 16 nodes to land on distinct nodes")
+
+    @property
+    def straggler_node(self) -> int:
+        return self.nodes - 3
+
+    @property
+    def ib_down_node(self) -> int:
+        return 7
+
+    @property
+    def nan_rank(self) -> int:
+        return self.nodes // 3 * GPUS + 5
+
+    @property
+    def fragmented_rank(self) -> int:
+        return self.nodes // 4 * GPUS + 2
+
+    @property
+    def ib_disabled_nodes(self) -> tuple[int, ...]:
+        return 1, self.nodes - 1
+
+    def expected(self) -> set[tuple[str, str]]:
+        """(rule, node) pairs diagnosis must report, no more and no fewer."""
+        return {("PERF002", node_name(self.straggler_node)), ("HW003", node_name(self.ib_down_node)),
+                ("CONV001", node_name(self.nan_rank // GPUS)), ("MEM001", node_name(self.fragmented_rank // GPUS))}
+
+
+def node_name(node: int) -> str:
+    return f"gpu-{node:04d}"
+
+
+# --- one real agent's exposition, the per-node template ---------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read()
+
+
+def _wait(predicate, what: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            if value := predicate():
+                return value
+        time.sleep(0.2)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+@contextlib.contextmanager
+def _process(command: list[str], log: Path, **kwargs) -> Iterator[subprocess.Popen]:
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, **kwargs)
+        try:
+            yield proc
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def capture_template(workdir: Path) -> list[Series]:
+    """Scrape a simulated dgx-h100 agent with 8 healthy ranks (tp=8 on the node) reporting to it."""
+    port, sock = _free_port(), workdir / "telemetry.sock"
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "gpuwatch.agent.cli", "agent", "--simulate", "dgx-h100", "--interval", "0.5",
+               "--listen", f"127.0.0.1:{port}", "--telemetry.socket", str(sock), "--node", "template"]
+    with _process(command, workdir / "agent.log"):
+        state = _wait(lambda: json.loads(_get(url + "/api/v1/state"))["facts"].get("nvml"), "the agent's GPUs")
+        uuids = [gpu["uuid"] for gpu in state["gpus"]]
+        layout = {"world_size": GPUS, "tp_size": GPUS, "pp_size": 1, "dp_size": 1, "pp_stage": 0, "dp_rank": 0,
+                  "micro_batches": 1, "faults": [], "hostname": "template"}
+        with TelemetryClient(sock, heartbeat_interval=0) as client:
+            for rank in range(GPUS):
+                client.send(hello(rank, job=JOB, local_rank=rank, tp_rank=rank, **layout,
+                                  gpu={"index": rank, "uuid": uuids[rank]}, env={"NCCL_DEBUG": "WARN"}))
+                client.send(step(rank, 100, job=JOB, memory=HEALTHY_MEMORY, pipeline=None,
+                                 collectives=collectives({"all_reduce": [0.002] * 4})))
+
+        def ready() -> str | None:
+            text = _get(url + "/metrics").decode()
+            return text if text.count("gpuwatch_train_last_step{") == GPUS and \
+                text.count("gpuwatch_gpu_job_info{") == GPUS else None
+
+        text = _wait(ready, "8 ranks in /metrics")
+    return [series for series in parse(text) if READ_BY_DIAGNOSE.fullmatch(series.name)]
+
+
+def parse(text: str) -> list[Series]:
+    out = []
+    for line in text.splitlines():
+        if line and not line.startswith("#") and (match := _SAMPLE.match(line)):
+            name, labels, value = match.groups()
+            out.append(Series(name, tuple(_LABEL.findall(labels or "")), float(value)))
+    return out
+
+
+# --- the cluster, as OpenMetrics -------------------------------------------------------------------------------
+
+def _node_labels(series: Series, node: int, nodes: int) -> dict[str, str]:
+    """The template series' labels as node ``node`` of ``nodes`` exports them, seen through a scrape with
+    honor_labels (the training series keep their own ``job``; the agent's get the scrape job)."""
+    labels = dict(series.labels)
+    labels["instance"] = f"{node_name(node)}:9746"
+    labels.setdefault("job", "gpuwatch")
+    if series.name == "gpuwatch_agent_info":
+        labels["node"] = node_name(node)
+    if "rank" in labels:
+        labels["rank"] = str(node * GPUS + int(labels["rank"]))
+    if "dp_rank" in labels:
+        labels["dp_rank"] = str(node)
+    if "dp_size" in labels:
+        labels["dp_size"] = str(nodes)
+    if "world_size" in labels:
+        labels["world_size"] = str(nodes * GPUS)
+    if "hostname" in labels:
+        labels["hostname"] = node_name(node)
+    if "uuid" in labels:
+        labels["uuid"] = labels["uuid"][:-6] + f"{node:06d}"
+    return labels
+
+
+def _planted(plan: Plan, node: int, name: str, labels: dict[str, str], value: float) -> float:
+    """The value a series has once the plan's faults are in."""
+    rank = int(labels["rank"]) if "rank" in labels else None
+    if node == plan.straggler_node and name == "gpuwatch_train_compute_seconds":
+        return value * 2
+    if node == plan.ib_down_node and labels.get("device") == "mlx5_3" and labels.get("port") == "1":
+        faulty = {"gpuwatch_ib_port_up": 0, "gpuwatch_ib_port_state_id": 1, "gpuwatch_ib_port_physical_state_id": 3}
+        return faulty.get(name, value)
+    if rank == plan.nan_rank:
+        return {"gpuwatch_train_loss": math.nan, "gpuwatch_train_nonfinite_steps_total": 3}.get(name, value)
+    if rank == plan.fragmented_rank:
+        return {"gpuwatch_train_memory_reserved_bytes": 70 << 30, "gpuwatch_train_memory_allocated_bytes": 40 << 30,
+                "gpuwatch_train_memory_inactive_split_bytes": 22 << 30,
+                "gpuwatch_train_alloc_retries_total": 17}.get(name, value)
+    return value
+
+
+def _format(value: float) -> str:
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(value)
+
+
+def write_openmetrics(template: list[Series], plan: Plan, path: Path, timestamps: list[float]) -> int:
+    """One family after another (OpenMetrics wants them contiguous), each series' samples in time order.
+    Returns the number of series."""
+    by_name: dict[str, list[Series]] = {}
+    for series in template:
+        by_name.setdefault(series.name, []).append(series)
+    count = 0
+    stamps = [f"{t:.3f}" for t in timestamps]
+    with path.open("w") as out:
+        for name, family in by_name.items():
+            for node in range(plan.nodes):
+                lines = []
+                for series in family:
+                    labels = _node_labels(series, node, plan.nodes)
+                    value = _format(_planted(plan, node, name, labels, series.value))
+                    text = ",".join(f'{key}="{val}"' for key, val in sorted(labels.items()))
+                    lines.extend(f"{name}{{{text}}} {value} {stamp}\n" for stamp in stamps)
+                    count += 1
+                out.writelines(lines)
+        out.write("# EOF\n")
+    return count
+
+
+# --- Prometheus and diagnose -----------------------------------------------------------------------------------
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        sys.exit(f"{name} not found: apt-get install prometheus (Debian's package has prometheus and promtool)")
+    return path
+
+
+@dataclass
+class Run:
+    nodes: int
+    series: int
+    generate_s: float
+    backfill_s: float
+    diagnose_s: list[float]
+    found: set[tuple[str, str]]
+    info: list[str]
+    not_run: dict[str, str]
+
+
+def diagnose(url: str) -> tuple[float, dict]:
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "gpuwatch.agent.cli", "diagnose", "--prometheus", url,
+                             "--format", "json", "--fail-on", "never"], capture_output=True, text=True, check=True)
+    return time.perf_counter() - started, json.loads(result.stdout)
+
+
+def findings(document: dict) -> tuple[set[tuple[str, str]], list[str]]:
+    """(rule, node) of every warning or critical finding's evidence, and the info findings' titles."""
+    found, info = set(), []
+    for finding in document["findings"]:
+        if finding["severity"] == "info":
+            info.append(f"{finding['code']}: {finding['title']}")
+            continue
+        nodes = {e["where"].get("node") for e in finding["evidence"]} - {None}
+        found |= {(finding["code"], node) for node in nodes} or {(finding["code"], "?")}
+    return found, info
+
+
+def measure(template: list[Series], nodes: int, repeat: int, workdir: Path) -> Run:
+    plan = Plan(nodes)
+    data, tsdb = workdir / f"cluster-{nodes}.om", workdir / f"tsdb-{nodes}"
+    started = time.perf_counter()
+    now = time.time()
+    series = write_openmetrics(template, plan, data, [now - 60, now - 30, now])
+    generated = time.perf_counter()
+    subprocess.run([_tool("promtool"), "tsdb", "create-blocks-from", "openmetrics", str(data), str(tsdb)],
+                   check=True, capture_output=True)
+    backfilled = time.perf_counter()
+    data.unlink()
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    config = workdir / "prometheus.yml"
+    config.write_text("global: {scrape_interval: 1m}\n")
+    command = [_tool("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={tsdb}",
+               f"--web.listen-address=127.0.0.1:{port}", f"--query.lookback-delta={LOOKBACK}"]
+    with _process(command, workdir / f"prometheus-{nodes}.log"):
+        _wait(lambda: _get(url + "/-/ready", timeout=1), "prometheus ready", timeout=300)
+        times, document = [], {}
+        for _ in range(repeat):
+            elapsed, document = diagnose(url)
+            times.append(elapsed)
+    shutil.rmtree(tsdb)
+    found, info = findings(document)
+    not_run = {item["code"]: item["reason"] for item in document.get("not_run", [])}
+    if document["summary"]["nodes"] != nodes:
+        raise RuntimeError(f"diagnose saw {document['summary']['nodes']} nodes, not {nodes}")
+    return Run(nodes, series, generated - started, backfilled - generated, times, found, info, not_run)
+
+
+def machine() -> str:
+    """CPU model and count, for the figures' context (shared 2-core machines wander)."""
+    model = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{os.cpu_count()} × {model}, Python {sys.version.split()[0]}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", default="64,256,1024", help="comma-separated cluster sizes")
+    parser.add_argument("--repeat", type=int, default=3, help="diagnose runs per size (the median is reported)")
+    args = parser.parse_args()
+    sizes = [int(n) for n in args.nodes.split(",")]
+    with tempfile.TemporaryDirectory(prefix="gpuwatch-cluster-") as tmp:
+        workdir = Path(tmp)
+        template = capture_template(workdir)
+        print(f"template: {len(template)} series per node (8 GPUs, 18 NVLinks each, 8 IB ports, 8 ranks) "
+              "from a simulated dgx-h100 agent")
+        runs = []
+        for nodes in sizes:
+            run = measure(template, nodes, args.repeat, workdir)
+            runs.append(run)
+            plan = Plan(nodes)
+            missed, spurious = plan.expected() - run.found, run.found - plan.expected()
+            verdict = "exactly the planted faults" if not missed and not spurious else \
+                f"MISSED {sorted(missed)} SPURIOUS {sorted(spurious)}"
+            print(f"{nodes:5d} nodes  {run.series:9,d} series  generate {run.generate_s:6.1f} s  "
+                  f"backfill {run.backfill_s:6.1f} s  diagnose median {statistics.median(run.diagnose_s):5.2f} s "
+                  f"(min {min(run.diagnose_s):.2f})  → {verdict}")
+            for code, node in sorted(run.found):
+                print(f"        found {code} on {node}")
+            for line in run.info:
+                print(f"        info  {line}")
+            ib_disabled = ", ".join(node_name(n) for n in plan.ib_disabled_nodes)
+            print(f"        NCCL_IB_DISABLE=1 planted on {ib_disabled}: not visible through Prometheus "
+                  f"(NCCL001 not run: {run.not_run.get('NCCL001', 'ran')})")
+        base = runs[0]
+        print("\ngrowth of diagnose wall time (median) against the smallest cluster:")
+        for run in runs:
+            growth = statistics.median(run.diagnose_s) / statistics.median(base.diagnose_s)
+            print(f"  {run.nodes:5d} nodes: {growth:5.2f}× time for {run.series / base.series:5.1f}× series")
+        print(f"\nmachine: {machine()}")
+        print("target: 1,024 nodes in under 10 s with no missed and no spurious fault")
+
+
+if __name__ == "__main__":
+    main()

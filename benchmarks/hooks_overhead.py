@@ -1,10 +1,11 @@
 """What the training hooks cost: the reference trainer with the hooks off and on, step by step.
 
-One launch per configuration; its steps alternate hooks off (no Monitor, no collective timer) and
-on, so a shared machine's drift hits both alike (the first 20 steps are warm-up). Printed per
-configuration: rank 0's median step time off and on as the trainer times it, their ratio and
-difference, and the same for the CPU time the rank's process used per step (all its threads: gloo's
-included), which other processes' load disturbs far less than wall time.
+Each configuration runs in several rounds, the configurations taking turns, so that a shared
+machine's changing load falls on all of them; within a run the steps alternate hooks off (no
+Monitor, no collective timer) and on, so drift hits both alike (the first 20 steps are warm-up).
+Printed per configuration, over all rounds: rank 0's median step time off and on as the trainer
+times it, their ratio (and its range over the rounds) and difference, and the same for the CPU time
+the rank's process used per step (all its threads, gloo's included).
 
 * none: the hooks off on both sides: the noise floor of this machine, now;
 * default: what `gpuwatch train` runs: every signal, similarity and checksum every 10 steps;
@@ -16,7 +17,7 @@ On-steps are every other step, so "every N" is configured as every 2N: the hooks
 on-step in N, as in a real run. No agent needs to run: a record to an absent agent costs the same
 system call as one delivered.
 
-    python benchmarks/hooks_overhead.py [--steps 600] [--tp 2 --pp 2 --dp 2] [--only default]
+    python benchmarks/hooks_overhead.py [--rounds 5 --steps 120] [--tp 2 --pp 2 --dp 2] [--only default]
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def _medians_ms(samples: list[tuple[float, float]]) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=600, help="Steps per configuration, off and on together.")
+    parser.add_argument("--rounds", type=int, default=5, help="Runs per configuration, taking turns.")
+    parser.add_argument("--steps", type=int, default=120, help="Steps per run, off and on together.")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--dp", type=int, default=2)
@@ -83,19 +85,29 @@ def main() -> None:
     parser.add_argument("--only", choices=CONFIGS, action="append", help="Run only these configurations.")
     args = parser.parse_args()
     os.environ["GPUWATCH_SOCKET"] = str(Path(tempfile.mkdtemp()) / "no-agent.sock")
+    names = args.only or list(CONFIGS)
     layout = dict(tp=args.tp, pp=args.pp, dp=args.dp, micro_batches=args.micro_batches)
-    print(f"tp {args.tp} × pp {args.pp} × dp {args.dp}, {args.micro_batches} micro-batches, the default model, "
-          f"{args.steps} steps per configuration alternating off and on; medians of rank 0, ms per step")
-    print(f"{'configuration':31} {'wall off':>8} {'on':>7} {'on/off':>6} {'cost':>6}   "
-          f"{'CPU off':>7} {'on':>7} {'on/off':>6} {'cost':>6}")
-    for name in args.only or CONFIGS:
-        signals, every = CONFIGS[name]
-        cfg = TrainConfig(**layout, steps=args.steps, global_batch=16, telemetry=True,
-                          grad_similarity_every=2 * every, checksum_every=2 * every)
-        times = launch(_alternating, cfg.world_size, cfg, signals, device="cpu")[0]
-        (wall_off, cpu_off), (wall_on, cpu_on) = _medians_ms(times[False]), _medians_ms(times[True])
-        print(f"{name:31} {wall_off:8.2f} {wall_on:7.2f} {wall_on / wall_off:6.3f} {wall_on - wall_off:6.2f}   "
-              f"{cpu_off:7.2f} {cpu_on:7.2f} {cpu_on / cpu_off:6.3f} {cpu_on - cpu_off:6.2f}", flush=True)
+    print(f"tp {args.tp} × pp {args.pp} × dp {args.dp}, {args.micro_batches} micro-batches, the default model; "
+          f"{args.rounds} rounds of {args.steps} steps per configuration, alternating off and on", flush=True)
+    pooled = {name: {False: [], True: []} for name in names}
+    ratios: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(args.rounds):
+        for name in names:
+            signals, every = CONFIGS[name]
+            cfg = TrainConfig(**layout, steps=args.steps, global_batch=16, telemetry=True,
+                              grad_similarity_every=2 * every, checksum_every=2 * every)
+            times = launch(_alternating, cfg.world_size, cfg, signals, device="cpu")[0]
+            for on in (False, True):
+                pooled[name][on] += times[on]
+            ratios[name].append(_medians_ms(times[True])[0] / _medians_ms(times[False])[0])
+    print(f"medians of rank 0, ms per step\n{'configuration':31} {'wall off':>8} {'on':>7} {'on/off':>6} "
+          f"{'rounds':>11} {'cost':>6}   {'CPU off':>7} {'on':>7} {'on/off':>6} {'cost':>6}")
+    for name in names:
+        (wall_off, cpu_off), (wall_on, cpu_on) = _medians_ms(pooled[name][False]), _medians_ms(pooled[name][True])
+        spread = f"{min(ratios[name]):.3f}-{max(ratios[name]):.3f}"
+        print(f"{name:31} {wall_off:8.2f} {wall_on:7.2f} {wall_on / wall_off:6.3f} {spread:>11} "
+              f"{wall_on - wall_off:6.2f}   {cpu_off:7.2f} {cpu_on:7.2f} {cpu_on / cpu_off:6.3f} "
+              f"{cpu_on - cpu_off:6.2f}")
 
 
 if __name__ == "__main__":

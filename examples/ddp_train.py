@@ -59,8 +59,8 @@ def train(device: torch.device, steps: int = 50, batch: int = 8, seq_len: int = 
                             grad_similarity_every=measure_every, checksum_every=measure_every)
     losses = []
     for inputs, targets in monitor.data(loader):  # gpuwatch: times the wait for each batch
-        inputs, targets = inputs.to(device), targets.to(device)
         with monitor.step(tokens=inputs.numel()) as step:  # gpuwatch
+            inputs, targets = inputs.to(device), targets.to(device)
             with step.compute():  # gpuwatch
                 loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
                 loss.backward()

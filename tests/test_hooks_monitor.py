@@ -83,11 +83,11 @@ def test_data_wrapper_times_the_wait_for_each_batch_as_part_of_the_step_it_feeds
             time.sleep(0.02)
             yield batch
 
-    monitor = _monitor(records)
-    for batch in monitor.data(slow_loader()):
-        with monitor.step(tokens=batch + 1):
-            pass
-    monitor.close()
+    with _monitor(records) as monitor:  # closes the monitor, sending what is pending
+        for batch in monitor.data(slow_loader()):
+            with monitor.step(tokens=batch + 1):
+                pass
+    assert records.closed
     steps = records.steps()
     assert [(r["step"], r["tokens"]) for r in steps] == [(1, 1), (2, 2), (3, 3)]
     for record in steps:
@@ -168,10 +168,10 @@ def test_gradient_cosine_similarity_is_exact_over_pieces_and_undefined_for_a_zer
     generator = torch.Generator().manual_seed(0)
     local, other = torch.randn(10_000, generator=generator), torch.randn(10_000, generator=generator)
     mean = (local + other) / 2
-    similarity = hooks.GradientSimilarity()
+    similarity = hooks.GradientSimilarity(torch.device("cpu"))
     for piece_local, piece_mean in zip(local.split(777), mean.split(777), strict=True):  # tensor by tensor
         similarity.observe(piece_local.view(-1, 1), piece_mean)
-    cosine = hooks.cosine(*similarity.sums(torch.device("cpu")).tolist())
+    cosine = hooks.cosine(*similarity.reduce().tolist())
     expected = torch.nn.functional.cosine_similarity(local.double(), mean.double(), dim=0).item()
     assert cosine == pytest.approx(expected, abs=1e-6)
     assert 0.5 < cosine < 0.9  # two independent halves: ~0.71, not a degenerate 1

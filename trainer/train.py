@@ -122,7 +122,7 @@ class Trainer:
             with step.compute():
                 clock = step.pipeline_clock(self.grid.pp_group, self.cfg.micro_batches)
                 losses = self.pipeline.run(batches, self.scaler.scale, clock)
-            all_reduce_gradients(self.params, self.grid, self.cfg.bucket_bytes, self._observer(step.similarity))
+            self._reduce_gradients(step.similarity)
             self.scaler.unscale(self.params)
             grad_norm = global_grad_norm(self.params, self.grid)
             clip_gradients(self.params, self.cfg.clip_grad, grad_norm)
@@ -154,18 +154,26 @@ class Trainer:
             return OFF
         return self.monitor.step(tokens=self.tokens_per_step, number=self.step + 1)
 
-    def _observer(self, similarity: GradientSimilarity | None) -> Callable | None:
-        """Feeds the gradient similarity each parameter's local and DP-mean gradient. The similarity is of
-        the whole replica, summed over its TP and PP shards, so a replicated parameter counts on TP rank 0 only."""
+    def _reduce_gradients(self, similarity: GradientSimilarity | None) -> None:
+        """The DP all-reduce, feeding the gradient similarity (on its steps) each bucket's local and DP-mean
+        gradient. The similarity is of the whole replica, summed over its TP and PP shards, so a replicated
+        parameter counts on TP rank 0 only; the shards' sums are added up at once, while the ranks are in
+        step for the global norm's all-reduces anyway."""
         if similarity is None:
-            return None
-        tp_rank = self.grid.tp_rank
+            all_reduce_gradients(self.params, self.grid, self.cfg.bucket_bytes)
+            return
 
-        def observe(param: torch.nn.Parameter, mean: torch.Tensor) -> None:
-            if is_tp_split(param) or tp_rank == 0:
-                similarity.observe(param.grad, mean)
+        def observe(bucket: list[torch.nn.Parameter], mean: torch.Tensor) -> None:
+            kept = [is_tp_split(p) or self.grid.tp_rank == 0 for p in bucket]
+            if all(kept):
+                similarity.observe(torch.cat([p.grad.reshape(-1) for p in bucket]), mean)
+            elif any(kept):
+                means = mean.split([p.grad.numel() for p in bucket])
+                similarity.observe(torch.cat([p.grad.reshape(-1) for p, k in zip(bucket, kept, strict=True) if k]),
+                                   torch.cat([m for m, k in zip(means, kept, strict=True) if k]))
 
-        return observe
+        all_reduce_gradients(self.params, self.grid, self.cfg.bucket_bytes, observe)
+        similarity.reduce()
 
     def state_dict(self) -> dict:
         state = {

@@ -164,9 +164,9 @@ class Monitor:
             return
         step.end = self._mark()
         if step.similarity is not None:
-            # A collective over the shard groups: every rank makes it on every measuring step, whatever
-            # else fails here, or its peers would wait for it forever.
-            sums = step.similarity.sums(self.device, self.shard_groups)
+            # A collective over the shard groups unless the training loop made it already: every rank
+            # makes it on every measuring step, whatever else fails here, or its peers would wait forever.
+            sums = step.similarity.reduce()
             if sums is not None:
                 step.values["similarity"] = sums
         self._conclude(step)
@@ -339,7 +339,8 @@ class Step:
         self.host: _HostValues | None = None
         measures = monitor._due("grad_similarity", self) and monitor.layout.dp_size > 1
         #: this step's GradientSimilarity, or None when the step does not measure it
-        self.similarity = GradientSimilarity(monitor.failures, monitor._stream) if measures else None
+        self.similarity = (GradientSimilarity(monitor.device, monitor.shard_groups, monitor.failures, monitor._stream)
+                           if measures else None)
 
     def __enter__(self) -> Step:
         self.monitor._begin(self)

@@ -40,21 +40,21 @@ def all_reduce_gradients(
     params: list[torch.nn.Parameter],
     grid: Grid,
     bucket_bytes: int,
-    observe: Callable[[torch.nn.Parameter, torch.Tensor], None] | None = None,
+    observe: Callable[[list[torch.nn.Parameter], torch.Tensor], None] | None = None,
 ) -> None:
     """Replace each gradient by its mean over the DP ranks.
 
-    `observe(param, mean)`, when given, sees each parameter's DP-mean gradient while `param.grad`
-    still holds this rank's own (the hooks' gradient similarity needs both, and this way no copy).
+    `observe(bucket, mean)`, when given, sees each bucket's DP-mean gradient (flat) while the bucket's
+    .grad still hold this rank's own: the hooks' gradient similarity needs both.
     """
     if grid.dp == 1:
         return
     for bucket in buckets([p for p in params if p.grad is not None], bucket_bytes):
         flat = torch.cat([p.grad.reshape(-1) for p in bucket])
         comm.all_reduce(flat, grid.dp_group).div_(grid.dp)
+        if observe is not None:
+            observe(bucket, flat)
         for param, reduced in zip(bucket, flat.split([p.grad.numel() for p in bucket]), strict=True):
-            if observe is not None:
-                observe(param, reduced)
             param.grad.copy_(reduced.view_as(param.grad))
 
 

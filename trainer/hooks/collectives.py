@@ -24,13 +24,20 @@ class Call:
     blocking: bool
     phase: str | None  # the step phase it was issued in ("compute", ...), None outside any
     end: Mark | None = None  # set when it completes; an overlapped call completes on another thread
+    seconds: float = 0.0  # end - start, once the step is resolved (`resolve`)
 
 
-def histogram(calls: Iterable[Call], clock: Clock) -> dict[str, dict[str, Any]]:
+def resolve(calls: Iterable[Call], clock: Clock) -> None:
+    """Fill in each call's duration, once the device has passed its marks."""
+    for call in calls:
+        call.seconds = clock.seconds(call.start, call.end)
+
+
+def histogram(calls: Iterable[Call]) -> dict[str, dict[str, Any]]:
     """The step record's `collectives` field: per op, count, bytes, seconds and pre-bucketed latencies."""
     ops: dict[str, dict[str, Any]] = {}
     for call in calls:
-        seconds = clock.seconds(call.start, call.end)
+        seconds = call.seconds
         op = ops.get(call.op)
         if op is None:
             op = ops[call.op] = {"count": 0, "bytes": 0, "seconds": 0.0, "buckets": [0] * (len(COLLECTIVE_BUCKETS) + 1)}
@@ -49,7 +56,7 @@ def exposed_seconds(calls: list[Call], phase: str, phase_end: Mark, clock: Clock
     gradients are ready, so the last launch is the end of the backward computation) to the phase's
     end, when the training thread has waited for all of them.
     """
-    blocked = sum(clock.seconds(c.start, c.end) for c in calls if c.phase == phase and c.blocking)
+    blocked = sum(c.seconds for c in calls if c.phase == phase and c.blocking)
     overlapped = [c for c in calls if c.phase == phase and not c.blocking]
     tail = clock.seconds(overlapped[-1].start, phase_end) if overlapped else 0.0
     return blocked + tail

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from gpuwatch.agent.telemetry.schema import SCHEMA_VERSION
 from gpuwatch.trainer.hooks._safety import Failures, guarded
 from gpuwatch.trainer.hooks.clock import Clock, Mark, clock_for
-from gpuwatch.trainer.hooks.collectives import Call, exposed_seconds, histogram
+from gpuwatch.trainer.hooks.collectives import Call, exposed_seconds, histogram, resolve
 from gpuwatch.trainer.hooks.flops import peak_flops
 from gpuwatch.trainer.hooks.gradients import GradientSimilarity, cosine, parameter_checksum
 from gpuwatch.trainer.hooks.identity import Layout, hello_record, resolve_job
@@ -222,6 +222,7 @@ class Monitor:
         }
         phases = {name: sum(clock.seconds(start, end) for start, end in marks) for name, marks in step.phases.items()}
         calls = [call for call in step.calls if call.end is not None]
+        resolve(calls, clock)
         if "compute" in phases:
             waited = exposed_seconds(calls, "compute", step.phases["compute"][-1][1], clock)
             record["compute_seconds"] = max(0.0, phases["compute"] - waited)
@@ -232,7 +233,7 @@ class Monitor:
         if pipeline is not None:
             record["pipeline"] = pipeline
         if calls:
-            record["collectives"] = histogram(calls, clock)
+            record["collectives"] = histogram(calls)
         values = step.host.read()
         record.update(_scalars(values))
         if "similarity" in values:
@@ -429,27 +430,29 @@ class _Phase:
 
 
 class _Collective:
-    """One blocking collective call, timed by `Monitor.collective`."""
+    """One blocking collective call, timed by `Monitor.collective`. On the hot path (a tensor-parallel
+    layer makes several calls per micro-batch), so it guards itself inline rather than with `guarded`."""
 
-    __slots__ = ("call", "clock", "failures", "step")
+    __slots__ = ("clock", "failures", "nbytes", "op", "start", "step")
 
     def __init__(self, monitor: Monitor, step: Step, op: str, nbytes: int) -> None:
         self.step, self.clock, self.failures = step, monitor._clock, monitor.failures
-        self.call = Call(op, nbytes, None, blocking=True, phase=step.phase)
+        self.op, self.nbytes, self.start = op, nbytes, None
 
-    @guarded
     def __enter__(self) -> None:
-        self.call.start = self.clock.mark()
+        try:
+            self.start = self.clock.mark()
+        except Exception as error:
+            self.failures.record("_Collective.__enter__", error)
 
     def __exit__(self, *exc_info: object) -> bool:
-        self._close()
+        try:
+            if self.start is not None:
+                step = self.step
+                step.calls.append(Call(self.op, self.nbytes, self.start, True, step.phase, self.clock.mark()))
+        except Exception as error:
+            self.failures.record("_Collective.__exit__", error)
         return False
-
-    @guarded
-    def _close(self) -> None:
-        if self.call.start is not None:
-            self.call.end = self.clock.mark()
-            self.step.calls.append(self.call)
 
 
 class _HostValues:

@@ -28,7 +28,7 @@ def set_timer(timer: Timer | None) -> None:
 def _timed(op: str, tensors: Sequence[torch.Tensor]) -> AbstractContextManager:
     if _timer is None:
         return _UNTIMED
-    return _timer(op, sum(t.numel() * t.element_size() for t in tensors))
+    return _timer(op, sum(t.nbytes for t in tensors))
 
 
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:

@@ -6,6 +6,7 @@ nodes without torch installed.
 
 from __future__ import annotations
 
+import grp
 import importlib
 import logging
 import socket
@@ -107,22 +108,45 @@ def _collector_options(function):
 @click.option("--telemetry.max-ranks", "telemetry_max_ranks", type=click.IntRange(min=1),
               default=DEFAULT_MAX_RANKS, show_default=True,
               help="Ranks the agent keeps state for; records of further ranks are rejected (bounds memory).")
+@click.option("--telemetry.socket-group", "telemetry_socket_group", metavar="GROUP", default=None,
+              help="Group (name or gid) given the socket's directory and so the socket (0660): the training "
+                   "users' group. [default: the agent's group]")
+@click.option("--web.config.file", "web_config_file", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, help="Prometheus exporter-toolkit web config: TLS (tls_server_config) and basic auth "
+                                 "(basic_auth_users, bcrypt) for every endpoint but /healthz.")
 @_collector_options
 def agent(listen, interval, collector_timeout, sysfs_root, simulate, node, log_level, telemetry_socket,
-          telemetry_ttl, telemetry_max_ranks, **switches) -> None:
+          telemetry_ttl, telemetry_max_ranks, telemetry_socket_group, web_config_file, **switches) -> None:
     """Sample this node's GPUs, NVLink, InfiniBand and host, and serve them to Prometheus."""
     from gpuwatch.agent.daemon import AgentConfig, run_agent
+    from gpuwatch.agent.webconfig import WebConfigError, load
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ctx = click.get_current_context()
     if simulate and ctx.get_parameter_source("sysfs_root") is not click.core.ParameterSource.DEFAULT:
         raise click.UsageError("--simulate generates its own sysfs tree; drop --sysfs-root")
+    try:
+        web = load(web_config_file) if web_config_file else None
+    except WebConfigError as exc:
+        raise click.ClickException(f"--web.config.file {exc}") from None
     enabled = [name.removeprefix("collector_") for name, on in switches.items() if on]
     config = AgentConfig(listen=listen, interval=interval, collector_timeout=collector_timeout,
                          sysfs_root=sysfs_root, simulate=simulate, node=node, collectors=enabled,
                          telemetry_socket=telemetry_socket, telemetry_ttl=telemetry_ttl,
-                         telemetry_max_ranks=telemetry_max_ranks)
+                         telemetry_max_ranks=telemetry_max_ranks,
+                         telemetry_socket_group=_group_id(telemetry_socket_group), web=web)
     sys.exit(run_agent(config))
+
+
+def _group_id(group: str | None) -> int | None:
+    """A group name or number as a gid; an unknown name is an error, exit status 1. A number is taken as
+    is: in a container the training users' gid often has no entry in the agent image's /etc/group."""
+    if group is None or group.isdigit():
+        return None if group is None else int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise click.ClickException(f"--telemetry.socket-group: no group {group!r} on this host") from None
 
 
 if __name__ == "__main__":

@@ -13,7 +13,10 @@ from pathlib import Path
 from gpuwatch.agent.collectors import REGISTRY, CollectorContext
 from gpuwatch.agent.sampler import Sampler
 from gpuwatch.agent.server import AgentHTTPServer, serve_in_thread
+from gpuwatch.agent.telemetry import listener
+from gpuwatch.agent.telemetry.paths import default_socket_path
 from gpuwatch.agent.telemetry.store import DEFAULT_MAX_RANKS, DEFAULT_TTL
+from gpuwatch.agent.webconfig import WebConfig
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +33,21 @@ class AgentConfig:
     telemetry_socket: Path | None = None  # None: GPUWATCH_SOCKET, else the shared default
     telemetry_ttl: float = DEFAULT_TTL
     telemetry_max_ranks: int = DEFAULT_MAX_RANKS
+    telemetry_socket_group: int | None = None  # gid given the socket's directory (and so the socket)
+    web: WebConfig | None = None  # TLS and basic auth (--web.config.file)
 
 
 def run_agent(config: AgentConfig) -> int:
     """Run until SIGTERM or SIGINT; return the process exit status."""
+    if os.geteuid() == 0:
+        log.warning("running as root: the agent needs no privileges (docs/reliability.md, Privileges)")
+    if config.telemetry_socket_group is not None and "telemetry" in config.collectors:
+        socket_path = config.telemetry_socket or default_socket_path()
+        try:
+            listener.prepare_directory(socket_path.parent, config.telemetry_socket_group)
+        except listener.SocketSetupError as exc:
+            log.error("telemetry socket: %s", exc)
+            return 1
     telemetry = {"telemetry_socket": config.telemetry_socket, "telemetry_ttl": config.telemetry_ttl,
                  "telemetry_max_ranks": config.telemetry_max_ranks}
     with contextlib.ExitStack() as stack:
@@ -60,7 +74,8 @@ def run_agent(config: AgentConfig) -> int:
                           mode="simulated" if config.simulate else "real", before_round=before_round)
         stack.callback(sampler.close)
         try:
-            server = AgentHTTPServer(config.listen, lambda: sampler.snapshot, stale_after=3 * config.interval + 10)
+            server = AgentHTTPServer(config.listen, lambda: sampler.snapshot, stale_after=3 * config.interval + 10,
+                                     web=config.web)
         except OSError as exc:
             log.error("cannot listen on %s:%d: %s", *config.listen, exc.strerror or exc)
             return 1
@@ -75,8 +90,9 @@ def run_agent(config: AgentConfig) -> int:
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
         host, port = server.server_address[:2]
-        log.info("gpuwatch agent (%s) serving on http://%s:%d/metrics, collectors: %s, interval %.1fs",
-                 "simulated " + config.simulate if config.simulate else "real", host, port,
+        log.info("gpuwatch agent (%s) serving on %s://%s:%d/metrics%s, collectors: %s, interval %.1fs",
+                 "simulated " + config.simulate if config.simulate else "real", server.scheme, host, port,
+                 " (basic auth)" if server.web.auth else "",
                  ", ".join(config.collectors) or "none", config.interval)
         sampler.run()
     log.info("stopped")

@@ -2,18 +2,25 @@
 
 Handlers only read the sampler's latest immutable snapshot; they never touch hardware, so a
 scrape costs the same whether a collector is slow, hung or failing.
+
+With a web config (``gpuwatch.agent.webconfig``) connections are TLS and every path but /healthz
+asks for basic auth: /healthz says only "ok" or "stale", and liveness probes (kubelet, systemd) carry
+no credentials.
 """
 
 from __future__ import annotations
 
 import http.server
 import logging
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
 
 from gpuwatch.agent.exposition import CONTENT_TYPE
 from gpuwatch.agent.snapshot import Snapshot
+from gpuwatch.agent.webconfig import WebConfig
 
 log = logging.getLogger(__name__)
 
@@ -24,23 +31,57 @@ _INDEX = b"""<html><head><title>gpuwatch agent</title></head><body>
 """
 
 
+#: Seconds a client gets for the TLS handshake, and an idle keep-alive connection is kept: a
+#: silent peer must not hold a thread forever.
+CONNECTION_TIMEOUT = 30.0
+
+
 class AgentHTTPServer(http.server.ThreadingHTTPServer):
     daemon_threads = True
     # Re-binding right after a restart must not fail on a socket in TIME_WAIT.
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], snapshot: Callable[[], Snapshot], stale_after: float) -> None:
+    def __init__(self, address: tuple[str, int], snapshot: Callable[[], Snapshot], stale_after: float,
+                 web: WebConfig | None = None) -> None:
         self.snapshot = snapshot
         self.stale_after = stale_after
+        self.web = web or WebConfig()
         super().__init__(address, _Handler)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.web.tls else "http"
+
+    def finish_request(self, request: socket.socket, client_address: tuple[str, int]) -> None:
+        """The TLS handshake runs here, in the connection's own thread: a slow or silent client
+        must not stall ``accept`` for everyone else."""
+        if self.web.tls is None:
+            super().finish_request(request, client_address)
+            return
+        request.settimeout(CONNECTION_TIMEOUT)
+        try:
+            connection = self.web.tls.wrap_socket(request, server_side=True)
+        except (ssl.SSLError, OSError) as exc:
+            log.debug("TLS handshake with %s failed: %s", client_address[0], exc)
+            return
+        try:
+            super().finish_request(connection, client_address)
+        finally:
+            connection.close()
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     server: AgentHTTPServer
     protocol_version = "HTTP/1.1"
+    timeout = CONNECTION_TIMEOUT
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
+        auth = self.server.web.auth
+        if auth is not None and path != "/healthz" and not auth.check(self.headers.get("Authorization")):
+            self._send(401, "text/plain; charset=utf-8", b"Unauthorized\n",
+                       {"WWW-Authenticate": 'Basic realm="gpuwatch"'})
+            return
         snapshot = self.server.snapshot()
         if path == "/metrics":
             self._metrics(snapshot)
@@ -71,7 +112,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
-        for name, value in (headers or {}).items():
+        for name, value in {**self.server.web.headers, **(headers or {})}.items():
             self.send_header(name, value)
         self.end_headers()
         self.wfile.write(body)

@@ -195,6 +195,38 @@ def test_pre_4_5_kernels_counters_ext_is_preferred(fixture_copy):
     assert values(result, "gpuwatch_ib_port_counter_saturated") == {}
 
 
+def test_a_counter_reset_is_exported_as_read_so_prometheus_sees_a_reset_not_a_spike(fixture_copy):
+    """perfquery -R or a driver reload: the value drops. Exporting it as read is what rate() expects; a
+    wrapped or agent-accumulated value would be a jump of ~2**64 or a stale total."""
+    counter = "mlx5_0/ports/1/counters/port_xmit_data"
+    before = values(collect(fixture_copy), "gpuwatch_ib_port_transmitted_bytes_total")[("mlx5_0", "1")]
+    write(fixture_copy, counter, "25")
+    result = collect(fixture_copy)
+    assert values(result, "gpuwatch_ib_port_transmitted_bytes_total")[("mlx5_0", "1")] == 100 < before
+    assert result.errors == [] and values(result, "gpuwatch_ib_port_counter_saturated") == {}
+
+
+def test_a_saturated_32_bit_counter_comes_back_from_zero_after_its_reset(fixture_copy):
+    write(fixture_copy, "mlx4_0/ports/1/counters/port_xmit_data", str(2**32 - 1))
+    assert ("mlx4_0", "1") not in values(collect(fixture_copy), "gpuwatch_ib_port_transmitted_bytes_total")
+    write(fixture_copy, "mlx4_0/ports/1/counters/port_xmit_data", "7")  # perfquery -R, then traffic
+    result = collect(fixture_copy)
+    assert values(result, "gpuwatch_ib_port_transmitted_bytes_total")[("mlx4_0", "1")] == 28
+    assert values(result, "gpuwatch_ib_port_counter_saturated") == {}
+
+
+def test_a_device_removed_between_listing_and_reading_is_skipped_without_errors(fixture_copy):
+    """In sysfs class/infiniband/X is a symlink into /sys/devices: a hot-removed HCA leaves a name
+    that no longer leads anywhere while the scan is under way."""
+    class_dir = fixture_copy / CLASS
+    shutil.rmtree(class_dir / "hfi1_0")
+    (class_dir / "hfi1_0").symlink_to(fixture_copy / "devices" / "pci0000:00" / "gone")
+    result = collect(fixture_copy)
+    assert result.errors == []
+    assert {labels[0] for labels in values(result, "gpuwatch_ib_device_info")} == {"mlx4_0", "mlx5_0"}
+    assert ("mlx5_0", "1") in values(result, "gpuwatch_ib_port_transmitted_bytes_total")
+
+
 # -- no InfiniBand at all ---------------------------------------------------------------------------
 
 def test_missing_class_directory_means_no_ports_not_an_error(tmp_path):

@@ -209,6 +209,21 @@ def test_xid_errors_count_per_gpu_and_code_and_accumulate(monkeypatch):
     assert set(waits) == {0}  # never blocks waiting for events
 
 
+def test_an_xid_storm_is_drained_in_bounded_slices_and_every_event_is_counted():
+    """A GPU spewing Xids (a flapping NVLink, a dying board) must not stall a sampling round: each
+    collect drains a bounded number of events, the rest wait for the next round, none is lost."""
+    fake, collector = node()
+    collector.collect()
+    storm = 2500
+    for _ in range(storm):
+        fake.inject_xid(3, 74)
+    started = time.monotonic()
+    counts = [occurred(collector.collect()).get(("3", "74"), 0) for _ in range(3)]
+    assert counts == [1000, 2000, 2500]  # nvml._MAX_EVENTS_PER_COLLECT per round, then the remainder
+    assert time.monotonic() - started < 5  # generous: the bound is what keeps a round short
+    assert occurred(collector.collect()) == {("3", "74"): storm}
+
+
 def test_compute_processes_are_facts_and_memory_series():
     fake, collector = node()
     result = collector.collect()

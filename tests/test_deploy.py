@@ -9,6 +9,7 @@ manifests are checked against the real CLIs' ``--help``, so a renamed flag break
 
 from __future__ import annotations
 
+import base64
 import copy
 import os
 import re
@@ -150,6 +151,65 @@ def test_service_and_service_monitor_select_the_agent_pods(manifests):
     assert {"targetLabel": "job", "replacement": "gpuwatch", "action": "replace"} in endpoint["relabelings"]
     known = {"port", "path", "interval", "scrapeTimeout", "honorLabels", "relabelings", "metricRelabelings"}
     assert set(endpoint) <= known
+
+
+TLS = DEPLOY / "kubernetes" / "tls"
+
+
+def _json_patch(document: dict[str, Any], operations: list[dict[str, Any]]) -> dict[str, Any]:
+    """RFC 6902 ``add``, the only operation the TLS patches use, as ``kubectl patch --type=json`` applies it."""
+    patched = copy.deepcopy(document)
+    for operation in operations:
+        assert operation["op"] == "add", operation
+        *parents, last = [part.replace("~1", "/").replace("~0", "~") for part in operation["path"].split("/")[1:]]
+        target = patched
+        for part in parents:
+            target = target[int(part)] if isinstance(target, list) else target[part]
+        if isinstance(target, list):
+            target.insert(len(target) if last == "-" else int(last), operation["value"])
+        else:
+            target[last] = operation["value"]
+    return patched
+
+
+def test_tls_patch_keeps_the_daemonset_valid_and_mounts_the_web_config(manifests):
+    daemonset = _json_patch(manifests["DaemonSet"], yaml.safe_load((TLS / "daemonset-patch.yaml").read_text()))
+    kubernetes_validate.validate(daemonset, K8S_VERSION, strict=True)
+    pod = daemonset["spec"]["template"]["spec"]
+    (agent,) = [c for c in pod["containers"] if c["name"] == "agent"]
+    web_config = Path(dict(arg.split("=", 1) for arg in agent["args"])["--web.config.file"])
+    mount = _mounts(agent)["web"]
+    assert mount["readOnly"] is True and web_config.parent == Path(mount["mountPath"])
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "web"]
+    files = {item["path"] for source in volume["projected"]["sources"] for item in source["secret"]["items"]}
+    assert files == {web_config.name, "tls.crt", "tls.key"}   # the relative names in web-config.yml resolve
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]   # the 0440 key is readable
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert agent[probe]["httpGet"] == {"path": "/healthz", "port": "metrics", "scheme": "HTTPS"}
+    help_text = _help("agent")
+    assert all(re.search(rf"{re.escape(flag)}\b", help_text) for flag in _flags(agent["args"]))
+
+
+def test_tls_patch_makes_the_service_monitor_scrape_https_with_basic_auth(manifests):
+    monitor = _json_patch(manifests["ServiceMonitor"],
+                          yaml.safe_load((TLS / "servicemonitor-patch.yaml").read_text()))
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"]["ca"]["secret"] == {"name": "gpuwatch-tls", "key": "ca.crt"}
+    assert set(endpoint["basicAuth"]) == {"username", "password"}
+
+
+def test_shipped_web_config_loads_beside_its_certificates_and_fails_closed(tmp_path):
+    from test_webconfig import write_pki
+
+    from gpuwatch.agent import webconfig
+
+    write_pki(tmp_path)
+    shutil.copy(TLS / "web-config.yml", tmp_path / "web-config.yml")
+    config = webconfig.load(tmp_path / "web-config.yml")
+    assert config.tls is not None and config.tls.minimum_version == webconfig.TLS_VERSIONS["TLS12"]
+    guess = "Basic " + base64.b64encode(b"prometheus:prometheus").decode()
+    assert config.auth is not None and not config.auth.check(guess)
 
 
 # --- systemd ------------------------------------------------------------------------------------------------------

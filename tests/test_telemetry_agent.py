@@ -44,7 +44,7 @@ def _rss_bytes(pid: int) -> int:
 
 
 def test_ranks_series_and_hellos_reach_metrics_and_state(start_agent):
-    agent = start_agent("--simulate", "a100-roce", "--interval", "0.2")
+    agent = start_agent("--simulate", "a100-roce", "--interval", "0.2", "--log-level", "debug")
     client = TelemetryClient(agent.telemetry_socket, heartbeat_interval=0)
     for rank in range(8):
         # A careless client that copied secrets into its hello: the agent must drop them.
@@ -75,6 +75,8 @@ def test_ranks_series_and_hellos_reach_metrics_and_state(start_agent):
     assert ranks[0]["hello"]["env"] == {"NCCL_DEBUG": "INFO"}
     for name, value in SECRETS.items():
         assert name not in state and value not in state and name not in text and value not in text
+    _, log = agent.stop()
+    assert "telemetry" in log and not any(value in log for value in SECRETS.values())  # nor in the agent's log
 
 
 def test_silent_ranks_expire_after_the_ttl_while_live_ones_stay(start_agent):

@@ -8,7 +8,11 @@ that case. Kernels before 4.5 put the 64-bit ones in ``counters_ext/`` under oth
 
 Every value costs only itself: a file that reads ``N/A (no PMA)`` or fails with EINVAL/EIO/ENOSYS
 (real driver quirks) is left out and listed in ``result.errors``; the port, the device and the other
-ports are still exported.
+ports are still exported. A device removed between the listing and its read is skipped, not an error.
+
+Counters are exported exactly as read, never accumulated by the agent: a reset (``perfquery -R``, a
+driver reload) is a decrease, which ``rate()`` and ``increase()`` treat as a counter reset, and an
+agent restart changes no value at all.
 """
 
 from __future__ import annotations
@@ -219,14 +223,16 @@ class _Scan:
     # -- devices and ports -------------------------------------------------------------------------
 
     def device(self, device: str, path: str) -> None:
+        try:
+            ports = sorted((p for p in os.listdir(f"{path}/ports") if p.isdigit()), key=int)
+        except FileNotFoundError:
+            return  # removed (hot unplug, driver reload) since the class directory was listed: gone, not broken
+        except OSError as exc:
+            self.errors.append(f"{path}/ports: {exc.strerror or exc}")
+            ports = []
         attrs = {attr: self._text(f"{path}/{attr}", optional=True) or "" for attr in _DEVICE_ATTRS}
         self.info.add_metric([device, *attrs.values()], 1)
         self.devices.append({"device": device, **attrs})
-        try:
-            ports = sorted((p for p in os.listdir(f"{path}/ports") if p.isdigit()), key=int)
-        except OSError as exc:
-            self.errors.append(f"{path}/ports: {exc.strerror or exc}")
-            return
         for port in ports:
             self.port(device, port, f"{path}/ports/{port}")
 

@@ -1,7 +1,10 @@
 """The agent's end of the telemetry socket: created safely, removed only if still ours.
 
 The path is in a directory the agent owns and nobody else may write (created 0750 when missing),
-so no other user can swap the socket. What may already be at the path is handled explicitly:
+so no other user can swap the socket. With a socket group (``--telemetry.socket-group``) the
+directory is given to that group and made setgid, so the socket bound in it belongs to the group
+too (mode 0660): the training users in that group may send, nobody else may. What may already be
+at the path is handled explicitly:
 
 * nothing — bind;
 * a socket nobody listens on (left by a killed agent) — removed, then bind;
@@ -26,7 +29,7 @@ from gpuwatch.agent.telemetry.schema import MAX_RECORD_BYTES
 log = logging.getLogger(__name__)
 
 DIRECTORY_MODE = 0o750
-#: Owner and group may send. Non-root ranks need the agent's group (issue 8: --telemetry.socket-group).
+#: Owner and group may send: the directory's group, the agent's or --telemetry.socket-group.
 SOCKET_MODE = 0o660
 #: One byte more than a record may have: an oversized datagram arrives truncated but still
 #: longer than the limit, and is rejected as too_large.
@@ -52,7 +55,9 @@ def queue_limit() -> int | None:
         return None
 
 
-def _check_directory(directory: Path) -> None:
+def prepare_directory(directory: Path, group: int | None = None) -> None:
+    """Create the socket's directory if missing and check that only the agent can write it; with
+    ``group``, hand it to that group, setgid, so that sockets created in it get the group."""
     try:
         os.mkdir(directory, DIRECTORY_MODE)
         os.chmod(directory, DIRECTORY_MODE)  # mkdir's mode is filtered through the umask
@@ -69,6 +74,15 @@ def _check_directory(directory: Path) -> None:
     if info.st_mode & 0o022:
         raise SocketSetupError(f"directory {directory} is writable by group or others "
                                f"(mode {info.st_mode & 0o777:o}): another user could replace the socket")
+    if group is None:
+        return
+    try:
+        # Not following a symlink: lstat above proved it is a directory, and we are its owner.
+        os.chown(directory, -1, group, follow_symlinks=False)
+        os.chmod(directory, DIRECTORY_MODE | stat.S_ISGID)
+    except OSError as exc:
+        hint = " (a non-root agent must be a member of the group)" if exc.errno == errno.EPERM else ""
+        raise SocketSetupError(f"cannot give directory {directory} to gid {group}: {exc.strerror}{hint}") from None
 
 
 def _is_listening(path: Path) -> bool:
@@ -105,7 +119,7 @@ def bind(path: Path) -> tuple[socket.socket, tuple[int, int]]:
     if len(os.fsencode(path)) > MAX_PATH_BYTES:
         raise SocketSetupError(f"socket path {path} is longer than the {MAX_PATH_BYTES} bytes a Unix socket "
                                "address holds")
-    _check_directory(path.parent)
+    prepare_directory(path.parent)
     _clear_path(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:

@@ -82,7 +82,7 @@ def test_config_overrides_a_threshold(tmp_path):
 
 @pytest.mark.parametrize(("text", "error"), [
     ("thresholds:\n  NOPE001: {x: 1}\n", "unknown rule 'NOPE001'"),
-    ("thresholds:\n  PERF002: {ratio: 1}\n", "has no threshold 'ratio' (it has: straggler_ratio)"),
+    ("thresholds:\n  PERF002: {ratio: 1}\n", "has no threshold 'ratio' (it has: straggler_ratio, shared_cpu_ratio)"),
     ("thresholds:\n  PERF002: {straggler_ratio: fast}\n", "must be a finite number"),
     ("thresholds:\n  PERF002: {straggler_ratio: .nan}\n", "must be a finite number"),
     ("thresholds:\n  PERF002: 3\n", "must be a mapping"),

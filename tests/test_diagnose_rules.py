@@ -3,6 +3,7 @@ other side of its threshold that stays silent, one with the needed facts missing
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -292,6 +293,25 @@ def test_perf001_silent_at_the_threshold():
     silent("PERF001", facts(ranks=[rank(0, dp=2)]))  # no pipeline
 
 
+def _on_cpu(ranks: list[RankFacts]) -> list[RankFacts]:
+    return [dataclasses.replace(r, gpu_index=None, gpu_uuid=None) for r in ranks]
+
+
+def test_perf001_above_a_sound_schedule_on_an_oversubscribed_node_is_information():
+    """4 CPU ranks on 2 CPUs: a stage waiting for a CPU counts as idle, so the bubble says little about the stages."""
+    (finding,) = fired("PERF001", facts([node(cpus=2)], ranks=_on_cpu(_pipeline(m=16, measured=0.45))))
+    assert finding.severity == Severity.INFO and "fewer CPUs than ranks" in finding.title
+    assert finding.evidence[-1].text == "node node-a runs 4 CPU ranks on 2 CPUs: their timings include waiting for " \
+                                       "a CPU"
+    # A CPU per rank, or ranks computing on GPUs: the stages are to blame again.
+    for ranks, cpus in ((_on_cpu(_pipeline(m=16, measured=0.45)), 4), (_pipeline(m=16, measured=0.45), 2)):
+        (finding,) = fired("PERF001", facts([node(cpus=cpus)], ranks=ranks))
+        assert finding.severity == Severity.WARNING and "rebalance layers" in finding.fix
+    # Too few micro-batches is the schedule's own bubble, however busy the node.
+    (finding,) = fired("PERF001", facts([node(cpus=2)], ranks=_on_cpu(_pipeline(m=1, measured=0.74))))
+    assert finding.severity == Severity.WARNING and "too few micro-batches" in finding.title
+
+
 def test_perf001_not_run_without_bubble_or_micro_batches():
     not_run("PERF001", facts(ranks=_pipeline(m=None, measured=None)), "neither a measured bubble nor micro_batches")
 
@@ -308,6 +328,32 @@ def test_perf002_straggler_from_compute_time_not_step_time():
     (finding,) = fired("PERF002", facts(ranks=ranks))
     assert finding.title == "straggler in job job-1: rank 5 on node-b computes up to 2.00x the median"
     assert finding.evidence[0].where.rank == 5 and finding.evidence[0].where.node == "node-b"
+
+
+def test_perf002_compares_a_rank_with_the_others_of_its_stage():
+    """Two replicas: the slow one is judged against the other alone, not a median that includes itself."""
+    (finding,) = fired("PERF002", facts(ranks=_compute({0: 0.3, 1: 1.2}, dp=2)))
+    assert finding.evidence[0].text == "rank 1 (node-a) computes 1.2 s per step, 4.00x the median 0.3 s of its peers"
+
+
+def test_perf002_on_an_oversubscribed_node_needs_a_larger_gap():
+    busy = node(cpus=2)  # 8 CPU ranks on 2 CPUs: one step's compute time varies by up to ~2x
+    silent("PERF002", facts([busy], ranks=_on_cpu(_compute({r: 0.87 if r == 5 else 0.3 for r in range(8)}))))
+    (finding,) = fired("PERF002", facts([busy], ranks=_on_cpu(_compute({r: 0.9 if r == 5 else 0.3 for r in range(8)}))))
+    assert "3.00x the median" in finding.evidence[0].text
+    assert finding.evidence[-1].values == {"ranks": 8, "cpus": 2}
+
+
+def test_perf002_takes_the_median_over_the_steps_a_run_log_kept():
+    def history(times: list[float]) -> History:
+        return History(compute_seconds=list(enumerate(times, 1)))
+
+    noisy_last_step = [rank(r, dp=2, last=step(compute_seconds=0.3 if r == 0 else 0.9),
+                            history=history([0.3] * 9 + [0.3 if r == 0 else 0.9])) for r in range(2)]
+    silent("PERF002", facts(ranks=noisy_last_step))
+    slow = [rank(r, dp=2, history=history([0.3 if r == 0 else 0.9] * 9 + [0.3])) for r in range(2)]
+    (finding,) = fired("PERF002", facts(ranks=slow))
+    assert "computes 0.9 s per step (median of 10 steps), 3.00x the median 0.3 s" in finding.evidence[0].text
 
 
 def test_perf002_names_a_node_whose_ranks_are_all_slow():
@@ -332,6 +378,26 @@ def test_perf003_input_stall_with_low_gpu_activity():
     (finding,) = fired("PERF003", facts([node(gpus=gpus)], ranks))
     assert "rank 1: waits 0.15 s for input in a 0.5 s step (30%); its GPU is 20% busy (low)" in finding.evidence[0].text
     assert "num_workers" in finding.fix
+
+
+def test_perf003_on_an_oversubscribed_node_is_information():
+    ranks = _on_cpu([rank(r, dp=4, last=step(dataloader_wait_seconds=0.15 if r == 1 else 0.01)) for r in range(4)])
+    (finding,) = fired("PERF003", facts([node(cpus=2)], ranks))
+    assert finding.severity == Severity.INFO and finding.title.endswith("on a node with fewer CPUs than ranks")
+    assert finding.evidence[-1].values == {"ranks": 4, "cpus": 2}
+    (finding,) = fired("PERF003", facts([node(cpus=4)], ranks))
+    assert finding.severity == Severity.WARNING
+
+
+def test_perf003_takes_medians_over_the_steps_a_run_log_kept():
+    def history(waits: list[float]) -> History:
+        return History(step_seconds=[(n, 0.5) for n in range(1, 11)], dataloader_wait_seconds=list(enumerate(waits, 1)))
+
+    one_slow_fetch = rank(0, last=step(dataloader_wait_seconds=0.2), history=history([0.01] * 9 + [0.2]))
+    silent("PERF003", facts(ranks=[one_slow_fetch]))
+    slow_input = rank(0, last=step(dataloader_wait_seconds=0.15), history=history([0.15] * 10))
+    (finding,) = fired("PERF003", facts(ranks=[slow_input]))
+    assert "rank 0: waits 0.15 s for input in a 0.5 s step (30%, medians of 10 steps)" in finding.evidence[0].text
 
 
 def test_perf003_silent_just_under_the_share():
@@ -526,12 +592,14 @@ def _cosines(values: list[float], tp: int = 1) -> list[RankFacts]:
 
 
 def test_conv004_identical_gradients_across_replicas():
-    (finding,) = fired("CONV004", facts(ranks=_cosines([1.0, 0.9999, 0.9995, 1.0])))
+    (finding,) = fired("CONV004", facts(ranks=_cosines([1.0, 0.999999, 0.99999, 1.0])))
     assert "DistributedSampler" in finding.fix and len(finding.evidence) == 4
 
 
 def test_conv004_silent_when_one_replica_differs():
-    silent("CONV004", facts(ranks=_cosines([1.0, 0.9999, 0.998, 1.0])))
+    silent("CONV004", facts(ranks=_cosines([1.0, 0.999999, 0.99998, 1.0])))
+    silent("CONV004", facts(ranks=_cosines([0.9990, 0.9989])))  # exploding gradients point alike, data differs
+    silent("CONV004", facts(ranks=_cosines([math.nan, math.nan])))  # NaN gradients: CONV001's case, not duplicates
 
 
 def test_conv004_not_run_without_cosine():
@@ -547,6 +615,7 @@ def test_conv005_out_of_band_is_info_only():
 
 def test_conv005_silent_at_band_edges():
     silent("CONV005", facts(ranks=_cosines([0.85, 0.85])))
+    silent("CONV005", facts(ranks=_cosines([math.nan, math.nan])))
     silent("CONV005", facts(ranks=_cosines([0.95, 0.95])))
 
 

@@ -130,6 +130,27 @@ def test_run_log_written_by_the_client_gives_history_rules(tmp_path):
     assert document["sources"] == [{"kind": "run_log", "location": str(path)}]
 
 
+def test_run_log_directory_of_one_file_per_rank(tmp_path):
+    """`gpuwatch train --run-log DIR` writes DIR/rank-NNNNN.jsonl; diagnosis reads them together."""
+    layout = {"world_size": 2, "tp_size": 1, "pp_size": 1, "dp_size": 2, "tp_rank": 0, "pp_stage": 0, "gpu": None}
+    for rank in range(2):
+        with TelemetryClient(tmp_path / "no-agent.sock", run_log=tmp_path / f"rank-{rank:05d}.jsonl",
+                             heartbeat_interval=0) as client:
+            client.send(hello(rank, local_rank=rank, dp_rank=rank, **layout))
+            for number in range(1, 11):  # rank 1 computes 4x as long on every step but the last
+                slow = rank == 1 and number < 10
+                client.send(step(rank, number, compute_seconds=1.2 if slow else 0.3))
+    facts = run_log.read(tmp_path)
+    assert [(r.rank, r.steps, len(r.history.compute_seconds)) for r in facts.ranks] == [(0, 10, 10), (1, 10, 10)]
+    _, document = diagnose("--run-log", str(tmp_path), "--select", "PERF002")
+    (straggler,) = findings(document, "PERF002")
+    assert "rank 1 (node-1) computes 1.2 s per step (median of 10 steps)" in straggler["evidence"][0]["text"]
+
+    (tmp_path / "empty").mkdir()
+    result = CliRunner().invoke(main, ["diagnose", "--run-log", str(tmp_path / "empty")])
+    assert result.exit_code == 2 and "holds no *.jsonl file" in result.output
+
+
 def test_prometheus_over_two_simulated_nodes_names_the_straggler(start_agent, prometheus_server):
     agents = {name: start_agent(*FAST, "--node", name) for name in ("node-a", "node-b")}
     prometheus = prometheus_server([f"127.0.0.1:{a.port}" for a in agents.values()], scrape_interval="1s")

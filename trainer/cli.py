@@ -28,7 +28,8 @@ DEFAULTS = TrainConfig()
 @click.option("--tp", default=2, show_default=True, help="Tensor-parallel ranks (consecutive ranks, one node).")
 @click.option("--pp", default=2, show_default=True, help="Pipeline stages.")
 @click.option("--dp", default=2, show_default=True, help="Data-parallel replicas.")
-@click.option("--micro-batches", default=4, show_default=True, help="Micro-batches per step and DP rank.")
+@click.option("--micro-batches", default=8, show_default=True,
+              help="Micro-batches per step and DP rank (m ≥ 4 × pp keeps the pipeline bubble under 20 %).")
 @click.option("--schedule", type=click.Choice(SCHEDULES), default="1f1b", show_default=True,
               help="Pipeline schedule: gpipe (all forwards, then all backwards) or 1f1b.")
 @click.option("--steps", default=DEFAULTS.steps, show_default=True, help="Train until this optimizer step.")
@@ -68,8 +69,12 @@ DEFAULTS = TrainConfig()
               help="Gradient cosine similarity between each DP rank and the DP mean every N steps (0: off).")
 @click.option("--checksum-every", default=DEFAULTS.checksum_every, show_default=True, metavar="N",
               help="Parameter checksum every N steps, for comparing DP replicas (0: off).")
-@click.option("--fault", "faults", type=click.Choice(FAULTS), multiple=True,
-              help="Reproduce a failure on purpose; duplicate-shards: every DP rank reads the same data.")
+@click.option("--fault", "faults", type=click.Choice(tuple(FAULTS)), multiple=True, metavar="NAME",
+              help="Reproduce a failure on purpose, for a demo or a test of `gpuwatch diagnose` (repeatable; every "
+              "rank's telemetry hello lists it): " + "; ".join(f"{name}: {what}" for name, what in FAULTS.items())
+              + ".")
+@click.option("--fault-rank", type=int, metavar="N",
+              help="The rank --fault slow-rank slows down.  [default: the last rank]")
 def train(**options) -> None:
     """Train a small GPT with tensor × pipeline × data parallelism on synthetic data.
 

@@ -12,8 +12,15 @@ from dataclasses import dataclass, field
 SCHEDULES = ("gpipe", "1f1b")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
-#: Failures the trainer reproduces on purpose, so that diagnosis can be shown to find them.
-FAULTS = ("duplicate-shards",)
+#: Failures the trainer reproduces on purpose (trainer/faults.py), so that diagnosis can be shown to find them.
+FAULTS = {
+    "duplicate-shards": "every DP rank reads the same data (no distributed sampler)",
+    "slow-rank": "one rank (--fault-rank) computes 8x slower, like a throttled GPU",
+    "shared-pp-dp-group": "pipeline send/recv and the DP all-reduce on one process group",
+    "lr-explode": "a learning rate of 20: the gradient norm explodes",
+    "desync": "the last DP replica starts from perturbed weights",
+    "fp16-no-scaler": "fp16 without a loss scaler (needs --precision fp16): the loss overflows to NaN",
+}
 
 
 class ConfigError(ValueError):
@@ -63,10 +70,18 @@ class TrainConfig:
     grad_similarity_every: int = 10
     checksum_every: int = 10
     faults: tuple[str, ...] = ()
+    fault_rank: int | None = None  # the slow-rank fault's rank; default: the last rank
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
+
+    @property
+    def slow_rank(self) -> int | None:
+        """The rank the slow-rank fault slows down, or None without that fault."""
+        if "slow-rank" not in self.faults:
+            return None
+        return self.world_size - 1 if self.fault_rank is None else self.fault_rank
 
     @property
     def micro_batch_size(self) -> int:
@@ -105,15 +120,14 @@ class TrainConfig:
             (self.checkpoint_every >= 0, "--checkpoint-every must not be negative"),
             (self.checkpoint_dir is not None or (not self.resume and self.checkpoint_every == 0),
              "--resume and --checkpoint-every need --checkpoint-dir"),
-            (not (self.precision == "fp16" and self.device == "cpu"),
+            (not (self.precision == "fp16" and self.device == "cpu") or "fp16-no-scaler" in self.faults,
              "--precision fp16 needs CUDA; use bf16 on CPU"),
             (self.grad_similarity_every >= 0 and self.checksum_every >= 0,
              "--grad-similarity-every and --checksum-every must not be negative (0 turns them off)"),
             (self.telemetry or (self.run_log is None and self.telemetry_socket is None),
              "--run-log and --telemetry-socket need --telemetry"),
-            (set(self.faults) <= set(FAULTS), f"--fault must be one of {', '.join(FAULTS)}"),
         ]
-        for ok, message in checks:
+        for ok, message in checks + self._fault_checks():
             if not ok:
                 raise ConfigError(message)
         if world_size is not None and world_size != self.world_size:
@@ -121,6 +135,28 @@ class TrainConfig:
                 f"--tp {self.tp} × --pp {self.pp} × --dp {self.dp} = {self.world_size} ranks, "
                 f"but the job has {world_size} (WORLD_SIZE)"
             )
+
+
+    def _fault_checks(self) -> list[tuple[bool, str]]:
+        """A fault needs the layout it shows up in: replicas to disagree, a pipeline to share a group with."""
+        faults, world = set(self.faults), self.world_size
+        between_replicas = sorted(faults & {"duplicate-shards", "desync"})
+        return [
+            (faults <= set(FAULTS), f"--fault must be one of {', '.join(FAULTS)}"),
+            (self.dp > 1 or not between_replicas,
+             f"--fault {' and --fault '.join(between_replicas)} need{'s' * (len(between_replicas) == 1)} "
+             "data-parallel replicas: --dp 2 or more"),
+            ((self.pp > 1 and self.dp > 1) or "shared-pp-dp-group" not in faults,
+             "--fault shared-pp-dp-group needs both a pipeline and replicas: --pp 2 or more and --dp 2 or more"),
+            (self.tp * self.dp > 1 or "slow-rank" not in faults,
+             "--fault slow-rank needs peers doing the same work to be slower than: --tp or --dp 2 or more"),
+            (self.fault_rank is None or "slow-rank" in faults,
+             "--fault-rank picks the slow rank: add --fault slow-rank"),
+            (self.fault_rank is None or 0 <= self.fault_rank < world,
+             f"--fault-rank {self.fault_rank} is not a rank of this job (0 to {world - 1})"),
+            (self.precision == "fp16" or "fp16-no-scaler" not in faults,
+             "--fault fp16-no-scaler trains in fp16 without its loss scaler: add --precision fp16"),
+        ]
 
 
 def torchrun_world_size() -> int | None:

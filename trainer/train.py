@@ -9,6 +9,9 @@
 Each phase is a separate call in Trainer.train_step, where the hooks (`gpuwatch.trainer.hooks`) time
 and inspect it: the step and its data / compute / optimizer phases, every collective (through the
 comm layer), the pipeline's busy and idle time, and each gradient before and after its DP reduction.
+
+Fault switches (`--fault`, `gpuwatch.trainer.faults`) reproduce failures on purpose; they hook in where
+Trainer.__init__ builds the model, pipeline and optimizer, and in the DP reduction.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 import torch._dynamo  # torch.optim imports it lazily (~1.5 s): pay that once, before the fork, not per rank
 import torch.distributed as dist
 
-from gpuwatch.trainer import checkpoint
+from gpuwatch.trainer import checkpoint, faults
 from gpuwatch.trainer.config import ConfigError, TrainConfig
 from gpuwatch.trainer.data import DistributedSampler, SyntheticCorpus
 from gpuwatch.trainer.hooks import (
@@ -85,19 +88,23 @@ class Trainer:
         m = cfg.model
         self.model = GPTStage(m, grid, cfg.seed).to(device)
         self.params = list(self.model.parameters())
+        faults.desync(cfg, grid, self.model)
+        faults.overflow_fp16(cfg, self.model)
+        self.shared = faults.shared_group(cfg, grid, self.params, device)
         self.pipeline = Pipeline(
             self.model, grid, cfg.schedule, (cfg.micro_batch_size, m.seq_len, m.hidden), device,
-            partial(autocast, device, cfg.precision),
+            partial(autocast, device, cfg.precision), pace=faults.slow_passes(cfg, grid, device),
+            group=self.shared.group if self.shared else None,
         )
         self.optimizer = torch.optim.AdamW(
             [  # as nanoGPT: no weight decay on 1-D parameters (biases, norm gains)
                 {"params": [p for p in self.params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
                 {"params": [p for p in self.params if p.dim() < 2], "weight_decay": 0.0},
             ],
-            lr=cfg.lr, betas=(0.9, 0.95),
+            lr=faults.learning_rate(cfg), betas=(0.9, 0.95),
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_cosine(cfg.warmup_steps, cfg.steps))
-        self.scaler = DynamicLossScaler(enabled=cfg.precision == "fp16")
+        self.scaler = DynamicLossScaler(enabled=cfg.precision == "fp16" and "fp16-no-scaler" not in cfg.faults)
         self.corpus = SyntheticCorpus(m.vocab_size, m.seq_len, cfg.seed)
         self.sampler = DistributedSampler(cfg.corpus_size, cfg.global_batch, grid.dp_rank, grid.dp, cfg.seed,
                                           duplicate_shards="duplicate-shards" in cfg.faults)
@@ -134,7 +141,7 @@ class Trainer:
                 self.scheduler.step()
             self.step += 1
             loss = self._global_batch_loss(losses)
-            step.report(loss=loss, grad_norm=grad_norm, lr=lr, loss_scale=loss_scale)
+            step.report(loss=loss, grad_norm=grad_norm, lr=lr, loss_scale=loss_scale if self.scaler.enabled else None)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the step's time includes its queued kernels
         return StepResult(
@@ -160,7 +167,7 @@ class Trainer:
         parameter counts on TP rank 0 only; the shards' sums are added up at once, while the ranks are in
         step for the global norm's all-reduces anyway."""
         if similarity is None:
-            all_reduce_gradients(self.params, self.grid, self.cfg.bucket_bytes)
+            self._all_reduce_gradients()
             return
 
         def observe(bucket: list[torch.nn.Parameter], mean: torch.Tensor) -> None:
@@ -172,8 +179,16 @@ class Trainer:
                 similarity.observe(torch.cat([p.grad.reshape(-1) for p, k in zip(bucket, kept, strict=True) if k]),
                                    torch.cat([m for m, k in zip(means, kept, strict=True) if k]))
 
-        all_reduce_gradients(self.params, self.grid, self.cfg.bucket_bytes, observe)
+        self._all_reduce_gradients(observe)
         similarity.reduce()
+
+    def _all_reduce_gradients(
+        self, observe: Callable[[list[torch.nn.Parameter], torch.Tensor], None] | None = None
+    ) -> None:
+        if self.shared is not None:
+            self.shared.all_reduce_gradients(self.params, observe)
+        else:
+            all_reduce_gradients(self.params, self.grid, self.cfg.bucket_bytes, observe)
 
     def state_dict(self) -> dict:
         state = {
@@ -220,6 +235,8 @@ def instrument(trainer: Trainer, signals: Iterable[str] = SIGNALS) -> Monitor:
     cfg, grid = trainer.cfg, trainer.grid
     groups = {kind: next(tuple(g) for g in members if grid.rank in g)
               for kind, members in layout(cfg.tp, cfg.pp, cfg.dp).items()}
+    if trainer.shared is not None:  # the groups the traffic actually goes over
+        groups |= {"pp": trainer.shared.ranks, "dp": trainer.shared.ranks}
     place = Layout(
         rank=grid.rank, world_size=cfg.world_size, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         tp_size=grid.tp, pp_size=grid.pp, dp_size=grid.dp,
@@ -248,7 +265,7 @@ def train(device: torch.device, cfg: TrainConfig) -> list[StepResult]:
     Rank 0 of the last stage (tp 0, dp 0) prints each step and writes the JSONL log. With
     `cfg.telemetry` every rank reports every step to the node agent.
     """
-    if cfg.precision == "fp16" and device.type != "cuda":
+    if cfg.precision == "fp16" and device.type != "cuda" and "fp16-no-scaler" not in cfg.faults:
         raise ConfigError(f"--precision fp16 needs CUDA, and this rank runs on {device.type}; use bf16")
     grid = build_grid(cfg.tp, cfg.pp, cfg.dp)
     trainer = Trainer(cfg, grid, device)
@@ -257,7 +274,8 @@ def train(device: torch.device, cfg: TrainConfig) -> list[StepResult]:
         print(
             f"{cfg.world_size} ranks: tp {cfg.tp} × pp {cfg.pp} × dp {cfg.dp} on {device.type} "
             f"({dist.get_backend()}), {cfg.schedule} over {cfg.micro_batches} micro-batches of "
-            f"{cfg.micro_batch_size} sequences, global batch {cfg.global_batch}, {cfg.precision}",
+            f"{cfg.micro_batch_size} sequences, global batch {cfg.global_batch}, {cfg.precision}"
+            + (f"; FAULTS INJECTED: {', '.join(cfg.faults)}" if cfg.faults else ""),
             flush=True,
         )
     resumed = cfg.resume and checkpoint.load_latest(trainer, Path(cfg.checkpoint_dir), grid)

@@ -73,8 +73,9 @@ def _fail(message: str) -> NoReturn:
 @click.command()
 @click.option("--agent", "agent_url", metavar="URL",
               help="Read a node agent's /api/v1/state (its node, and the ranks reporting to it).")
-@click.option("--run-log", "run_log_path", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
-              help="Read a run log (JSONL telemetry records written by the hooks), for a post-mortem.")
+@click.option("--run-log", "run_log_path", type=click.Path(path_type=Path), metavar="PATH",
+              help="Read a run log (JSONL telemetry records written by the hooks), for a post-mortem: a file, or a "
+              "directory of them (gpuwatch train --run-log DIR).")
 @click.option("--prometheus", "prometheus_url", metavar="URL",
               help="Judge every node and rank a Prometheus server scrapes (instant queries over its HTTP API).")
 @click.option("--preflight", is_flag=True,

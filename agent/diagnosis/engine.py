@@ -125,7 +125,7 @@ def run(facts: Facts, rules: Iterable[Rule] | None = None, overrides: Overrides 
             skipped.append(Skipped(rule.code, f"rule failed: {type(exc).__name__}: {exc}"))
             continue
         ran.append(rule.code)
-        findings += [Finding(rule.code, rule.family, rule.severity, issue.title, issue.evidence, issue.fix,
-                             issue.reason) for issue in issues]
+        findings += [Finding(rule.code, rule.family, min(rule.severity, issue.severity or rule.severity), issue.title,
+                             issue.evidence, issue.fix, issue.reason) for issue in issues]
     findings.sort(key=lambda finding: (-finding.severity, _order(finding.code)))
     return Report(facts, findings, ran, skipped)

@@ -129,6 +129,8 @@ class NodeFacts:
     nvlinks: list[NvlinkFacts] | None = None
     ib_ports: list[IbPortFacts] | None = None
     interfaces: list[InterfaceFacts] | None = None
+    #: Logical CPUs (host collector); None when unknown.
+    cpus: int | None = None
     #: The shell environment a pre-flight check runs in (NCCL_*, ...); None unless ``--preflight``.
     env: dict[str, str] | None = None
     #: Why a part is None: {"gpus": "nvml collector down: ...", ...}.
@@ -227,6 +229,9 @@ class History:
     loss: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     grad_norm: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     host_rss_bytes: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    step_seconds: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    compute_seconds: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    dataloader_wait_seconds: list[tuple[int, float]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

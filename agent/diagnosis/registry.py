@@ -51,12 +51,14 @@ class Evidence:
 
 @dataclasses.dataclass(frozen=True)
 class Issue:
-    """What a rule yields: a one-line title, the evidence, the fix and the reason for it in a sentence."""
+    """What a rule yields: a one-line title, the evidence, the fix and the reason for it in a sentence.
+    ``severity`` lowers the rule's own where the evidence is weaker than the rule assumes (it says why)."""
 
     title: str
     evidence: tuple[Evidence, ...]
     fix: str
     reason: str
+    severity: Severity | None = None
 
 
 @dataclasses.dataclass(frozen=True)

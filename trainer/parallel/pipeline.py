@@ -24,10 +24,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
+from torch.distributed import ProcessGroup
 
 from gpuwatch.trainer.hooks import OFF, PipelineClock
 from gpuwatch.trainer.hooks.off import Off
@@ -53,9 +54,14 @@ class Pipeline:
         activation_shape: tuple[int, ...],
         device: torch.device,
         autocast: Callable[[], AbstractContextManager],
+        pace: Callable[[], AbstractContextManager] = nullcontext,
+        group: ProcessGroup | None = None,
     ) -> None:
+        """`pace` wraps every forward and backward pass (the slow-rank fault stretches them); `group` carries
+        the send/recv, by default the stage's pipeline group (the shared-pp-dp-group fault passes another)."""
         self.stage, self.grid, self.schedule = stage, grid, schedule
-        self.activation_shape, self.device, self.autocast = activation_shape, device, autocast
+        self.activation_shape, self.device, self.autocast, self.pace = activation_shape, device, autocast, pace
+        self.group = grid.pp_group if group is None else group
         self.losses: list[torch.Tensor] = []
         self.clock: PipelineClock | Off = OFF
 
@@ -102,7 +108,7 @@ class Pipeline:
 
     def _forward(self, x: torch.Tensor | None, batch: MicroBatch, scale: float) -> torch.Tensor:
         """The stage's output; on the last stage the scaled loss, whose unscaled value is recorded."""
-        with self.clock.busy(), self.autocast():
+        with self.clock.busy(), self.pace(), self.autocast():
             output = self.stage(batch.inputs if x is None else x)
             if not self.grid.is_last_stage:
                 return output
@@ -114,7 +120,7 @@ class Pipeline:
         self, x: torch.Tensor | None, output: torch.Tensor, output_grad: torch.Tensor | None
     ) -> torch.Tensor | None:
         """Backpropagate through the stage; returns the gradient for the previous stage."""
-        with self.clock.busy():
+        with self.clock.busy(), self.pace():
             torch.autograd.backward(output, grad_tensors=output_grad)
         return None if x is None else x.grad
 
@@ -143,7 +149,7 @@ class Pipeline:
             if recv_next:
                 received["next"] = torch.empty(self.activation_shape, device=self.device)
                 recv.append((received["next"], grid.next_rank))
-        comm.exchange(grid.pp_group, send=send, recv=recv)
+        comm.exchange(self.group, send=send, recv=recv)
         return received
 
     def _recv_forward(self) -> torch.Tensor | None:

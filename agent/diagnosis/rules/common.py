@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Iterable, Sequence
 
@@ -56,6 +57,23 @@ def job_spans_nodes(facts: Facts, job: str | None) -> bool:
         return True
     world = max((rank.layout.world_size for rank in ranks if rank.layout is not None), default=None)
     return len({rank.host for rank in ranks}) > 1 or world is None or len(ranks) < world
+
+
+def cpu_sharing(facts: Facts, ranks: Iterable[RankFacts]) -> list[Evidence]:
+    """One line for each node where more of ``ranks`` (a job's) compute on the CPU than it has CPUs. There a
+    rank that waits for a CPU looks slow or idle, so its timings measure the node's CPU shortage as much as
+    the rank. Ranks with a GPU compute there; other jobs' ranks are not counted (a source may still list
+    ranks that have ended); nodes whose CPUs are unknown are not judged."""
+    placed = [rank for rank in ranks if rank.host is not None and rank.gpu_uuid is None and rank.gpu_index is None]
+    on_node = collections.Counter(rank.host for rank in placed)
+    evidence = []
+    for host in sorted(on_node):
+        node = facts.nodes.get(host)
+        if node is not None and node.cpus and on_node[host] > node.cpus:
+            evidence.append(Evidence(f"node {host} runs {on_node[host]} CPU ranks on {node.cpus} CPUs: their "
+                                     "timings include waiting for a CPU", Where(node=host, job=placed[0].job),
+                                     {"ranks": on_node[host], "cpus": node.cpus}))
+    return evidence
 
 
 def capped(evidence: Sequence[Evidence], total: int | None = None, what: str = "more") -> tuple[Evidence, ...]:

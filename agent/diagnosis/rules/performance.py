@@ -20,7 +20,7 @@ from gpuwatch.agent.diagnosis.facts import (
     median,
 )
 from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
-from gpuwatch.agent.diagnosis.rules.common import capped, ratio_text
+from gpuwatch.agent.diagnosis.rules.common import capped, cpu_sharing, ratio_text
 
 FAMILY = "performance"
 
@@ -47,7 +47,9 @@ def pipeline_bubble(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     ranks), falls back to the theoretical one when nothing is measured, and compares it with the
     threshold. When the schedule itself is the cause (theoretical above the threshold) it says how many
     micro-batches bring the bubble under it; when the measured bubble is far above the theoretical one,
-    the stages are unbalanced or waiting on communication, and more micro-batches will not help."""
+    the stages are unbalanced or waiting on communication, and more micro-batches will not help. On a
+    node with more ranks than CPUs (CPU ranks, a test machine) a stage that waits for a CPU counts as
+    idle, so a measured bubble above a sound schedule's is only reported as information there."""
     for job, ranks in facts.jobs().items():
         piped = [rank for rank in ranks if rank.layout is not None and rank.layout.pp_size > 1]
         if not piped:
@@ -72,6 +74,9 @@ def pipeline_bubble(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
             evidence.append(Evidence(f"stage {stage}: bubble {ratio_text(stage_bubble)}",
                                      Where(job=job, rank=members[0].rank), {"pp_stage": stage,
                                                                             "bubble_ratio": stage_bubble}))
+        sharing = cpu_sharing(facts, ranks) if measured else []
+        evidence += sharing
+        against = f" against {ratio_text(theory)} in theory" if theory is not None else ""
         if theory is not None and theory > t.max_bubble_ratio:
             needed = micro_batches_for(stages, t.max_bubble_ratio)
             yield Issue(
@@ -83,9 +88,19 @@ def pipeline_bubble(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
                 reason=f"With p={stages} stages the pipeline idles (p−1)/(m+p−1) of every step; more micro-batches "
                        "shrink that share.",
             )
+        elif sharing:
+            yield Issue(
+                title=f"pipeline bubble {ratio_text(bubble)} in job {job}{against}, on a node with fewer CPUs than "
+                      "ranks",
+                evidence=tuple(evidence),
+                fix="measure the bubble where every rank has a CPU (or a GPU) to itself; here the schedule is sound",
+                reason="A stage waiting for a CPU counts as idle, so on an oversubscribed node the measured bubble "
+                       "shows the CPU shortage rather than unbalanced stages.",
+                severity=Severity.INFO,
+            )
         else:
             yield Issue(
-                title=f"pipeline bubble {ratio_text(bubble)} in job {job} against {ratio_text(theory)} in theory: "
+                title=f"pipeline bubble {ratio_text(bubble)} in job {job}{against}: "
                       "stages unbalanced or waiting on communication",
                 evidence=tuple(evidence),
                 fix="rebalance layers across pipeline stages (give the slowest stage fewer layers) and check the "
@@ -95,28 +110,46 @@ def pipeline_bubble(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
             )
 
 
+def _typical(rank: RankFacts, timing: str) -> tuple[float, int] | None:
+    """A rank's ``timing`` (a StepFacts and History field) and the steps it is taken over: the median of the
+    steps a run log kept (one step is a noisy sample), else the latest step's."""
+    series = [value for _, value in getattr(rank.history, timing) if finite(value)] if rank.history else []
+    if series:
+        return median(series), len(series)
+    latest = getattr(rank.last, timing) if rank.last is not None else None
+    return (latest, 1) if finite(latest) else None
+
+
 @rule("PERF002", family=FAMILY, severity=Severity.WARNING, title="Straggler rank or node",
       needs=(needs.COMPUTE,),
-      thresholds={"straggler_ratio": Threshold(
-          1.25, "not from the seeds (seed 004 reports a straggling node without a number): a rank computing "
-                "25 % longer than the median of its peers holds every synchronous step back by that much")})
+      thresholds={
+          "straggler_ratio": Threshold(
+              1.25, "not from the seeds (seed 004 reports a straggling node without a number): a rank computing "
+                    "25 % longer than the median of its peers holds every synchronous step back by that much"),
+          "shared_cpu_ratio": Threshold(
+              3.0, "not from the seeds: where ranks outnumber a node's CPUs, the share of a CPU each rank gets "
+                   "varies from step to step; healthy ranks, 4 or 8 to a 2-CPU node, measured up to 1.9x apart"),
+      })
 def straggler(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """A straggler is found from each rank's compute time (forward and backward without waiting on
     collectives), not its step time: the data-parallel all-reduce makes every rank wait for the slowest,
-    so whole-step times come out even. Each rank is compared with the median of its peers, the ranks
-    doing the same work (the same pipeline stage of the same job: stages differ in layers). When every
-    rank of a node is slow, the node is named instead (seed 004: a node reading from slow disks set the
-    pace of the whole job)."""
+    so whole-step times come out even. Each rank is compared with the median of its peers, the other
+    ranks doing the same work (the same pipeline stage of the same job: stages differ in layers), over
+    every step a run log holds, else at the latest step. When every rank of a node is slow, the node is
+    named instead (seed 004: a node reading from slow disks set the pace of the whole job). Where CPU ranks
+    outnumber their node's CPUs, compute times include waiting for a CPU, and only a larger gap
+    (shared_cpu_ratio) tells a straggler from that noise."""
     for job, ranks in facts.jobs().items():
-        timed = [r for r in ranks
-                 if r.last is not None and finite(r.last.compute_seconds) and r.last.compute_seconds > 0]
+        computes = {r.rank: c for r in ranks if (c := _typical(r, "compute_seconds")) is not None and c[0] > 0}
+        timed = [r for r in ranks if r.rank in computes]
+        sharing = cpu_sharing(facts, ranks)
+        threshold = max(t.straggler_ratio, t.shared_cpu_ratio) if sharing else t.straggler_ratio
         slow: list[tuple[float, RankFacts, float]] = []
         for _, peers in group_by(timed, lambda r: r.layout.pp_stage if r.layout is not None else 0):
-            if len(peers) < 2:
-                continue
-            typical = median(r.last.compute_seconds for r in peers)
-            slow += [(r.last.compute_seconds / typical, r, typical) for r in peers
-                     if r.last.compute_seconds >= t.straggler_ratio * typical]
+            for rank in peers if len(peers) > 1 else ():
+                typical = median(computes[r.rank][0] for r in peers if r is not rank)
+                if computes[rank.rank][0] >= threshold * typical:
+                    slow.append((computes[rank.rank][0] / typical, rank, typical))
         if not slow:
             continue
         slow.sort(key=lambda item: -item[0])
@@ -124,18 +157,22 @@ def straggler(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
         slow_ranks = {r.rank for _, r, _ in slow}
         whole_nodes = [host for host, members in by_node.items()
                        if len(members) > 1 and {r.rank for r in members} <= slow_ranks]
-        evidence = [Evidence(f"rank {r.rank} ({r.host or 'unknown node'}"
-                             + (f", stage {r.layout.pp_stage}" if r.layout and r.layout.pp_size > 1 else "")
-                             + f") computes {r.last.compute_seconds:.3g} s per step, {ratio:.2f}x the median "
-                             f"{typical:.3g} s of its peers", r.where,
-                             {"compute_seconds": r.last.compute_seconds, "median_seconds": typical, "ratio": ratio})
-                    for ratio, r, typical in slow]
+        evidence = []
+        for ratio, r, typical in slow:
+            seconds, steps = computes[r.rank]
+            evidence.append(Evidence(
+                f"rank {r.rank} ({r.host or 'unknown node'}"
+                + (f", stage {r.layout.pp_stage}" if r.layout and r.layout.pp_size > 1 else "")
+                + f") computes {seconds:.3g} s per step" + (f" (median of {steps} steps)" if steps > 1 else "")
+                + f", {ratio:.2f}x the median {typical:.3g} s of its peers", r.where,
+                {"compute_seconds": seconds, "median_seconds": typical, "ratio": ratio, "steps": steps}))
+        evidence = capped(evidence, what="slow ranks") + tuple(sharing)
         culprit = f"node {', '.join(whole_nodes)}" if whole_nodes else \
             f"rank {slow[0][1].rank} on {slow[0][1].host or 'an unknown node'}" if len(slow) == 1 else \
             f"{len(slow)} ranks"
         yield Issue(
             title=f"straggler in job {job}: {culprit} computes up to {slow[0][0]:.2f}x the median",
-            evidence=capped(evidence, what="slow ranks"),
+            evidence=evidence,
             fix=("check the straggling GPU(s) for throttling (HW005), a degraded PCIe link (HW002) and competing "
                  "processes (`nvidia-smi`); replace or exclude " + (culprit if whole_nodes else "the node")
                  + " if it persists"),
@@ -156,35 +193,42 @@ def input_stall(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """When the data loader cannot keep up, the GPU idles at the start of every step (seed 004: GPU
     utilisation often below 30 %, the training process spending most of its time waiting for data to
     come from disk to memory to the GPU). The rule measures each rank's data-loader wait as a share of
-    its step, and adds the rank's GPU activity as corroboration where the node's GPUs are known."""
+    its step (medians over every step a run log holds, else the latest step), and adds the rank's GPU
+    activity as corroboration where the node's GPUs are known. Where CPU
+    ranks outnumber their node's CPUs, a rank that waits for a CPU while it fetches its batch counts as
+    waiting for input, so a stall is only reported as information there."""
     for job, ranks in facts.jobs().items():
         stalled = []
         for rank in ranks:
-            last = rank.last
-            if last is None or last.dataloader_wait_seconds is None or not last.step_seconds:
+            wait, step = _typical(rank, "dataloader_wait_seconds"), _typical(rank, "step_seconds")
+            if wait is None or step is None or not step[0]:
                 continue
-            share = last.dataloader_wait_seconds / last.step_seconds
+            (wait_seconds, steps), step_seconds = wait, step[0]
+            share = wait_seconds / step_seconds
             if share < t.max_wait_share:
                 continue
             gpu = facts.gpu_of(rank)
             activity = "" if gpu is None or gpu.busy is None else \
                 f"; its GPU is {ratio_text(gpu.busy)} busy" + (" (low)" if gpu.busy < t.low_sm_active else "")
             stalled.append((share, Evidence(
-                f"rank {rank.rank}: waits {last.dataloader_wait_seconds:.3g} s for input in a "
-                f"{last.step_seconds:.3g} s step ({ratio_text(share)}){activity}", rank.where,
-                {"dataloader_wait_seconds": last.dataloader_wait_seconds, "step_seconds": last.step_seconds,
-                 "share": share, "gpu_busy": gpu.busy if gpu else None})))
+                f"rank {rank.rank}: waits {wait_seconds:.3g} s for input in a {step_seconds:.3g} s step "
+                f"({ratio_text(share)}{f', medians of {steps} steps' if steps > 1 else ''}){activity}", rank.where,
+                {"dataloader_wait_seconds": wait_seconds, "step_seconds": step_seconds, "share": share,
+                 "gpu_busy": gpu.busy if gpu else None})))
         if not stalled:
             continue
         stalled.sort(key=lambda item: -item[0])
+        sharing = cpu_sharing(facts, ranks)
         yield Issue(
             title=f"input pipeline stall in job {job}: {len(stalled)} of {len(ranks)} rank(s) wait up to "
-                  f"{ratio_text(stalled[0][0])} of the step for data",
-            evidence=capped([e for _, e in stalled], what="ranks"),
+                  f"{ratio_text(stalled[0][0])} of the step for data"
+                  + (", on a node with fewer CPUs than ranks" if sharing else ""),
+            evidence=capped([e for _, e in stalled], what="ranks") + tuple(sharing),
             fix="DataLoader(num_workers=N, pin_memory=True, persistent_workers=True, prefetch_factor=4); move "
                 "preprocessing out of the training loop (precompute it) and keep the data on fast local storage",
             reason="The GPU sits idle while the step waits for its batch; a faster input pipeline converts that "
                    "wait directly into throughput.",
+            severity=Severity.INFO if sharing else None,
         )
 
 

@@ -75,6 +75,7 @@ def node_facts(name: str, collected: Mapping[str, Mapping[str, Any]], missing: M
         node.ib_ports = [_port(raw, models) for raw in collected["infiniband"].get("ports", ())]
     if "host" in collected:
         node.interfaces = [_interface(raw) for raw in collected["host"].get("network_interfaces", ())]
+        node.cpus = collected["host"].get("cpu_count")
     node.missing = {PARTS[collector]: reason for collector, reason in missing.items()
                     if collector in PARTS and getattr(node, PARTS[collector]) is None}
     return node

@@ -1,5 +1,6 @@
-"""``--run-log FILE``: the JSONL run log the hooks write (one telemetry record per line, schema v1), for a
-post-mortem after the job ended.
+"""``--run-log PATH``: the JSONL run log the hooks write (one telemetry record per line, schema v1), for a
+post-mortem after the job ended: one file, or a directory of them (``gpuwatch train --run-log DIR`` writes
+one per rank, ``rank-NNNNN.jsonl``).
 
 Every line is validated with the agent's own ``decode``; a bad line is reported (line number and reason)
 and skipped. Counters are accumulated by the agent's own ``TelemetryStore``, so a run log and a live agent
@@ -24,15 +25,23 @@ HISTORY_LIMIT = 20_000
 MAX_QUOTED_BAD_LINES = 20
 
 
-@dataclasses.dataclass
 class _Series:
-    loss: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=HISTORY_LIMIT))
-    grad_norm: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=HISTORY_LIMIT))
-    host_rss_bytes: collections.deque = dataclasses.field(
-        default_factory=lambda: collections.deque(maxlen=HISTORY_LIMIT))
+    """The latest HISTORY_LIMIT points of every History series of one rank."""
+
+    def __init__(self) -> None:
+        self.points = {field.name: collections.deque(maxlen=HISTORY_LIMIT) for field in dataclasses.fields(History)}
 
     def history(self) -> History:
-        return History(loss=list(self.loss), grad_norm=list(self.grad_norm), host_rss_bytes=list(self.host_rss_bytes))
+        return History(**{name: list(points) for name, points in self.points.items()})
+
+
+def _files(path: Path) -> list[Path]:
+    if not path.is_dir():
+        return [path]
+    files = sorted(path.glob("*.jsonl"))
+    if not files:
+        raise SourceError(f"run log directory {path} holds no *.jsonl file")
+    return files
 
 
 def read(path: Path) -> Facts:
@@ -40,23 +49,24 @@ def read(path: Path) -> Facts:
     series: dict[tuple[str, int], _Series] = collections.defaultdict(_Series)
     bad: list[str] = []
     records = 0
-    try:
-        with open(path, "rb") as log:
-            for number, line in enumerate(log, 1):
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    record = decode(line)
-                except RecordRejected as rejected:
-                    bad.append(f"{path}:{number}: {rejected}")
-                    continue
-                store.ingest(line)
-                records += 1
-                if record.kind == "step":
-                    _add(series[record.job, record.rank], record.body)
-    except OSError as exc:
-        raise SourceError(f"cannot read run log {path}: {exc.strerror or exc}") from None
+    for file in _files(path):
+        try:
+            with open(file, "rb") as log:
+                for number, line in enumerate(log, 1):
+                    line = line.strip()
+                    if not line:
+                        continue
+                    try:
+                        record = decode(line)
+                    except RecordRejected as rejected:
+                        bad.append(f"{file}:{number}: {rejected}")
+                        continue
+                    store.ingest(line)
+                    records += 1
+                    if record.kind == "step":
+                        _add(series[record.job, record.rank], record.body)
+        except OSError as exc:
+            raise SourceError(f"cannot read run log {file}: {exc.strerror or exc}") from None
     if not records:
         raise SourceError(f"{path} holds no valid telemetry record ({len(bad)} bad line(s)"
                           + (f", first: {bad[0]}" if bad else "") + ")")
@@ -77,10 +87,9 @@ def read(path: Path) -> Facts:
 
 def _add(series: _Series, body: dict) -> None:
     step = body["step"]
-    if "loss" in body:
-        series.loss.append((step, body["loss"]))
-    if "grad_norm" in body:
-        series.grad_norm.append((step, body["grad_norm"]))
+    for name in ("loss", "grad_norm", "step_seconds", "compute_seconds", "dataloader_wait_seconds"):
+        if name in body:
+            series.points[name].append((step, body[name]))
     memory = body.get("memory")
     if memory is not None and memory["kind"] == "host_rss":
-        series.host_rss_bytes.append((step, memory["peak_bytes"]))
+        series.points["host_rss_bytes"].append((step, memory["peak_bytes"]))

@@ -1,0 +1,146 @@
+"""Failures the reference trainer reproduces on purpose (`gpuwatch train --fault NAME`), so that `gpuwatch
+diagnose` can be shown to find them on real runs. Each function or class below is one fault; its docstring
+names the real failure it stands for. The trainer calls them at a few places (Trainer.__init__ and the
+gradient reduction); each is a no-op without its fault. duplicate-shards lives in the sampler
+(`gpuwatch.trainer.data.DistributedSampler`). Every rank lists its faults in its telemetry hello, so no one
+takes a faulty demo for a real run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from gpuwatch.trainer.config import TrainConfig
+from gpuwatch.trainer.parallel import comm
+from gpuwatch.trainer.parallel.groups import Grid
+
+#: slow-rank: the slow rank's forward and backward passes take this many times as long; more than a throttled GPU
+#: loses, so that one step's scheduling noise on a small CPU-only machine (up to 2x) cannot hide it.
+SLOWDOWN = 8.0
+#: lr-explode: the peak learning rate, 2,000x what this model trains with (--lr 1e-2).
+EXPLODING_LR = 20.0
+#: desync: standard deviation of the noise added to the last replica's weights (theirs start at 0.02).
+DESYNC_NOISE = 1e-3
+#: fp16-no-scaler: the factor that takes the logits past fp16's largest value, 65504 (any above 1/256 overflows).
+FP16_OVERFLOW = 2.0**24
+
+
+def learning_rate(cfg: TrainConfig) -> float:
+    """lr-explode: a learning rate far too high for the model (a typo'd exponent, a linear-scaling rule
+    applied to a huge batch). AdamW moves every weight by about the learning rate each step whatever the
+    gradient, so the weights grow large and the gradient norm, measured before clipping, explodes
+    (seed 000: above 100 the gradients exploded)."""
+    return EXPLODING_LR if "lr-explode" in cfg.faults else cfg.lr
+
+
+class _SlowPass:
+    """One forward or backward pass made SLOWDOWN times as long: when it ends, it sleeps SLOWDOWN - 1 times
+    what it computed, so the extra time lands in the rank's measured compute, not in a collective. On the
+    CPU that is the pass's CPU time (waits for tensor-parallel peers and for a CPU are not stretched); on
+    a GPU, its wall time once the device has finished it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return time.thread_time()
+
+    def __enter__(self) -> None:
+        self.start = self._now()
+
+    def __exit__(self, *exc_info: object) -> None:
+        time.sleep((SLOWDOWN - 1) * (self._now() - self.start))
+
+
+def slow_passes(cfg: TrainConfig, grid: Grid, device: torch.device) -> Callable[[], AbstractContextManager]:
+    """slow-rank: one rank computes SLOWDOWN times slower than its peers, as a GPU that throttles (heat,
+    power brake), sits on a degraded PCIe link or shares its node with another job does. Every other rank
+    waits for it at each collective, so step times come out even; only compute times show the straggler.
+    Returns what the pipeline wraps each forward and backward pass in."""
+    return partial(_SlowPass, device) if grid.rank == cfg.slow_rank else nullcontext
+
+
+def desync(cfg: TrainConfig, grid: Grid, model: torch.nn.Module) -> None:
+    """desync: the last data-parallel replica starts from other weights than the rest, as when rank 0's
+    weights are never broadcast and each replica initialises from its own seed, or a replica loads another
+    checkpoint. The DP all-reduce keeps the gradients equal, so the replicas stay apart for good while the
+    loss curve looks normal; only a comparison of the replicas' parameters shows it."""
+    if "desync" not in cfg.faults or grid.dp_rank != grid.dp - 1:
+        return
+    generator = torch.Generator().manual_seed(cfg.seed + 1)  # the same on every TP rank: replicated weights agree
+    with torch.no_grad():
+        for param in model.parameters():
+            noise = torch.randn(param.shape, generator=generator) * DESYNC_NOISE
+            param.add_(noise.to(param.device))
+
+
+def overflow_fp16(cfg: TrainConfig, model: torch.nn.Module) -> None:
+    """fp16-no-scaler: fp16 training without a loss scaler, the way it ends when a value leaves fp16's
+    range (largest 65504): inf logits, a NaN loss, NaN gradients, and with no scaler to skip the step the
+    optimizer writes NaN into every weight (seed 004: autocast without GradScaler, and the loss turns
+    NaN). This small model's logits never get there by themselves, so the last stage's LM head emits them
+    in fp16 at FP16_OVERFLOW times their size, as a larger model's activations grow; the trainer also runs
+    without its DynamicLossScaler and reports no loss scale."""
+    head = getattr(model, "head", None)
+    if "fp16-no-scaler" in cfg.faults and head is not None:
+        head.register_forward_hook(lambda module, inputs, logits: (logits * FP16_OVERFLOW).half())
+
+
+class SharedGroup:
+    """shared-pp-dp-group: pipeline send/recv and the data-parallel gradient all-reduce on one process group,
+    as a job that uses the default group for both instead of one new_group per kind of traffic. On NCCL the
+    two kinds of traffic serialise on one communicator, and a large all-reduce blocks the send/recv that
+    another stage waits for: seed 002's 13B model on 32 A100s hit NCCL timeouts after 2,000 steps.
+
+    The shared group is every rank with this rank's TP rank (all its stages and replicas; the whole world
+    when tp = 1). It still trains exactly: the all-reduce carries one slice per pipeline stage, each rank
+    fills its own stage's slice and zeros elsewhere, so every slice sums over that stage's replicas only.
+    The small reductions (loss, gradient norm) stay on their own groups.
+    """
+
+    def __init__(self, grid: Grid, params: list[torch.nn.Parameter], device: torch.device) -> None:
+        self.grid = grid
+        world = dist.get_world_size()
+        for tp_rank in range(grid.tp):  # every rank creates every group, in the same order
+            ranks = list(range(tp_rank, world, grid.tp))
+            group = dist.new_group(ranks)
+            if tp_rank == grid.tp_rank:
+                self.group: ProcessGroup = group
+                self.ranks = tuple(ranks)
+        sizes = torch.zeros(grid.pp, dtype=torch.int64, device=device)
+        sizes[grid.pp_rank] = sum(p.numel() for p in params)
+        sizes = comm.all_reduce(sizes, grid.pp_group).tolist()
+        self.offset, self.size, self.total = sum(sizes[: grid.pp_rank]), sizes[grid.pp_rank], sum(sizes)
+
+    def all_reduce_gradients(
+        self,
+        params: list[torch.nn.Parameter],
+        observe: Callable[[list[torch.nn.Parameter], torch.Tensor], None] | None = None,
+    ) -> None:
+        """`gpuwatch.trainer.parallel.data.all_reduce_gradients` over the shared group, in one bucket."""
+        params = [p for p in params if p.grad is not None]
+        flat = torch.zeros(self.total, dtype=params[0].grad.dtype, device=params[0].grad.device)
+        mine = flat[self.offset:self.offset + self.size]
+        mine.copy_(torch.cat([p.grad.reshape(-1) for p in params]))
+        comm.all_reduce(flat, self.group)
+        mine.div_(self.grid.dp)
+        if observe is not None:
+            observe(params, mine)
+        for param, reduced in zip(params, mine.split([p.numel() for p in params]), strict=True):
+            param.grad.copy_(reduced.view_as(param.grad))
+
+
+def shared_group(cfg: TrainConfig, grid: Grid, params: list[torch.nn.Parameter],
+                 device: torch.device) -> SharedGroup | None:
+    """The shared-pp-dp-group fault's group, or None without it. Collective: every rank calls it."""
+    return SharedGroup(grid, params, device) if "shared-pp-dp-group" in cfg.faults else None

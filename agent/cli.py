@@ -46,7 +46,7 @@ class LazyGroup(click.Group):
     lazy={"train": ("gpuwatch.trainer.cli", "train"), "diagnose": ("gpuwatch.agent.diagnosis.cli", "diagnose"),
           "probe": ("gpuwatch.trainer.probe", "probe"),
           "alerts": ("gpuwatch.alerts.cli", "alerts"),
-          "dashboards": ("gpuwatch.dashboards.cli", "dashboards")},
+          "dashboards": ("gpuwatch.dashboards.cli", "dashboards"), "demo": ("gpuwatch.agent.demo", "demo")},
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
 @click.version_option(__version__, prog_name="gpuwatch")

@@ -1,15 +1,19 @@
-"""Prometheus text exposition (format 0.0.4) with per-series lines prepared once.
+"""Prometheus text exposition (format 0.0.4), re-rendering only what changed since the last render.
 
 prometheus-client's ``generate_latest`` re-escapes and re-joins every label set on every call;
-for a full node (~3,700 samples) that is ~30 ms. Here the ``name{labels} `` prefix of each series
-and the HELP/TYPE header of each family are built the first time they are seen and reused while
-the series lives, so a render is a dict lookup and a float format per sample. The families are
-prometheus-client's own ``Metric`` objects, so its types and naming rules still apply.
+for a full node (~9,600 samples with 64 ranks) that is tens of ms. Here each family remembers its
+last rendering: a family whose samples are unchanged is reused whole, and in one whose label sets
+are unchanged only the lines whose value changed are formatted again. The families are
+prometheus-client's own ``Metric`` objects, so its types and naming rules still apply, and the
+output is byte-identical to ``generate_latest``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client.core import Metric
 from prometheus_client.utils import floatToGoString
@@ -34,48 +38,87 @@ def _escape_help(text: str) -> str:
     return text.replace("\\", r"\\").replace("\n", r"\n")
 
 
-class Renderer:
-    """Renders metric families to exposition bytes, caching what does not change between renders.
+def series_prefix(name: str, labels: dict[str, str]) -> str:
+    """``name{labels} ``: a sample line up to its value, labels sorted and escaped as generate_latest does."""
+    if not labels:
+        return name + " "
+    body = ",".join(f'{k}="{_escape_label_value(str(v))}"' for k, v in sorted(labels.items()))
+    return f"{name}{{{body}}} "
 
-    The caches only keep entries seen in the latest render, so series that disappear (an expired
-    rank, a lost GPU) do not leak memory. Not thread-safe: one sampler thread owns it.
+
+def format_value(value: Any) -> str:
+    """``floatToGoString``, with a fast path for the small integers counters and buckets mostly hold."""
+    if type(value) is int and -1_000_000 < value < 1_000_000:
+        return f"{value}.0"  # what repr(float(value)) gives; from 1e6 up Go switches to exponents
+    return floatToGoString(value)
+
+
+class TextFamily(Metric):
+    """A family whose sample lines its collector wrote itself, with ``series_prefix`` and ``format_value`` (so
+    the text is what generate_latest would write): for collectors that keep lines per entity across rounds
+    and rewrite only the entities that changed. Name and type are checked as for any ``Metric``."""
+
+    def __init__(self, name: str, documentation: str, typ: str, text: str) -> None:
+        super().__init__(name, documentation, typ)
+        self.text = text
+
+
+@dataclasses.dataclass(slots=True)
+class _Family:
+    """One family's last rendering: what it was rendered from and the text, line by line."""
+
+    header_key: tuple[str, str]
+    header: str
+    keys: list[tuple[str, dict[str, str]]]  # (sample name, labels) of each line
+    prefixes: list[str]  # 'name{labels} ' of each line
+    values: list[Any]
+    lines: list[str]
+    text: str
+
+
+class Renderer:
+    """Renders metric families to exposition bytes, reusing the previous render where nothing changed.
+
+    Only the families of the latest render are remembered, so series that disappear (an expired
+    rank, a lost GPU) do not leak memory. Thread-safe: lazily rendered snapshots may be rendered
+    from concurrent scrapes.
     """
 
     def __init__(self) -> None:
-        self._series: dict[tuple[str, tuple[tuple[str, str], ...]], str] = {}
-        self._headers: dict[tuple[str, str, str], str] = {}
+        self._families: dict[str, _Family] = {}
+        self._lock = threading.Lock()
 
     def render(self, families: Iterable[Metric]) -> bytes:
-        series: dict[tuple[str, tuple[tuple[str, str], ...]], str] = {}
-        headers: dict[tuple[str, str, str], str] = {}
-        old_series, old_headers = self._series, self._headers
-        out: list[str] = []
-        for family in families:
-            header_key = (family.name, family.type, family.documentation)
-            header = old_headers.get(header_key) or self._header(family)
-            headers[header_key] = header
-            out.append(header)
-            for sample in family.samples:
-                key = (sample.name, tuple(sample.labels.items()))
-                prefix = old_series.get(key)
-                if prefix is None:
-                    prefix = self._prefix(sample.name, sample.labels)
-                series[key] = prefix
-                out.append(prefix)
-                out.append(floatToGoString(sample.value))
-                out.append("\n")
-        self._series, self._headers = series, headers
-        return "".join(out).encode()
+        with self._lock:
+            previous, current = self._families, {}
+            texts = []
+            for family in families:
+                rendered = current[family.name] = self._render(family, previous.get(family.name))
+                texts.append(rendered.text)
+            self._families = current
+            return "".join(texts).encode()
+
+    def _render(self, family: Metric, cached: _Family | None) -> _Family:
+        header_key = (family.type, family.documentation)
+        if isinstance(family, TextFamily):
+            header = cached.header if cached is not None and cached.header_key == header_key else self._header(family)
+            return _Family(header_key, header, [], [], [], [], header + family.text)
+        keys = [(sample.name, sample.labels) for sample in family.samples]
+        values = [sample.value for sample in family.samples]
+        if cached is None or cached.keys != keys:
+            prefixes = [series_prefix(name, labels) for name, labels in keys]
+            lines = [f"{prefix}{format_value(value)}\n" for prefix, value in zip(prefixes, values, strict=True)]
+        elif cached.values == values and cached.header_key == header_key:
+            return cached
+        else:
+            prefixes = cached.prefixes
+            lines = [line if value == old else f"{prefix}{format_value(value)}\n"
+                     for prefix, value, old, line in zip(prefixes, values, cached.values, cached.lines, strict=True)]
+        header = cached.header if cached is not None and cached.header_key == header_key else self._header(family)
+        return _Family(header_key, header, keys, prefixes, values, lines, header + "".join(lines))
 
     @staticmethod
     def _header(family: Metric) -> str:
         exposed_type, suffix = _TYPE_AND_SUFFIX.get(family.type, (family.type, ""))
         name = family.name + suffix
         return f"# HELP {name} {_escape_help(family.documentation)}\n# TYPE {name} {exposed_type}\n"
-
-    @staticmethod
-    def _prefix(name: str, labels: dict[str, str]) -> str:
-        if not labels:
-            return name + " "
-        body = ",".join(f'{k}="{_escape_label_value(str(v))}"' for k, v in sorted(labels.items()))
-        return f"{name}{{{body}}} "

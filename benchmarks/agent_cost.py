@@ -4,7 +4,14 @@ Why from outside: an operator sizes a DaemonSet's requests/limits from the proce
 kernel counts them (psutil on the agent's pid), not from timings inside the agent. The agent serves a simulated
 dgx-h100 (8 GPUs, 18 NVLinks each, 8 IB ports) at a 1 s sampling interval while 64 ranks report one step per
 second each through the real telemetry socket (TelemetryClient, from a separate process so the senders' CPU is
-not counted), and Prometheus-like scrapes arrive every 15 s. Then ``/metrics`` latency is timed over loopback.
+not counted), and Prometheus-like scrapes arrive every 15 s. Then ``/metrics`` latency is timed over loopback
+three ways: back to back (all but the first hit a snapshot already rendered); once per sampling interval, each
+reading a new snapshot, at a steady rhythm as Prometheus scrapes (the agent renders the round the next scrape will
+read ahead of it); and at irregular gaps, where a scrape the last gap did not predict renders the snapshot it reads.
+
+What the agent's CPU share includes that a real node does not pay: ``--simulate`` rewrites the generated sysfs
+tree and advances the scripted NVML before every round. That part is measured separately, in this process, by
+timing ``Simulation.advance`` over the same number of rounds, and reported beside the total.
 
 Side by side on the same InfiniBand sysfs fixture (tests/fixtures/procfs-infiniband/sys): the agent with only its
 infiniband collector against Debian's ``prometheus-node-exporter`` restricted to its infiniband collector
@@ -21,6 +28,7 @@ import argparse
 import contextlib
 import multiprocessing
 import os
+import random
 import shutil
 import socket
 import statistics
@@ -38,6 +46,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from telemetry_records import collectives, hello, step
 
+from gpuwatch.agent.simulate import PRESETS, Simulation
 from gpuwatch.trainer.telemetry import TelemetryClient
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -143,9 +152,12 @@ class Latency:
     kbytes: float
 
 
-def latency(url: str, scrapes: int) -> Latency:
+def latency(url: str, scrapes: int, every: float = 0.0, irregular: bool = False) -> Latency:
+    """Scrapes back to back, one every ``every`` seconds, or ``irregular``-ly 0.2 to 3 times ``every`` apart."""
     times, body = [], b""
+    gaps = random.Random(0)
     for _ in range(scrapes):
+        time.sleep(every * gaps.uniform(0.2, 3.0) if irregular else every)
         started = time.perf_counter()
         body = _get(url)
         times.append((time.perf_counter() - started) * 1e3)
@@ -153,6 +165,20 @@ def latency(url: str, scrapes: int) -> Latency:
     samples = sum(1 for line in body.splitlines() if line and not line.startswith(b"#"))
     return Latency(statistics.median(times), times[min(len(times) - 1, int(0.99 * len(times)))], samples,
                    len(body) / 1024)
+
+
+def simulation_cpu_per_round(rounds: int, interval: float) -> float:
+    """CPU seconds one ``Simulation.advance`` of dgx-h100 takes when called every ``interval`` seconds."""
+    with tempfile.TemporaryDirectory(prefix="gpuwatch-sim-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK)
+                                     else None) as workdir:
+        simulation = Simulation(PRESETS["dgx-h100"], Path(workdir))
+        spent = 0.0
+        for _ in range(rounds):
+            time.sleep(interval)
+            started = time.process_time()
+            simulation.advance()
+            spent += time.process_time() - started
+    return spent / rounds
 
 
 def node_exporter() -> str | None:
@@ -165,6 +191,7 @@ def main() -> None:
     parser.add_argument("--scrapes", type=int, default=300, help="scrapes per latency measurement")
     parser.add_argument("--interval", type=float, default=1.0, help="the agent's sampling interval (its default is 5)")
     parser.add_argument("--warmup", type=float, default=8.0, help="seconds before measuring (ranks registered)")
+    parser.add_argument("--fresh-scrapes", type=int, default=20, help="scrapes one sampling interval apart")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="gpuwatch-cost-") as tmp:
@@ -173,12 +200,15 @@ def main() -> None:
         simulated = agent_command(port, sock, "--simulate", "dgx-h100", "--interval", str(args.interval))
         with _process(simulated, url + "/healthz") as agent:
             sender = multiprocessing.Process(target=send_steps,
-                                             args=(str(sock), args.warmup + args.seconds + args.scrapes * 0.05 + 30))
+                                             args=(str(sock), args.warmup + args.seconds + args.scrapes * 0.05
+                                                   + args.fresh_scrapes * args.interval * 3 + 30))
             sender.start()
             try:
                 time.sleep(args.warmup)
                 cost = usage(agent.pid, args.seconds, url + "/metrics")
                 full = latency(url + "/metrics", args.scrapes)
+                fresh = latency(url + "/metrics", args.fresh_scrapes, every=args.interval)
+                irregular = latency(url + "/metrics", args.fresh_scrapes, every=args.interval, irregular=True)
                 page = _get(url + "/metrics").decode()
             finally:
                 sender.terminate()
@@ -188,6 +218,8 @@ def main() -> None:
                                    if line.startswith("gpuwatch_telemetry_records_total{") and f'"{result}"' in line)
                        for result in ("accepted", "rejected", "dropped")}
 
+        rounds = max(3, min(30, int(args.seconds / args.interval)))  # as many rounds as the measured window held
+        simulation = simulation_cpu_per_round(rounds, args.interval) / args.interval
         ib_only = ("--sysfs-root", str(IB_FIXTURE), "--interval", "1", "--no-collector.nvml", "--no-collector.nvlink",
                    "--no-collector.host", "--no-collector.telemetry")
         port = _free_port()
@@ -208,9 +240,16 @@ def main() -> None:
           f"(records accepted {outcome['accepted']:.0f}, rejected {outcome['rejected']:.0f}, "
           f"dropped {outcome['dropped']:.0f}):")
     print(f"  agent CPU      {cost.cpu_share * 100:6.2f} % of one core   (target < 1 %)")
+    print(f"    of which simulation {simulation * 100:.2f} % (sysfs rewrites, scripted NVML; not on a real node), "
+          f"without it {(cost.cpu_share - simulation) * 100:.2f} %")
     print(f"  agent RSS      {cost.rss_max_mb:6.1f} MB max, {cost.rss_last_mb:.1f} MB at the end   (target < 80 MB)")
     print(f"  /metrics       p50 {full.p50_ms:.2f} ms  p99 {full.p99_ms:.2f} ms  ({full.samples} samples, "
-          f"{full.kbytes:.0f} KiB; target p50 < 5 ms)")
+          f"{full.kbytes:.0f} KiB; target p50 < 5 ms), back to back: a snapshot already rendered")
+    print(f"  /metrics every {args.interval:g} s p50 {fresh.p50_ms:.2f} ms  p99 {fresh.p99_ms:.2f} ms  "
+          f"({args.fresh_scrapes} scrapes, a new snapshot each, at a steady rhythm: rendered ahead)")
+    print(f"  /metrics irregular p50 {irregular.p50_ms:.2f} ms  p99 {irregular.p99_ms:.2f} ms  "
+          f"({args.fresh_scrapes} scrapes 0.2-3 intervals apart: ahead when the last gap predicts them, else "
+          "on demand)")
     print(f"\nInfiniBand only, same sysfs fixture ({IB_FIXTURE.relative_to(ROOT)}), {args.scrapes} scrapes:")
     print(f"  gpuwatch agent       p50 {agent_ib.p50_ms:.2f} ms  p99 {agent_ib.p99_ms:.2f} ms  "
           f"({agent_ib.samples} samples)")

@@ -15,9 +15,9 @@ Planted faults, and whether Prometheus can show them:
 * a down InfiniBand port (mlx5_3/1 DOWN, Disabled)       → HW003
 * a NaN rank (loss NaN, non-finite steps counted)         → CONV001
 * a fragmented rank (reserved ≫ allocated, alloc retries) → MEM001
-* NCCL_IB_DISABLE=1 on some nodes                         → invisible: the ranks' environment travels in their
-  ``hello`` records to the agent (``/api/v1/state``, run logs) but is not exported as series, so NCCL001 cannot
-  run from Prometheus; ``gpuwatch diagnose --preflight`` (the Slurm prolog) or ``--agent`` on the node finds it.
+* NCCL_IB_DISABLE=1 on some nodes' ranks                 → NCCL001 on those nodes: the agent exports the part of
+  the ranks' environment that rules read as ``gpuwatch_train_env_info{name, value}`` (the template's ranks run
+  with NCCL_IB_DISABLE=0, the planted nodes' with 1).
 
 The backfilled samples end when the file is written, so the server runs with ``--query.lookback-delta=30m``: the
 source's instant queries carry no ``time`` parameter (they ask for "now"), and the default 5 m lookback would
@@ -108,7 +108,8 @@ class Plan:
     def expected(self) -> set[tuple[str, str]]:
         """(rule, node) pairs diagnosis must report, no more and no fewer."""
         return {("PERF002", node_name(self.straggler_node)), ("HW003", node_name(self.ib_down_node)),
-                ("CONV001", node_name(self.nan_rank // GPUS)), ("MEM001", node_name(self.fragmented_rank // GPUS))}
+                ("CONV001", node_name(self.nan_rank // GPUS)), ("MEM001", node_name(self.fragmented_rank // GPUS)),
+                *(("NCCL001", node_name(node)) for node in self.ib_disabled_nodes)}
 
 
 def node_name(node: int) -> str:
@@ -167,14 +168,16 @@ def capture_template(workdir: Path) -> list[Series]:
         with TelemetryClient(sock, heartbeat_interval=0) as client:
             for rank in range(GPUS):
                 client.send(hello(rank, job=JOB, local_rank=rank, tp_rank=rank, **layout,
-                                  gpu={"index": rank, "uuid": uuids[rank]}, env={"NCCL_DEBUG": "WARN"}))
+                                  gpu={"index": rank, "uuid": uuids[rank]},
+                                  env={"NCCL_DEBUG": "WARN", "NCCL_IB_DISABLE": "0"}))
                 client.send(step(rank, 100, job=JOB, memory=HEALTHY_MEMORY, pipeline=None,
                                  collectives=collectives({"all_reduce": [0.002] * 4})))
 
         def ready() -> str | None:
             text = _get(url + "/metrics").decode()
             return text if text.count("gpuwatch_train_last_step{") == GPUS and \
-                text.count("gpuwatch_gpu_job_info{") == GPUS else None
+                text.count("gpuwatch_gpu_job_info{") == GPUS and text.count("gpuwatch_train_env_info{") == GPUS \
+                else None
 
         text = _wait(ready, "8 ranks in /metrics")
     return [series for series in parse(text) if READ_BY_DIAGNOSE.fullmatch(series.name)]
@@ -191,10 +194,14 @@ def parse(text: str) -> list[Series]:
 
 # --- the cluster, as OpenMetrics -------------------------------------------------------------------------------
 
-def _node_labels(series: Series, node: int, nodes: int) -> dict[str, str]:
-    """The template series' labels as node ``node`` of ``nodes`` exports them, seen through a scrape with
+def _node_labels(series: Series, node: int, plan: Plan) -> dict[str, str]:
+    """The template series' labels as node ``node`` of the plan's cluster exports them, seen through a scrape with
     honor_labels (the training series keep their own ``job``; the agent's get the scrape job)."""
+    nodes = plan.nodes
     labels = dict(series.labels)
+    if node in plan.ib_disabled_nodes and series.name == "gpuwatch_train_env_info" \
+            and labels["name"] == "NCCL_IB_DISABLE":
+        labels["value"] = "1"
     labels["instance"] = f"{node_name(node)}:9746"
     labels.setdefault("job", "gpuwatch")
     if series.name == "gpuwatch_agent_info":
@@ -252,7 +259,7 @@ def write_openmetrics(template: list[Series], plan: Plan, path: Path, timestamps
             for node in range(plan.nodes):
                 lines = []
                 for series in family:
-                    labels = _node_labels(series, node, plan.nodes)
+                    labels = _node_labels(series, node, plan)
                     value = _format(_planted(plan, node, name, labels, series.value))
                     text = ",".join(f'{key}="{val}"' for key, val in sorted(labels.items()))
                     lines.extend(f"{name}{{{text}}} {value} {stamp}\n" for stamp in stamps)
@@ -370,9 +377,7 @@ def main() -> None:
                 print(f"        found {code} on {node}")
             for line in run.info:
                 print(f"        info  {line}")
-            ib_disabled = ", ".join(node_name(n) for n in plan.ib_disabled_nodes)
-            print(f"        NCCL_IB_DISABLE=1 planted on {ib_disabled}: not visible through Prometheus "
-                  f"(NCCL001 not run: {run.not_run.get('NCCL001', 'ran')})")
+            print(f"        not run: {', '.join(sorted(run.not_run)) or 'none'}")
         base = runs[0]
         print("\ngrowth of diagnose wall time (median) against the smallest cluster:")
         for run in runs:

@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--dp", type=int, default=2)
-    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--micro-batches", type=int, default=8, help="As `gpuwatch train`.")
     parser.add_argument("--only", choices=CONFIGS, action="append", help="Run only these configurations.")
     args = parser.parse_args()
     agent = Path(tempfile.mkdtemp()) / "agent.sock"

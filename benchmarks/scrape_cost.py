@@ -1,8 +1,10 @@
 """Scrape and sampling cost of the agent on a simulated dgx-h100 node, measured side by side.
 
-Prints, for the same metric families: prometheus-client's ``generate_latest`` against gpuwatch's
-cached renderer (the ratio is the point: absolute times wander on shared machines), the cost of one
-sampling round per collector, and /metrics latency over HTTP from a running agent.
+Prints, for the same metric families (a node without ranks: the per-rank families are written by the
+telemetry collector itself, see ``agent_cost.py`` for 64 ranks): prometheus-client's ``generate_latest``
+against gpuwatch's cached renderer (the ratio is the point: absolute times wander on shared machines), the
+cost of one sampling round per collector, the round itself (collection only) and the render of a fresh
+snapshot (what its first scrape pays), and /metrics latency over HTTP from a running agent.
 
     python benchmarks/scrape_cost.py [--rounds 50]
 """
@@ -67,7 +69,8 @@ def main() -> None:
         cached = _median_ms(lambda: renderer.render(families), args.rounds)
         print(f"{args.preset}: {len(families)} families, {samples} samples")
         print(f"  render  prometheus_client.generate_latest  {generic:7.2f} ms (median of {args.rounds})")
-        print(f"  render  gpuwatch Renderer (cached lines)   {cached:7.2f} ms   ratio {generic / cached:5.1f}x")
+        print(f"  render  gpuwatch Renderer, nothing changed {cached:6.2f} ms   ratio {generic / cached:5.1f}x "
+              "(every family reused; a fresh snapshot's render is below)")
 
         for collector in collectors:
             print(f"  collect {collector.name:<12} {_median_ms(collector.collect, args.rounds):7.2f} ms")
@@ -76,7 +79,9 @@ def main() -> None:
 
         sampler = Sampler(collectors, interval=1.0, node="bench", mode="simulated")
         round_ms = _median_ms(sampler.sample_once, args.rounds)
-        print(f"  full sampling round (all collectors + render) {round_ms:7.2f} ms")
+        fresh_ms = _median_ms(lambda: sampler.sample_once().metrics_text, args.rounds) - round_ms
+        print(f"  sampling round (all collectors; nobody scrapes: no render) {round_ms:7.2f} ms")
+        print(f"  render of a new snapshot (for its first scrape)             {fresh_ms:7.2f} ms")
 
         server = AgentHTTPServer(("127.0.0.1", 0), lambda: sampler.snapshot, stale_after=60)
         serve_in_thread(server)

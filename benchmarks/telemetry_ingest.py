@@ -88,8 +88,9 @@ def _send(path: str, ranks: int, seconds: float) -> None:
 
 @contextlib.contextmanager
 def _receiver(interval: float) -> Iterator[tuple[Path, TelemetryCollector]]:
-    """A TelemetryCollector receiving on a fresh socket, with a thread rendering it every ``interval`` seconds as
-    the agent's sampler does (rendering competes with the receiver for the GIL)."""
+    """A TelemetryCollector receiving on a fresh socket, with a thread collecting and rendering it every
+    ``interval`` seconds, as when every sampling round is scraped (rendering competes with the receiver for the
+    GIL)."""
     with tempfile.TemporaryDirectory(prefix="gw-bench-") as workdir:
         path = Path(workdir) / "telemetry.sock"
         collector = TelemetryCollector(CollectorContext(telemetry_socket=path))

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 
+import hypothesis
 import pytest
 from diagnose_facts import GIB, NDR, facts, gpu, node, port, rank, step
+from hypothesis import strategies as st
 
 from gpuwatch.agent.diagnosis import engine
 from gpuwatch.agent.diagnosis.facts import (
@@ -19,6 +22,7 @@ from gpuwatch.agent.diagnosis.facts import (
     RankFacts,
     Sampled,
     StepFacts,
+    medians_of_others,
 )
 from gpuwatch.agent.diagnosis.registry import Severity
 
@@ -665,3 +669,11 @@ def test_topo002_silent_when_tp_stays_inside_nodes():
 
 def test_topo002_not_run_without_placement():
     not_run("TOPO002", facts(ranks=[rank(0, tp=2, host=None)]), "hostname")
+
+
+@hypothesis.given(st.lists(st.sampled_from([0.01, 0.5, 1.0]) | st.floats(0.001, 10), min_size=2, max_size=40))
+def test_medians_of_others_match_the_median_of_each_rank_s_peers(values):
+    """PERF002 judges each rank against its peers without itself; the one-sort shortcut must agree with the
+    plain definition, ties included."""
+    expected = [statistics.median(values[:i] + values[i + 1:]) for i in range(len(values))]
+    assert medians_of_others(values) == pytest.approx(expected)

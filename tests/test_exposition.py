@@ -23,6 +23,12 @@ def _families():
     return [gauge, counter, histogram, info, unlabelled]
 
 
+def _latest(families):
+    registry = CollectorRegistry()
+    registry.register(_Static(families))
+    return generate_latest(registry)
+
+
 class _Static:
     def __init__(self, families):
         self.families = families
@@ -32,9 +38,28 @@ class _Static:
 
 
 def test_render_matches_prometheus_client_byte_for_byte():
-    registry = CollectorRegistry()
-    registry.register(_Static(_families()))
-    assert Renderer().render(_families()) == generate_latest(registry)
+    assert Renderer().render(_families()) == _latest(_families())
+
+
+def test_rerender_after_changes_matches_prometheus_client():
+    """Reused families, reused lines and re-formatted values together still give generate_latest's bytes."""
+    renderer = Renderer()
+    renderer.render(_families())
+    changed = _families()
+    changed[0].samples[1] = changed[0].samples[1]._replace(value=0.5)  # one value of three
+    changed[1].samples[0] = changed[1].samples[0]._replace(value=7)  # an int, the fast formatting path
+    changed[1].samples.append(changed[1].samples[0]._replace(labels={"link": "4"}, value=2_000_000))  # new series
+    changed[3].documentation = "Info, documented anew."
+    assert renderer.render(changed) == _latest(changed)
+    assert renderer.render(_families()) == _latest(_families())
+
+
+def test_unchanged_family_is_reused_without_formatting():
+    renderer = Renderer()
+    renderer.render(_families())
+    cached = renderer._families["gpuwatch_test_seconds"]
+    renderer.render(_families())
+    assert renderer._families["gpuwatch_test_seconds"] is cached
 
 
 def test_second_render_reuses_cache_and_forgets_vanished_series():
@@ -46,8 +71,9 @@ def test_second_render_reuses_cache_and_forgets_vanished_series():
     text = renderer.render([gauge]).decode()
     assert 'gpuwatch_test_ratio{gpu="7"} 1.0' in text
     assert "gpuwatch_test_bytes" not in text
-    # Only the live series stay cached: an expired rank or lost GPU does not leak memory.
-    assert list(renderer._series) == [("gpuwatch_test_ratio", (("gpu", "7"),))]
+    # Only the live families stay cached: an expired rank or lost GPU does not leak memory.
+    assert list(renderer._families) == ["gpuwatch_test_ratio"]
+    assert renderer._families["gpuwatch_test_ratio"].keys == [("gpuwatch_test_ratio", {"gpu": "7"})]
 
 
 def test_value_changes_between_renders_are_reflected():

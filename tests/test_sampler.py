@@ -1,13 +1,15 @@
 """Sampler: one failing or hung collector never takes the others down; snapshots are whole."""
 
+import gzip
 import json
 import threading
 import time
 
 from prometheus_client.core import GaugeMetricFamily
 
-from gpuwatch.agent.collectors.base import Collector, CollectorContext, CollectorResult
+from gpuwatch.agent.collectors.base import Collector, CollectorContext, CollectorResult, DeferredFamilies
 from gpuwatch.agent.sampler import Sampler
+from gpuwatch.agent.snapshot import ScrapeClock
 
 
 class _Good(Collector):
@@ -94,3 +96,69 @@ def test_run_loop_samples_on_interval_and_stops():
     assert not thread.is_alive()
     assert sampler.snapshot.timestamp > 0
     assert "gpuwatch_good_value" in sampler.snapshot.metrics_text.decode()
+
+
+class _Deferred(Collector):
+    name = "deferred"
+
+    def __init__(self, context):
+        super().__init__(context)
+        self.builds = 0
+
+    def _build(self):
+        self.builds += 1
+        return [GaugeMetricFamily("gpuwatch_deferred_value", "Deferred.", value=self.builds)]
+
+    def collect(self):
+        return CollectorResult(DeferredFamilies(self._build))
+
+
+def test_a_round_renders_nothing_until_its_snapshot_is_scraped():
+    """At 1 s sampling and 15 s scrapes, 14 of 15 rounds are never served: they must not pay for rendering."""
+    collector = _Deferred(CollectorContext())
+    sampler = _sampler(collector)
+    first = sampler.sample_once()
+    second = sampler.sample_once()
+    assert collector.builds == 0 and "_text" not in vars(second)
+    assert b"gpuwatch_deferred_value 1.0" in second.metrics_text
+    assert second.metrics_gzip and collector.builds == 1  # gzip compresses the cached text
+    assert b"gpuwatch_deferred_value 2.0" in first.metrics_text  # an older snapshot still renders whole
+    assert collector.builds == 2
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_scrape_clock_expects_the_next_scrape_at_the_last_gap():
+    clock = _Clock()
+    scrapes = ScrapeClock(clock)
+    scrapes.scraped()
+    assert not scrapes.due_within(1.0)  # one scrape: no rhythm yet
+    clock.now += 15
+    scrapes.scraped()
+    clock.now += 13.5
+    assert not scrapes.due_within(1.0)  # next expected in 1.5 s
+    clock.now += 0.6
+    assert scrapes.due_within(1.0)
+    clock.now += 10
+    assert scrapes.due_within(1.0)  # overdue, the scraper may be late
+    clock.now += 30
+    assert not scrapes.due_within(1.0)  # gone for more than two gaps: stop rendering ahead
+
+
+def test_the_round_a_regular_scraper_will_read_is_rendered_before_it_asks():
+    collector = _Deferred(CollectorContext())
+    sampler = Sampler([collector], interval=0.05, node="n1", mode="simulated")
+    for _ in range(2):
+        assert sampler.sample_once().metrics_gzip  # two scrapes about 0.05 s apart: one per round
+        time.sleep(0.05)
+    builds = collector.builds
+    ahead = sampler.sample_once()
+    assert collector.builds == builds + 1 and "_gzip" in vars(ahead)  # rendered and compressed in the round
+    assert b"gpuwatch_deferred_value" in gzip.decompress(ahead.metrics_gzip)
+    assert collector.builds == builds + 1

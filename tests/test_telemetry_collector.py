@@ -8,10 +8,12 @@ import time
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from telemetry_records import JOB, collectives, coordinates, hello, samples, step
 
 from gpuwatch.agent.collectors.base import CollectorContext, CollectorError
-from gpuwatch.agent.collectors.telemetry import TelemetryCollector
+from gpuwatch.agent.collectors.telemetry import RankSeries, TelemetryCollector, families
 from gpuwatch.agent.exposition import Renderer
 from gpuwatch.agent.telemetry.schema import encode
 from gpuwatch.agent.telemetry.store import TelemetryStore
@@ -266,3 +268,35 @@ def test_collect_expires_silent_ranks_so_their_series_disappear(socket_path, ope
     text = Renderer().render(result.families).decode()
     assert "gpuwatch_train_" + "loss{" not in text and "gpuwatch_telemetry_ranks{" not in text
     assert result.facts["ranks"] == []
+
+
+def _rendered(store: TelemetryStore, per_rank: RankSeries) -> bytes:
+    ranks, records = store.snapshot()
+    return Renderer().render(families(ranks, records, per_rank))
+
+
+def test_rank_lines_are_what_prometheus_client_writes_and_follow_every_change():
+    """Parsed by prometheus-client and written back by its generate_latest, the page comes out byte for byte:
+    the per-rank lines are exposition as the library writes it (sorted, escaped labels; Go float format)."""
+    store, per_rank = TelemetryStore(), RankSeries()
+    env = {"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": 'ib0,"odd"\\name', "NCCL_DEBUG": "INFO"}
+    _feed(store, hello(0, env=env), step(0, 1, collectives=collectives({"all_reduce": [0.002, 30.0]})),
+          hello(1), step(1, 1, loss=float("nan"), tokens=3_000_000), hello(2))
+    first = _rendered(store, per_rank)
+    registry = CollectorRegistry()
+    registry.register(_Static(list(text_string_to_metric_families(first.decode()))))
+    assert generate_latest(registry) == first
+    assert 'name="NCCL_SOCKET_IFNAME",' in first.decode() and "NCCL_DEBUG" not in first.decode()
+
+    _feed(store, step(1, 2, loss=1.5))  # only rank 1 moves: its lines change, the others are reused as they were
+    second = _rendered(store, per_rank).decode()
+    assert samples(second, "gpuwatch_train_loss") == {coordinates(1): 1.5, coordinates(0): 2.5}
+    assert samples(second, "gpuwatch_train_steps_total") == {coordinates(0): 1, coordinates(1): 2, coordinates(2): 0}
+
+
+class _Static:
+    def __init__(self, families):
+        self.families = families
+
+    def collect(self):
+        return self.families

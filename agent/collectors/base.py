@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import types
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -30,15 +32,38 @@ class CollectorContext:
     telemetry_max_jobs: int = DEFAULT_MAX_JOBS
 
 
+class DeferredFamilies(Sequence[Metric]):
+    """Metric families built on first use, from data the collector already copied.
+
+    Building families is the costly part of a collector with many series (64 ranks' histograms);
+    deferred, it runs only when a scrape renders the snapshot, not in every sampling round.
+    ``build`` must not read state that changes after ``collect`` returns.
+    """
+
+    def __init__(self, build: Callable[[], list[Metric]]) -> None:
+        self._build = build
+
+    @functools.cached_property
+    def _families(self) -> list[Metric]:
+        return self._build()
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._families[index]
+
+    def __len__(self) -> int:
+        return len(self._families)
+
+
 @dataclasses.dataclass
 class CollectorResult:
     """One sample of one collector.
 
-    ``families`` go to /metrics; ``facts`` (JSON-serialisable) go to /api/v1/state for diagnosis;
-    ``errors`` are partial failures (one GPU lost, one unreadable file) that did not stop the rest.
+    ``families`` (a list, or ``DeferredFamilies``) go to /metrics; ``facts`` (JSON-serialisable) go to
+    /api/v1/state for diagnosis; ``errors`` are partial failures (one GPU lost, one unreadable file) that
+    did not stop the rest.
     """
 
-    families: list[Metric] = dataclasses.field(default_factory=list)
+    families: Sequence[Metric] = dataclasses.field(default_factory=list)
     facts: dict[str, Any] = dataclasses.field(default_factory=dict)
     errors: list[str] = dataclasses.field(default_factory=list)
 

@@ -16,7 +16,7 @@ import pynvml
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gpuwatch.agent.collectors._nvml_common import Device, DeviceQuery, NvmlSession, field_value
-from gpuwatch.agent.collectors.base import Collector, CollectorContext, CollectorResult
+from gpuwatch.agent.collectors.base import Collector, CollectorContext, CollectorResult, DeferredFamilies
 
 # Read for every link, in this order; throughput counts KiB, speed is in MB/s (10^6 bytes).
 _LINK_FIELDS = (
@@ -78,7 +78,9 @@ class NvlinkCollector(Collector):
                 links.extend(self._read(device, DeviceQuery(device, errors)))
             except pynvml.NVMLError_GpuIsLost as exc:
                 errors.append(f"gpu {device.index}: {exc}")
-        return CollectorResult(families=self._families(links), facts={"links": links}, errors=errors)
+        # Deferred to the first scrape: 144 links' families are most of this collector's round otherwise.
+        return CollectorResult(families=DeferredFamilies(lambda: self._families(links)), facts={"links": links},
+                               errors=errors)
 
     def close(self) -> None:
         self._links.clear()

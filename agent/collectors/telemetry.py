@@ -2,7 +2,9 @@
 
 A receiver thread drains the socket as records arrive (a datagram queue holds only
 ``net.unix.max_dgram_qlen`` records, so it must not wait for the sampler) and applies each to a
-``TelemetryStore``; ``collect`` only expires silent ranks and renders the store. Step timings are
+``TelemetryStore``; ``collect`` only expires silent ranks and copies the store: the series are
+written when a scrape first asks for the snapshot, and only for ranks whose state moved since the
+previous scrape (``RankSeries``). Step timings are
 gauges of the latest step rather than histograms: the series count stays one per rank, and
 straggler detection compares ranks' current figures. Collective latency is a real histogram,
 accumulated from the buckets every step record carries.
@@ -10,6 +12,11 @@ accumulated from the buckets every step record carries.
 Ranks are exported once their ``hello`` has arrived (it carries the coordinate labels); until
 then, after an agent restart for instance, their counters accumulate unexported, and the
 client's hello heartbeat brings them back within its interval.
+
+The variables of a rank's environment that diagnosis rules read (``schema.EXPORTED_ENV``: NCCL_IB_DISABLE,
+NCCL_SOCKET_IFNAME, ...) are exported as ``gpuwatch_train_env_info{name, value}``, one series per variable
+set, so that ``gpuwatch diagnose --prometheus`` can run the NCCL rules; the full allowlisted environment
+stays in /api/v1/state.
 
 The latest ``gpuwatch probe`` of each job is exported as its peak bus bandwidth per op, one series
 per (job, op): a series per message size would multiply them by ~20 for no alert or rule that needs
@@ -19,7 +26,6 @@ them. The whole sweep stays in /api/v1/state.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import socket
 import threading
@@ -27,13 +33,20 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from gpuwatch.agent.collectors.base import Collector, CollectorContext, CollectorError, CollectorResult
+from gpuwatch.agent.collectors.base import (
+    Collector,
+    CollectorContext,
+    CollectorError,
+    CollectorResult,
+    DeferredFamilies,
+)
+from gpuwatch.agent.exposition import TextFamily, format_value, series_prefix
 from gpuwatch.agent.telemetry import listener
 from gpuwatch.agent.telemetry.paths import default_socket_path
-from gpuwatch.agent.telemetry.schema import COLLECTIVE_BUCKETS
+from gpuwatch.agent.telemetry.schema import COLLECTIVE_BUCKETS, EXPORTED_ENV, MAX_EXPORTED_ENV_VALUE_CHARS
 from gpuwatch.agent.telemetry.store import RankState, TelemetryStore, probe_peaks
 
 log = logging.getLogger(__name__)
@@ -95,6 +108,30 @@ _INFO_FIELDS = ("world_size", "tp_size", "pp_size", "dp_size", "schedule", "micr
                 "torch_version", "nccl_version")
 
 
+_RANK_INFO = "gpuwatch_train_rank_info"
+_ENV_INFO = "gpuwatch_train_env_info"
+_GPU_JOB = "gpuwatch_gpu_job_info"
+_COSINE = "gpuwatch_train_grad_cosine_similarity"
+_CHECKSUM = "gpuwatch_train_param_checksum"
+_LATENCY = "gpuwatch_train_collective_seconds"
+_VOLUME = "gpuwatch_train_collective_bytes"
+#: Families with series per rank, in exposition order: (name as a Metric takes it, type, help).
+_PER_RANK: tuple[tuple[str, str, str], ...] = (
+    (_RANK_INFO, "gauge", "Layout and build of a rank, from its hello."),
+    (_ENV_INFO, "gauge", "A variable of the rank's environment that diagnosis reads (NCCL_IB_DISABLE, "
+     "NCCL_SOCKET_IFNAME, ...), from its hello; value 1, one series per variable set."),
+    (_GPU_JOB, "gauge", "Which job and rank run on which GPU; join it on uuid (or gpu) to label GPU series by job."),
+    *((name, "gauge", doc) for name, doc, _ in _STEP_GAUGES),
+    *((name, "gauge", doc) for name, doc, _ in _MEMORY_GAUGES),
+    *((name.removesuffix("_total"), "counter", doc) for name, doc, _ in _COUNTERS),
+    (_COSINE, "gauge", "Cosine between this data-parallel rank's local gradient and the DP-mean gradient, latest "
+     "measurement."),
+    (_CHECKSUM, "gauge", "Parameter checksum, latest measurement; data-parallel replicas must agree."),
+    (_LATENCY, "histogram", "Latency of the rank's collective calls."),
+    (_VOLUME, "counter", "Bytes the rank's collective calls moved (the rank's buffer size per call)."),
+)
+
+
 def _lookup(body: dict[str, Any], path: tuple[str, ...]) -> Any:
     for key in path:
         body = body.get(key)
@@ -103,12 +140,126 @@ def _lookup(body: dict[str, Any], path: tuple[str, ...]) -> Any:
     return body
 
 
-def _rank_labels(hello: dict[str, Any]) -> list[str]:
-    return [hello["job"], *(str(hello[name]) for name in RANK_LABELS[1:])]
+class _RankLines:
+    """One rank's exposition lines of every per-rank family, and the label prefixes they start with.
+
+    At 64 ranks these are ~7,700 series, most of the page: writing them straight from the rank's state,
+    without a prometheus-client ``Sample`` per series, and only for ranks whose state moved, keeps a scrape
+    of a fresh snapshot to a few ms. Prefixes live as long as the rank's hello is the same.
+    """
+
+    def __init__(self, hello: dict[str, Any]) -> None:
+        self.hello = hello
+        self.version = -1
+        self.parts: dict[str, str] = {}
+        self._labels = dict(zip(RANK_LABELS, (hello["job"], *(str(hello[name]) for name in RANK_LABELS[1:])),
+                                strict=True))
+        self._prefixes: dict[tuple[str, str | None], str] = {}  # by series name and memory kind
+        self._ops: dict[str, tuple[list[str], str, str, str]] = {}  # bucket, count, sum and bytes prefixes by op
+        self._hello_lines = self._from_hello()
+
+    def _from_hello(self) -> dict[str, str]:
+        """The lines that depend on the hello only: written once per hello."""
+        hello = self.hello
+        info = (*((name, str(hello.get(name, ""))) for name in _INFO_FIELDS),
+                ("faults", ",".join(hello.get("faults", ()))))
+        lines = {_RANK_INFO: f"{self._prefix(_RANK_INFO, info)}1.0\n"}
+        environment = hello.get("env", {})
+        lines[_ENV_INFO] = "".join(
+            f"{self._prefix(_ENV_INFO, (('name', name), ('value', environment[name])))}1.0\n"
+            for name in EXPORTED_ENV
+            if name in environment and len(environment[name]) <= MAX_EXPORTED_ENV_VALUE_CHARS)
+        if "gpu" in hello:  # labelled by GPU, job and rank only
+            gpu = {"gpu": str(hello["gpu"]["index"]), "uuid": hello["gpu"]["uuid"], "job": hello["job"],
+                   "rank": self._labels["rank"]}
+            lines[_GPU_JOB] = f"{series_prefix(_GPU_JOB, gpu)}1.0\n"
+        return lines
+
+    def _prefix(self, name: str, extra: tuple[tuple[str, str], ...] = ()) -> str:
+        return series_prefix(name, {**self._labels, **dict(extra)})
+
+    def _line(self, lines: list[str], name: str, value: Any, kind: str | None = None) -> None:
+        """One sample of a series with the rank's labels, and the memory ``kind`` for memory gauges."""
+        prefix = self._prefixes.get((name, kind))
+        if prefix is None:
+            prefix = self._prefixes[name, kind] = self._prefix(name, (("kind", kind),) if kind else ())
+        lines.append(f"{prefix}{format_value(value)}\n")
+
+    def _op(self, op: str) -> tuple[list[str], str, str, str]:
+        prefixes = self._ops.get(op)
+        if prefixes is None:
+            key = (("op", op),)
+            prefixes = self._ops[op] = ([self._prefix(_LATENCY + "_bucket", (("le", le), *key)) for le in _LE],
+                                        self._prefix(_LATENCY + "_count", key), self._prefix(_LATENCY + "_sum", key),
+                                        self._prefix(_VOLUME + "_total", key))
+        return prefixes
+
+    def update(self, state: RankState) -> None:
+        """Rewrite the lines from ``state`` (whose hello is this one's)."""
+        line = self._line
+        lines: dict[str, list[str]] = {name: [] for name, _, _ in _PER_RANK}
+        lines.update((name, [text]) for name, text in self._hello_lines.items())
+        for name, _, read in _COUNTERS:
+            line(lines[name.removesuffix("_total")], name, read(state))
+        latency, volume = lines[_LATENCY], lines[_VOLUME]
+        for op, totals in sorted(state.collectives.items()):
+            buckets, count, total, moved = self._op(op)
+            cumulative = 0
+            for prefix, number in zip(buckets, totals.buckets, strict=True):
+                cumulative += number
+                latency.append(f"{prefix}{format_value(cumulative)}\n")
+            latency.append(f"{count}{format_value(cumulative)}\n")
+            latency.append(f"{total}{format_value(totals.seconds)}\n")
+            volume.append(f"{moved}{format_value(totals.bytes)}\n")
+        for family, name in ((_COSINE, "grad_cosine_similarity"), (_CHECKSUM, "param_checksum")):
+            value = state.sampled.get(name, (None, None))[1]
+            if isinstance(value, float):  # a hex-digest checksum stays in /api/v1/state
+                line(lines[family], family, value)
+        step = state.last_step
+        if step is not None:
+            for name, _, path in _STEP_GAUGES:
+                value = _lookup(step, path)
+                if value is not None:
+                    line(lines[name], name, value)
+            memory = step.get("memory", {})
+            for name, _, field in _MEMORY_GAUGES:
+                if field in memory:
+                    line(lines[name], name, memory[field], memory["kind"])
+        self.parts = {name: "".join(part) for name, part in lines.items()}
+        self.version = state.version
 
 
-def families(ranks: Sequence[RankState], records: dict[tuple[str, str], int]) -> list[Metric]:
-    """The metric families of one store snapshot."""
+class RankSeries:
+    """The per-rank families of successive store snapshots, rewriting only the ranks that changed.
+
+    Thread-safe: snapshots build their families lazily, possibly from concurrent scrapes."""
+
+    def __init__(self) -> None:
+        self._ranks: dict[tuple[str, int], _RankLines] = {}
+        self._lock = threading.Lock()
+
+    def families(self, ranks: Sequence[RankState]) -> list[Metric]:
+        with self._lock:
+            current = {}
+            for state in ranks:
+                if state.hello is None:
+                    continue  # exported once its hello gives the coordinate labels
+                key = (state.job, state.rank)
+                cached = self._ranks.get(key)
+                if cached is None or (cached.hello is not state.hello and cached.hello != state.hello):
+                    cached = _RankLines(state.hello)
+                if cached.version != state.version:
+                    cached.update(state)
+                current[key] = cached
+            self._ranks = current  # a rank that expired is forgotten with its lines
+            # Joined under the lock: a concurrent render of another snapshot may rewrite a rank's lines.
+            return [TextFamily(name, doc, typ, "".join(rank.parts[name] for rank in current.values()))
+                    for name, typ, doc in _PER_RANK]
+
+
+def families(ranks: Sequence[RankState], records: dict[tuple[str, str], int],
+             per_rank: RankSeries | None = None) -> list[Metric]:
+    """The metric families of one store snapshot (ranks sorted by job and rank, as the store gives them)."""
     received = CounterMetricFamily(
         "gpuwatch_telemetry_records_total", "Telemetry records by outcome: accepted or rejected by the agent "
         "(reason: why), or dropped by the ranks' clients before sending (reason: no_agent, busy, ...).",
@@ -122,60 +273,7 @@ def families(ranks: Sequence[RankState], records: dict[tuple[str, str], int]) ->
         per_job[state.job] = per_job.get(state.job, 0) + 1
     for job, count in per_job.items():
         tracked.add_metric([job], count)
-
-    gauges = [GaugeMetricFamily(name, doc, labels=RANK_LABELS) for name, doc, _ in _STEP_GAUGES]
-    memory = [GaugeMetricFamily(name, doc, labels=[*RANK_LABELS, "kind"]) for name, doc, _ in _MEMORY_GAUGES]
-    counters = [CounterMetricFamily(name, doc, labels=RANK_LABELS) for name, doc, _ in _COUNTERS]
-    cosine = GaugeMetricFamily("gpuwatch_train_grad_cosine_similarity", "Cosine between this data-parallel "
-                               "rank's local gradient and the DP-mean gradient, latest measurement.",
-                               labels=RANK_LABELS)
-    checksum = GaugeMetricFamily("gpuwatch_train_param_checksum", "Parameter checksum, latest measurement; "
-                                 "data-parallel replicas must agree.", labels=RANK_LABELS)
-    latency = HistogramMetricFamily("gpuwatch_train_collective_seconds", "Latency of the rank's collective "
-                                    "calls.", labels=[*RANK_LABELS, "op"])
-    volume = CounterMetricFamily("gpuwatch_train_collective_bytes_total", "Bytes the rank's collective calls "
-                                 "moved (the rank's buffer size per call).", labels=[*RANK_LABELS, "op"])
-    rank_info = GaugeMetricFamily("gpuwatch_train_rank_info", "Layout and build of a rank, from its hello.",
-                                  labels=[*RANK_LABELS, *_INFO_FIELDS, "faults"])
-    gpu_job = GaugeMetricFamily("gpuwatch_gpu_job_info", "Which job and rank run on which GPU; join it on "
-                                "uuid (or gpu) to label GPU series by job.",
-                                labels=["gpu", "uuid", "job", "rank"])
-
-    for state in ranks:
-        hello = state.hello
-        if hello is None:
-            continue
-        labels = _rank_labels(hello)
-        rank_info.add_metric([*labels, *(str(hello.get(name, "")) for name in _INFO_FIELDS),
-                              ",".join(hello.get("faults", ()))], 1)
-        if "gpu" in hello:
-            gpu_job.add_metric([str(hello["gpu"]["index"]), hello["gpu"]["uuid"], hello["job"], labels[1]], 1)
-        for family, (_, _, read) in zip(counters, _COUNTERS, strict=True):
-            family.add_metric(labels, read(state))
-        for op, totals in sorted(state.collectives.items()):
-            cumulative, buckets = 0, []
-            for le, count in zip(_LE, totals.buckets, strict=True):
-                cumulative += count
-                buckets.append((le, cumulative))
-            latency.add_metric([*labels, op], buckets, totals.seconds)
-            volume.add_metric([*labels, op], totals.bytes)
-        for family, name in ((cosine, "grad_cosine_similarity"), (checksum, "param_checksum")):
-            value = state.sampled.get(name, (None, None))[1]
-            if isinstance(value, float):  # a hex-digest checksum stays in /api/v1/state
-                family.add_metric(labels, value)
-        step = state.last_step
-        if step is None:
-            continue
-        for family, (_, _, path) in zip(gauges, _STEP_GAUGES, strict=True):
-            value = _lookup(step, path)
-            if value is not None:
-                family.add_metric(labels, value)
-        if "memory" in step:
-            for family, (_, _, field) in zip(memory, _MEMORY_GAUGES, strict=True):
-                if field in step["memory"]:
-                    family.add_metric([*labels, step["memory"]["kind"]], step["memory"][field])
-    return [received, tracked, rank_info, gpu_job, *gauges, *memory, *counters, cosine, checksum,
-            latency, volume]
+    return [received, tracked, *(per_rank or RankSeries()).families(ranks)]
 
 
 def probe_families(probes: Sequence[dict[str, Any]]) -> list[Metric]:
@@ -206,7 +304,9 @@ def _rank_facts(state: RankState) -> dict[str, Any]:
         "hello": state.hello,
         "last_step": state.last_step,
         "counters": state.counters(),
-        "collectives": {op: dataclasses.asdict(totals) for op, totals in state.collectives.items()},
+        # by hand: dataclasses.asdict recurses into every bucket, a third of the round at 64 ranks
+        "collectives": {op: {"count": t.count, "bytes": t.bytes, "seconds": t.seconds, "buckets": t.buckets}
+                        for op, t in state.collectives.items()},
         "sampled": {name: {"step": step, "value": value} for name, (step, value) in state.sampled.items()},
         "sender_pid": state.sender_pid,
         "last_seen": state.last_seen_time,
@@ -262,6 +362,7 @@ class TelemetryCollector(Collector):
         self.path = context.telemetry_socket or default_socket_path()
         self.store = TelemetryStore(ttl=context.telemetry_ttl, max_ranks=context.telemetry_max_ranks,
                                     max_jobs=context.telemetry_max_jobs)
+        self._per_rank = RankSeries()
         self._queue_limit = listener.queue_limit()
         self._receiver: _Receiver | None = None
         self._error: str | None = None
@@ -304,7 +405,9 @@ class TelemetryCollector(Collector):
             "ranks": [_rank_facts(state) for state in ranks],
             "probes": probes,
         }
-        return CollectorResult(families(ranks, records) + probe_families(probes), facts)
+        # Deferred: the ranks are copies and probe bodies are never mutated, so building later is the same.
+        return CollectorResult(DeferredFamilies(lambda: families(ranks, records, self._per_rank)
+                                                + probe_families(probes)), facts)
 
     def close(self) -> None:
         if self._receiver is not None:

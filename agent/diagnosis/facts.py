@@ -8,10 +8,11 @@ carry the reason in ``NodeFacts.missing`` (a collector down, no NVML), which the
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import statistics
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 #: Clock-event reasons that mean the GPU slowed itself down (not idling, not an application clock setting).
@@ -365,6 +366,20 @@ def finite(value: float | None) -> bool:
 
 def median(values: Iterable[float]) -> float:
     return statistics.median(values)
+
+
+def medians_of_others(values: Sequence[float]) -> list[float]:
+    """For each value, the median of all the others, from one sort: a straggler is judged against its peers
+    without itself, and a job may have thousands of ranks."""
+    ranked = sorted(values)
+    rest = len(ranked) - 1
+    wanted = (rest // 2,) if rest % 2 else (rest // 2 - 1, rest // 2)  # positions among the others
+    result = []
+    for value in values:
+        gone = bisect.bisect_left(ranked, value)  # leave out one copy of value (which copy is immaterial)
+        picks = [ranked[k + (k >= gone)] for k in wanted]
+        result.append(sum(picks) / len(picks))
+    return result
 
 
 def gbit(bytes_per_second: float) -> str:

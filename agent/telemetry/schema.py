@@ -144,6 +144,13 @@ ENV_NAMES = frozenset({
 ENV_DENY = ("KEY", "TOKEN", "SECRET", "PASSW", "CREDENTIAL", "AUTH", "COOKIE")
 MAX_ENV_VARS = 128
 MAX_ENV_VALUE_CHARS = 1024
+#: The part of a hello's environment the agent exports as ``gpuwatch_train_env_info`` series: the variables
+#: diagnosis rules read, so that ``gpuwatch diagnose --prometheus`` can judge them. A fixed list keeps it to at
+#: most this many series per rank; values longer than MAX_EXPORTED_ENV_VALUE_CHARS are not exported (a cut
+#: interface list would read as another setting), they stay in /api/v1/state.
+EXPORTED_ENV = ("NCCL_ALGO", "NCCL_IB_DISABLE", "NCCL_IB_GID_INDEX", "NCCL_NET", "NCCL_P2P_DISABLE",
+                "NCCL_P2P_LEVEL", "NCCL_SHM_DISABLE", "NCCL_SOCKET_IFNAME", "PYTORCH_CUDA_ALLOC_CONF")
+MAX_EXPORTED_ENV_VALUE_CHARS = 128
 _ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]{0,127}")
 
 
@@ -271,6 +278,25 @@ def _list(item: Check, max_items: int) -> Check:
     return check
 
 
+def _counts(max_items: int) -> Check:
+    """A list of counts, as ``_list(_COUNT, max_items)`` checks it but in one pass with no call per item: the
+    collective buckets are most of the numbers in a step record, and the agent checks 64 records a second."""
+    def check(value: Any) -> list[int]:
+        if type(value) is not list:
+            raise RecordRejected("bad_type")
+        if len(value) > max_items:
+            raise RecordRejected("out_of_range")
+        for index, element in enumerate(value):
+            if type(element) is not int or not 0 <= element <= _MAX_COUNT:
+                try:
+                    _COUNT(element)  # raises the rejection _list would
+                except RecordRejected as rejected:
+                    raise rejected.within(str(index)) from None
+        return value
+
+    return check
+
+
 def _mapping(key: Check, item: Check, max_items: int) -> Check:
     def check(value: Any) -> dict[str, Any]:
         if type(value) is not dict:
@@ -384,7 +410,7 @@ _SIZE = _integer(1, MAX_RANK + 1)
 
 _COLLECTIVE = _object({
     "count": _COUNT, "bytes": _COUNT, "seconds": _SECONDS,
-    "buckets": _list(_COUNT, len(COLLECTIVE_BUCKETS) + 1),
+    "buckets": _counts(len(COLLECTIVE_BUCKETS) + 1),
 })
 
 _COMMON = {"v": _unchecked, "kind": _unchecked, "job": _label(128), "rank": _RANK, "time": _number()}

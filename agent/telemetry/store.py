@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import operator
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -48,7 +49,7 @@ class OpTotals:
             count=self.count + step["count"],
             bytes=self.bytes + step["bytes"],
             seconds=self.seconds + step["seconds"],
-            buckets=tuple(a + b for a, b in zip(self.buckets, step["buckets"], strict=True)),
+            buckets=tuple(map(operator.add, self.buckets, step["buckets"])),  # lengths checked by the schema
         )
 
 
@@ -75,6 +76,8 @@ class RankState:
     sampled: dict[str, tuple[int, Any]] = dataclasses.field(default_factory=dict)
     #: the client's cumulative drop counters as last reported, to turn them into increments
     client_dropped: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: records applied so far: readers that cache what they derive from a rank rebuild it when this moves
+    version: int = 0
 
     def copy(self) -> RankState:
         return dataclasses.replace(self, collectives=dict(self.collectives), sampled=dict(self.sampled),
@@ -136,6 +139,7 @@ class TelemetryStore:
             state.last_seen = self._clock()
             state.last_seen_time = time.time()
             state.sender_pid = sender_pid
+            state.version += 1
             if record.kind == "hello":
                 state.hello = record.body
             else:

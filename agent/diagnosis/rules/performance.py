@@ -18,6 +18,7 @@ from gpuwatch.agent.diagnosis.facts import (
     gbit,
     group_by,
     median,
+    medians_of_others,
 )
 from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
 from gpuwatch.agent.diagnosis.rules.common import capped, cpu_sharing, ratio_text
@@ -146,10 +147,12 @@ def straggler(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
         threshold = max(t.straggler_ratio, t.shared_cpu_ratio) if sharing else t.straggler_ratio
         slow: list[tuple[float, RankFacts, float]] = []
         for _, peers in group_by(timed, lambda r: r.layout.pp_stage if r.layout is not None else 0):
-            for rank in peers if len(peers) > 1 else ():
-                typical = median(computes[r.rank][0] for r in peers if r is not rank)
-                if computes[rank.rank][0] >= threshold * typical:
-                    slow.append((computes[rank.rank][0] / typical, rank, typical))
+            if len(peers) < 2:
+                continue
+            seconds = [computes[r.rank][0] for r in peers]
+            for rank, own, typical in zip(peers, seconds, medians_of_others(seconds), strict=True):
+                if own >= threshold * typical:
+                    slow.append((own / typical, rank, typical))
         if not slow:
             continue
         slow.sort(key=lambda item: -item[0])

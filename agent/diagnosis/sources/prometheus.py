@@ -5,8 +5,10 @@ per node), so the cost stays flat from 1 node to 1,024. Nodes are named by ``gpu
 ``node`` label and joined to other series on ``instance``. The training job is the series' ``job``
 label, which Prometheus renames ``exported_job`` unless the scrape honours labels.
 
-What Prometheus does not carry stays unknown (None): ranks' environment and process groups, network
-interfaces. Error counters become increases over ``WINDOW``, which a single agent snapshot cannot give.
+A rank's environment is the part of it that rules read (``gpuwatch_train_env_info``, one series per variable
+set; ``schema.EXPORTED_ENV``). What Prometheus does not carry stays unknown (None): ranks' process groups,
+network interfaces, and the environment of a rank that set none of the exported variables. Error counters
+become increases over ``WINDOW``, which a single agent snapshot cannot give.
 """
 
 from __future__ import annotations
@@ -64,9 +66,10 @@ _STEP_GAUGES = {
 }
 _RANK_COUNTERS = {"gpuwatch_train_steps_total": "steps", "gpuwatch_train_nonfinite_steps_total": "nonfinite_steps",
                   "gpuwatch_train_alloc_retries_total": "alloc_retries", "gpuwatch_train_ooms_total": "ooms"}
-_RANK_SERIES = "|".join(["gpuwatch_train_rank_info", "gpuwatch_train_last_step", "gpuwatch_train_param_checksum",
-                         "gpuwatch_train_grad_cosine_similarity", "gpuwatch_train_collective_seconds_count",
-                         "gpuwatch_train_collective_seconds_sum", "gpuwatch_train_collective_bytes_total",
+_RANK_SERIES = "|".join(["gpuwatch_train_rank_info", "gpuwatch_train_env_info", "gpuwatch_train_last_step",
+                         "gpuwatch_train_param_checksum", "gpuwatch_train_grad_cosine_similarity",
+                         "gpuwatch_train_collective_seconds_count", "gpuwatch_train_collective_seconds_sum",
+                         "gpuwatch_train_collective_bytes_total",
                          *_STEP_GAUGES, *_RANK_COUNTERS])
 _RANK_KEY = "instance, job, exported_job, rank"
 
@@ -263,6 +266,8 @@ class _Reader:
             name = labels["__name__"]
             if name == "gpuwatch_train_rank_info":
                 labels_of[key] = (node, labels)
+            elif name == "gpuwatch_train_env_info":
+                series[key].setdefault("env", {})[labels["name"]] = labels.get("value", "")
             elif name.startswith("gpuwatch_train_collective_"):
                 series[key].setdefault("collectives", {}).setdefault(labels["op"], {})[name] = _value(sample)
             else:
@@ -343,7 +348,7 @@ class _Reader:
 
         return RankFacts(
             job=job, rank=rank, node=node.name, layout=layout, gpu_index=gpu_index, gpu_uuid=gpu_uuid,
-            faults=tuple(filter(None, labels.get("faults", "").split(","))), last=last,
+            env=values.get("env"), faults=tuple(filter(None, labels.get("faults", "").split(","))), last=last,
             collectives=collectives or None, param_checksum=sampled("gpuwatch_train_param_checksum"),
             grad_cosine=sampled("gpuwatch_train_grad_cosine_similarity"), history=history,
             **{field: _int_or_none(values.get(name)) for name, field in _RANK_COUNTERS.items()})

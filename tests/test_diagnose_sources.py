@@ -7,7 +7,7 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from telemetry_records import JOB, hello, step
+from telemetry_records import JOB, collectives, hello, step
 
 from gpuwatch.agent.cli import main
 from gpuwatch.agent.diagnosis import cli as diagnose_cli
@@ -176,3 +176,42 @@ def test_prometheus_over_two_simulated_nodes_names_the_straggler(start_agent, pr
     assert straggler["title"] == f"straggler in job {JOB}: rank 6 on node-b computes up to 2.00x the median"
     assert straggler["evidence"][0]["where"] == {"node": "node-b", "job": JOB, "rank": 6}
     assert [f["code"] for f in slow["findings"] if f["severity"] != "info"] == ["PERF002"]
+
+
+def test_agent_source_finds_the_rules_no_trainer_fault_reproduces(start_agent):
+    """The settings and symptoms the reference trainer cannot produce on a CPU (NCCL settings, a heavy all-reduce
+    tail, an input stall, a fragmented CUDA allocator, skewed gradients), sent by the real client as a GPU job's
+    ranks would, to a real agent: each rule names its rank. Half of a 16-rank job runs here, so it spans nodes."""
+    agent = start_agent(*FAST, "--node", "sim-b")
+    uuids = [gpu["uuid"] for gpu in agent.state()["facts"]["nvml"]["gpus"]]
+    env = {rank: {"NCCL_DEBUG": "WARN"} for rank in range(8)}
+    env[0]["NCCL_SOCKET_IFNAME"], env[1]["NCCL_P2P_DISABLE"] = "ib9", "1"
+    tail = collectives({"all_reduce": [0.001] * 90 + [0.01] * 10})  # p99 10x its p50, over 100 calls
+    fragmented = {**HEALTHY_MEMORY, "reserved_bytes": 40 << 30, "allocated_bytes": 20 << 30,
+                  "inactive_split_bytes": 12 << 30, "alloc_retries": 7}
+    unusual = {2: {"collectives": tail}, 3: {"dataloader_wait_seconds": 0.3}, 4: {"memory": fragmented}}
+    with TelemetryClient(agent.telemetry_socket, heartbeat_interval=0) as client:
+        for rank in range(8):
+            client.send(hello(rank, hostname="sim-b", world_size=16, dp_size=4,
+                              gpu={"index": rank, "uuid": uuids[rank]}, env=env[rank]))
+            client.send(step(rank, 1, **{"memory": HEALTHY_MEMORY, "grad_cosine_similarity": 0.6,
+                                         **unusual.get(rank, {})}))
+    wait_until(lambda: sum(r["last_step"] is not None for r in agent.state()["facts"]["telemetry"]["ranks"]) == 8,
+               what="8 ranks with a step in the agent's state")
+
+    status, document = diagnose("--agent", agent.url)
+    assert status == 1
+    assert {f["code"] for f in document["findings"]} == {"NCCL003", "NCCL004", "NCCL005", "PERF003", "MEM001",
+                                                         "CONV005"}, document["findings"]
+    ranks = {f["code"]: {e["where"].get("rank") for e in f["evidence"]} - {None} for f in document["findings"]}
+    assert ranks["NCCL003"] == {0} and ranks["NCCL004"] == {1} and ranks["NCCL005"] == {2}
+    assert ranks["PERF003"] == {3} and ranks["MEM001"] == {4}
+    (ifname,) = findings(document, "NCCL003")
+    assert "ib9" in ifname["title"] + ifname["evidence"][0]["text"]
+    assert ifname["fix"].startswith("export NCCL_SOCKET_IFNAME=")
+    assert findings(document, "NCCL005")[0]["fix"].startswith("export NCCL_ALGO=Tree")
+    (p2p,) = findings(document, "NCCL004")
+    assert p2p["fix"] == "unset NCCL_P2P_DISABLE (or set them to 0)"
+    (fragmentation,) = findings(document, "MEM001")
+    assert "expandable_segments:True" in fragmentation["fix"]
+    assert findings(document, "CONV005")[0]["severity"] == "info"

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from gpuwatch.agent import __version__
-from gpuwatch.agent.collectors.base import Collector, CollectorResult
+from gpuwatch.agent.collectors.base import Collector, CollectorResult, DeferredFamilies
 from gpuwatch.agent.exposition import Renderer
 from gpuwatch.agent.snapshot import CollectorStatus, ScrapeClock, Snapshot
 
@@ -79,7 +79,7 @@ class Sampler:
             if result is not None:
                 families.append(result.families)
                 facts[collector.name] = result.facts
-        families.insert(0, self._self_metrics(statuses))
+        families.insert(0, DeferredFamilies(lambda: self._self_metrics(statuses)))  # built if scraped
         snapshot = Snapshot(timestamp=now, families=families, collectors=statuses, facts=facts,
                             agent=self.agent_facts, renderer=self._renderer, scrapes=self._scrapes)
         if self._scrapes.due_within(self.interval):  # a scrape will read this round: render it before it asks

@@ -3,7 +3,9 @@ the simulated node's generated tree."""
 
 import errno
 import json
+import os
 import shutil
+import socket
 import threading
 from pathlib import Path
 
@@ -20,7 +22,11 @@ CLASS = "class/infiniband"
 
 
 def collect(root):
-    return InfinibandCollector(CollectorContext(sysfs_root=root)).collect()
+    collector = InfinibandCollector(CollectorContext(sysfs_root=root))
+    try:
+        return collector.collect()
+    finally:
+        collector.close()
 
 
 def values(result, sample_name):
@@ -119,14 +125,14 @@ def test_no_pma_and_unreadable_files_cost_one_value_each(fixture_copy, monkeypat
     rate.unlink()
     rate.mkdir()  # reading it fails with EISDIR, a real OSError
     einval = str(fixture_copy / CLASS / "mlx5_0/ports/1/counters/symbol_error")
-    real_read = infiniband.read_sysfs
+    real_read = infiniband.SysfsFiles.read
 
-    def read(path):
+    def read(files, path, inode):
         if path == einval:
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real_read(path)
+        return real_read(files, path, inode)
 
-    monkeypatch.setattr(infiniband, "read_sysfs", read)
+    monkeypatch.setattr(infiniband.SysfsFiles, "read", read)
     result = collect(fixture_copy)
 
     assert len(result.errors) == 3
@@ -225,6 +231,77 @@ def test_a_device_removed_between_listing_and_reading_is_skipped_without_errors(
     assert result.errors == []
     assert {labels[0] for labels in values(result, "gpuwatch_ib_device_info")} == {"mlx4_0", "mlx5_0"}
     assert ("mlx5_0", "1") in values(result, "gpuwatch_ib_port_transmitted_bytes_total")
+
+
+# -- attributes kept open between collects ----------------------------------------------------------
+
+def open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_collector_kept_across_rounds_sees_rewritten_and_replaced_files(fixture_copy):
+    collector = InfinibandCollector(CollectorContext(sysfs_root=fixture_copy))
+    collector.collect()
+    write(fixture_copy, "mlx5_0/ports/1/counters/port_xmit_data", "25")  # in place, as a test edits a file
+    replaced = fixture_copy / CLASS / "mlx4_0/ports/1/state"
+    staged = replaced.with_name("state.new")
+    staged.write_text("1: DOWN\n")
+    os.replace(staged, replaced)  # a new inode, as the simulated tree writes
+    result = collector.collect()
+    assert values(result, "gpuwatch_ib_port_transmitted_bytes_total")[("mlx5_0", "1")] == 100
+    assert values(result, "gpuwatch_ib_port_state_id")[("mlx4_0", "1")] == 1
+    assert result.errors == []
+    collector.close()
+
+
+def test_open_files_are_closed_when_their_device_goes_and_at_close(fixture_copy):
+    baseline = open_fds()
+    collector = InfinibandCollector(CollectorContext(sysfs_root=fixture_copy))
+    collector.collect()
+    all_ports = open_fds() - baseline
+    shutil.rmtree(fixture_copy / CLASS / "mlx5_0")
+    result = collector.collect()
+    assert "mlx5_0" not in {labels[0] for labels in values(result, "gpuwatch_ib_device_info")}
+    assert 0 < open_fds() - baseline < all_ports
+    collector.close()
+    assert open_fds() == baseline
+
+
+def test_a_file_whose_descriptor_went_bad_is_reopened(fixture_copy):
+    files = infiniband.SysfsFiles()
+    path = str(fixture_copy / CLASS / "mlx5_0/ports/1/counters/symbol_error")
+    inode = os.stat(path).st_ino
+    assert files.read(path, inode) == b"0\n"
+    files.sweep()
+    os.close(files._kept[path][0])  # as the kernel invalidates it after a hot unplug (EBADF / ENODEV)
+    assert files.read(path, inode) == b"0\n"
+    files.close()
+
+
+def test_beyond_the_limit_files_are_opened_per_read(fixture_copy):
+    files = infiniband.SysfsFiles(limit=2)
+    baseline = open_fds()
+    counters = fixture_copy / CLASS / "mlx5_0/ports/1/counters"
+    listing = files.listdir(str(counters))
+    texts = {name: files.read(str(counters / name), inode) for name, inode in listing.items()}
+    assert texts == {path.name: path.read_bytes() for path in counters.iterdir()}
+    assert open_fds() - baseline == 2
+    files.close()
+    assert open_fds() == baseline
+
+
+def test_pread_at_offset_zero_regenerates_a_live_sysfs_attribute():
+    """The premise of SysfsFiles, on this machine's /sys: a kept descriptor reads the current value."""
+    path = "/sys/class/net/lo/statistics/tx_packets"
+    if not os.path.exists(path):
+        pytest.skip("no /sys/class/net/lo")
+    files = infiniband.SysfsFiles()
+    before = int(files.read(path, None))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        for _ in range(3):
+            udp.sendto(b"x", ("127.0.0.1", 9))
+    assert int(files.read(path, None)) >= before + 3
+    files.close()
 
 
 # -- no InfiniBand at all ---------------------------------------------------------------------------

@@ -383,3 +383,16 @@ def test_a_scripted_hang_blocks_the_call_like_a_stuck_driver():
     started = time.monotonic()
     collector.collect()
     assert time.monotonic() - started < 0.3
+
+
+def test_the_fast_field_value_view_has_pynvml_s_layout():
+    """field_values reads NVML's array through its own Structure: it must match c_nvmlFieldValue_t member for
+    member, or every NVLink and PCIe field would be read from the wrong bytes."""
+    import ctypes
+
+    from gpuwatch.agent.collectors._nvml_common import _FieldValue
+
+    real = pynvml.c_nvmlFieldValue_t
+    assert ctypes.sizeof(_FieldValue) == ctypes.sizeof(real)
+    assert [(name, getattr(_FieldValue, name).offset) for name, _ in real._fields_] == \
+        [(name, getattr(real, name).offset) for name, _ in real._fields_]

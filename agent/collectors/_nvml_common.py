@@ -113,11 +113,19 @@ class DeviceQuery:
             return None
 
 
-def field_value(value: Any) -> int | float | None:
-    """The number in one ``c_nvmlFieldValue_t``, or None when NVML could not read that field."""
-    if value.nvmlReturn != pynvml.NVML_SUCCESS:
-        return None
-    return getattr(value.value, _FIELD_VALUE_MEMBER[value.valueType])
+class _FieldValue(ctypes.Structure):
+    """``c_nvmlFieldValue_t``'s layout without pynvml's Python ``__getattribute__`` on every member (it
+    decodes bytes, which a field value never holds): an 8-GPU node reads ~1,000 field values a round."""
+
+    _fields_ = pynvml.c_nvmlFieldValue_t._fields_
+
+
+def field_values(values: ctypes.Array) -> list[int | float | None]:
+    """The numbers in an array nvmlDeviceGetFieldValues filled; None where NVML could not read the field."""
+    raw = (_FieldValue * len(values)).from_buffer(values)
+    success, members = pynvml.NVML_SUCCESS, _FIELD_VALUE_MEMBER
+    return [getattr(value.value, members[value.valueType]) if value.nvmlReturn == success else None
+            for value in raw]
 
 
 def handle_key(handle: Any) -> int:

@@ -13,18 +13,29 @@ ports are still exported. A device removed between the listing and its read is s
 Counters are exported exactly as read, never accumulated by the agent: a reset (``perfquery -R``, a
 driver reload) is a decrease, which ``rate()`` and ``increase()`` treat as a counter reset, and an
 agent restart changes no value at all.
+
+The ~50 attributes of a port stay open between collects (``SysfsFiles``) and the families are built
+from the facts only when a scrape renders the round: what a round costs is one pread(2) per value.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
-from collections.abc import Callable
+import resource
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from gpuwatch.agent.collectors.base import Collector, CollectorError, CollectorResult
+from gpuwatch.agent.collectors.base import (
+    Collector,
+    CollectorContext,
+    CollectorError,
+    CollectorResult,
+    DeferredFamilies,
+)
 
 CLASS_DIR = "class/infiniband"
 
@@ -99,13 +110,82 @@ _GBIT = 1e9 / 8
 _DEVICE_ATTRS = ("board_id", "fw_ver", "hca_type", "node_guid")
 
 
-def read_sysfs(path: str) -> str:
-    """One read(2) of a sysfs attribute, stripped: sysfs reports a bogus size, and show() emits it whole."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        return os.read(fd, 4096).decode("utf-8", "replace").strip()
-    finally:
-        os.close(fd)
+#: Read errors after which an open attribute is reopened: its device went away (and may be back).
+_GONE = frozenset({errno.ENODEV, errno.ENOENT, errno.ESTALE, errno.EBADF})
+#: At most this many attributes stay open (a DGX H100 reads ~420), fewer under a low RLIMIT_NOFILE.
+MAX_OPEN_FILES = 1024
+
+
+def _decoded(data: bytes) -> str:
+    """An attribute's text without its newline (``int()`` takes the bytes as they are)."""
+    return data.decode("utf-8", "replace").strip()
+
+
+class SysfsFiles:
+    """Sysfs attributes kept open and re-read with ``pread(fd, 4096, 0)``.
+
+    sysfs regenerates an attribute on every read at offset 0, so an open file reads a fresh value
+    without an open(2) and close(2) per value and round. A file is reopened when its directory
+    entry names another inode (trees outside sysfs, like the simulated one, replace files) or when
+    a read fails as it does once the device is gone (ENODEV, ENOENT, ESTALE, EBADF). Files not read
+    in a round are closed at ``sweep``; beyond ``limit`` open files, a file is opened per read.
+    """
+
+    def __init__(self, limit: int = MAX_OPEN_FILES) -> None:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        # Half the soft limit at most: the agent's sockets and NVML need the rest.
+        self.limit = limit if soft == resource.RLIM_INFINITY else min(limit, soft // 2)
+        self._kept: dict[str, tuple[int, int | None]] = {}  # path -> (fd, inode), open since an earlier round
+        self._read: dict[str, tuple[int, int | None]] = {}  # the same, read in this round
+
+    @staticmethod
+    def listdir(path: str) -> dict[str, int]:
+        """Names in a directory and their inodes (from getdents: no stat(2) per name)."""
+        with os.scandir(path) as entries:
+            return {entry.name: entry.inode() for entry in entries}
+
+    def read(self, path: str, inode: int | None) -> bytes:
+        """What the attribute reads now; ``inode`` is what its directory listed (None: not listed)."""
+        entry = self._kept.pop(path, None) or self._read.pop(path, None)
+        if entry is not None:
+            fd, opened = entry
+            if opened == inode:
+                try:
+                    data = os.pread(fd, 4096, 0)
+                except OSError as exc:
+                    if exc.errno not in _GONE:  # EINVAL, EIO: the driver's answer, the file is fine
+                        self._read[path] = entry
+                        raise
+                else:
+                    self._read[path] = entry
+                    return data
+            _close([entry])
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = os.pread(fd, 4096, 0)
+        except OSError:
+            os.close(fd)
+            raise
+        if len(self._kept) + len(self._read) < self.limit:
+            self._read[path] = (fd, inode)
+        else:
+            os.close(fd)
+        return data
+
+    def sweep(self) -> None:
+        """Close the files this round did not read (ports and devices that went away)."""
+        _close(self._kept.values())
+        self._kept, self._read = self._read, {}
+
+    def close(self) -> None:
+        _close([*self._kept.values(), *self._read.values()])
+        self._kept, self._read = {}, {}
+
+
+def _close(entries: Iterable[tuple[int, int | None]]) -> None:
+    for fd, _ in entries:
+        with contextlib.suppress(OSError):  # EBADF: a descriptor the kernel already invalidated
+            os.close(fd)
 
 
 def parse_state(text: str) -> tuple[int, str]:
@@ -133,6 +213,10 @@ class InfinibandCollector(Collector):
 
     name = "infiniband"
 
+    def __init__(self, context: CollectorContext) -> None:
+        super().__init__(context)
+        self._files = SysfsFiles()
+
     def collect(self) -> CollectorResult:
         class_dir = os.path.join(self.context.sysfs_root, CLASS_DIR)
         try:
@@ -141,67 +225,41 @@ class InfinibandCollector(Collector):
             devices = []
         except OSError as exc:
             raise CollectorError(f"cannot list {class_dir}: {exc.strerror}") from exc
-        scan = _Scan()
-        for device in devices:
-            scan.device(device, f"{class_dir}/{device}")
-        return scan.result()
+        scan = _Scan(self._files)
+        try:
+            for device in devices:
+                scan.device(device, f"{class_dir}/{device}")
+        finally:
+            self._files.sweep()
+        facts = {"devices": scan.devices, "ports": scan.ports}
+        # Deferred to the scrape: ~500 samples' families would be most of a round otherwise.
+        return CollectorResult(DeferredFamilies(lambda: _families(facts)), facts, scan.errors)
+
+    def close(self) -> None:
+        self._files.close()
 
 
 class _Scan:
-    """The families, facts and errors of one collect."""
+    """The facts and errors of one collect."""
 
-    def __init__(self) -> None:
-        port_labels = ["device", "port"]
-        self.info = GaugeMetricFamily(
-            "gpuwatch_ib_device_info", "InfiniBand/RoCE HCA (from sysfs); value 1.",
-            labels=["device", "board_id", "fw_ver", "hca_type", "node_guid"])
-        self.up = GaugeMetricFamily(
-            "gpuwatch_ib_port_up", "1 when the port's logical state is ACTIVE; link_layer Ethernet is RoCE.",
-            labels=["device", "port", "link_layer"])
-        self.state = GaugeMetricFamily(
-            "gpuwatch_ib_port_state_id", _state_help("Logical port state (IB PortState)", PORT_STATES),
-            labels=port_labels)
-        self.phys_state = GaugeMetricFamily(
-            "gpuwatch_ib_port_physical_state_id",
-            _state_help("Physical port state (IB PortPhysicalState)", PHYS_STATES), labels=port_labels)
-        self.rate = GaugeMetricFamily(
-            "gpuwatch_ib_port_rate_bytes_per_second", "Data rate the port's link trained to, in bytes/s.",
-            labels=["device", "port", "link_layer"])
-        self.traffic = {
-            file: CounterMetricFamily(f"gpuwatch_ib_port_{key}", help_text, labels=port_labels)
-            for file, (key, help_text, _) in TRAFFIC_COUNTERS.items()
-        }
-        self.errors_family = CounterMetricFamily(
-            "gpuwatch_ib_port_errors", "Port error counters (IB PortCounters), by kernel counter name.",
-            labels=["device", "port", "counter"])
-        self.hw = CounterMetricFamily(
-            "gpuwatch_ib_port_hw_counters", "Driver counters from the port's hw_counters/, by file name.",
-            labels=["device", "port", "counter"])
-        self.saturated = GaugeMetricFamily(
-            "gpuwatch_ib_port_counter_saturated",
-            "1 for a fixed-width counter stuck at its maximum (it stopped counting, so it is not exported); "
-            "reset it with perfquery -R.", labels=["device", "port", "counter"])
+    def __init__(self, files: SysfsFiles) -> None:
+        self.files = files
         self.devices: list[dict[str, Any]] = []
         self.ports: list[dict[str, Any]] = []
         self.errors: list[str] = []
 
-    def result(self) -> CollectorResult:
-        families = [self.info, self.up, self.state, self.phys_state, self.rate, *self.traffic.values(),
-                    self.errors_family, self.hw, self.saturated]
-        return CollectorResult(families, {"devices": self.devices, "ports": self.ports}, self.errors)
-
     # -- reading helpers: each failure costs one value and is recorded ----------------------------
 
-    def _text(self, path: str, optional: bool = False) -> str | None:
+    def _text(self, path: str, inode: int | None, optional: bool = False) -> str | None:
         try:
-            return read_sysfs(path)
+            return _decoded(self.files.read(path, inode))
         except OSError as exc:
             if not (optional and exc.errno == errno.ENOENT):
                 self.errors.append(f"{path}: {exc.strerror or exc}")
             return None
 
-    def _parsed(self, path: str, parse: Callable[[str], Any]) -> Any:
-        text = self._text(path)
+    def _parsed(self, path: str, inode: int | None, parse: Callable[[str], Any]) -> Any:
+        text = self._text(path, inode)
         if text is None:
             return None
         try:
@@ -210,15 +268,29 @@ class _Scan:
             self.errors.append(f"{path}: unexpected content {text!r}")
             return None
 
-    def _listdir(self, path: str) -> set[str]:
-        """Names in an optional directory (``hw_counters``, ``counters_ext``); absent means empty."""
+    def _numbers(self, directory: str, listing: dict[str, int], names: Iterable[str]) -> dict[str, int]:
+        """Integer attributes of one directory, by name; one loop, as they are most of the reads."""
+        read, numbers = self.files.read, {}
+        for name in names:
+            path = f"{directory}/{name}"
+            try:
+                data = read(path, listing[name])
+                numbers[name] = int(data)
+            except OSError as exc:
+                self.errors.append(f"{path}: {exc.strerror or exc}")
+            except ValueError:
+                self.errors.append(f"{path}: unexpected content {_decoded(data)!r}")
+        return numbers
+
+    def _listdir(self, path: str) -> dict[str, int]:
+        """Names and inodes in a directory; absent (no ``counters_ext``, a device just removed) means empty."""
         try:
-            return set(os.listdir(path))
+            return self.files.listdir(path)
         except FileNotFoundError:
-            return set()
+            return {}
         except OSError as exc:
             self.errors.append(f"{path}: {exc.strerror or exc}")
-            return set()
+            return {}
 
     # -- devices and ports -------------------------------------------------------------------------
 
@@ -230,64 +302,44 @@ class _Scan:
         except OSError as exc:
             self.errors.append(f"{path}/ports: {exc.strerror or exc}")
             ports = []
-        attrs = {attr: self._text(f"{path}/{attr}", optional=True) or "" for attr in _DEVICE_ATTRS}
-        self.info.add_metric([device, *attrs.values()], 1)
+        listing = self._listdir(path)
+        attrs = {attr: self._text(f"{path}/{attr}", listing.get(attr), optional=True) or ""
+                 for attr in _DEVICE_ATTRS}
         self.devices.append({"device": device, **attrs})
         for port in ports:
             self.port(device, port, f"{path}/ports/{port}")
 
     def port(self, device: str, port: str, path: str) -> None:
-        labels = [device, port]
-        link_layer = self._text(f"{path}/link_layer") or "unknown"
+        listing = self._listdir(path)
+        link_layer = self._text(f"{path}/link_layer", listing.get("link_layer")) or "unknown"
         fact: dict[str, Any] = {"device": device, "port": int(port), "link_layer": link_layer,
                                 "state": None, "state_id": None, "phys_state": None, "phys_state_id": None}
-        state = self._parsed(f"{path}/state", parse_state)
+        state = self._parsed(f"{path}/state", listing.get("state"), parse_state)
         if state is not None:
             fact["state_id"], fact["state"] = state
-            self.state.add_metric(labels, state[0])
-            self.up.add_metric([device, port, link_layer], 1 if state[0] == ACTIVE else 0)
-        phys_state = self._parsed(f"{path}/phys_state", parse_state)
+        phys_state = self._parsed(f"{path}/phys_state", listing.get("phys_state"), parse_state)
         if phys_state is not None:
             fact["phys_state_id"], fact["phys_state"] = phys_state
-            self.phys_state.add_metric(labels, phys_state[0])
-        fact["rate_bytes_per_second"] = rate = self._parsed(f"{path}/rate", parse_rate)
-        if rate is not None:
-            self.rate.add_metric([device, port, link_layer], rate)
+        fact["rate_bytes_per_second"] = self._parsed(f"{path}/rate", listing.get("rate"), parse_rate)
 
-        values, saturated = self._counters(path)
+        values, saturated = self._counters(path, listing)
         for file, (key, _, multiplier) in TRAFFIC_COUNTERS.items():
             value = values.get(file)
-            if value is not None:
-                value *= multiplier
-                self.traffic[file].add_metric(labels, value)
-            fact[key] = value
-        errors = {name: values[name] for name in ERROR_COUNTERS if name in values}
-        for name, value in errors.items():
-            self.errors_family.add_metric([device, port, name], value)
-        for name in saturated:
-            self.saturated.add_metric([device, port, name], 1)
-        hw_counters = self._hw_counters(path)
-        for name, value in hw_counters.items():
-            self.hw.add_metric([device, port, name], value)
-        fact.update(errors=errors, saturated=saturated, hw_counters=hw_counters)
+            fact[key] = None if value is None else value * multiplier
+        fact.update(errors={name: values[name] for name in ERROR_COUNTERS if name in values},
+                    saturated=saturated, hw_counters=self._hw_counters(path, listing))
         self.ports.append(fact)
 
-    def _counters(self, path: str) -> tuple[dict[str, int], list[str]]:
+    def _counters(self, path: str, listing: dict[str, int]) -> tuple[dict[str, int], list[str]]:
         """The port's counters by ``counters/`` name, 64-bit sources first, and the saturated ones."""
-        values: dict[str, int] = {}
-        legacy = self._listdir(f"{path}/counters_ext")
-        for file, name in LEGACY_EXT_COUNTERS.items():
-            if file in legacy and (value := self._parsed(f"{path}/counters_ext/{file}", int)) is not None:
-                values[name] = value
+        legacy = self._listdir(f"{path}/counters_ext") if "counters_ext" in listing else {}
+        legacy_values = self._numbers(f"{path}/counters_ext", legacy, [f for f in LEGACY_EXT_COUNTERS if f in legacy])
+        values = {LEGACY_EXT_COUNTERS[file]: value for file, value in legacy_values.items()}
         present = self._listdir(f"{path}/counters")
-        extended = not present.isdisjoint(IETF_COUNTERS)
+        extended = not present.keys().isdisjoint(IETF_COUNTERS)
         saturated: list[str] = []
-        for name in _COUNTER_FILES:
-            if name not in present or name in values:
-                continue
-            value = self._parsed(f"{path}/counters/{name}", int)
-            if value is None:
-                continue
+        names = [name for name in _COUNTER_FILES if name in present and name not in values]
+        for name, value in self._numbers(f"{path}/counters", present, names).items():
             bits = 64 if extended and name in EXTENDED_COUNTERS else PORT_COUNTER_BITS.get(name, 64)
             if bits < 64 and value == (1 << bits) - 1:
                 saturated.append(name)
@@ -295,10 +347,60 @@ class _Scan:
                 values[name] = value
         return values, saturated
 
-    def _hw_counters(self, path: str) -> dict[str, int]:
-        counters: dict[str, int] = {}
-        for name in sorted(self._listdir(f"{path}/hw_counters") - HW_COUNTER_SKIP):
-            value = self._parsed(f"{path}/hw_counters/{name}", int)
-            if value is not None:
-                counters[name] = value
-        return counters
+    def _hw_counters(self, path: str, listing: dict[str, int]) -> dict[str, int]:
+        present = self._listdir(f"{path}/hw_counters") if "hw_counters" in listing else {}
+        return self._numbers(f"{path}/hw_counters", present, sorted(present.keys() - HW_COUNTER_SKIP))
+
+
+def _families(facts: dict[str, list[dict[str, Any]]]) -> list[Metric]:
+    """The collect's families, built from its facts when a scrape renders the round."""
+    port_labels = ["device", "port"]
+    info = GaugeMetricFamily(
+        "gpuwatch_ib_device_info", "InfiniBand/RoCE HCA (from sysfs); value 1.",
+        labels=["device", *_DEVICE_ATTRS])
+    up = GaugeMetricFamily(
+        "gpuwatch_ib_port_up", "1 when the port's logical state is ACTIVE; link_layer Ethernet is RoCE.",
+        labels=["device", "port", "link_layer"])
+    state = GaugeMetricFamily(
+        "gpuwatch_ib_port_state_id", _state_help("Logical port state (IB PortState)", PORT_STATES),
+        labels=port_labels)
+    phys_state = GaugeMetricFamily(
+        "gpuwatch_ib_port_physical_state_id",
+        _state_help("Physical port state (IB PortPhysicalState)", PHYS_STATES), labels=port_labels)
+    rate = GaugeMetricFamily(
+        "gpuwatch_ib_port_rate_bytes_per_second", "Data rate the port's link trained to, in bytes/s.",
+        labels=["device", "port", "link_layer"])
+    traffic = [(key, CounterMetricFamily(f"gpuwatch_ib_port_{key}", help_text, labels=port_labels))
+               for key, help_text, _ in TRAFFIC_COUNTERS.values()]
+    errors = CounterMetricFamily(
+        "gpuwatch_ib_port_errors", "Port error counters (IB PortCounters), by kernel counter name.",
+        labels=["device", "port", "counter"])
+    hw = CounterMetricFamily(
+        "gpuwatch_ib_port_hw_counters", "Driver counters from the port's hw_counters/, by file name.",
+        labels=["device", "port", "counter"])
+    saturated = GaugeMetricFamily(
+        "gpuwatch_ib_port_counter_saturated",
+        "1 for a fixed-width counter stuck at its maximum (it stopped counting, so it is not exported); "
+        "reset it with perfquery -R.", labels=["device", "port", "counter"])
+
+    for device in facts["devices"]:
+        info.add_metric([device["device"], *(device[attr] for attr in _DEVICE_ATTRS)], 1)
+    for port in facts["ports"]:
+        device, number, link_layer = port["device"], str(port["port"]), port["link_layer"]
+        labels = [device, number]
+        if port["state_id"] is not None:
+            state.add_metric(labels, port["state_id"])
+            up.add_metric([device, number, link_layer], 1 if port["state_id"] == ACTIVE else 0)
+        if port["phys_state_id"] is not None:
+            phys_state.add_metric(labels, port["phys_state_id"])
+        if port["rate_bytes_per_second"] is not None:
+            rate.add_metric([device, number, link_layer], port["rate_bytes_per_second"])
+        for key, family in traffic:
+            if port[key] is not None:
+                family.add_metric(labels, port[key])
+        for family, values in ((errors, port["errors"]), (hw, port["hw_counters"])):
+            for name, value in values.items():
+                family.add_metric([device, number, name], value)
+        for name in port["saturated"]:
+            saturated.add_metric([device, number, name], 1)
+    return [info, up, state, phys_state, rate, *(family for _, family in traffic), errors, hw, saturated]

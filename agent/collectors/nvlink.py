@@ -15,7 +15,7 @@ from typing import Any
 import pynvml
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from gpuwatch.agent.collectors._nvml_common import Device, DeviceQuery, NvmlSession, field_value
+from gpuwatch.agent.collectors._nvml_common import Device, DeviceQuery, NvmlSession, field_values
 from gpuwatch.agent.collectors.base import Collector, CollectorContext, CollectorResult, DeferredFamilies
 
 # Read for every link, in this order; throughput counts KiB, speed is in MB/s (10^6 bytes).
@@ -94,9 +94,7 @@ class NvlinkCollector(Collector):
         if not gpu.links:
             return []
         values = get(nvml.nvmlDeviceGetFieldValues, handle, gpu.field_ids)
-        if values is None:
-            values = [None] * len(gpu.field_ids)
-        numbers = [None if value is None else field_value(value) for value in values]
+        numbers = [None] * len(gpu.field_ids) if values is None else field_values(values)
         common_speed = numbers[-1]
         facts = []
         width = len(_LINK_FIELDS)

@@ -18,8 +18,8 @@ from typing import Any
 import pynvml
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from gpuwatch.agent.collectors._nvml_common import Device, DeviceQuery, NvmlSession, field_value, handle_key
-from gpuwatch.agent.collectors.base import Collector, CollectorContext, CollectorResult
+from gpuwatch.agent.collectors._nvml_common import Device, DeviceQuery, NvmlSession, field_values, handle_key
+from gpuwatch.agent.collectors.base import Collector, CollectorContext, CollectorResult, DeferredFamilies
 
 # GPM metric -> fact key; NVML reports percentages, the facts and metrics hold ratios.
 _GPM_METRICS = (
@@ -147,8 +147,9 @@ class NvmlCollector(Collector):
         errors: list[str] = []
         self._drain_xid_events(errors)
         gpus = [self._sample(device, self._states[device.index], errors) for device in devices]
+        # Deferred to the scrape, like the other collectors': rounds nobody scrapes never build them.
         return CollectorResult(
-            families=self._families(gpus),
+            families=DeferredFamilies(lambda: self._families(gpus)),
             facts={"driver_version": self._driver_version, "gpus": gpus},
             errors=errors,
         )
@@ -255,8 +256,7 @@ class NvmlCollector(Collector):
             "max_width": state.pcie_max["width"],
         }
         values = get(nvml.nvmlDeviceGetFieldValues, handle, _FIELD_IDS)
-        for (_, group, key), value in zip(_FIELDS, values, strict=True) if values is not None else ():
-            number = field_value(value)
+        for (_, group, key), number in zip(_FIELDS, field_values(values), strict=True) if values is not None else ():
             if number is not None:
                 facts.setdefault(group, {})[key] = number
         processes = get(nvml.nvmlDeviceGetComputeRunningProcesses, handle)

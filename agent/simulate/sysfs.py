@@ -7,7 +7,8 @@ As on a real node, ``class/infiniband/mlx5_N`` is a relative symlink into the PC
 share of the line rate. The fault hooks script what the collector and diagnosis must catch.
 
 Every write is atomic (a staging file, then ``os.replace``), so a concurrent reader never sees half
-a value, and unchanged files are not rewritten.
+a value, and unchanged files are not rewritten. A replaced file is a new inode, which the infiniband
+collector's kept-open files notice and reopen (~64 a round here); a real sysfs attribute keeps its inode.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class SimulatedSysfs:
         self._prepare_root()
         self._staging = self.root / _STAGING
         self._staging.mkdir()
-        self._written: dict[Path, str] = {}
+        self._written: dict[str, str] = {}  # path -> text, so that unchanged files are not rewritten
         self._ports: dict[tuple[str, int], _Port] = {}
         self._device_dirs: dict[str, Path] = {}
         for index in range(preset.ib_ports):
@@ -132,7 +133,7 @@ class SimulatedSysfs:
         for name, text in (("board_id", board_id), ("fw_ver", fw_ver), ("hca_type", hca_type),
                            ("node_guid", guid), ("sys_image_guid", guid), ("node_type", "1: CA"),
                            ("node_desc", f"gpuwatch-sim {device}")):
-            self._write(device_dir / name, text)
+            self._write(f"{device_dir}/{name}", text)
 
         port = _Port(device_dir / "ports" / "1", preset.ib_rate, load=rng.uniform(0.35, 0.7))
         for sub in ("counters", "hw_counters"):
@@ -141,7 +142,7 @@ class SimulatedSysfs:
                            ("sm_lid", "0x0" if ethernet else "0x1"), ("sm_sl", "0"), ("lid_mask_count", "0"),
                            ("cap_mask", "0x00010000" if ethernet else "0xa751e848"),
                            ("link_layer", preset.ib_link_layer), ("hw_counters/lifespan", "10")):
-            self._write(port.path / name, text)
+            self._write(f"{port.path}/{name}", text)
         self._seed_counters(port, ethernet)
         self._ports[(device, 1)] = port
         self._write_port(port)
@@ -167,11 +168,13 @@ class SimulatedSysfs:
 
     # -- writing -------------------------------------------------------------------------------
 
-    def _write(self, path: Path, text: str) -> None:
+    def _write(self, path: str, text: str) -> None:
+        """Paths are strings: pathlib's joins and hashes cost more than the ~430 writes a round checks."""
         if self._written.get(path) == text:
             return
-        staged = self._staging / path.name
-        staged.write_text(text + "\n")
+        staged = f"{self._staging}/{os.path.basename(path)}"
+        with open(staged, "w") as file:
+            file.write(text + "\n")
         os.replace(staged, path)
         self._written[path] = text
 
@@ -180,11 +183,11 @@ class SimulatedSysfs:
             state, phys_state, rate = ACTIVE, _PHYS_STATE_IDS["LinkUp"], port.rate
         else:
             state, phys_state, rate = _PORT_STATE_IDS["DOWN"], port.phys_state_down, _DOWN_RATE
-        self._write(port.path / "state", f"{state}: {PORT_STATES[state]}")
-        self._write(port.path / "phys_state", f"{phys_state}: {PHYS_STATES[phys_state]}")
-        self._write(port.path / "rate", rate)
+        self._write(f"{port.path}/state", f"{state}: {PORT_STATES[state]}")
+        self._write(f"{port.path}/phys_state", f"{phys_state}: {PHYS_STATES[phys_state]}")
+        self._write(f"{port.path}/rate", rate)
         for key, value in port.values.items():
-            self._write(port.path / key, "N/A (no PMA)" if key in port.unavailable else str(value))
+            self._write(f"{port.path}/{key}", "N/A (no PMA)" if key in port.unavailable else str(value))
 
     # -- time ----------------------------------------------------------------------------------
 
@@ -274,7 +277,7 @@ class SimulatedSysfs:
             key = f"counters/{name}"
             del target.values[key]
             (target.path / key).unlink()
-            self._written.pop(target.path / key, None)
+            self._written.pop(f"{target.path}/{key}", None)
         for key in target.values:
             target.add(key, 0)  # clamp to the new widths
         self._write_port(target)
@@ -286,4 +289,5 @@ class SimulatedSysfs:
         shutil.rmtree(device_dir)
         for key in [key for key in self._ports if key[0] == device]:
             del self._ports[key]
-        self._written = {path: text for path, text in self._written.items() if device_dir not in path.parents}
+        self._written = {path: text for path, text in self._written.items()
+                         if not path.startswith(f"{device_dir}/")}

@@ -4,6 +4,7 @@ written by the real client, and a real Prometheus server scraping two simulated 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from click.testing import CliRunner
@@ -13,6 +14,7 @@ from gpuwatch.agent.cli import main
 from gpuwatch.agent.diagnosis import cli as diagnose_cli
 from gpuwatch.agent.diagnosis import engine
 from gpuwatch.agent.diagnosis.sources import agent as agent_source
+from gpuwatch.agent.diagnosis.sources import prometheus as prometheus_source
 from gpuwatch.agent.diagnosis.sources import run_log
 from gpuwatch.trainer.telemetry import TelemetryClient
 
@@ -165,7 +167,9 @@ def test_prometheus_over_two_simulated_nodes_names_the_straggler(start_agent, pr
     assert [f for f in healthy["findings"] if f["severity"] != "info"] == []
     not_run = {item["code"] for item in healthy["not_run"]}
     assert not not_run & {"PERF002", "HW001", "HW002", "HW003", "HW004", "HW005", "MEM002", "CONV003", "TOPO002"}
-    assert "NCCL001" in not_run  # the ranks' environment is not in Prometheus
+    assert "NCCL001" in not_run  # these ranks set none of the NCCL variables the agent exports
+    assert {name: node.cpus for name, node in prometheus_source.fetch(prometheus.url).nodes.items()} == \
+        {"node-a": os.cpu_count(), "node-b": os.cpu_count()}  # for the timing rules' CPU-sharing judgement
 
     feed(agents["node-b"], range(4, 8), {6: {"compute_seconds": 0.6}}, "node-b", number=2)
     wait_until(lambda: prometheus.query('gpuwatch_train_compute_seconds{rank="6"} == 0.6'),

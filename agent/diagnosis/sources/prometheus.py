@@ -123,6 +123,7 @@ class _Reader:
                 name=name, simulated=labels.get("mode") == "simulated",
                 missing={"interfaces": "network interfaces are not exported to Prometheus"})
         self._collectors()
+        self._cpus()
         self._gpus()
         self._nvlinks()
         self._ib_ports()
@@ -151,6 +152,11 @@ class _Reader:
                 else:
                     node.missing[part] = f"{collector} collector " + ("down" if state == 0 else "not running")
                     self.facts.notes.append(f"{node.name}: {node.missing[part]}")
+
+    def _cpus(self) -> None:
+        """Each node's logical CPUs: where CPU ranks outnumber them, the timing rules discount the wait for a CPU."""
+        for node, _, sample in self._node_samples("gpuwatch_host_cpus"):
+            node.cpus = _int_or_none(_value(sample))
 
     def _gpu(self, node: NodeFacts, index: str | None) -> GpuFacts | None:
         if node.gpus is None or index is None:

@@ -30,13 +30,11 @@ import multiprocessing
 import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +42,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from _harness import free_port, get, wait_until
 from telemetry_records import collectives, hello, step
 
 from gpuwatch.agent.simulate import PRESETS, Simulation
@@ -57,32 +56,11 @@ SCRAPE_EVERY = 15.0
 LAYOUT = {"world_size": RANKS, "tp_size": 8, "pp_size": 2, "dp_size": 4, "micro_batches": 8, "faults": []}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str, timeout: float = 5.0) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return response.read()
-
-
-def _wait_ready(url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError):
-            _get(url, timeout=1)
-            return
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} did not answer within {timeout} s")
-
-
 @contextlib.contextmanager
 def _process(command: list[str], ready_url: str) -> Iterator[subprocess.Popen]:
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_ready(ready_url)
+        wait_until(lambda: get(ready_url, timeout=1), f"{ready_url} to answer")
         yield proc
     finally:
         proc.terminate()
@@ -135,7 +113,7 @@ def usage(pid: int, seconds: float, scrape_url: str | None) -> Usage:
     rss, next_scrape = [], started
     while (now := time.monotonic()) < started + seconds:
         if scrape_url and now >= next_scrape:
-            _get(scrape_url)
+            get(scrape_url)
             next_scrape += SCRAPE_EVERY
         rss.append(proc.memory_info().rss)
         time.sleep(1.0)
@@ -159,7 +137,7 @@ def latency(url: str, scrapes: int, every: float = 0.0, irregular: bool = False)
     for _ in range(scrapes):
         time.sleep(every * gaps.uniform(0.2, 3.0) if irregular else every)
         started = time.perf_counter()
-        body = _get(url)
+        body = get(url)
         times.append((time.perf_counter() - started) * 1e3)
     times.sort()
     samples = sum(1 for line in body.splitlines() if line and not line.startswith(b"#"))
@@ -195,7 +173,7 @@ def main() -> None:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="gpuwatch-cost-") as tmp:
-        sock, port = Path(tmp) / "telemetry.sock", _free_port()
+        sock, port = Path(tmp) / "telemetry.sock", free_port()
         url = f"http://127.0.0.1:{port}"
         simulated = agent_command(port, sock, "--simulate", "dgx-h100", "--interval", str(args.interval))
         with _process(simulated, url + "/healthz") as agent:
@@ -209,7 +187,7 @@ def main() -> None:
                 full = latency(url + "/metrics", args.scrapes)
                 fresh = latency(url + "/metrics", args.fresh_scrapes, every=args.interval)
                 irregular = latency(url + "/metrics", args.fresh_scrapes, every=args.interval, irregular=True)
-                page = _get(url + "/metrics").decode()
+                page = get(url + "/metrics").decode()
             finally:
                 sender.terminate()
                 sender.join()
@@ -222,14 +200,14 @@ def main() -> None:
         simulation = simulation_cpu_per_round(rounds, args.interval) / args.interval
         ib_only = ("--sysfs-root", str(IB_FIXTURE), "--interval", "1", "--no-collector.nvml", "--no-collector.nvlink",
                    "--no-collector.host", "--no-collector.telemetry")
-        port = _free_port()
+        port = free_port()
         with _process(agent_command(port, Path(tmp) / "ib.sock", *ib_only), f"http://127.0.0.1:{port}/healthz"):
             time.sleep(2)
             agent_ib = latency(f"http://127.0.0.1:{port}/metrics", args.scrapes)
 
         exporter_ib = None
         if binary := node_exporter():
-            port = _free_port()
+            port = free_port()
             command = [binary, "--collector.disable-defaults", "--collector.infiniband", f"--path.sysfs={IB_FIXTURE}",
                        f"--web.listen-address=127.0.0.1:{port}"]
             with _process(command, f"http://127.0.0.1:{port}/metrics"):

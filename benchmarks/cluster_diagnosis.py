@@ -35,18 +35,17 @@ import math
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from _harness import free_port, get, wait_until
 from telemetry_records import collectives, hello, step
 
 from gpuwatch.trainer.telemetry import TelemetryClient
@@ -118,27 +117,6 @@ def node_name(node: int) -> str:
 
 # --- one real agent's exposition, the per-node template ---------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str, timeout: float = 5.0) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return response.read()
-
-
-def _wait(predicate, what: str, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError, ValueError):
-            if value := predicate():
-                return value
-        time.sleep(0.2)
-    raise RuntimeError(f"timed out waiting for {what}")
-
-
 @contextlib.contextmanager
 def _process(command: list[str], log: Path, **kwargs) -> Iterator[subprocess.Popen]:
     with log.open("w") as out:
@@ -156,12 +134,12 @@ def _process(command: list[str], log: Path, **kwargs) -> Iterator[subprocess.Pop
 
 def capture_template(workdir: Path) -> list[Series]:
     """Scrape a simulated dgx-h100 agent with 8 healthy ranks (tp=8 on the node) reporting to it."""
-    port, sock = _free_port(), workdir / "telemetry.sock"
+    port, sock = free_port(), workdir / "telemetry.sock"
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "gpuwatch.agent.cli", "agent", "--simulate", "dgx-h100", "--interval", "0.5",
                "--listen", f"127.0.0.1:{port}", "--telemetry.socket", str(sock), "--node", "template"]
     with _process(command, workdir / "agent.log"):
-        state = _wait(lambda: json.loads(_get(url + "/api/v1/state"))["facts"].get("nvml"), "the agent's GPUs")
+        state = wait_until(lambda: json.loads(get(url + "/api/v1/state"))["facts"].get("nvml"), "the agent's GPUs")
         uuids = [gpu["uuid"] for gpu in state["gpus"]]
         layout = {"world_size": GPUS, "tp_size": GPUS, "pp_size": 1, "dp_size": 1, "pp_stage": 0, "dp_rank": 0,
                   "micro_batches": 1, "faults": [], "hostname": "template"}
@@ -174,12 +152,12 @@ def capture_template(workdir: Path) -> list[Series]:
                                  collectives=collectives({"all_reduce": [0.002] * 4})))
 
         def ready() -> str | None:
-            text = _get(url + "/metrics").decode()
+            text = get(url + "/metrics").decode()
             return text if text.count("gpuwatch_train_last_step{") == GPUS and \
                 text.count("gpuwatch_gpu_job_info{") == GPUS and text.count("gpuwatch_train_env_info{") == GPUS \
                 else None
 
-        text = _wait(ready, "8 ranks in /metrics")
+        text = wait_until(ready, "8 ranks in /metrics")
     return [series for series in parse(text) if READ_BY_DIAGNOSE.fullmatch(series.name)]
 
 
@@ -320,14 +298,14 @@ def measure(template: list[Series], nodes: int, repeat: int, workdir: Path) -> R
                    check=True, capture_output=True)
     backfilled = time.perf_counter()
     data.unlink()
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     config = workdir / "prometheus.yml"
     config.write_text("global: {scrape_interval: 1m}\n")
     command = [_tool("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={tsdb}",
                f"--web.listen-address=127.0.0.1:{port}", f"--query.lookback-delta={LOOKBACK}"]
     with _process(command, workdir / f"prometheus-{nodes}.log"):
-        _wait(lambda: _get(url + "/-/ready", timeout=1), "prometheus ready", timeout=300)
+        wait_until(lambda: get(url + "/-/ready", timeout=1), "prometheus ready", timeout=300)
         times, document = [], {}
         for _ in range(repeat):
             elapsed, document = diagnose(url)

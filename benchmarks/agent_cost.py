@@ -42,7 +42,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from _harness import free_port, get, wait_until
+from _harness import free_port, get, running, wait_until
 from telemetry_records import collectives, hello, step
 
 from gpuwatch.agent.simulate import PRESETS, Simulation
@@ -58,17 +58,9 @@ LAYOUT = {"world_size": RANKS, "tp_size": 8, "pp_size": 2, "dp_size": 4, "micro_
 
 @contextlib.contextmanager
 def _process(command: list[str], ready_url: str) -> Iterator[subprocess.Popen]:
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+    with running(command) as proc:
         wait_until(lambda: get(ready_url, timeout=1), f"{ready_url} to answer")
         yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def agent_command(port: int, sock: Path, *extra: str) -> list[str]:

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from _harness import free_port, get, wait_until
+from _harness import free_port, get, running, wait_until
 from telemetry_records import collectives, hello, step
 
 from gpuwatch.trainer.telemetry import TelemetryClient
@@ -119,17 +119,8 @@ def node_name(node: int) -> str:
 
 @contextlib.contextmanager
 def _process(command: list[str], log: Path, **kwargs) -> Iterator[subprocess.Popen]:
-    with log.open("w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, **kwargs)
-        try:
-            yield proc
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with log.open("w") as out, running(command, stdout=out, grace=30, **kwargs) as proc:
+        yield proc
 
 
 def capture_template(workdir: Path) -> list[Series]:

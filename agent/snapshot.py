@@ -25,7 +25,11 @@ from gpuwatch.agent.exposition import Renderer
 
 
 def _json_safe(value: Any) -> Any:
-    """Non-finite floats become "NaN"/"+Inf"/"-Inf", as in Prometheus's HTTP API: strict JSON stays parseable."""
+    """Non-finite floats become "NaN"/"+Inf"/"-Inf", as in Prometheus's HTTP API: strict JSON stays parseable.
+    Objects with an ``as_dict`` (a window's step points) are written as that dict, only when the state is asked for."""
+    as_dict = getattr(value, "as_dict", None)
+    if callable(as_dict):
+        value = as_dict()
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else ("+Inf" if value > 0 else "-Inf")
     if isinstance(value, dict):

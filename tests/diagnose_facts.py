@@ -14,6 +14,7 @@ from gpuwatch.agent.diagnosis.facts import (
     RankFacts,
     StepFacts,
 )
+from gpuwatch.agent.telemetry.window import TIMINGS, WindowSummary
 
 GIB = 2**30
 NDR = 400e9 / 8  # bytes/s
@@ -57,7 +58,20 @@ def rank(number: int, *, tp: int = 1, pp: int = 1, dp: int = 1, host: str = "nod
                                           loss_scale=None),
                   steps=100, nonfinite_steps=0, alloc_retries=0, ooms=0)
     values.update(fields)
+    if "window" not in fields:  # a healthy window whose timings are those of the latest step
+        values["window"] = window(values["last"]) if values["last"] is not None else None
     return RankFacts(job=job, rank=number, **values)
+
+
+def window(last: StepFacts | None = None, steps: int = 20, **fields) -> WindowSummary:
+    """A rank's window of ``steps`` steps whose medians are ``last``'s timings, of a model that learns (the loss
+    moves, gradients are not zero, parameters change), unless ``fields`` say otherwise."""
+    medians = {name: value for name in TIMINGS if (value := getattr(last, name, None)) is not None}
+    values = dict(steps=steps, first_step=100 - steps + 1, last_step=100, seconds=steps * 0.5, medians=medians,
+                  loss_steps=steps, loss_min=1.9, loss_max=2.1, grad_norm_steps=steps, grad_norm_max=1.0, checksums=2,
+                  distinct_checksums=2)
+    values.update(fields)
+    return WindowSummary(**values)
 
 
 def step(**fields) -> StepFacts:

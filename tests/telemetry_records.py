@@ -40,14 +40,15 @@ def collectives(latencies: dict[str, list[float]]) -> dict[str, Any]:
 
 
 def step(rank: int = 0, number: int = 1, job: str = JOB, **fields: Any) -> dict[str, Any]:
+    """A healthy step of a model that learns: its loss and parameter checksum move from step to step."""
     record = {
         "v": SCHEMA_VERSION, "kind": "step", "job": job, "rank": rank, "step": number, "time": time.time(),
         "step_seconds": 0.5, "compute_seconds": 0.3, "dataloader_wait_seconds": 0.01, "optimizer_seconds": 0.02,
         "pipeline": {"busy_seconds": 0.4, "idle_seconds": 0.1, "bubble_ratio": 0.2,
                      "bubble_ratio_theoretical": 0.2},
         "collectives": collectives({"all_reduce": [0.0015, 0.003], "send": [0.00004]}),
-        "loss": 2.5, "grad_norm": 1.25, "nonfinite": False, "loss_scale": 1024.0, "lr": 0.001,
-        "grad_cosine_similarity": 0.9, "param_checksum": 1234.5,
+        "loss": 2.5 - 0.001 * (number - 1), "grad_norm": 1.25, "nonfinite": False, "loss_scale": 1024.0, "lr": 0.001,
+        "grad_cosine_similarity": 0.9, "param_checksum": 1234.5 + (number - 1),
         "memory": {"kind": "cuda", "peak_bytes": 3 << 30, "allocated_bytes": 2 << 30, "reserved_bytes": 4 << 30,
                    "inactive_split_bytes": 1 << 20, "alloc_retries": 1, "ooms": 0},
         "tokens": 4096, "model_flops_per_second": 1.5e12, "mfu": 0.25,

@@ -23,7 +23,7 @@ CATALOGUE = {
     "MEM001": ("memory", "warning"), "MEM002": ("memory", "warning"), "MEM003": ("memory", "warning"),
     "CONV001": ("convergence", "critical"), "CONV002": ("convergence", "warning"),
     "CONV003": ("convergence", "critical"), "CONV004": ("convergence", "warning"),
-    "CONV005": ("convergence", "info"),
+    "CONV005": ("convergence", "info"), "CONV006": ("convergence", "critical"),
     "TOPO001": ("topology", "critical"), "TOPO002": ("topology", "warning"),
 }
 
@@ -54,7 +54,7 @@ def test_a_code_registers_once():
 @pytest.mark.parametrize(("selected", "ignored", "expected"), [
     (["NCCL"], [], ["NCCL001", "NCCL002", "NCCL003", "NCCL004", "NCCL005"]),
     (["perf001", " MEM "], [], ["PERF001", "MEM001", "MEM002", "MEM003"]),
-    (["CONV00"], ["CONV005"], ["CONV001", "CONV002", "CONV003", "CONV004"]),
+    (["CONV00"], ["CONV005"], ["CONV001", "CONV002", "CONV003", "CONV004", "CONV006"]),
     (["ALL"], ["NCCL", "HW", "PERF", "MEM", "CONV"], ["TOPO001", "TOPO002"]),
     ([], ["TOPO"], [c for c in CATALOGUE if not c.startswith("TOPO")]),
     (["HW001"], ["HW"], []),
@@ -82,7 +82,8 @@ def test_config_overrides_a_threshold(tmp_path):
 
 @pytest.mark.parametrize(("text", "error"), [
     ("thresholds:\n  NOPE001: {x: 1}\n", "unknown rule 'NOPE001'"),
-    ("thresholds:\n  PERF002: {ratio: 1}\n", "has no threshold 'ratio' (it has: straggler_ratio, shared_cpu_ratio)"),
+    ("thresholds:\n  PERF002: {ratio: 1}\n",
+     "has no threshold 'ratio' (it has: straggler_ratio, min_step_share, shared_cpu_ratio)"),
     ("thresholds:\n  PERF002: {straggler_ratio: fast}\n", "must be a finite number"),
     ("thresholds:\n  PERF002: {straggler_ratio: .nan}\n", "must be a finite number"),
     ("thresholds:\n  PERF002: 3\n", "must be a mapping"),

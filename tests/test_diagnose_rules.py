@@ -9,7 +9,7 @@ import statistics
 
 import hypothesis
 import pytest
-from diagnose_facts import GIB, NDR, facts, gpu, node, port, rank, step
+from diagnose_facts import GIB, NDR, facts, gpu, node, port, rank, step, window
 from hypothesis import strategies as st
 
 from gpuwatch.agent.diagnosis import engine
@@ -60,14 +60,22 @@ def texts(findings) -> str:
 # -- network config ---------------------------------------------------------------------------------
 
 
-def test_nccl001_names_the_active_ports_and_not_the_down_one():
+def _two_nodes(env: dict, ranks: int = 4, **fields) -> list[RankFacts]:
+    """A job whose ranks are split over node-a and node-b."""
+    return [rank(r, dp=ranks, host="node-a" if r < ranks // 2 else "node-b", env=env, **fields) for r in range(ranks)]
+
+
+def test_nccl001_one_finding_per_job_naming_the_active_ports_of_each_node():
     ports = [port("mlx5_0"), port("mlx5_1"), port("mlx5_2", state="DOWN")]
-    ranks = [rank(r, dp=4, env={"NCCL_IB_DISABLE": "1"}) for r in range(4)]
-    (finding,) = fired("NCCL001", facts([node(ib_ports=ports)], ranks))
+    nodes = [node("node-a", ib_ports=ports), node("node-b", ib_ports=ports[:1])]
+    (finding,) = fired("NCCL001", facts(nodes, _two_nodes({"NCCL_IB_DISABLE": "1"})))
     assert finding.severity is Severity.CRITICAL
-    assert "mlx5_0/1" in finding.title and "mlx5_1/1" in finding.title and "mlx5_2" not in texts([finding])
-    assert {e.where.port for e in finding.evidence} == {None, "mlx5_0/1", "mlx5_1/1"}
-    assert "ranks 0-3 of job job-1 on node-a" in finding.evidence[0].text
+    assert finding.title == ("NCCL_IB_DISABLE=1 while 3 InfiniBand/RoCE port(s) are active on node-a, node-b: "
+                             "node-a: mlx5_0/1, mlx5_1/1; node-b: mlx5_0/1")
+    assert "mlx5_2" not in texts([finding])
+    assert {(e.where.node, e.where.port) for e in finding.evidence[1:]} == {
+        ("node-a", "mlx5_0/1"), ("node-a", "mlx5_1/1"), ("node-b", "mlx5_0/1")}
+    assert "ranks 0-3 of job job-1 on node-a, node-b" in finding.evidence[0].text
     assert "NCCL_IB_DISABLE=0" in finding.fix
 
 
@@ -77,22 +85,38 @@ def test_nccl001_preflight_shell_and_nccl_net_socket():
     assert "pre-flight shell on node-a" in finding.evidence[0].text
 
 
+def test_nccl001_premises_a_job_on_one_node_or_without_nccl_is_not_judged():
+    """Inside one node NCCL never uses InfiniBand, and a gloo job never reads NCCL's variables: the rule does not
+    run, and says why. A pre-flight shell is still judged: before launch nothing is known of the job."""
+    one_node = [rank(r, dp=2, env={"NCCL_IB_DISABLE": "1"}, backends={"default": "nccl"}) for r in range(2)]
+    not_run("NCCL001", facts([node()], one_node), "job job-1 runs on one node (node-a)")
+    gloo = _two_nodes({"NCCL_IB_DISABLE": "1"}, backends={"default": "gloo", "dp": "gloo"})
+    not_run("NCCL001", facts([node("node-a"), node("node-b")], gloo), "job job-1 uses gloo, not NCCL")
+    assert len(fired("NCCL001", facts([node(env={"NCCL_IB_DISABLE": "1"})], gloo))) == 1  # the pre-flight shell's
+
+
 def test_nccl001_silent_when_ib_enabled_or_no_port_active():
-    silent("NCCL001", facts([node()], [rank(0, env={"NCCL_IB_DISABLE": "0"})]))
-    silent("NCCL001", facts([node(ib_ports=[port("mlx5_0", state="DOWN")])], [rank(0, env={"NCCL_IB_DISABLE": "1"})]))
+    silent("NCCL001", facts([node("node-a"), node("node-b")], _two_nodes({"NCCL_IB_DISABLE": "0"})))
+    down = [port("mlx5_0", state="DOWN")]
+    silent("NCCL001", facts([node("node-a", ib_ports=down), node("node-b", ib_ports=down)],
+                            _two_nodes({"NCCL_IB_DISABLE": "1"})))
 
 
 def test_nccl001_not_run_without_port_facts():
     bare = node(ib_ports=None, missing={"ib_ports": "infiniband collector down: EACCES"})
-    not_run("NCCL001", facts([bare], [rank(0, env={"NCCL_IB_DISABLE": "1"})]), "infiniband collector down: EACCES")
+    not_run("NCCL001", facts([bare], _two_nodes({"NCCL_IB_DISABLE": "1"})), "infiniband collector down: EACCES")
 
 
 def test_nccl002_roce_ports_without_gid_index():
     roce = [port("mlx5_0", link_layer="Ethernet", rate=100e9 / 8), port("mlx5_1", link_layer="Ethernet")]
-    (finding,) = fired("NCCL002", facts([node(ib_ports=roce)], [rank(0, env={"NCCL_DEBUG": "WARN"})]))
+    both = [node("node-a", ib_ports=roce), node("node-b", ib_ports=roce)]
+    (finding,) = fired("NCCL002", facts(both, _two_nodes({"NCCL_DEBUG": "WARN"})))
+    assert finding.title == "4 RoCE port(s) on node-a, node-b but NCCL_IB_GID_INDEX is not set"
     assert "NCCL_IB_GID_INDEX=3" in finding.fix and "mlx5_0/1" in texts([finding])
-    silent("NCCL002", facts([node(ib_ports=roce)], [rank(0, env={"NCCL_IB_GID_INDEX": "3"})]))
-    silent("NCCL002", facts([node()], [rank(0, env={})]))  # InfiniBand, not RoCE
+    silent("NCCL002", facts(both, _two_nodes({"NCCL_IB_GID_INDEX": "3"})))
+    silent("NCCL002", facts([node("node-a"), node("node-b")], _two_nodes({})))  # InfiniBand, not RoCE
+    # A whole job on one RoCE node: NCCL uses no RoCE port inside a node.
+    not_run("NCCL002", facts([node(ib_ports=roce)], [rank(r, dp=2, env={}) for r in range(2)]), "runs on one node")
 
 
 def test_nccl002_not_run_without_environment():
@@ -157,7 +181,8 @@ def test_nccl005_silent_below_ratio_with_tree_or_on_one_node():
                                         rank(1, dp=2, host="node-b", collectives=_all_reduce(0.1, 0.1))]))
     silent("NCCL005", facts(two_nodes, [rank(0, dp=2, host="node-a", env={"NCCL_ALGO": "Tree"},
                                              collectives=_all_reduce(0.1, 0.5)), rank(1, dp=2, host="node-b")]))
-    silent("NCCL005", facts([node()], [rank(r, dp=2, collectives=_all_reduce(0.1, 0.5)) for r in range(2)]))
+    not_run("NCCL005", facts([node()], [rank(r, dp=2, collectives=_all_reduce(0.1, 0.5)) for r in range(2)]),
+            "runs on one node")
     silent("NCCL005", facts(two_nodes, [rank(0, dp=2, host="node-a", collectives=_all_reduce(0.1, 0.5, count=99)),
                                         rank(1, dp=2, host="node-b")]))
 
@@ -337,7 +362,8 @@ def test_perf002_straggler_from_compute_time_not_step_time():
 def test_perf002_compares_a_rank_with_the_others_of_its_stage():
     """Two replicas: the slow one is judged against the other alone, not a median that includes itself."""
     (finding,) = fired("PERF002", facts(ranks=_compute({0: 0.3, 1: 1.2}, dp=2)))
-    assert finding.evidence[0].text == "rank 1 (node-a) computes 1.2 s per step, 4.00x the median 0.3 s of its peers"
+    assert finding.evidence[0].text == ("rank 1 (node-a) computes 1.2 s per step (median of 20 steps (81-100, 10 s)), "
+                                        "4.00x the median 0.3 s of its peers, in a 1 s step")
 
 
 def test_perf002_on_an_oversubscribed_node_needs_a_larger_gap():
@@ -348,16 +374,46 @@ def test_perf002_on_an_oversubscribed_node_needs_a_larger_gap():
     assert finding.evidence[-1].values == {"ranks": 8, "cpus": 2}
 
 
-def test_perf002_takes_the_median_over_the_steps_a_run_log_kept():
-    def history(times: list[float]) -> History:
-        return History(compute_seconds=list(enumerate(times, 1)))
-
+def test_perf002_judges_window_medians_not_the_latest_step():
+    """The latest step is one noisy sample: a slow last step over a healthy window is silent, a slow window
+    with a fast last step is not."""
     noisy_last_step = [rank(r, dp=2, last=step(compute_seconds=0.3 if r == 0 else 0.9),
-                            history=history([0.3] * 9 + [0.3 if r == 0 else 0.9])) for r in range(2)]
+                            window=window(step(compute_seconds=0.3))) for r in range(2)]
     silent("PERF002", facts(ranks=noisy_last_step))
-    slow = [rank(r, dp=2, history=history([0.3 if r == 0 else 0.9] * 9 + [0.3])) for r in range(2)]
+    slow = [rank(r, dp=2, last=step(compute_seconds=0.3), window=window(step(compute_seconds=0.3 if r == 0 else 0.9)))
+            for r in range(2)]
     (finding,) = fired("PERF002", facts(ranks=slow))
-    assert "computes 0.9 s per step (median of 10 steps), 3.00x the median 0.3 s" in finding.evidence[0].text
+    assert "computes 0.9 s per step (median of 20 steps (81-100, 10 s)), 3.00x the median 0.3 s" in \
+        finding.evidence[0].text
+    assert finding.evidence[0].values["window_steps"] == 20
+
+
+def test_perf002_needs_a_margin_that_matters_against_the_step():
+    """2.5x slower compute on a 2 ms step whose compute is a sliver of it: 0.15 ms extra is noise, not a
+    straggler; 0.5 ms extra (a quarter of the step) is one."""
+    tiny = [rank(r, dp=2, last=step(step_seconds=0.002, compute_seconds=0.00025 if r == 1 else 0.0001))
+            for r in range(2)]
+    silent("PERF002", facts(ranks=tiny))
+    assert len(run("PERF002", facts(ranks=tiny), {"PERF002": {"min_step_share": 0.05}}).findings) == 1
+    (finding,) = fired("PERF002", facts(ranks=[rank(r, dp=2, last=step(step_seconds=0.002, compute_seconds=0.0006
+                                                                        if r == 1 else 0.0001)) for r in range(2)]))
+    assert finding.evidence[0].values["step_seconds"] == 0.002
+
+
+def test_perf002_needs_enough_steps_in_the_window():
+    few = [rank(r, dp=2, window=window(step(compute_seconds=0.9 if r else 0.3), steps=4)) for r in range(2)]
+    not_run("PERF002", facts(ranks=few), "fewer than 5 steps")
+
+
+def test_perf002_names_the_others_waiting_as_evidence_not_a_network_problem():
+    """The fast ranks wait in the all-reduce for the straggler: that is evidence of PERF002, and PERF004 (which
+    judges transfer, the straggler's own exposed time) stays silent."""
+    ranks = [rank(r, dp=4, last=step(step_seconds=1.0, compute_seconds=0.9 if r == 3 else 0.3,
+                                     exposed_collective_seconds=0.02 if r == 3 else 0.62)) for r in range(4)]
+    (finding,) = fired("PERF002", facts(ranks=ranks))
+    waiting = finding.evidence[1]
+    assert waiting.text.startswith("ranks 0-2 wait a median 0.6 s per step in collectives for the slow rank(s)")
+    silent("PERF004", facts(ranks=ranks))
 
 
 def test_perf002_names_a_node_whose_ranks_are_all_slow():
@@ -380,7 +436,8 @@ def test_perf003_input_stall_with_low_gpu_activity():
     gpus = [gpu(i, sm_active_ratio=0.2 if i == 1 else 0.9) for i in range(8)]
     ranks = [rank(r, dp=2, last=step(dataloader_wait_seconds=0.15 if r == 1 else 0.01)) for r in range(2)]
     (finding,) = fired("PERF003", facts([node(gpus=gpus)], ranks))
-    assert "rank 1: waits 0.15 s for input in a 0.5 s step (30%); its GPU is 20% busy (low)" in finding.evidence[0].text
+    assert finding.evidence[0].text == ("rank 1: waits 0.15 s for input in a 0.5 s step (30%, median of 20 steps "
+                                        "(81-100, 10 s)); its GPU is 20% busy (low)")
     assert "num_workers" in finding.fix
 
 
@@ -393,15 +450,12 @@ def test_perf003_on_an_oversubscribed_node_is_information():
     assert finding.severity == Severity.WARNING
 
 
-def test_perf003_takes_medians_over_the_steps_a_run_log_kept():
-    def history(waits: list[float]) -> History:
-        return History(step_seconds=[(n, 0.5) for n in range(1, 11)], dataloader_wait_seconds=list(enumerate(waits, 1)))
-
-    one_slow_fetch = rank(0, last=step(dataloader_wait_seconds=0.2), history=history([0.01] * 9 + [0.2]))
+def test_perf003_judges_window_medians():
+    one_slow_fetch = rank(0, last=step(dataloader_wait_seconds=0.2), window=window(step(dataloader_wait_seconds=0.01)))
     silent("PERF003", facts(ranks=[one_slow_fetch]))
-    slow_input = rank(0, last=step(dataloader_wait_seconds=0.15), history=history([0.15] * 10))
+    slow_input = rank(0, last=step(dataloader_wait_seconds=0.01), window=window(step(dataloader_wait_seconds=0.15)))
     (finding,) = fired("PERF003", facts(ranks=[slow_input]))
-    assert "rank 0: waits 0.15 s for input in a 0.5 s step (30%, medians of 10 steps)" in finding.evidence[0].text
+    assert "rank 0: waits 0.15 s for input in a 0.5 s step (30%, median of 20 steps" in finding.evidence[0].text
 
 
 def test_perf003_silent_just_under_the_share():
@@ -412,26 +466,28 @@ def test_perf003_not_run_without_dataloader_wait():
     not_run("PERF003", facts(ranks=[rank(0)]), "dataloader_wait_seconds")
 
 
-def _comm(seconds_total: float) -> dict:
-    return {"all_reduce": CollectiveFacts("all_reduce", 400, seconds_total, 1 << 32)}
+def _exposed(seconds: dict[int, float], compute: float = 1.0, step_seconds: float = 2.0, **layout) -> list[RankFacts]:
+    return [rank(r, **layout, last=step(step_seconds=step_seconds, compute_seconds=compute,
+                                        exposed_collective_seconds=e)) for r, e in seconds.items()]
 
 
-def test_perf004_pure_data_parallel_communication_bound():
-    ranks = [rank(r, dp=4, steps=100, collectives=_comm(60.0), last=step(compute_seconds=1.0)) for r in range(4)]
-    (finding,) = fired("PERF004", facts(ranks=ranks))
+def test_perf004_judges_the_transfer_of_the_rank_that_waits_least():
+    """Ranks 0-2 waited for rank 3's arrival; the transfer itself is what rank 3 was exposed to, 0.6 s."""
+    (finding,) = fired("PERF004", facts(ranks=_exposed({0: 0.9, 1: 0.8, 2: 0.9, 3: 0.6}, dp=4)))
     assert "CCR 0.60" in finding.title and "4 ranks" in finding.title
-    assert "0.6 s in collectives per step against 1 s compute" in finding.evidence[0].text
+    assert finding.evidence[0].text.startswith("transfer 0.6 s per step: the exposed collective time of rank 3")
+    assert finding.evidence[2].values == {"max_wait_seconds": pytest.approx(0.3)}
 
 
-def test_perf004_silent_at_threshold_and_for_hybrid_jobs():
-    silent("PERF004", facts(ranks=[rank(r, dp=4, collectives=_comm(50.0), last=step(compute_seconds=1.0))
-                                   for r in range(4)]))
-    silent("PERF004", facts(ranks=[rank(r, tp=2, dp=2, collectives=_comm(200.0), last=step(compute_seconds=1.0))
-                                   for r in range(4)]))
+def test_perf004_silent_at_threshold_when_it_does_not_matter_against_the_step_and_for_hybrid_jobs():
+    silent("PERF004", facts(ranks=_exposed({r: 0.5 for r in range(4)}, dp=4)))
+    # CCR 3 on a toy: 0.3 ms of transfer against 0.1 ms of compute in a 2 ms step is not worth restructuring for.
+    silent("PERF004", facts(ranks=_exposed({r: 0.0003 for r in range(2)}, compute=0.0001, step_seconds=0.002, dp=2)))
+    silent("PERF004", facts(ranks=_exposed({r: 2.0 for r in range(4)}, tp=2, dp=2)))
 
 
-def test_perf004_not_run_without_collectives():
-    not_run("PERF004", facts(ranks=[rank(0, dp=2, collectives={})]), "step records lack collectives")
+def test_perf004_not_run_without_exposed_collective_time():
+    not_run("PERF004", facts(ranks=[rank(0, dp=2, collectives={})]), "step records lack exposed_collective_seconds")
 
 
 def test_perf005_nvlink_below_rating():
@@ -625,6 +681,44 @@ def test_conv005_silent_at_band_edges():
 
 def test_conv005_not_run_without_cosine():
     not_run("CONV005", facts(ranks=[rank(0)]), "grad_cosine_similarity")
+
+
+def test_conv004_not_run_says_why_the_ranks_could_not_compute_a_cosine():
+    """Zero gradients have no direction: the ranks say so, and the report passes it on instead of blaming the
+    records for lacking a field."""
+    zero = [rank(r, dp=2, unavailable={"grad_cosine_similarity": "zero_gradient"}) for r in range(2)]
+    not_run("CONV004", facts(ranks=zero), "ranks 0-1 of job job-1 reported it unavailable: every gradient element "
+                                         "was zero")
+
+
+def test_conv004_fix_names_the_general_cause_not_one_framework():
+    (finding,) = fired("CONV004", facts(ranks=_cosines([1.0, 1.0])))
+    assert "every data-parallel rank must draw different data" in finding.fix
+    assert "seed or offset each rank's sampling" in finding.fix
+
+
+@pytest.mark.parametrize(("fields", "sign"), [
+    ({"loss_min": 0.0, "loss_max": 0.0}, "loss 0 at all 20 steps"),
+    ({"loss_min": 2.302585, "loss_max": 2.302585}, "loss 2.30259 at all 20 steps"),
+    ({"grad_norm_max": 0.0}, "gradient norm 0 at all 20 steps"),
+    ({"checksums": 3, "distinct_checksums": 1}, "parameter checksum unchanged over 3 measurements"),
+])
+def test_conv006_a_model_that_does_not_learn(fields, sign):
+    ranks = [rank(r, dp=2, window=window(step(), **fields)) for r in range(2)]
+    (finding,) = fired("CONV006", facts(ranks=ranks))
+    assert finding.severity is Severity.CRITICAL
+    assert finding.title == "job job-1 is not learning: ranks 0-1 show no change in loss, gradients or parameters"
+    assert sign in finding.evidence[0].text and "window: 20 steps (81-100, 10 s)" in finding.evidence[0].text
+    assert "one logit per class" in finding.fix and "learning rate is not 0" in finding.fix
+
+
+def test_conv006_silent_while_the_model_learns_or_the_window_is_short():
+    silent("CONV006", facts(ranks=[rank(r, dp=2) for r in range(2)]))
+    # a loss that moves by more than rounding; a first measured checksum alone shows no change
+    silent("CONV006", facts(ranks=[rank(0, window=window(step(), loss_min=2.0, loss_max=2.0 + 1e-5, checksums=1,
+                                                         distinct_checksums=1))]))
+    short = [rank(0, window=window(step(), steps=4, loss_min=0.0, loss_max=0.0, grad_norm_max=0.0))]
+    not_run("CONV006", facts(ranks=short), "fewer than 5 steps")
 
 
 # -- topology ---------------------------------------------------------------------------------------

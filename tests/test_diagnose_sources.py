@@ -16,6 +16,7 @@ from gpuwatch.agent.diagnosis import engine
 from gpuwatch.agent.diagnosis.sources import agent as agent_source
 from gpuwatch.agent.diagnosis.sources import prometheus as prometheus_source
 from gpuwatch.agent.diagnosis.sources import run_log
+from gpuwatch.agent.telemetry.window import MIN_WINDOW_STEPS
 from gpuwatch.trainer.telemetry import TelemetryClient
 
 from conftest import FIXTURES, wait_until
@@ -40,20 +41,22 @@ def findings(document: dict, code: str) -> list[dict]:
 
 
 def feed(agent, ranks: range, steps: dict[int, dict], hostname: str, env: dict[int, dict] | None = None,
-         number: int = 1) -> None:
-    """Each rank's hello (with the GPU it runs on, by the agent's UUIDs) and one step record."""
+         first: int = 1, count: int = MIN_WINDOW_STEPS, **hello_fields) -> None:
+    """Each rank's hello (with the GPU it runs on, by the agent's UUIDs) and ``count`` step records numbered from
+    ``first``: by default a window's worth (MIN_WINDOW_STEPS), the fewest the timing rules judge."""
     uuids = [gpu["uuid"] for gpu in agent.state()["facts"]["nvml"]["gpus"]]
     with TelemetryClient(agent.telemetry_socket, heartbeat_interval=0) as client:
         for rank in ranks:
             client.send(hello(rank, hostname=hostname, gpu={"index": rank % 4, "uuid": uuids[rank % 4]},
-                              env=(env or {}).get(rank, {"NCCL_DEBUG": "WARN"})))
-            client.send(step(rank, number, memory=HEALTHY_MEMORY, **steps.get(rank, {})))
+                              env=(env or {}).get(rank, {"NCCL_DEBUG": "WARN"}), **hello_fields))
+            for number in range(first, first + count):
+                client.send(step(rank, number, memory=HEALTHY_MEMORY, **steps.get(rank, {})))
 
 
 def test_agent_source_finds_ib_disabled_straggler_and_nan(start_agent, monkeypatch):
     agent = start_agent(*FAST, "--node", "sim-a")
     feed(agent, range(8), {5: {"compute_seconds": 0.6}, 2: {"loss": float("nan")}}, "sim-a",
-         env={3: {"NCCL_IB_DISABLE": "1"}})
+         env={3: {"NCCL_IB_DISABLE": "1"}}, world_size=16, dp_size=4)  # half of a job: it spans nodes
     wait_until(lambda: sum(r["last_step"] is not None for r in agent.state()["facts"]["telemetry"]["ranks"]) == 8,
                what="8 ranks with a step in the agent's state")
 
@@ -67,7 +70,7 @@ def test_agent_source_finds_ib_disabled_straggler_and_nan(start_agent, monkeypat
     (straggler,) = findings(document, "PERF002")
     assert straggler["title"] == f"straggler in job {JOB}: rank 5 on sim-a computes up to 2.00x the median"
     (nan,) = findings(document, "CONV001")
-    assert nan["evidence"][0]["where"]["rank"] == 2 and "loss nan at step 1" in nan["evidence"][0]["text"]
+    assert nan["evidence"][0]["where"]["rank"] == 2 and "loss nan at step 5" in nan["evidence"][0]["text"]
     # The simulated hardware is healthy: every hardware rule ran and said nothing.
     not_run = {item["code"] for item in document["not_run"]}
     assert not not_run & {"HW001", "HW002", "HW003", "HW004", "HW005", "MEM002"}, document["not_run"]
@@ -110,7 +113,7 @@ def test_run_log_written_by_the_client_gives_history_rules(tmp_path):
         for number in range(1, 41):
             for rank in range(2):
                 client.send(step(rank, number, grad_norm=25.0 if number == 25 else 1.0,
-                                 loss=float("nan") if number >= 30 and rank == 1 else 2.0,
+                                 loss=float("nan") if number >= 30 and rank == 1 else 2.0 - 0.01 * number,
                                  memory={"kind": "host_rss", "peak_bytes": (1 << 30) + rank * number * (16 << 20)}))
     with path.open("a") as log:
         log.write("garbage\n")
@@ -143,10 +146,11 @@ def test_run_log_directory_of_one_file_per_rank(tmp_path):
                 slow = rank == 1 and number < 10
                 client.send(step(rank, number, compute_seconds=1.2 if slow else 0.3))
     facts = run_log.read(tmp_path)
-    assert [(r.rank, r.steps, len(r.history.compute_seconds)) for r in facts.ranks] == [(0, 10, 10), (1, 10, 10)]
+    assert [(r.rank, r.steps, r.window.steps) for r in facts.ranks] == [(0, 10, 10), (1, 10, 10)]
     _, document = diagnose("--run-log", str(tmp_path), "--select", "PERF002")
     (straggler,) = findings(document, "PERF002")
-    assert "rank 1 (node-1) computes 1.2 s per step (median of 10 steps)" in straggler["evidence"][0]["text"]
+    assert "rank 1 (node-1) computes 1.2 s per step (median of 10 steps (1-10, " in straggler["evidence"][0]["text"]
+    assert straggler["evidence"][0]["values"]["window_steps"] == 10
 
     (tmp_path / "empty").mkdir()
     result = CliRunner().invoke(main, ["diagnose", "--run-log", str(tmp_path / "empty")])
@@ -171,9 +175,11 @@ def test_prometheus_over_two_simulated_nodes_names_the_straggler(start_agent, pr
     assert {name: node.cpus for name, node in prometheus_source.fetch(prometheus.url).nodes.items()} == \
         {"node-a": os.cpu_count(), "node-b": os.cpu_count()}  # for the timing rules' CPU-sharing judgement
 
-    feed(agents["node-b"], range(4, 8), {6: {"compute_seconds": 0.6}}, "node-b", number=2)
-    wait_until(lambda: prometheus.query('gpuwatch_train_compute_seconds{rank="6"} == 0.6'),
-               what="the slow rank's compute time in Prometheus")
+    # Slow from step 6 on: once most of its window is slow, its median is (the window's evidence, not one step).
+    feed(agents["node-b"], range(4, 8), {6: {"compute_seconds": 0.6}}, "node-b", first=1 + MIN_WINDOW_STEPS,
+         count=2 * MIN_WINDOW_STEPS)
+    wait_until(lambda: prometheus.query('gpuwatch_train_window_median_seconds{rank="6",timing="compute_seconds"} '
+                                        '== 0.6'), what="the slow rank's window median in Prometheus")
     status, slow = diagnose("--prometheus", prometheus.url, "--fail-on", "warning")
     assert status == 1
     (straggler,) = findings(slow, "PERF002")
@@ -190,7 +196,7 @@ def test_agent_source_finds_the_rules_no_trainer_fault_reproduces(start_agent):
     uuids = [gpu["uuid"] for gpu in agent.state()["facts"]["nvml"]["gpus"]]
     env = {rank: {"NCCL_DEBUG": "WARN"} for rank in range(8)}
     env[0]["NCCL_SOCKET_IFNAME"], env[1]["NCCL_P2P_DISABLE"] = "ib9", "1"
-    tail = collectives({"all_reduce": [0.001] * 90 + [0.01] * 10})  # p99 10x its p50, over 100 calls
+    tail = collectives({"all_reduce": [0.001] * 90 + [0.01] * 10})  # p99 10x its p50, over 100 calls a step
     fragmented = {**HEALTHY_MEMORY, "reserved_bytes": 40 << 30, "allocated_bytes": 20 << 30,
                   "inactive_split_bytes": 12 << 30, "alloc_retries": 7}
     unusual = {2: {"collectives": tail}, 3: {"dataloader_wait_seconds": 0.3}, 4: {"memory": fragmented}}
@@ -198,8 +204,9 @@ def test_agent_source_finds_the_rules_no_trainer_fault_reproduces(start_agent):
         for rank in range(8):
             client.send(hello(rank, hostname="sim-b", world_size=16, dp_size=4,
                               gpu={"index": rank, "uuid": uuids[rank]}, env=env[rank]))
-            client.send(step(rank, 1, **{"memory": HEALTHY_MEMORY, "grad_cosine_similarity": 0.6,
-                                         **unusual.get(rank, {})}))
+            for number in range(1, MIN_WINDOW_STEPS + 1):
+                client.send(step(rank, number, **{"memory": HEALTHY_MEMORY, "grad_cosine_similarity": 0.6,
+                                                  **unusual.get(rank, {})}))
     wait_until(lambda: sum(r["last_step"] is not None for r in agent.state()["facts"]["telemetry"]["ranks"]) == 8,
                what="8 ranks with a step in the agent's state")
 

@@ -17,6 +17,7 @@ from gpuwatch.agent.collectors.telemetry import RankSeries, TelemetryCollector, 
 from gpuwatch.agent.exposition import Renderer
 from gpuwatch.agent.telemetry.schema import encode
 from gpuwatch.agent.telemetry.store import TelemetryStore
+from gpuwatch.agent.telemetry.window import WINDOW_SECONDS, WINDOW_STEPS, StepWindow, summarize
 from gpuwatch.trainer.telemetry import TelemetryClient
 
 from conftest import require_tool, wait_until
@@ -39,7 +40,7 @@ def test_store_accumulates_step_increments_and_keeps_the_latest_values():
     assert _feed(store, hello(0), step(0, 1), step(0, 2, tokens=1000, grad_cosine_similarity=None),
                  step(0, 3, loss=float("nan"), collectives=collectives({"all_reduce": [20.0]}))) == [None] * 4
     (state,), records = store.snapshot()
-    assert state.counters() == {"steps": 3, "nonfinite_steps": 1, "tokens": 4096 + 1000 + 4096,
+    assert state.counters() == {"steps": 3, "nonfinite_steps": 1, "tokens": 4096 + 1000 + 4096, "samples": 0,
                                 "alloc_retries": 3, "ooms": 0}
     all_reduce = state.collectives["all_reduce"]
     assert (all_reduce.count, all_reduce.bytes) == (5, 5 << 20)
@@ -48,6 +49,61 @@ def test_store_accumulates_step_increments_and_keeps_the_latest_values():
     assert state.last_step["step"] == 3
     assert state.sampled["grad_cosine_similarity"] == (3, 0.9)
     assert records["accepted", ""] == 4
+
+
+def test_store_keeps_a_bounded_window_of_recent_steps_by_count_by_the_ranks_clock_and_per_run():
+    store = TelemetryStore()
+    _feed(store, *(step(0, n, time=1000.0 + n, compute_seconds=0.1 * n) for n in range(1, WINDOW_STEPS + 11)))
+    (state,), _ = store.snapshot()
+    points = state.window.points()
+    assert [p.step for p in points] == list(range(11, WINDOW_STEPS + 11))  # the latest WINDOW_STEPS
+    _feed(store, step(0, WINDOW_STEPS + 11, time=1000.0 + WINDOW_STEPS + 10 + WINDOW_SECONDS))
+    (state,), _ = store.snapshot()
+    assert [p.step for p in state.window.points()] == [WINDOW_STEPS + 10, WINDOW_STEPS + 11]  # older than 300 s
+    _feed(store, step(0, 1, time=5000.0))  # a restarted rank counts from 1 again: a new window
+    (state,), _ = store.snapshot()
+    assert [p.step for p in state.window.points()] == [1]
+
+
+def test_window_summary_is_robust_to_outliers_and_counts_what_it_judged():
+    window = StepWindow()
+    for n, (compute, loss) in enumerate([(0.1, 2.0), (0.1, 1.9), (5.0, 1.8), (0.1, float("nan")), (0.1, 1.7)], 1):
+        window.add(step(0, n, time=100.0 + n, compute_seconds=compute, loss=loss, param_checksum=1.0 if n < 5 else 2.0))
+    summary = summarize(window.points())
+    assert summary.median("compute_seconds") == 0.1  # one 5 s step does not move the median
+    assert (summary.steps, summary.first_step, summary.last_step, summary.seconds) == (5, 1, 5, 4.0)
+    assert (summary.loss_steps, summary.loss_min, summary.loss_max) == (4, 1.7, 2.0)  # NaN left out
+    assert (summary.checksums, summary.distinct_checksums) == (5, 2)
+    assert summary.describe() == "5 steps (1-5, 4 s)"
+    assert summarize(()) is None
+
+
+def test_unavailable_signals_are_kept_until_measured_again_and_exported_with_their_reason():
+    store, per_rank = TelemetryStore(), RankSeries()
+    no_cosine = {"grad_cosine_similarity": None}
+    _feed(store, hello(0), step(0, 10, **no_cosine, unavailable={"grad_cosine_similarity": "zero_gradient"}))
+    text = _rendered(store, per_rank).decode()
+    assert samples(text, "gpuwatch_train_signal_unavailable") == {
+        coordinates(0, signal="grad_cosine_similarity", reason="zero_gradient"): 10}
+    _feed(store, step(0, 20, grad_cosine_similarity=0.5))  # measured again: the reason no longer stands
+    assert samples(_rendered(store, per_rank).decode(), "gpuwatch_train_signal_unavailable") == {}
+
+
+def test_window_figures_are_exported_per_rank():
+    store, per_rank = TelemetryStore(), RankSeries()
+    _feed(store, hello(0, backends={"default": "gloo"}),
+          *(step(0, n, time=100.0 + n, compute_seconds=0.2, exposed_collective_seconds=0.05, samples=32)
+            for n in range(1, 6)))
+    text = _rendered(store, per_rank).decode()
+    medians = samples(text, "gpuwatch_train_window_median_seconds")
+    assert medians[coordinates(0, timing="compute_seconds")] == 0.2
+    assert medians[coordinates(0, timing="exposed_collective_seconds")] == 0.05
+    assert samples(text, "gpuwatch_train_window_steps") == {coordinates(0): 5}
+    assert samples(text, "gpuwatch_train_window_bubble_ratio") == {coordinates(0): 0.2}
+    assert samples(text, "gpuwatch_train_window_param_checksums_distinct") == {coordinates(0): 5}
+    assert samples(text, "gpuwatch_train_samples_total") == {coordinates(0): 160}
+    (info,) = samples(text, "gpuwatch_train_rank_info")
+    assert ("backend", "gloo") in info
 
 
 def test_nonfinite_flag_or_values_count_a_nonfinite_step():
@@ -146,7 +202,7 @@ def test_collector_serves_every_rank_with_its_coordinates_and_passes_promtool(so
     info = samples(text, "gpuwatch_train_rank_info")
     assert info[coordinates(0, faults="slow_rank", schedule="1f1b", micro_batches="4", precision="bf16",
                             world_size="8", tp_size="2", pp_size="2", dp_size="2", torch_version="2.13.0+cpu",
-                            nccl_version="2.21.5")] == 1
+                            nccl_version="2.21.5", backend="")] == 1
     assert samples(text, "gpuwatch_telemetry_records_total")[frozenset({"result": "accepted", "reason": ""}.items())] \
         == 17
     # Rank 7's latest step is a CPU step: host RSS only, no allocator series; a hex checksum stays a fact.

@@ -48,6 +48,7 @@ from gpuwatch.agent.telemetry import listener
 from gpuwatch.agent.telemetry.paths import default_socket_path
 from gpuwatch.agent.telemetry.schema import COLLECTIVE_BUCKETS, EXPORTED_ENV, MAX_EXPORTED_ENV_VALUE_CHARS
 from gpuwatch.agent.telemetry.store import RankState, TelemetryStore, probe_peaks
+from gpuwatch.agent.telemetry.window import WINDOW_SECONDS, WINDOW_STEPS, summarize
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,8 @@ _COUNTERS: tuple[tuple[str, str, Callable[[RankState], int]], ...] = (
     ("gpuwatch_train_nonfinite_steps_total", "Steps with a NaN/Inf loss or gradient.",
      lambda s: s.nonfinite_steps),
     ("gpuwatch_train_tokens_total", "Tokens processed by the rank.", lambda s: s.tokens),
+    ("gpuwatch_train_samples_total", "Samples (sequences, images, rows) processed by the rank, where its "
+     "script counts them.", lambda s: s.samples),
     ("gpuwatch_train_alloc_retries_total", "CUDA caching allocator retries (a cache flush and retry after a "
      "failed cudaMalloc).", lambda s: s.alloc_retries),
     ("gpuwatch_train_ooms_total", "Out-of-memory errors the CUDA caching allocator reported.",
@@ -106,6 +109,31 @@ _COUNTERS: tuple[tuple[str, str, Callable[[RankState], int]], ...] = (
 )
 _INFO_FIELDS = ("world_size", "tp_size", "pp_size", "dp_size", "schedule", "micro_batches", "precision",
                 "torch_version", "nccl_version")
+_WINDOW = f"over the rank's window: its last {WINDOW_STEPS} steps within {WINDOW_SECONDS:g} s"
+#: Figures of the rank's window of recent steps (``window.summarize``), what the timing and learning rules
+#: judge: (series, help, ``WindowSummary`` attribute). ``gpuwatch diagnose --prometheus`` reads them back by the
+#: same table. Timing medians in seconds are one family, ``WINDOW_MEDIAN``.
+WINDOW_GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("gpuwatch_train_window_steps", f"Steps {_WINDOW}.", "steps"),
+    ("gpuwatch_train_window_first_step", "Number of the oldest step in the rank's window.", "first_step"),
+    ("gpuwatch_train_window_last_step", "Number of the newest step in the rank's window.", "last_step"),
+    ("gpuwatch_train_window_span_seconds", "Rank's clock from the oldest to the newest step of its window.",
+     "seconds"),
+    ("gpuwatch_train_window_bubble_ratio", f"Median measured pipeline bubble {_WINDOW}.", "bubble_ratio"),
+    ("gpuwatch_train_window_loss_steps", f"Steps with a finite loss {_WINDOW}.", "loss_steps"),
+    ("gpuwatch_train_window_loss_min", f"Lowest finite loss {_WINDOW}.", "loss_min"),
+    ("gpuwatch_train_window_loss_max", f"Highest finite loss {_WINDOW}.", "loss_max"),
+    ("gpuwatch_train_window_grad_norm_steps", f"Steps with a finite gradient norm {_WINDOW}.", "grad_norm_steps"),
+    ("gpuwatch_train_window_grad_norm_max", f"Largest finite gradient norm {_WINDOW}.", "grad_norm_max"),
+    ("gpuwatch_train_window_param_checksums", f"Parameter checksums measured {_WINDOW}.", "checksums"),
+    ("gpuwatch_train_window_param_checksums_distinct", f"Distinct parameter checksums {_WINDOW}: 1 when "
+     "several were measured means the parameters did not change.", "distinct_checksums"),
+)
+#: The median timings of the window, one series per timing (label ``timing``: the step record's field).
+WINDOW_MEDIAN = "gpuwatch_train_window_median_seconds"
+WINDOW_TIMINGS = ("step_seconds", "compute_seconds", "dataloader_wait_seconds", "exposed_collective_seconds")
+#: A signal a measuring step could not compute (labels signal and reason).
+UNAVAILABLE = "gpuwatch_train_signal_unavailable"
 
 
 _RANK_INFO = "gpuwatch_train_rank_info"
@@ -127,6 +155,11 @@ _PER_RANK: tuple[tuple[str, str, str], ...] = (
     (_COSINE, "gauge", "Cosine between this data-parallel rank's local gradient and the DP-mean gradient, latest "
      "measurement."),
     (_CHECKSUM, "gauge", "Parameter checksum, latest measurement; data-parallel replicas must agree."),
+    *((name, "gauge", doc) for name, doc, _ in WINDOW_GAUGES),
+    (WINDOW_MEDIAN, "gauge", f"Median of a step timing {_WINDOW} (timing: step_seconds, compute_seconds, "
+     "dataloader_wait_seconds, exposed_collective_seconds)."),
+    (UNAVAILABLE, "gauge", "A signal the rank's latest measuring step could not compute, and why (reason: "
+     "zero_gradient, no_data_parallel_group, ...); value: that step's number."),
     (_LATENCY, "histogram", "Latency of the rank's collective calls."),
     (_VOLUME, "counter", "Bytes the rank's collective calls moved (the rank's buffer size per call)."),
 )
@@ -154,7 +187,7 @@ class _RankLines:
         self.parts: dict[str, str] = {}
         self._labels = dict(zip(RANK_LABELS, (hello["job"], *(str(hello[name]) for name in RANK_LABELS[1:])),
                                 strict=True))
-        self._prefixes: dict[tuple[str, str | None], str] = {}  # by series name and memory kind
+        self._prefixes: dict[tuple[str, str | None, tuple[tuple[str, str], ...]], str] = {}  # by name and labels
         self._ops: dict[str, tuple[list[str], str, str, str]] = {}  # bucket, count, sum and bytes prefixes by op
         self._hello_lines = self._from_hello()
 
@@ -162,6 +195,7 @@ class _RankLines:
         """The lines that depend on the hello only: written once per hello."""
         hello = self.hello
         info = (*((name, str(hello.get(name, ""))) for name in _INFO_FIELDS),
+                ("backend", hello.get("backends", {}).get("default", "")),
                 ("faults", ",".join(hello.get("faults", ()))))
         lines = {_RANK_INFO: f"{self._prefix(_RANK_INFO, info)}1.0\n"}
         environment = hello.get("env", {})
@@ -178,11 +212,14 @@ class _RankLines:
     def _prefix(self, name: str, extra: tuple[tuple[str, str], ...] = ()) -> str:
         return series_prefix(name, {**self._labels, **dict(extra)})
 
-    def _line(self, lines: list[str], name: str, value: Any, kind: str | None = None) -> None:
-        """One sample of a series with the rank's labels, and the memory ``kind`` for memory gauges."""
-        prefix = self._prefixes.get((name, kind))
+    def _line(self, lines: list[str], name: str, value: Any, kind: str | None = None,
+              extra: tuple[tuple[str, str], ...] = ()) -> None:
+        """One sample of a series with the rank's labels, and the memory ``kind`` for memory gauges or other
+        ``extra`` labels (from bounded sets: timings, signals and reasons)."""
+        key = (name, kind, extra)
+        prefix = self._prefixes.get(key)
         if prefix is None:
-            prefix = self._prefixes[name, kind] = self._prefix(name, (("kind", kind),) if kind else ())
+            prefix = self._prefixes[key] = self._prefix(name, ((("kind", kind),) if kind else ()) + extra)
         lines.append(f"{prefix}{format_value(value)}\n")
 
     def _op(self, op: str) -> tuple[list[str], str, str, str]:
@@ -215,6 +252,18 @@ class _RankLines:
             value = state.sampled.get(name, (None, None))[1]
             if isinstance(value, float):  # a hex-digest checksum stays in /api/v1/state
                 line(lines[family], family, value)
+        for signal, (at, reason) in sorted(state.unavailable.items()):
+            if at >= state.sampled.get(signal, (-1, None))[0]:  # not measured again since
+                line(lines[UNAVAILABLE], UNAVAILABLE, at, extra=(("signal", signal), ("reason", reason)))
+        window = summarize(state.window.points())
+        if window is not None:
+            for name, _, field in WINDOW_GAUGES:
+                value = getattr(window, field)
+                if value is not None:
+                    line(lines[name], name, value)
+            for timing in WINDOW_TIMINGS:
+                if timing in window.medians:
+                    line(lines[WINDOW_MEDIAN], WINDOW_MEDIAN, window.medians[timing], extra=(("timing", timing),))
         step = state.last_step
         if step is not None:
             for name, _, path in _STEP_GAUGES:
@@ -308,6 +357,9 @@ def _rank_facts(state: RankState) -> dict[str, Any]:
         "collectives": {op: {"count": t.count, "bytes": t.bytes, "seconds": t.seconds, "buckets": t.buckets}
                         for op, t in state.collectives.items()},
         "sampled": {name: {"step": step, "value": value} for name, (step, value) in state.sampled.items()},
+        "unavailable": {signal: {"step": step, "reason": reason}
+                        for signal, (step, reason) in state.unavailable.items()},
+        "window": state.window.points(),  # StepPoints: written as JSON only when /api/v1/state is asked for
         "sender_pid": state.sender_pid,
         "last_seen": state.last_seen_time,
     }

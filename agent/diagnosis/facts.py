@@ -15,6 +15,8 @@ import statistics
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from gpuwatch.agent.telemetry.window import WindowSummary
+
 #: Clock-event reasons that mean the GPU slowed itself down (not idling, not an application clock setting).
 #: ``sw_power_cap`` is left out: a fully loaded GPU sits at its power cap as a matter of course.
 SLOWDOWN_REASONS = ("hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown", "hw_power_brake")
@@ -182,6 +184,7 @@ class StepFacts:
     step_seconds: float | None = None
     compute_seconds: float | None = None
     dataloader_wait_seconds: float | None = None
+    exposed_collective_seconds: float | None = None
     bubble_ratio: float | None = None
     bubble_ratio_theoretical: float | None = None
     loss: float | None = None
@@ -230,9 +233,6 @@ class History:
     loss: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     grad_norm: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     host_rss_bytes: list[tuple[int, float]] = dataclasses.field(default_factory=list)
-    step_seconds: list[tuple[int, float]] = dataclasses.field(default_factory=list)
-    compute_seconds: list[tuple[int, float]] = dataclasses.field(default_factory=list)
-    dataloader_wait_seconds: list[tuple[int, float]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -247,8 +247,15 @@ class RankFacts:
     gpu_uuid: str | None = None
     env: dict[str, str] | None = None
     process_groups: dict[str, list[int]] | None = None
+    #: The backend of each process group ("default": the world group's), from the hello; None when unknown.
+    backends: dict[str, str] | None = None
     faults: tuple[str, ...] = ()
     last: StepFacts | None = None
+    #: Robust figures over the rank's recent steps (``telemetry.window``): what the timing rules judge.
+    window: WindowSummary | None = None
+    #: Signals the rank could not compute at its latest measuring step: signal -> reason code
+    #: (``schema.UNAVAILABLE_REASONS``), only where no later step measured them.
+    unavailable: dict[str, str] | None = None
     steps: int | None = None
     nonfinite_steps: int | None = None
     alloc_retries: int | None = None
@@ -266,6 +273,11 @@ class RankFacts:
     def host(self) -> str | None:
         """The machine the rank runs on, for grouping ranks by node."""
         return self.node or self.hostname
+
+    @property
+    def uses_nccl(self) -> bool | None:
+        """Whether any of the rank's process groups runs on NCCL; None when its hello did not say."""
+        return None if self.backends is None else "nccl" in self.backends.values()
 
 
 # -- measurements -----------------------------------------------------------------------------------
@@ -316,6 +328,14 @@ class Facts:
         for rank in sorted(self.ranks, key=lambda r: (r.job, r.rank)):
             jobs.setdefault(rank.job, []).append(rank)
         return jobs
+
+    def spans_nodes(self, job: str | None) -> bool:
+        """Whether a job runs on more than one node; True when that cannot be ruled out (some ranks unseen)."""
+        ranks = self.jobs().get(job, []) if job is not None else []
+        if not ranks or any(rank.host is None for rank in ranks):
+            return True
+        world = max((rank.layout.world_size for rank in ranks if rank.layout is not None), default=None)
+        return len({rank.host for rank in ranks}) > 1 or world is None or len(ranks) < world
 
     def node_of(self, rank: RankFacts) -> NodeFacts | None:
         return self.nodes.get(rank.node) if rank.node is not None else None
@@ -389,6 +409,17 @@ def gbit(bytes_per_second: float) -> str:
 
 def gib(value: float) -> str:
     return f"{value / 2**30:.1f} GiB"
+
+
+def may_use_nccl(ranks: Iterable[RankFacts]) -> bool:
+    """Whether a job's ranks may run NCCL: one says so, or one's hello did not say which backend it runs."""
+    return any(rank.uses_nccl is not False for rank in ranks)
+
+
+def describe_ranks(ranks: Iterable[RankFacts]) -> str:
+    """``rank 3``, or ``ranks 0-2,5``."""
+    ranks = list(ranks)
+    return f"rank {ranks[0].rank}" if len(ranks) == 1 else f"ranks {rank_list(r.rank for r in ranks)}"
 
 
 def rank_list(ranks: Iterable[int]) -> str:

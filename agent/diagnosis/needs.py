@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gpuwatch.agent.diagnosis.facts import RATED_BY, Facts, RankFacts
+from gpuwatch.agent.diagnosis.facts import RATED_BY, Facts, RankFacts, describe_ranks, group_by, may_use_nccl
 from gpuwatch.agent.diagnosis.registry import Need
+from gpuwatch.agent.telemetry.schema import UNAVAILABLE_REASONS
+from gpuwatch.agent.telemetry.window import MIN_WINDOW_STEPS
 
 
 def _node_part(part: str, what: str) -> Need:
@@ -24,15 +26,29 @@ def _node_part(part: str, what: str) -> Need:
     return Need(what, available)
 
 
-def _rank_fact(what: str, present: Callable[[RankFacts], bool], hint: str) -> Need:
-    """A per-rank fact present on at least one rank."""
+def _rank_fact(what: str, present: Callable[[RankFacts], bool], hint: str, signal: str | None = None) -> Need:
+    """A per-rank fact present on at least one rank. For a ``signal`` the ranks may report unavailable
+    (``schema.UNAVAILABLE_SIGNALS``), the reason they gave is the reason the rule could not run."""
 
     def available(facts: Facts) -> str | None:
         if not facts.ranks:
             return "no training telemetry (no rank has reported): use --agent, --run-log or --prometheus"
-        return None if any(present(rank) for rank in facts.ranks) else f"no {what}: {hint}"
+        if any(present(rank) for rank in facts.ranks):
+            return None
+        said = [rank for rank in facts.ranks if signal is not None and signal in (rank.unavailable or {})]
+        if said:
+            return f"no {what}: " + "; ".join(
+                f"{describe_ranks(ranks)} of job {job} reported it unavailable: "
+                f"{UNAVAILABLE_REASONS.get(reason, reason)}"
+                for (job, reason), ranks in group_by(said, lambda r: (r.job, r.unavailable[signal])))
+        return f"no {what}: {hint}"
 
     return Need(what, available)
+
+
+def _windowed(timing: str) -> Callable[[RankFacts], bool]:
+    """A rank whose window holds enough steps to judge ``timing`` by its median."""
+    return lambda r: r.window is not None and r.window.steps >= MIN_WINDOW_STEPS and timing in r.window.medians
 
 
 def _env_available(facts: Facts) -> str | None:
@@ -72,6 +88,29 @@ def _bandwidth_available(facts: Facts) -> str | None:
             "diagnose on the node)")
 
 
+def _nccl_jobs(across_nodes: bool) -> Need:
+    """A job the NCCL rules can judge: one that may use NCCL (its hellos name the backends) and, with
+    ``across_nodes``, runs on more than one node; or a pre-flight shell, which before launch may start anything."""
+
+    def available(facts: Facts) -> str | None:
+        jobs = facts.jobs()
+        if not jobs or any(node.env is not None for node in facts.nodes.values()):
+            return None
+        reasons = []
+        for job, ranks in jobs.items():
+            if not may_use_nccl(ranks):
+                backends = sorted({b for r in ranks for b in (r.backends or {}).values()})
+                reasons.append(f"job {job} uses {', '.join(backends)}, not NCCL")
+            elif not across_nodes or facts.spans_nodes(job):
+                return None
+            else:
+                reasons.append(f"job {job} runs on one node ({ranks[0].host}), and NCCL uses InfiniBand, RoCE "
+                               "and its socket interface only between nodes")
+        return "; ".join(reasons)
+
+    return Need("a job that uses NCCL" + (" across nodes" if across_nodes else ""), available)
+
+
 def _has_cuda_memory(rank: RankFacts) -> bool:
     return rank.last is not None and rank.last.memory_kind == "cuda"
 
@@ -99,15 +138,22 @@ def _pipeline_available(facts: Facts) -> str | None:
 
 
 ENV = Need("NCCL environment", _env_available)
+NCCL_JOB = _nccl_jobs(across_nodes=False)
+NCCL_ACROSS_NODES = _nccl_jobs(across_nodes=True)
 GPUS = _node_part("gpus", "GPU facts (NVML)")
 NVLINKS = _node_part("nvlinks", "NVLink facts")
 IB_PORTS = _node_part("ib_ports", "InfiniBand/RoCE port facts")
 INTERFACES = _node_part("interfaces", "network interfaces")
 LAYOUT = _rank_fact("rank layout", lambda r: r.layout is not None, "no hello record arrived")
-COMPUTE = _rank_fact("compute time", lambda r: r.last is not None and r.last.compute_seconds is not None,
-                     "step records lack compute_seconds")
-DATALOADER = _rank_fact("data-loader wait", lambda r: r.last is not None and r.last.dataloader_wait_seconds
-                        is not None, "step records lack dataloader_wait_seconds")
+_FEW_STEPS = (f"or fewer than {MIN_WINDOW_STEPS} steps in every rank's window (one step is too noisy a sample "
+              "to judge)")
+COMPUTE = _rank_fact("compute time over a window", _windowed("compute_seconds"),
+                     f"step records lack compute_seconds, {_FEW_STEPS}")
+DATALOADER = _rank_fact("data-loader wait over a window", _windowed("dataloader_wait_seconds"),
+                        f"step records lack dataloader_wait_seconds, {_FEW_STEPS}")
+EXPOSED_COLLECTIVES = _rank_fact("exposed collective time over a window",
+                                 _windowed("exposed_collective_seconds"),
+                                 f"step records lack exposed_collective_seconds, {_FEW_STEPS}")
 PIPELINE = Need("pipeline bubble or micro-batches", _pipeline_available)
 COLLECTIVES = _rank_fact("collective timings", lambda r: bool(r.collectives), "step records lack collectives")
 CUDA_MEMORY = _rank_fact("CUDA allocator figures", _has_cuda_memory,
@@ -120,11 +166,16 @@ LOSS = _rank_fact("loss", lambda r: (r.last is not None and r.last.loss is not N
                   or (r.history is not None and bool(r.history.loss)),
                   "step records lack loss")
 GRAD_NORM = _rank_fact("gradient norm", lambda r: (r.last is not None and r.last.grad_norm is not None)
-                       or (r.history is not None and bool(r.history.grad_norm)), "step records lack grad_norm")
+                       or (r.history is not None and bool(r.history.grad_norm)), "step records lack grad_norm",
+                       signal="grad_norm")
+LEARNING = _rank_fact("loss, gradient norm or checksums over a window",
+                      lambda r: r.window is not None and r.window.steps >= MIN_WINDOW_STEPS
+                      and (r.window.loss_steps > 1 or r.window.grad_norm_steps > 0 or r.window.checksums > 1),
+                      f"step records lack loss, grad_norm and param_checksum, {_FEW_STEPS}")
 CHECKSUM = _rank_fact("parameter checksums", lambda r: r.param_checksum is not None,
-                      "step records lack param_checksum")
+                      "step records lack param_checksum", signal="param_checksum")
 COSINE = _rank_fact("gradient cosine similarity", lambda r: r.grad_cosine is not None,
-                    "step records lack grad_cosine_similarity")
+                    "step records lack grad_cosine_similarity", signal="grad_cosine_similarity")
 PROCESS_GROUPS = _rank_fact("process-group membership",
                             lambda r: r.process_groups is not None and {"pp", "dp"} <= r.process_groups.keys(),
                             "hellos lack process_groups with 'pp' and 'dp' members (Prometheus does not carry them)")

@@ -27,6 +27,9 @@ that restarted learns the rank's layout and a hung-but-alive rank does not expir
     env?                {NAME: str}  captured environment (``env_name_allowed``); the agent drops
                                      any other name again, so a client that leaks one leaks nowhere
     faults?             [label]      fault switches the reference trainer injected on purpose
+    backends?           {name: label}  the backend ("nccl", "gloo", ...) of each process group the rank
+                                     uses, by the names of ``process_groups``, plus "default" for the
+                                     default (world) group: NCCL rules judge only jobs that use NCCL
 
 ``step`` — one per reported step. Count-like fields (collectives, tokens, alloc_retries, ooms) are
 *this step's* increments; the agent accumulates them into counters::
@@ -34,6 +37,10 @@ that restarted learns the rank's layout and a hung-but-alive rank does not expir
     step                int          the step number
     step_seconds        float ≥ 0    wall time of the whole step
     compute_seconds?, dataloader_wait_seconds?, optimizer_seconds?   float ≥ 0
+    exposed_collective_seconds?  float ≥ 0   time the training thread waited on collectives this step:
+                                     blocking calls whole, overlapped ones (DDP buckets) from the last
+                                     launch to the end of the phase. Waiting for late peers and the
+                                     transfer itself together; diagnosis splits them across ranks.
     pipeline?           {busy_seconds, idle_seconds: float ≥ 0,
                          bubble_ratio, bubble_ratio_theoretical?: 0..1}
     collectives?        {op: {count, bytes: int, seconds: float,
@@ -53,6 +60,10 @@ that restarted learns the rank's layout and a hung-but-alive rank does not expir
                          allocated_bytes?, reserved_bytes?, inactive_split_bytes?: int,
                          alloc_retries?, ooms?: int}   (host_rss has only peak_bytes)
     tokens?             int          tokens processed by this rank this step
+    samples?            int          samples (sequences, images, rows) processed by this rank this step
+    unavailable?        {signal: reason}  why a signal due this step could not be computed: signal in
+                                     UNAVAILABLE_SIGNALS, reason in UNAVAILABLE_REASONS (e.g.
+                                     {"grad_cosine_similarity": "zero_gradient"}); diagnosis repeats it
     model_flops_per_second?  float ≥ 0
     mfu?                0..1
     client?             {sent: int, dropped: {reason: int}}   the client's cumulative send
@@ -121,6 +132,17 @@ REJECT_REASONS = (
     "cardinality",  # raised by the agent's store, not by decode: too many jobs or ranks
 )
 COSINE_TOLERANCE = 1e-3
+#: Signals a step record may report as not computable (``unavailable``), and why; the reason's text is what
+#: ``gpuwatch diagnose`` prints for a rule that could not run for want of that signal.
+UNAVAILABLE_SIGNALS = ("grad_cosine_similarity", "grad_norm", "param_checksum")
+UNAVAILABLE_REASONS: Mapping[str, str] = {
+    "zero_gradient": "every gradient element was zero, so there is no direction to compare (the model does "
+                     "not learn: see CONV006)",
+    "nonfinite_gradient": "the gradients held NaN or Inf",
+    "no_gradient_seen": "no gradient reached the hooks this step (no backward, or no DDP bucket was reduced)",
+    "no_data_parallel_group": "the rank has no data-parallel peers (data-parallel size 1)",
+    "no_parameters": "the Monitor was given no model, so it has no parameters to read",
+}
 #: What ``gpuwatch probe`` measures, and how it names the path its traffic took.
 PROBE_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 INTERCONNECTS = ("nvlink", "pcie", "infiniband", "roce", "socket", "loopback", "unknown")
@@ -430,6 +452,7 @@ _HELLO = _object(
         "process_groups": _mapping(_label(64), _list(_RANK, 65536), 16),
         "env": _environment,
         "faults": _list(_label(64), 32),
+        "backends": _mapping(_label(64), _label(32), 17),
     },
 )
 
@@ -437,6 +460,7 @@ _STEP = _object(
     {**_COMMON, "step": _integer(0, 2**53), "step_seconds": _SECONDS},
     {
         "compute_seconds": _SECONDS, "dataloader_wait_seconds": _SECONDS, "optimizer_seconds": _SECONDS,
+        "exposed_collective_seconds": _SECONDS,
         "pipeline": _object(
             {"busy_seconds": _SECONDS, "idle_seconds": _SECONDS, "bubble_ratio": _RATIO},
             {"bubble_ratio_theoretical": _RATIO},
@@ -454,6 +478,8 @@ _STEP = _object(
             dict.fromkeys(MEMORY_COUNTS, _COUNT),
         ),
         "tokens": _COUNT,
+        "samples": _COUNT,
+        "unavailable": _mapping(_choice(*UNAVAILABLE_SIGNALS), _choice(*UNAVAILABLE_REASONS), len(UNAVAILABLE_SIGNALS)),
         "model_flops_per_second": _number(),
         "mfu": _RATIO,
         "client": _object({

@@ -2,7 +2,8 @@
 
 One ``TelemetryStore`` is written by the receiver thread (``ingest``) and read by the sampler
 (``expire`` then ``snapshot``). Memory is bounded by ``max_ranks`` × one record of each kind
-(records are at most ``MAX_RECORD_BYTES``), whatever senders do: a new (job, rank) beyond the caps
+(records are at most ``MAX_RECORD_BYTES``) and a window of recent steps (``window.StepWindow``), whatever
+senders do: a new (job, rank) beyond the caps
 is rejected as ``cardinality``, and a rank silent for ``ttl`` seconds is forgotten, so its series
 disappear from /metrics. Probe records are kept apart from the ranks: the latest per job, for at most
 ``max_jobs`` jobs (a new job's probe pushes out the oldest), without a TTL.
@@ -27,6 +28,7 @@ from gpuwatch.agent.telemetry.schema import (
     RecordRejected,
     decode,
 )
+from gpuwatch.agent.telemetry.window import StepWindow
 
 DEFAULT_TTL = 120.0
 DEFAULT_MAX_RANKS = 1024
@@ -74,6 +76,11 @@ class RankState:
     collectives: dict[str, OpTotals] = dataclasses.field(default_factory=dict)
     #: field → (step, value) for SAMPLED_FIELDS
     sampled: dict[str, tuple[int, Any]] = dataclasses.field(default_factory=dict)
+    #: signal → (step, reason) of the latest step that could not compute a signal due (``unavailable``)
+    unavailable: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
+    #: the latest steps, for the timing rules' medians
+    window: StepWindow = dataclasses.field(default_factory=StepWindow)
+    samples: int = 0
     #: the client's cumulative drop counters as last reported, to turn them into increments
     client_dropped: dict[str, int] = dataclasses.field(default_factory=dict)
     #: records applied so far: readers that cache what they derive from a rank rebuild it when this moves
@@ -81,11 +88,12 @@ class RankState:
 
     def copy(self) -> RankState:
         return dataclasses.replace(self, collectives=dict(self.collectives), sampled=dict(self.sampled),
-                                   client_dropped=dict(self.client_dropped))
+                                   unavailable=dict(self.unavailable), client_dropped=dict(self.client_dropped),
+                                   window=self.window.copy())
 
     def counters(self) -> dict[str, int]:
         return {"steps": self.steps, "nonfinite_steps": self.nonfinite_steps, "tokens": self.tokens,
-                "alloc_retries": self.alloc_retries, "ooms": self.ooms}
+                "samples": self.samples, "alloc_retries": self.alloc_retries, "ooms": self.ooms}
 
 
 def _nonfinite(body: dict[str, Any]) -> bool:
@@ -171,6 +179,8 @@ class TelemetryStore:
         state.steps += 1
         state.nonfinite_steps += _nonfinite(body)
         state.tokens += body.get("tokens", 0)
+        state.samples += body.get("samples", 0)
+        state.window.add(body)
         memory = body.get("memory", {})
         state.alloc_retries += memory.get("alloc_retries", 0)
         state.ooms += memory.get("ooms", 0)
@@ -179,6 +189,8 @@ class TelemetryStore:
         for name in SAMPLED_FIELDS:
             if name in body:
                 state.sampled[name] = (body["step"], body[name])
+        for signal, reason in body.get("unavailable", {}).items():
+            state.unavailable[signal] = (body["step"], reason)
         if "client" in body:
             reported = body["client"]["dropped"]
             for reason, total in reported.items():

@@ -6,8 +6,9 @@ import collections
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from gpuwatch.agent.diagnosis.facts import Facts, RankFacts, Where, group_by, rank_list
+from gpuwatch.agent.diagnosis.facts import Facts, RankFacts, Where, describe_ranks, group_by, may_use_nccl
 from gpuwatch.agent.diagnosis.registry import Evidence
+from gpuwatch.agent.telemetry.window import MIN_WINDOW_STEPS
 
 #: Evidence lines per finding; the rest are summarised, so a 1,024-node cluster gets a readable report.
 MAX_EVIDENCE = 10
@@ -15,30 +16,44 @@ MAX_EVIDENCE = 10
 
 @dataclasses.dataclass
 class EnvScope:
-    """One environment and who runs with it: the pre-flight shell of a node, or ranks of a job on a node."""
+    """One environment and who runs with it: the pre-flight shell of a node, or the ranks of a job that share it
+    (on one node or several: a job and a cause make one finding, never one per rank)."""
 
-    node: str | None
     env: dict[str, str]
+    node: str | None = None  # the node of a pre-flight shell
     job: str | None = None
     ranks: list[RankFacts] = dataclasses.field(default_factory=list)
 
     @property
+    def nodes(self) -> list[str]:
+        """The nodes this environment runs on, as the node facts name them."""
+        if self.node is not None:
+            return [self.node]
+        return sorted({rank.host for rank in self.ranks if rank.host is not None})
+
+    @property
     def where(self) -> Where:
         single = self.ranks[0].rank if len(self.ranks) == 1 else None
-        return Where(node=self.node, job=self.job, rank=single)
+        nodes = self.nodes
+        return Where(node=nodes[0] if len(nodes) == 1 else None, job=self.job, rank=single)
 
     def __str__(self) -> str:
         if not self.ranks:
             return f"the pre-flight shell on {self.node}"
-        return f"{describe_ranks(self.ranks)} of job {self.job} on {self.node or 'an unknown node'}"
+        return f"{describe_ranks(self.ranks)} of job {self.job} on {', '.join(self.nodes) or 'an unknown node'}"
 
 
-def env_scopes(facts: Facts) -> list[EnvScope]:
-    """Shell environments (``--preflight``), then ranks grouped by job, node and identical environment."""
-    scopes = [EnvScope(node.name, node.env) for node in facts.nodes.values() if node.env is not None]
-    with_env = [rank for rank in facts.ranks if rank.env is not None]
-    for (job, node, _), ranks in group_by(with_env, lambda r: (r.job, r.host, tuple(sorted(r.env.items())))):
-        scopes.append(EnvScope(node, ranks[0].env, job, ranks))
+def env_scopes(facts: Facts, *, across_nodes: bool = False) -> list[EnvScope]:
+    """Shell environments (``--preflight``, judged whatever the job: before launch nothing is known of it), then
+    the ranks of each job that may use NCCL grouped by identical environment; with ``across_nodes``, only jobs
+    that span nodes (NCCL uses InfiniBand, RoCE and the socket interface only between nodes)."""
+    scopes = [EnvScope(node.env, node=node.name) for node in facts.nodes.values() if node.env is not None]
+    for job, ranks in facts.jobs().items():
+        if not may_use_nccl(ranks) or (across_nodes and not facts.spans_nodes(job)):
+            continue
+        with_env = [rank for rank in ranks if rank.env is not None]
+        for _, same in group_by(with_env, lambda r: tuple(sorted(r.env.items()))):
+            scopes.append(EnvScope(same[0].env, job=job, ranks=same))
     return scopes
 
 
@@ -48,15 +63,6 @@ def env_flag(env: dict[str, str], name: str) -> bool:
         return int(env.get(name, "0").strip() or "0") != 0
     except ValueError:
         return False
-
-
-def job_spans_nodes(facts: Facts, job: str | None) -> bool:
-    """Whether a job runs on more than one node; True when that cannot be ruled out (some ranks unseen)."""
-    ranks = facts.jobs().get(job, []) if job is not None else []
-    if not ranks or any(rank.host is None for rank in ranks):
-        return True
-    world = max((rank.layout.world_size for rank in ranks if rank.layout is not None), default=None)
-    return len({rank.host for rank in ranks}) > 1 or world is None or len(ranks) < world
 
 
 def cpu_sharing(facts: Facts, ranks: Iterable[RankFacts]) -> list[Evidence]:
@@ -89,6 +95,15 @@ def ratio_text(value: float) -> str:
     return f"{value:.0%}"
 
 
-def describe_ranks(ranks: Iterable[RankFacts]) -> str:
-    ranks = list(ranks)
-    return f"rank {ranks[0].rank}" if len(ranks) == 1 else f"ranks {rank_list(r.rank for r in ranks)}"
+def windowed(rank: RankFacts, timing: str) -> float | None:
+    """The median of ``timing`` (``window.TIMINGS``) over the rank's window of recent steps, once the window holds
+    enough steps to judge (``MIN_WINDOW_STEPS``); None before, or when the rank does not report it."""
+    window = rank.window
+    if window is None or window.steps < MIN_WINDOW_STEPS:
+        return None
+    return window.median(timing)
+
+
+def window_text(rank: RankFacts) -> str:
+    """The window a figure was judged over, for evidence: ``median of 12 steps (41-52, 3.1 s)``."""
+    return f"median of {rank.window.describe()}" if rank.window is not None else "latest step"

@@ -1,4 +1,5 @@
-"""Convergence: non-finite losses, exploding gradients, replicas out of sync, duplicated or skewed data."""
+"""Convergence: non-finite losses, exploding gradients, replicas out of sync, duplicated or skewed data, a model
+that does not learn."""
 
 from __future__ import annotations
 
@@ -8,9 +9,19 @@ import types
 from collections.abc import Iterator
 
 from gpuwatch.agent.diagnosis import needs
-from gpuwatch.agent.diagnosis.facts import Facts, RankFacts, Where, finite, group_by, median, rank_list
+from gpuwatch.agent.diagnosis.facts import (
+    Facts,
+    RankFacts,
+    Where,
+    describe_ranks,
+    finite,
+    group_by,
+    median,
+    rank_list,
+)
 from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
 from gpuwatch.agent.diagnosis.rules.common import capped
+from gpuwatch.agent.telemetry.window import MIN_WINDOW_STEPS
 
 FAMILY = "convergence"
 
@@ -197,8 +208,10 @@ def duplicated_shards(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]
                 evidence=tuple(Evidence(f"rank {r.rank} (dp {r.layout.dp_rank}): gradient cosine similarity "
                                         f"{r.grad_cosine.value:.5f} with the DP mean", r.where,
                                         {"grad_cosine_similarity": r.grad_cosine.value}) for r in known),
-                fix="shard the data: DataLoader(..., sampler=DistributedSampler(dataset, num_replicas=dp_size, "
-                    "rank=dp_rank)) and call sampler.set_epoch(epoch) every epoch",
+                fix="every data-parallel rank must draw different data: shard the dataset by data-parallel rank "
+                    "(PyTorch: DataLoader(..., sampler=DistributedSampler(dataset, num_replicas=dp_size, "
+                    "rank=dp_rank)) and sampler.set_epoch(epoch) every epoch), or, in a loop that samples its own "
+                    "batches, seed or offset each rank's sampling by its data-parallel rank",
                 reason="Identical batches on every replica waste dp_size − 1 of the GPUs and shrink the effective "
                        "batch to one replica's.",
             )
@@ -236,4 +249,48 @@ def gradient_agreement(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue
             reason=("Ranks whose gradients point in different directions see differently distributed data "
                     "(seed 000, below 0.85)." if low else
                     "Gradients this alike add little information per extra sample (seed 000, above 0.95)."),
+        )
+
+
+@rule("CONV006", family=FAMILY, severity=Severity.CRITICAL, title="Model not learning", needs=(needs.LEARNING,),
+      thresholds={"max_loss_spread": Threshold(
+          1e-7, "relative spread of the loss over the window: fp32 rounding (2^-23 = 1.2e-7) is the most two "
+                "computations of the same loss differ by; any batch-to-batch change of data moves it far more")})
+def not_learning(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
+    """A job that runs at full speed and learns nothing wastes all of it, and no timing or hardware signal
+    shows it. Over each rank's window of recent steps, three signs, any of which is enough: the loss does not
+    move (the same value, to rounding, at every step: successive batches differ, so a model that learns, or
+    even one that does not but sees new data, moves it); the gradient norm is zero at every step; the parameter
+    checksum does not change between measurements. Usual causes: a loss over a wrongly shaped output
+    (cross-entropy over a single class is 0 whatever the weights, so are its gradients), parameters frozen or
+    left out of the optimizer, a learning rate of 0, an optimizer that never steps."""
+    for job, ranks in facts.jobs().items():
+        stuck: list[tuple[RankFacts, Evidence]] = []
+        for rank in ranks:
+            window = rank.window
+            if window is None or window.steps < MIN_WINDOW_STEPS:
+                continue
+            signs = []
+            if window.loss_steps >= MIN_WINDOW_STEPS and window.loss_max - window.loss_min <= \
+                    t.max_loss_spread * max(abs(window.loss_min), abs(window.loss_max)):
+                signs.append(f"loss {window.loss_min:.6g} at all {window.loss_steps} steps")
+            if window.grad_norm_steps and window.grad_norm_max == 0:
+                signs.append(f"gradient norm 0 at all {window.grad_norm_steps} steps")
+            if window.checksums > 1 and window.distinct_checksums == 1:
+                signs.append(f"parameter checksum unchanged over {window.checksums} measurements")
+            if signs:
+                stuck.append((rank, Evidence(f"rank {rank.rank}: {'; '.join(signs)} (window: {window.describe()})",
+                                             rank.where, {"signs": signs, "first_step": window.first_step,
+                                                          "last_step": window.last_step})))
+        if not stuck:
+            continue
+        yield Issue(
+            title=f"job {job} is not learning: {describe_ranks(r for r, _ in stuck)} show no change in loss, "
+                  "gradients or parameters",
+            evidence=capped([e for _, e in stuck], what="ranks"),
+            fix="check the loss is computed on the right output shape (e.g. cross-entropy needs one logit per class, "
+                "not a single output), that the parameters require gradients and are all passed to the optimizer, "
+                "that the learning rate is not 0 (warm-up from 0, a scheduler stepping too early), and that "
+                "optimizer.step() runs on every optimizer step",
+            reason="A model whose loss, gradients or weights do not change is not training, however fast its steps.",
         )

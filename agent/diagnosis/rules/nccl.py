@@ -6,9 +6,9 @@ import types
 from collections.abc import Iterator
 
 from gpuwatch.agent.diagnosis import needs
-from gpuwatch.agent.diagnosis.facts import Facts, InterfaceFacts, Where
+from gpuwatch.agent.diagnosis.facts import Facts, InterfaceFacts, Where, may_use_nccl
 from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
-from gpuwatch.agent.diagnosis.rules.common import capped, env_flag, env_scopes, job_spans_nodes
+from gpuwatch.agent.diagnosis.rules.common import capped, env_flag, env_scopes
 
 FAMILY = "network config"
 #: Interfaces that only reach this host (NCCL itself skips them unless told to use them).
@@ -27,55 +27,61 @@ def _ib_disabled(env: dict[str, str]) -> str | None:
 
 
 @rule("NCCL001", family=FAMILY, severity=Severity.CRITICAL,
-      title="NCCL_IB_DISABLE=1 while InfiniBand/RoCE ports are active", needs=(needs.ENV, needs.IB_PORTS))
+      title="NCCL_IB_DISABLE=1 while InfiniBand/RoCE ports are active",
+      needs=(needs.NCCL_ACROSS_NODES, needs.ENV, needs.IB_PORTS))
 def ib_disabled_with_active_ports(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """NCCL_IB_DISABLE=1 (or NCCL_NET=Socket) makes NCCL send every inter-node byte over TCP sockets even
-    though the node has ACTIVE InfiniBand or RoCE ports. Seed 000 reports exactly this: on an InfiniBand
-    cluster the all-reduce went from 31 ms to 217 ms, and jobs hung in all_reduce ("all ranks stuck":
-    NCCL_IB_DISABLE=1 although InfiniBand exists; check with ibstat, set NCCL_IB_DISABLE=0). The rule
-    names the active ports it saw, so the evidence can be checked with ibstat on the node."""
-    for scope in env_scopes(facts):
+    though the node has ACTIVE InfiniBand or RoCE ports: collectives across nodes run several times slower
+    and large jobs can hang in them. The rule names the active ports it saw, so the evidence can be
+    checked with ibstat on the node. It judges jobs that use NCCL across nodes (inside one node NCCL never
+    uses InfiniBand, and a gloo job never reads the variable), and any pre-flight shell, which before
+    launch may start either; one finding per job and setting, listing its nodes."""
+    for scope in env_scopes(facts, across_nodes=True):
         setting = _ib_disabled(scope.env)
-        node = facts.nodes.get(scope.node) if scope.node else None
-        if setting is None or node is None or node.ib_ports is None:
+        if setting is None:
             continue
-        active = node.active_ports()
+        active = {name: ports for name in scope.nodes
+                  if (node := facts.nodes.get(name)) is not None and (ports := node.active_ports())}
         if not active:
             continue
         evidence = [Evidence(f"{setting} in the environment of {scope}", scope.where, {"setting": setting})]
-        evidence += [Evidence(f"active port {port.describe()}", Where(node=node.name, port=port.name),
-                              {"link_layer": port.link_layer, "rate_bytes_per_second": port.rate_bytes_per_second})
-                     for port in active]
+        evidence += capped([Evidence(f"active port {port.describe()} on {name}", Where(node=name, port=port.name),
+                                     {"link_layer": port.link_layer, "rate_bytes_per_second": rate})
+                            for name, ports in active.items() for port in ports
+                            for rate in (port.rate_bytes_per_second,)], what="active ports")
+        ports = "; ".join(f"{name}: {', '.join(port.name for port in node_ports)}" if len(active) > 1
+                          else ", ".join(port.name for port in node_ports) for name, node_ports in active.items())
+        count = sum(len(node_ports) for node_ports in active.values())
         yield Issue(
-            title=f"{setting} while {len(active)} InfiniBand/RoCE port(s) are active on {node.name}: "
-                  f"{', '.join(port.name for port in active)}",
+            title=f"{setting} while {count} InfiniBand/RoCE port(s) are active on {', '.join(active)}: {ports}",
             evidence=tuple(evidence),
             fix="export NCCL_IB_DISABLE=0 (or unset it, and NCCL_NET=Socket) in the job's environment",
-            reason="With IB disabled NCCL falls back to TCP sockets: seed 000 measured all-reduce at 217 ms "
-                   "instead of 31 ms, and jobs hanging in all_reduce.",
+            reason="With IB disabled NCCL falls back to TCP sockets between nodes: collectives run several times "
+                   "slower, and large jobs can hang in them.",
         )
 
 
 @rule("NCCL002", family=FAMILY, severity=Severity.WARNING,
-      title="RoCE ports without NCCL_IB_GID_INDEX", needs=(needs.ENV, needs.IB_PORTS))
+      title="RoCE ports without NCCL_IB_GID_INDEX", needs=(needs.NCCL_ACROSS_NODES, needs.ENV, needs.IB_PORTS))
 def roce_without_gid_index(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """On RoCE (an InfiniBand port whose link layer is Ethernet) every port has a table of GIDs: RoCEv1
-    and RoCEv2, IPv4 and IPv6 link-local. NCCL must be told which one to use; RoCEv2 with the IPv4
-    address is usually index 3 (seed 000: NCCL_IB_GID_INDEX=3 "use the RoCEv2 GID"). Without it NCCL
-    may pick a GID the fabric does not route, and cross-node connections fail or crawl. Skipped where
-    IB is disabled altogether (that is NCCL001's finding)."""
-    for scope in env_scopes(facts):
-        node = facts.nodes.get(scope.node) if scope.node else None
-        if node is None or node.ib_ports is None or "NCCL_IB_GID_INDEX" in scope.env or _ib_disabled(scope.env):
+    and RoCEv2, IPv4 and IPv6 link-local. NCCL must be told which one to use (NCCL_IB_GID_INDEX; RoCEv2
+    with the IPv4 address is usually index 3, as `show_gids` lists it). Without it NCCL may pick a GID the
+    fabric does not route, and cross-node connections fail or crawl. Judged for jobs that use NCCL across
+    nodes and pre-flight shells; skipped where IB is disabled altogether (that is NCCL001's finding)."""
+    for scope in env_scopes(facts, across_nodes=True):
+        if "NCCL_IB_GID_INDEX" in scope.env or _ib_disabled(scope.env):
             continue
-        roce = [port for port in node.active_ports() if port.link_layer == "Ethernet"]
+        roce = [(name, port) for name in scope.nodes if (node := facts.nodes.get(name)) is not None
+                for port in node.active_ports() if port.link_layer == "Ethernet"]
         if not roce:
             continue
+        nodes = sorted({name for name, _ in roce})
         yield Issue(
-            title=f"{len(roce)} RoCE port(s) on {node.name} but NCCL_IB_GID_INDEX is not set",
+            title=f"{len(roce)} RoCE port(s) on {', '.join(nodes)} but NCCL_IB_GID_INDEX is not set",
             evidence=(Evidence(f"NCCL_IB_GID_INDEX unset in the environment of {scope}", scope.where),
-                      *(Evidence(f"active RoCE port {port.describe()}", Where(node=node.name, port=port.name))
-                        for port in roce)),
+                      *capped([Evidence(f"active RoCE port {port.describe()} on {name}",
+                                        Where(node=name, port=port.name)) for name, port in roce], what="ports")),
             fix="export NCCL_IB_GID_INDEX=3 (confirm the RoCEv2 IPv4 entry with show_gids on the node)",
             reason="NCCL must use a routable RoCEv2 GID; the default entry may be RoCEv1 or IPv6 link-local, "
                    "and cross-node connections then fail or run slowly.",
@@ -113,7 +119,7 @@ def _socket_ifname_problem(spec: str, interfaces: list[InterfaceFacts], may_span
 
 @rule("NCCL003", family=FAMILY, severity=Severity.CRITICAL,
       title="NCCL_SOCKET_IFNAME names a missing, down, loopback or container interface",
-      needs=(needs.ENV, needs.INTERFACES))
+      needs=(needs.NCCL_JOB, needs.ENV, needs.INTERFACES))
 def socket_ifname_unusable(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """NCCL bootstraps (and, without InfiniBand, moves data) over the interface NCCL_SOCKET_IFNAME
     selects. If that interface does not exist on the node, is down, or only reaches the host itself
@@ -123,54 +129,62 @@ def socket_ifname_unusable(facts: Facts, t: types.SimpleNamespace) -> Iterator[I
     one node."""
     for scope in env_scopes(facts):
         spec = scope.env.get("NCCL_SOCKET_IFNAME", "").strip()
-        node = facts.nodes.get(scope.node) if scope.node else None
-        if not spec or node is None or node.interfaces is None:
+        if not spec:
             continue
-        may_span = not scope.ranks or job_spans_nodes(facts, scope.job)
-        problem = _socket_ifname_problem(spec, node.interfaces, may_span)
-        if problem is None:
-            continue
-        candidates = [i.name for i in node.interfaces
-                      if i.up and not i.loopback and not i.name.startswith(HOST_LOCAL_PREFIXES) and i.addresses]
-        listing = ", ".join(f"{i.name} ({'up' if i.up else 'down'}{', loopback' if i.loopback else ''})"
-                            for i in node.interfaces[:MAX_LISTED_INTERFACES])
-        if len(node.interfaces) > MAX_LISTED_INTERFACES:
-            listing += f", ... and {len(node.interfaces) - MAX_LISTED_INTERFACES} more"
-        yield Issue(
-            title=f"NCCL_SOCKET_IFNAME={spec} on {node.name}: {problem}",
-            evidence=(Evidence(f"NCCL_SOCKET_IFNAME={spec} in the environment of {scope}", scope.where,
-                               {"NCCL_SOCKET_IFNAME": spec}),
-                      Evidence(f"interfaces on {node.name}: {listing}", Where(node=node.name))),
-            fix=f"export NCCL_SOCKET_IFNAME={candidates[0] if candidates else '<data-network interface>'}"
-                + (f" (up, routable interfaces here: {', '.join(candidates)})" if candidates else ""),
-            reason="NCCL's bootstrap connects over this interface; one that is missing, down or host-local "
-                   "makes cross-node initialisation hang until the timeout.",
-        )
+        may_span = not scope.ranks or facts.spans_nodes(scope.job)
+        for name in scope.nodes:
+            node = facts.nodes.get(name)
+            if node is None or node.interfaces is None:
+                continue
+            problem = _socket_ifname_problem(spec, node.interfaces, may_span)
+            if problem is None:
+                continue
+            candidates = [i.name for i in node.interfaces
+                          if i.up and not i.loopback and not i.name.startswith(HOST_LOCAL_PREFIXES) and i.addresses]
+            listing = ", ".join(f"{i.name} ({'up' if i.up else 'down'}{', loopback' if i.loopback else ''})"
+                                for i in node.interfaces[:MAX_LISTED_INTERFACES])
+            if len(node.interfaces) > MAX_LISTED_INTERFACES:
+                listing += f", ... and {len(node.interfaces) - MAX_LISTED_INTERFACES} more"
+            yield Issue(
+                title=f"NCCL_SOCKET_IFNAME={spec} on {node.name}: {problem}",
+                evidence=(Evidence(f"NCCL_SOCKET_IFNAME={spec} in the environment of {scope}", scope.where,
+                                   {"NCCL_SOCKET_IFNAME": spec}),
+                          Evidence(f"interfaces on {node.name}: {listing}", Where(node=node.name))),
+                fix=f"export NCCL_SOCKET_IFNAME={candidates[0] if candidates else '<data-network interface>'}"
+                    + (f" (up, routable interfaces here: {', '.join(candidates)})" if candidates else ""),
+                reason="NCCL's bootstrap connects over this interface; one that is missing, down or host-local "
+                       "makes cross-node initialisation hang until the timeout.",
+            )
+            break  # one finding per job and setting: the first node that shows the problem stands for the rest
 
 
 @rule("NCCL004", family=FAMILY, severity=Severity.WARNING,
-      title="NCCL_P2P_DISABLE=1 on NVLink-connected GPUs", needs=(needs.ENV, needs.NVLINKS))
+      title="NCCL_P2P_DISABLE=1 on NVLink-connected GPUs", needs=(needs.NCCL_JOB, needs.ENV, needs.NVLINKS))
 def p2p_disabled_on_nvlink(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """NCCL_P2P_DISABLE=1 (or NCCL_P2P_LEVEL=LOC) stops NCCL from using NVLink between the GPUs of a node:
     intra-node traffic goes through host shared memory, or over the network when NCCL_SHM_DISABLE=1 is
     set as well. Seed 000: NVLink 600 GB/s against PCIe 4.0 64 GB/s, a 9.4x gap. NCCL_SHM_DISABLE=1
     alone is not flagged: with P2P allowed NCCL does not use the shared-memory path between NVLink peers."""
     for scope in env_scopes(facts):
-        node = facts.nodes.get(scope.node) if scope.node else None
         level = scope.env.get("NCCL_P2P_LEVEL", "").strip().upper()
         settings = [f"NCCL_P2P_DISABLE={scope.env['NCCL_P2P_DISABLE']}"] if env_flag(scope.env, "NCCL_P2P_DISABLE") \
             else ([f"NCCL_P2P_LEVEL={level}"] if level in ("LOC", "0") else [])
-        if not settings or node is None or not node.has_nvlink():
+        linked_nodes = [node for name in scope.nodes if (node := facts.nodes.get(name)) is not None
+                        and node.has_nvlink()]
+        if not settings or not linked_nodes:
             continue
         if env_flag(scope.env, "NCCL_SHM_DISABLE"):
             settings.append(f"NCCL_SHM_DISABLE={scope.env['NCCL_SHM_DISABLE']}")
-        linked = [gpu for gpu in node.nvlinks if gpu.links > len(gpu.down)]
-        links = sum(gpu.links - len(gpu.down) for gpu in linked)
+        evidence = [Evidence(f"{', '.join(settings)} in the environment of {scope}", scope.where)]
+        for node in linked_nodes:
+            linked = [gpu for gpu in node.nvlinks if gpu.links > len(gpu.down)]
+            links = sum(gpu.links - len(gpu.down) for gpu in linked)
+            evidence.append(Evidence(f"{len(linked)} GPU(s) on {node.name} with {links} NVLink links up",
+                                     Where(node=node.name), {"gpus": len(linked), "links_up": links}))
         yield Issue(
-            title=f"{' and '.join(settings)} on {node.name}, whose GPUs are NVLink-connected",
-            evidence=(Evidence(f"{', '.join(settings)} in the environment of {scope}", scope.where),
-                      Evidence(f"{len(linked)} GPU(s) on {node.name} with {links} NVLink links up",
-                               Where(node=node.name), {"gpus": len(linked), "links_up": links})),
+            title=f"{' and '.join(settings)} on {', '.join(n.name for n in linked_nodes)}, whose GPUs are "
+                  "NVLink-connected",
+            evidence=capped(evidence, what="nodes"),
             fix="unset NCCL_P2P_DISABLE" + (" and NCCL_SHM_DISABLE" if len(settings) > 1 else "")
                 + " (or set them to 0)",
             reason="With P2P disabled intra-node collectives bypass NVLink and go through host memory"
@@ -186,7 +200,7 @@ def _allows_tree(env: dict[str, str] | None) -> bool | None:
 
 
 @rule("NCCL005", family=FAMILY, severity=Severity.WARNING,
-      title="Ring all-reduce with a heavy latency tail", needs=(needs.COLLECTIVES,),
+      title="Ring all-reduce with a heavy latency tail", needs=(needs.NCCL_ACROSS_NODES, needs.COLLECTIVES),
       thresholds={
           "tail_ratio": Threshold(1.7, "seed 000: p99 142 ms against 83 ms typical before NCCL_ALGO=Tree, "
                                        "45 ms against 31 ms (1.45) after"),
@@ -201,7 +215,7 @@ def ring_latency_tail(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]
     node NCCL rings over NVLink and Tree does not help) and only where NCCL_ALGO does not already allow
     Tree. The per-op histogram mixes message sizes, hence the minimum call count."""
     for job, ranks in facts.jobs().items():
-        if not job_spans_nodes(facts, job):
+        if not facts.spans_nodes(job) or not may_use_nccl(ranks):
             continue
         tailed = []
         for rank in ranks:

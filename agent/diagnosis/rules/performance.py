@@ -14,14 +14,14 @@ from gpuwatch.agent.diagnosis.facts import (
     Facts,
     RankFacts,
     Where,
-    finite,
+    describe_ranks,
     gbit,
     group_by,
     median,
     medians_of_others,
 )
 from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
-from gpuwatch.agent.diagnosis.rules.common import capped, cpu_sharing, ratio_text
+from gpuwatch.agent.diagnosis.rules.common import capped, cpu_sharing, ratio_text, window_text, windowed
 
 FAMILY = "performance"
 
@@ -57,21 +57,23 @@ def pipeline_bubble(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
             continue
         layout = piped[0].layout
         stages, micro = layout.pp_size, layout.micro_batches
-        measured = [rank for rank in piped if rank.last is not None and rank.last.bubble_ratio is not None]
+        bubbles = {r.rank: b for r in piped if (b := windowed(r, "bubble_ratio")) is not None}
+        measured = [rank for rank in piped if rank.rank in bubbles]
         theory = theoretical_bubble(stages, micro) if micro else next(
-            (r.last.bubble_ratio_theoretical for r in measured if r.last.bubble_ratio_theoretical is not None), None)
-        bubble = median(r.last.bubble_ratio for r in measured) if measured else theory
+            (r.last.bubble_ratio_theoretical for r in piped if r.last is not None
+             and r.last.bubble_ratio_theoretical is not None), None)
+        bubble = median(bubbles.values()) if measured else theory
         if bubble is None or bubble <= t.max_bubble_ratio:
             continue
         values = {"pp_size": stages, "micro_batches": micro, "bubble_ratio": bubble,
                   "bubble_ratio_theoretical": theory, "threshold": t.max_bubble_ratio}
         shape = f"p={stages}, m={micro}" if micro else f"p={stages}"
-        what = f"measured bubble {ratio_text(bubble)} (median of {len(measured)} ranks)" if measured else \
-            f"theoretical bubble {ratio_text(bubble)} (nothing measured)"
+        what = f"measured bubble {ratio_text(bubble)} (median of {len(measured)} ranks' {window_text(measured[0])})" \
+            if measured else f"theoretical bubble {ratio_text(bubble)} (nothing measured)"
         evidence = [Evidence(f"job {job}: {what}, theoretical {ratio_text(theory)} for {shape}"
                              if theory is not None else f"job {job}: {what} for {shape}", Where(job=job), values)]
         for stage, members in group_by(sorted(measured, key=lambda r: r.layout.pp_stage), lambda r: r.layout.pp_stage):
-            stage_bubble = median(r.last.bubble_ratio for r in members)
+            stage_bubble = median(bubbles[r.rank] for r in members)
             evidence.append(Evidence(f"stage {stage}: bubble {ratio_text(stage_bubble)}",
                                      Where(job=job, rank=members[0].rank), {"pp_stage": stage,
                                                                             "bubble_ratio": stage_bubble}))
@@ -111,47 +113,66 @@ def pipeline_bubble(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
             )
 
 
-def _typical(rank: RankFacts, timing: str) -> tuple[float, int] | None:
-    """A rank's ``timing`` (a StepFacts and History field) and the steps it is taken over: the median of the
-    steps a run log kept (one step is a noisy sample), else the latest step's."""
-    series = [value for _, value in getattr(rank.history, timing) if finite(value)] if rank.history else []
-    if series:
-        return median(series), len(series)
-    latest = getattr(rank.last, timing) if rank.last is not None else None
-    return (latest, 1) if finite(latest) else None
+def _waiting(ranks: list[RankFacts]) -> tuple[float, RankFacts, dict[int, float]] | None:
+    """Split the ranks' exposed collective time (``exposed_collective_seconds``: what each training thread
+    waited on collectives per step, window medians) into transfer and waiting for late peers.
+
+    A collective ends for everyone once the last rank has arrived and the data has moved, so the rank that
+    arrives last waits for no one: its exposed time is the transfer alone, and every other rank's excess
+    over it is waiting. The estimate needs no clock shared across nodes (arrival times would) and no barrier
+    before each collective (which would cost a round trip): it is exact when one rank is late, and an upper
+    bound on the transfer when arrivals are spread. Returns (transfer, the rank that waited least, waiting by
+    rank), or None with fewer than two ranks measured."""
+    exposed = {r.rank: e for r in ranks if (e := windowed(r, "exposed_collective_seconds")) is not None}
+    if len(exposed) < 2:
+        return None
+    last = min((r for r in ranks if r.rank in exposed), key=lambda r: exposed[r.rank])
+    transfer = exposed[last.rank]
+    return transfer, last, {rank: seconds - transfer for rank, seconds in exposed.items()}
 
 
 @rule("PERF002", family=FAMILY, severity=Severity.WARNING, title="Straggler rank or node",
       needs=(needs.COMPUTE,),
       thresholds={
           "straggler_ratio": Threshold(
-              1.25, "not from the seeds (seed 004 reports a straggling node without a number): a rank computing "
-                    "25 % longer than the median of its peers holds every synchronous step back by that much"),
+              1.25, "a rank computing 25 % longer than the median of its peers holds every synchronous step back "
+                    "by that much"),
+          "min_step_share": Threshold(
+              0.1, "the straggler's extra compute must cost a tenth of the job's median step: below that, a "
+                   "sub-millisecond difference on a shared CPU is noise (benchmarks/false_alarms.py), and a "
+                   "real one costs too little to act on"),
           "shared_cpu_ratio": Threshold(
-              3.0, "not from the seeds: where ranks outnumber a node's CPUs, the share of a CPU each rank gets "
-                   "varies from step to step; healthy ranks, 4 or 8 to a 2-CPU node, measured up to 1.9x apart"),
+              3.0, "where ranks outnumber a node's CPUs, the share of a CPU each rank gets varies from step to "
+                   "step; healthy ranks, 4 or 8 to a 2-CPU node, measured up to 1.9x apart"),
       })
 def straggler(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """A straggler is found from each rank's compute time (forward and backward without waiting on
     collectives), not its step time: the data-parallel all-reduce makes every rank wait for the slowest,
-    so whole-step times come out even. Each rank is compared with the median of its peers, the other
-    ranks doing the same work (the same pipeline stage of the same job: stages differ in layers), over
-    every step a run log holds, else at the latest step. When every rank of a node is slow, the node is
-    named instead (seed 004: a node reading from slow disks set the pace of the whole job). Where CPU ranks
-    outnumber their node's CPUs, compute times include waiting for a CPU, and only a larger gap
+    so whole-step times come out even. Each rank's median compute time over its window of recent steps
+    is compared with the median of its peers, the other ranks doing the same work (the same pipeline
+    stage of the same job: stages differ in layers). A straggler must be slower by a ratio
+    (straggler_ratio) and by a margin that matters against the step (min_step_share of the job's median
+    step time). When every rank of a node is slow, the node is named instead: a node reading from slow
+    disks, or a slow GPU, sets the pace of the whole job. The other ranks' waiting for it in collectives
+    (their exposed collective time beyond the straggler's) is its evidence, not a network problem. Where
+    CPU ranks outnumber their node's CPUs, compute times include waiting for a CPU, and only a larger gap
     (shared_cpu_ratio) tells a straggler from that noise."""
     for job, ranks in facts.jobs().items():
-        computes = {r.rank: c for r in ranks if (c := _typical(r, "compute_seconds")) is not None and c[0] > 0}
+        computes = {r.rank: c for r in ranks if (c := windowed(r, "compute_seconds")) is not None and c > 0}
         timed = [r for r in ranks if r.rank in computes]
+        step_times = [s for r in timed if (s := windowed(r, "step_seconds")) is not None]
+        if not step_times:
+            continue
+        step = median(step_times)
         sharing = cpu_sharing(facts, ranks)
         threshold = max(t.straggler_ratio, t.shared_cpu_ratio) if sharing else t.straggler_ratio
         slow: list[tuple[float, RankFacts, float]] = []
         for _, peers in group_by(timed, lambda r: r.layout.pp_stage if r.layout is not None else 0):
             if len(peers) < 2:
                 continue
-            seconds = [computes[r.rank][0] for r in peers]
+            seconds = [computes[r.rank] for r in peers]
             for rank, own, typical in zip(peers, seconds, medians_of_others(seconds), strict=True):
-                if own >= threshold * typical:
+                if own >= threshold * typical and own - typical >= t.min_step_share * step:
                     slow.append((own / typical, rank, typical))
         if not slow:
             continue
@@ -160,24 +181,34 @@ def straggler(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
         slow_ranks = {r.rank for _, r, _ in slow}
         whole_nodes = [host for host, members in by_node.items()
                        if len(members) > 1 and {r.rank for r in members} <= slow_ranks]
-        evidence = []
-        for ratio, r, typical in slow:
-            seconds, steps = computes[r.rank]
-            evidence.append(Evidence(
-                f"rank {r.rank} ({r.host or 'unknown node'}"
-                + (f", stage {r.layout.pp_stage}" if r.layout and r.layout.pp_size > 1 else "")
-                + f") computes {seconds:.3g} s per step" + (f" (median of {steps} steps)" if steps > 1 else "")
-                + f", {ratio:.2f}x the median {typical:.3g} s of its peers", r.where,
-                {"compute_seconds": seconds, "median_seconds": typical, "ratio": ratio, "steps": steps}))
-        evidence = capped(evidence, what="slow ranks") + tuple(sharing)
+        evidence = [Evidence(
+            f"rank {r.rank} ({r.host or 'unknown node'}"
+            + (f", stage {r.layout.pp_stage}" if r.layout and r.layout.pp_size > 1 else "")
+            + f") computes {computes[r.rank]:.3g} s per step ({window_text(r)}), {ratio:.2f}x the median "
+              f"{typical:.3g} s of its peers, in a {step:.3g} s step", r.where,
+            {"compute_seconds": computes[r.rank], "median_seconds": typical, "ratio": ratio, "step_seconds": step,
+             "window_steps": r.window.steps if r.window else None})
+            for ratio, r, typical in slow]
+        evidence = [*capped(evidence, what="slow ranks")]
+        split = _waiting(ranks)
+        if split is not None:
+            _, _, waits = split
+            waiting = [r for r in ranks if r.rank not in slow_ranks and waits.get(r.rank, 0) > 0]
+            if waiting:
+                typical_wait = median(waits[r.rank] for r in waiting)
+                evidence.append(Evidence(
+                    f"{describe_ranks(waiting)} wait a median {typical_wait:.3g} s per step in collectives for the "
+                    "slow rank(s): waiting, not transfer", Where(job=job),
+                    {"wait_seconds": typical_wait, "ranks": [r.rank for r in waiting]}))
+        evidence += sharing
         culprit = f"node {', '.join(whole_nodes)}" if whole_nodes else \
             f"rank {slow[0][1].rank} on {slow[0][1].host or 'an unknown node'}" if len(slow) == 1 else \
             f"{len(slow)} ranks"
         yield Issue(
             title=f"straggler in job {job}: {culprit} computes up to {slow[0][0]:.2f}x the median",
-            evidence=evidence,
+            evidence=tuple(evidence),
             fix=("check the straggling GPU(s) for throttling (HW005), a degraded PCIe link (HW002) and competing "
-                 "processes (`nvidia-smi`); replace or exclude " + (culprit if whole_nodes else "the node")
+                 "processes (`nvidia-smi`, `top`); replace or exclude " + (culprit if whole_nodes else "the node")
                  + " if it persists"),
             reason=f"Synchronous training runs at the pace of its slowest rank: all {len(ranks)} ranks of the job "
                    "wait for it at every collective.",
@@ -187,36 +218,33 @@ def straggler(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
 @rule("PERF003", family=FAMILY, severity=Severity.WARNING, title="Input pipeline stall",
       needs=(needs.DATALOADER,),
       thresholds={
-          "max_wait_share": Threshold(0.2, "not from the seeds: a fifth of the step spent waiting for input is "
-                                           "worth fixing before anything else"),
-          "low_sm_active": Threshold(0.3, "seed 004: GPU utilisation dropping below 30 % while the process "
-                                          "mostly waits for data"),
+          "max_wait_share": Threshold(0.2, "a fifth of the step spent waiting for input is worth fixing before "
+                                           "anything else"),
+          "low_sm_active": Threshold(0.3, "GPU activity below 30 % while the process mostly waits for data: the "
+                                          "GPU starves"),
       })
 def input_stall(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
-    """When the data loader cannot keep up, the GPU idles at the start of every step (seed 004: GPU
-    utilisation often below 30 %, the training process spending most of its time waiting for data to
-    come from disk to memory to the GPU). The rule measures each rank's data-loader wait as a share of
-    its step (medians over every step a run log holds, else the latest step), and adds the rank's GPU
-    activity as corroboration where the node's GPUs are known. Where CPU
-    ranks outnumber their node's CPUs, a rank that waits for a CPU while it fetches its batch counts as
-    waiting for input, so a stall is only reported as information there."""
+    """When the data loader cannot keep up, the GPU idles at the start of every step. The rule measures each
+    rank's data-loader wait as a share of its step (medians over its window of recent steps), and adds the
+    rank's GPU activity as corroboration where the node's GPUs are known. Where CPU ranks outnumber their
+    node's CPUs, a rank that waits for a CPU while it fetches its batch counts as waiting for input, so a
+    stall is only reported as information there."""
     for job, ranks in facts.jobs().items():
         stalled = []
         for rank in ranks:
-            wait, step = _typical(rank, "dataloader_wait_seconds"), _typical(rank, "step_seconds")
-            if wait is None or step is None or not step[0]:
+            wait, step = windowed(rank, "dataloader_wait_seconds"), windowed(rank, "step_seconds")
+            if wait is None or not step:
                 continue
-            (wait_seconds, steps), step_seconds = wait, step[0]
-            share = wait_seconds / step_seconds
+            share = wait / step
             if share < t.max_wait_share:
                 continue
             gpu = facts.gpu_of(rank)
             activity = "" if gpu is None or gpu.busy is None else \
                 f"; its GPU is {ratio_text(gpu.busy)} busy" + (" (low)" if gpu.busy < t.low_sm_active else "")
             stalled.append((share, Evidence(
-                f"rank {rank.rank}: waits {wait_seconds:.3g} s for input in a {step_seconds:.3g} s step "
-                f"({ratio_text(share)}{f', medians of {steps} steps' if steps > 1 else ''}){activity}", rank.where,
-                {"dataloader_wait_seconds": wait_seconds, "step_seconds": step_seconds, "share": share,
+                f"rank {rank.rank}: waits {wait:.3g} s for input in a {step:.3g} s step ({ratio_text(share)}, "
+                f"{window_text(rank)}){activity}", rank.where,
+                {"dataloader_wait_seconds": wait, "step_seconds": step, "share": share,
                  "gpu_busy": gpu.busy if gpu else None})))
         if not stalled:
             continue
@@ -227,8 +255,9 @@ def input_stall(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
                   f"{ratio_text(stalled[0][0])} of the step for data"
                   + (", on a node with fewer CPUs than ranks" if sharing else ""),
             evidence=capped([e for _, e in stalled], what="ranks") + tuple(sharing),
-            fix="DataLoader(num_workers=N, pin_memory=True, persistent_workers=True, prefetch_factor=4); move "
-                "preprocessing out of the training loop (precompute it) and keep the data on fast local storage",
+            fix="load batches in parallel and ahead of the step: worker processes (PyTorch: DataLoader(num_workers=N, "
+                "pin_memory=True, persistent_workers=True, prefetch_factor=4)); move preprocessing out of the training "
+                "loop (precompute it) and keep the data on fast local storage",
             reason="The GPU sits idle while the step waits for its batch; a faster input pipeline converts that "
                    "wait directly into throughput.",
             severity=Severity.INFO if sharing else None,
@@ -236,41 +265,55 @@ def input_stall(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
 
 
 @rule("PERF004", family=FAMILY, severity=Severity.WARNING, title="Communication-bound data parallelism",
-      needs=(needs.COLLECTIVES, needs.COMPUTE),
-      thresholds={"max_ccr": Threshold(0.5, "seed 000: \"with CCR above 0.5, do not use pure data parallelism\"")})
+      needs=(needs.EXPOSED_COLLECTIVES, needs.COMPUTE),
+      thresholds={
+          "max_ccr": Threshold(0.5, "a practitioners' rule of thumb: above a communication-to-computation ratio of "
+                                    "0.5, pure data parallelism stops scaling, since the all-reduce grows with the "
+                                    "model while each GPU's compute does not"),
+          "min_step_share": Threshold(0.2, "the transfer must take a fifth of the job's median step to be worth "
+                                           "restructuring the job for"),
+      })
 def communication_bound(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
-    """The communication-to-compute ratio (CCR) of a pure data-parallel job is its collective time per step
-    over its compute time per step. Seed 000: "always estimate CCR before writing code; above 0.5 do not
-    use pure data parallelism" — the gradient all-reduce grows with the model and the number of GPUs
-    while each GPU's compute does not, so adding GPUs stops paying off. Judged on the median rank of
-    jobs with tp = pp = 1 (hybrid jobs communicate by design)."""
+    """The communication-to-computation ratio (CCR) of a pure data-parallel job is the time its collectives
+    take to transfer per step over its compute time per step: above 0.5 the gradient all-reduce, not the
+    GPUs, sets the pace, and adding GPUs stops paying off. Transfer is not waiting: a rank that waits in the
+    all-reduce for a late peer is not communicating, so the transfer is taken from the rank that waited
+    least (see ``_waiting``), and a late rank is PERF002's finding. Only the collective time the training
+    thread actually waited for counts (DDP overlaps bucket all-reduces with the backward pass), and only
+    when it matters against the step: a fifth of it or more. Judged on jobs with tp = pp = 1 (hybrid jobs
+    communicate by design), with window medians (compute: the median over the job's ranks)."""
     for job, ranks in facts.jobs().items():
         pure = [r for r in ranks if r.layout is not None and r.layout.tp_size == r.layout.pp_size == 1
                 and r.layout.dp_size > 1]
-        ratios = []
-        for rank in pure:
-            if not rank.collectives or not rank.steps or rank.last is None or not rank.last.compute_seconds:
-                continue
-            per_step = sum(op.seconds for op in rank.collectives.values()) / rank.steps
-            ratios.append((per_step / rank.last.compute_seconds, per_step, rank))
-        if not ratios:
+        split = _waiting(pure)
+        computes = [c for r in pure if (c := windowed(r, "compute_seconds"))]
+        steps = [s for r in pure if (s := windowed(r, "step_seconds"))]
+        if split is None or not computes or not steps:
             continue
-        ccr = median(ratio for ratio, _, _ in ratios)
-        if ccr <= t.max_ccr:
+        transfer, last, waits = split
+        compute, step = median(computes), median(steps)
+        ccr = transfer / compute
+        if ccr <= t.max_ccr or transfer < t.min_step_share * step:
             continue
-        ratios.sort(key=lambda item: -item[0])
+        most = max(waits.values())
         yield Issue(
-            title=f"job {job} is communication-bound: CCR {ccr:.2f} (collective time / compute time) with pure "
+            title=f"job {job} is communication-bound: CCR {ccr:.2f} (collective transfer / compute) with pure "
                   f"data parallelism over {pure[0].layout.dp_size} ranks",
-            evidence=capped([Evidence(f"rank {r.rank}: {comm:.3g} s in collectives per step against "
-                                      f"{r.last.compute_seconds:.3g} s compute (CCR {ratio:.2f})", r.where,
-                                      {"collective_seconds_per_step": comm, "compute_seconds": r.last.compute_seconds,
-                                       "ccr": ratio}) for ratio, comm, r in ratios], what="ranks"),
-            fix="move to hybrid parallelism (tensor parallel inside the node, pipeline across nodes), or give each "
-                "all-reduce more compute: larger per-GPU batch or gradient accumulation (DDP no_sync), bigger "
-                "gradient buckets overlapped with backward",
+            evidence=(
+                Evidence(f"transfer {transfer:.3g} s per step: the exposed collective time of rank {last.rank}, which "
+                         f"waits least ({window_text(last)})", last.where,
+                         {"transfer_seconds": transfer, "rank": last.rank}),
+                Evidence(f"compute {compute:.3g} s per step (median over {len(computes)} ranks), in a {step:.3g} s "
+                         f"step: transfer is {ratio_text(transfer / step)} of it", Where(job=job),
+                         {"compute_seconds": compute, "step_seconds": step, "ccr": ccr}),
+                Evidence(f"the other ranks wait up to {most:.3g} s more per step for late peers (not counted as "
+                         "transfer)", Where(job=job), {"max_wait_seconds": most}),
+            ),
+            fix="give each all-reduce more compute (a larger per-GPU batch, or gradient accumulation with the "
+                "all-reduce only on the last micro-batch: DDP no_sync), overlap it with the backward pass (gradient "
+                "buckets), or move to hybrid parallelism (tensor parallel inside the node, pipeline across nodes)",
             reason="Above a CCR of 0.5 the gradient all-reduce, not the GPUs, sets the step time, and adding "
-                   "data-parallel ranks makes it worse (seed 000).",
+                   "data-parallel ranks makes it worse.",
         )
 
 

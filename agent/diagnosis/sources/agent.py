@@ -9,6 +9,7 @@ from gpuwatch.agent.diagnosis.facts import Facts, SourceInfo
 from gpuwatch.agent.diagnosis.sources import HTTP_TIMEOUT, SourceError, http_json
 from gpuwatch.agent.diagnosis.sources.collectors import PARTS, node_facts
 from gpuwatch.agent.diagnosis.sources.telemetry import bandwidth, rank_facts
+from gpuwatch.agent.telemetry.window import StepPoint
 
 STATE_PATH = "/api/v1/state"
 
@@ -48,8 +49,11 @@ def facts_from_state(state: Any, location: str) -> Facts:
     facts.nodes[name] = node_facts(name, collected, missing, simulated=state["agent"].get("mode") == "simulated")
     for raw in collected.get("telemetry", {}).get("ranks", ()):
         sampled = {key: (item["step"], item["value"]) for key, item in (raw.get("sampled") or {}).items()}
+        unavailable = {key: (item["step"], item["reason"]) for key, item in (raw.get("unavailable") or {}).items()}
         facts.ranks.append(rank_facts(raw["job"], raw["rank"], node=name, hello=raw.get("hello"),
                                       last_step=raw.get("last_step"), counters=raw.get("counters") or {},
-                                      collectives=raw.get("collectives") or {}, sampled=sampled))
+                                      collectives=raw.get("collectives") or {}, sampled=sampled,
+                                      unavailable=unavailable,
+                                      window=[StepPoint.from_dict(point) for point in raw.get("window") or ()]))
     facts.bandwidth = bandwidth(collected.get("telemetry", {}).get("probes", ()), name)
     return facts

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from gpuwatch.agent.collectors.infiniband import PHYS_STATES, PORT_STATES
+from gpuwatch.agent.collectors.telemetry import UNAVAILABLE, WINDOW_GAUGES, WINDOW_MEDIAN
 from gpuwatch.agent.diagnosis.facts import (
     BandwidthMeasurement,
     CollectiveFacts,
@@ -37,6 +38,7 @@ from gpuwatch.agent.diagnosis.facts import (
 )
 from gpuwatch.agent.diagnosis.sources import HTTP_TIMEOUT, SourceError, http_json
 from gpuwatch.agent.diagnosis.sources.collectors import PARTS, hca_model
+from gpuwatch.agent.telemetry.window import WindowSummary
 
 #: Window of the error-counter increases.
 WINDOW = "10m"
@@ -69,8 +71,8 @@ _RANK_COUNTERS = {"gpuwatch_train_steps_total": "steps", "gpuwatch_train_nonfini
 _RANK_SERIES = "|".join(["gpuwatch_train_rank_info", "gpuwatch_train_env_info", "gpuwatch_train_last_step",
                          "gpuwatch_train_param_checksum", "gpuwatch_train_grad_cosine_similarity",
                          "gpuwatch_train_collective_seconds_count", "gpuwatch_train_collective_seconds_sum",
-                         "gpuwatch_train_collective_bytes_total",
-                         *_STEP_GAUGES, *_RANK_COUNTERS])
+                         "gpuwatch_train_collective_bytes_total", WINDOW_MEDIAN, UNAVAILABLE,
+                         *(name for name, _, _ in WINDOW_GAUGES), *_STEP_GAUGES, *_RANK_COUNTERS])
 _RANK_KEY = "instance, job, exported_job, rank"
 
 
@@ -276,6 +278,10 @@ class _Reader:
                 series[key].setdefault("env", {})[labels["name"]] = labels.get("value", "")
             elif name.startswith("gpuwatch_train_collective_"):
                 series[key].setdefault("collectives", {}).setdefault(labels["op"], {})[name] = _value(sample)
+            elif name == WINDOW_MEDIAN:
+                series[key].setdefault("window_medians", {})[labels["timing"]] = _value(sample)
+            elif name == UNAVAILABLE:
+                series[key].setdefault("unavailable", {})[labels["signal"]] = labels["reason"]
             else:
                 series[key][name] = _value(sample)
                 if name.startswith("gpuwatch_train_memory_"):
@@ -352,12 +358,30 @@ class _Reader:
             value = values.get(name)
             return None if value is None else Sampled(value=value, as_of_step=_int_or_none(last_step))
 
+        backend = labels.get("backend")
         return RankFacts(
             job=job, rank=rank, node=node.name, layout=layout, gpu_index=gpu_index, gpu_uuid=gpu_uuid,
-            env=values.get("env"), faults=tuple(filter(None, labels.get("faults", "").split(","))), last=last,
+            env=values.get("env"), backends={"default": backend} if backend else None,
+            faults=tuple(filter(None, labels.get("faults", "").split(","))), last=last,
+            window=_window(values), unavailable=values.get("unavailable"),
             collectives=collectives or None, param_checksum=sampled("gpuwatch_train_param_checksum"),
             grad_cosine=sampled("gpuwatch_train_grad_cosine_similarity"), history=history,
             **{field: _int_or_none(values.get(name)) for name, field in _RANK_COUNTERS.items()})
+
+
+def _window(values: dict[str, Any]) -> WindowSummary | None:
+    """The rank's window as its agent summarised it (``window.summarize``), read back through the exporter's
+    own table of series, so the Prometheus source judges the very figures the agent source does."""
+    figures = {field: values[name] for name, _, field in WINDOW_GAUGES if name in values}
+    if "steps" not in figures:
+        return None
+    medians = dict(values.get("window_medians", {}))
+    if (bubble := figures.pop("bubble_ratio", None)) is not None:
+        medians["bubble_ratio"] = bubble
+    counts = {field: int(figures[field]) for field in ("steps", "first_step", "last_step", "loss_steps",
+                                                      "grad_norm_steps", "checksums", "distinct_checksums")
+              if field in figures}
+    return WindowSummary(**{**figures, **counts, "medians": medians})
 
 
 def _job(labels: dict[str, str]) -> str:

@@ -80,14 +80,15 @@ def read(path: Path) -> Facts:
             state.job, state.rank, node=None, hello=state.hello, last_step=state.last_step,
             counters=state.counters(),
             collectives={op: dataclasses.asdict(totals) for op, totals in state.collectives.items()},
-            sampled=state.sampled, history=series[state.job, state.rank].history()))
+            sampled=state.sampled, unavailable=state.unavailable, window=state.window.points(),
+            history=series[state.job, state.rank].history()))
     facts.bandwidth = bandwidth(store.probes(), None)
     return facts
 
 
 def _add(series: _Series, body: dict) -> None:
     step = body["step"]
-    for name in ("loss", "grad_norm", "step_seconds", "compute_seconds", "dataloader_wait_seconds"):
+    for name in ("loss", "grad_norm"):
         if name in body:
             series.points[name].append((step, body[name]))
     memory = body.get("memory")

@@ -18,6 +18,7 @@ from gpuwatch.agent.diagnosis.facts import (
 )
 from gpuwatch.agent.telemetry.schema import COLLECTIVE_BUCKETS
 from gpuwatch.agent.telemetry.store import probe_peaks
+from gpuwatch.agent.telemetry.window import StepPoint, summarize
 
 
 def histogram_quantile(quantile: float, buckets: Sequence[int]) -> float | None:
@@ -64,6 +65,7 @@ def step(body: Mapping[str, Any]) -> StepFacts:
     return StepFacts(
         step=body["step"], step_seconds=body.get("step_seconds"), compute_seconds=body.get("compute_seconds"),
         dataloader_wait_seconds=body.get("dataloader_wait_seconds"),
+        exposed_collective_seconds=body.get("exposed_collective_seconds"),
         bubble_ratio=pipeline.get("bubble_ratio"), bubble_ratio_theoretical=pipeline.get("bubble_ratio_theoretical"),
         loss=_maybe_nonfinite(body.get("loss")), grad_norm=_maybe_nonfinite(body.get("grad_norm")),
         loss_scale=body.get("loss_scale"),
@@ -82,20 +84,28 @@ def rank_facts(
     counters: Mapping[str, int],
     collectives: Mapping[str, Mapping[str, Any]],
     sampled: Mapping[str, tuple[int, Any]],
+    unavailable: Mapping[str, tuple[int, str]],
+    window: Sequence[StepPoint],
     history: History | None = None,
 ) -> RankFacts:
-    """One rank. Counters and collectives are totals since the agent (or the log) first saw the rank."""
+    """One rank. Counters and collectives are totals since the agent (or the log) first saw the rank; the
+    window is its latest steps; ``unavailable`` maps a signal to the step and reason it last could not be
+    computed, which stands unless a later step measured it."""
     hello = hello or {}
     gpu = hello.get("gpu") or {}
     sampled_facts = {name: Sampled(value=value, step=at) for name, (at, value) in sampled.items()}
+    missing = {signal: reason for signal, (at, reason) in unavailable.items() if at >= sampled.get(signal, (-1,))[0]}
     return RankFacts(
         job=job, rank=rank, node=node or hello.get("hostname"), hostname=hello.get("hostname"),
         layout=layout(hello) if hello else None, gpu_index=gpu.get("index"), gpu_uuid=gpu.get("uuid"),
         env=dict(hello["env"]) if "env" in hello else None,
         process_groups={name: list(members) for name, members in hello["process_groups"].items()}
         if "process_groups" in hello else None,
+        backends=dict(hello["backends"]) if "backends" in hello else None,
         faults=tuple(hello.get("faults", ())),
         last=step(last_step) if last_step else None,
+        window=summarize(window),
+        unavailable=missing or None,
         steps=counters.get("steps"), nonfinite_steps=counters.get("nonfinite_steps"),
         alloc_retries=counters.get("alloc_retries"), ooms=counters.get("ooms"),
         collectives={op: collective(op, totals) for op, totals in collectives.items()},

@@ -1,0 +1,159 @@
+"""The recent steps of one rank, and the robust statistics diagnosis judges them by.
+
+One step is a noisy sample: on a shared CPU a 2 ms step's compute time varies 4x from one step to the
+next, and a verdict on the latest step alone cries wolf on healthy jobs. So the agent keeps each rank's
+last ``WINDOW_STEPS`` step records (fewer when they span more than ``WINDOW_SECONDS`` of the rank's own
+clock), and the timing rules judge medians over them. The same ``StepWindow`` is filled by the agent's
+store and by the run-log reader, and the agent exports the same ``summarize`` figures to Prometheus, so a
+job gets the same verdict from all three sources.
+
+A window holds at most ``WINDOW_STEPS`` compact points (a dozen numbers each): ~0.5 KiB per step, 32 KiB per
+rank, 32 MiB at the agent's default cap of 1,024 ranks.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import statistics
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+#: Steps a window holds; a fault that starts mid-run moves the medians once it holds half the window.
+WINDOW_STEPS = 64
+#: Seconds of the rank's clock a window spans at most: slow steps are not judged on hour-old company.
+WINDOW_SECONDS = 300.0
+#: Steps a window needs before its medians are judged: a median of 5 stands however wrong 2 of them are.
+MIN_WINDOW_STEPS = 5
+#: The per-step timings summarised by their median: step record field -> path in the record body.
+TIMINGS: Mapping[str, tuple[str, ...]] = {
+    "step_seconds": ("step_seconds",),
+    "compute_seconds": ("compute_seconds",),
+    "dataloader_wait_seconds": ("dataloader_wait_seconds",),
+    "exposed_collective_seconds": ("exposed_collective_seconds",),
+    "bubble_ratio": ("pipeline", "bubble_ratio"),
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepPoint:
+    """What a window keeps of one step record."""
+
+    step: int
+    time: float
+    timings: tuple[float | None, ...]  # in TIMINGS order
+    loss: float | None = None
+    grad_norm: float | None = None
+    param_checksum: float | str | None = None
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> StepPoint:
+        """The point of a validated step record body (``schema.decode``)."""
+        return cls(body["step"], body["time"], tuple(_lookup(body, path) for path in TIMINGS.values()),
+                   body.get("loss"), body.get("grad_norm"), body.get("param_checksum"))
+
+    def as_dict(self) -> dict[str, Any]:
+        """For /api/v1/state: the step record's own field names, absent values left out."""
+        values = {"step": self.step, "time": self.time, **dict(zip(TIMINGS, self.timings, strict=True)),
+                  "loss": self.loss, "grad_norm": self.grad_norm, "param_checksum": self.param_checksum}
+        return {name: value for name, value in values.items() if value is not None}
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> StepPoint:
+        """The inverse of ``as_dict``, for a point read back from an agent's state, where a non-finite loss or
+        gradient norm is written "NaN", "+Inf" or "-Inf"."""
+        return cls(values["step"], values["time"], tuple(values.get(name) for name in TIMINGS),
+                   _number(values.get("loss")), _number(values.get("grad_norm")), values.get("param_checksum"))
+
+
+def _number(value: float | str | None) -> float | None:
+    return float(value) if isinstance(value, str) else value
+
+
+def _lookup(body: Mapping[str, Any], path: tuple[str, ...]) -> Any:
+    value: Any = body
+    for key in path:
+        value = value.get(key) if isinstance(value, Mapping) else None
+    return value
+
+
+class StepWindow:
+    """The last steps of one rank, oldest first, bounded by count and by the rank's clock. A step number
+    that goes back (a rank restarted, a run resumed from a checkpoint) starts the window again: steps of
+    two runs are not one sample."""
+
+    __slots__ = ("_points", "seconds")
+
+    def __init__(self, steps: int = WINDOW_STEPS, seconds: float = WINDOW_SECONDS,
+                 points: Iterable[StepPoint] = ()) -> None:
+        self._points: collections.deque[StepPoint] = collections.deque(points, maxlen=steps)
+        self.seconds = seconds
+
+    def add(self, body: Mapping[str, Any]) -> None:
+        point = StepPoint.of(body)
+        points = self._points
+        if points and point.step <= points[-1].step:
+            points.clear()
+        points.append(point)
+        while point.time - points[0].time > self.seconds:
+            points.popleft()
+
+    def points(self) -> tuple[StepPoint, ...]:
+        return tuple(self._points)
+
+    def copy(self) -> StepWindow:
+        return StepWindow(self._points.maxlen or WINDOW_STEPS, self.seconds, self._points)
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowSummary:
+    """Robust figures of one rank's window: how many steps, which, over how long, the median of each timing
+    (over the steps that reported it), and the range of loss, gradient norm and parameter checksum."""
+
+    steps: int
+    first_step: int
+    last_step: int
+    seconds: float
+    medians: Mapping[str, float]  # TIMINGS name -> median
+    loss_steps: int = 0  # steps with a finite loss
+    loss_min: float | None = None
+    loss_max: float | None = None
+    grad_norm_steps: int = 0  # steps with a finite gradient norm
+    grad_norm_max: float | None = None
+    checksums: int = 0  # steps that measured the parameter checksum
+    distinct_checksums: int = 0
+
+    def median(self, timing: str) -> float | None:
+        return self.medians.get(timing)
+
+    @property
+    def bubble_ratio(self) -> float | None:
+        """The median measured pipeline bubble."""
+        return self.medians.get("bubble_ratio")
+
+    def describe(self) -> str:
+        """The window as evidence states it: ``12 steps (41-52, 3.1 s)``."""
+        span = f"{self.first_step}-{self.last_step}" if self.steps > 1 else f"{self.last_step}"
+        return f"{self.steps} step{'s' if self.steps != 1 else ''} ({span}, {self.seconds:.3g} s)"
+
+
+def summarize(points: Iterable[StepPoint]) -> WindowSummary | None:
+    """The summary of a window's points, oldest first; None for an empty window."""
+    points = list(points)
+    if not points:
+        return None
+    medians = {}
+    for index, name in enumerate(TIMINGS):
+        values = [value for point in points if (value := point.timings[index]) is not None and math.isfinite(value)]
+        if values:
+            medians[name] = statistics.median(values)
+    losses = [p.loss for p in points if p.loss is not None and math.isfinite(p.loss)]
+    norms = [p.grad_norm for p in points if p.grad_norm is not None and math.isfinite(p.grad_norm)]
+    checksums = [p.param_checksum for p in points if p.param_checksum is not None]
+    return WindowSummary(
+        steps=len(points), first_step=points[0].step, last_step=points[-1].step,
+        seconds=max(0.0, points[-1].time - points[0].time), medians=medians,
+        loss_steps=len(losses), loss_min=min(losses, default=None), loss_max=max(losses, default=None),
+        grad_norm_steps=len(norms), grad_norm_max=max(norms, default=None),
+        checksums=len(checksums), distinct_checksums=len(set(checksums)))

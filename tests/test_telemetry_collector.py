@@ -356,3 +356,14 @@ class _Static:
 
     def collect(self):
         return self.families
+
+
+def test_every_per_rank_family_is_named_in_the_agent_docs():
+    """docs/agent.md lists every gpuwatch_train_* family a user can query; a new family without a line there fails."""
+    docs = (Path(__file__).parent.parent / "docs" / "agent.md").read_text()
+    store = TelemetryStore()
+    _feed(store, hello(0), step(0, 1))
+    ranks, records = store.snapshot()
+    names = {family.name for family in families(ranks, records)}
+    missing = sorted(name for name in names if f"`{name}" not in docs)
+    assert not missing, f"not in docs/agent.md: {missing}"

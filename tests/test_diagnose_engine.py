@@ -3,9 +3,14 @@ overrides, rules that cannot run or fail."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+from click.testing import CliRunner
 from diagnose_facts import facts, rank, step
 
+from gpuwatch.agent.cli import main
+from gpuwatch.agent.diagnosis import cli as diagnose_cli
 from gpuwatch.agent.diagnosis import engine
 from gpuwatch.agent.diagnosis.facts import Facts
 from gpuwatch.agent.diagnosis.registry import REGISTRY, Issue, Rule, Severity, rule
@@ -102,17 +107,32 @@ def test_missing_config_file_is_an_error(tmp_path):
         engine.load_config(tmp_path / "absent.yaml")
 
 
-def test_findings_sorted_by_severity_and_rules_that_fail_are_reported():
-    def broken(f: Facts, t) -> list[Issue]:
-        """Fails on purpose."""
-        raise KeyError("gpu")
+def _broken(f: Facts, t) -> list[Issue]:
+    """Fails on purpose."""
+    raise KeyError("gpu")
 
-    failing = Rule("ZZZ001", "test", Severity.CRITICAL, "broken", (), {}, "Fails.", broken)
+
+def test_findings_sorted_by_severity_and_a_rule_that_fails_is_a_finding_of_its_severity():
+    """A crashing rule has not cleared anything: its failure is a finding at the rule's own severity, with the
+    exception, and the other rules' findings stand."""
+    failing = Rule("ZZZ001", "test", Severity.CRITICAL, "broken", (), {}, "Fails.", _broken)
     ranks = [rank(r, dp=2, last=step(grad_norm=500.0, loss=float("nan"))) for r in range(2)]
     result = engine.run(facts(ranks=ranks), [*engine.select(["CONV002", "CONV001"]), failing])
-    assert [(f.code, f.severity.label) for f in result.findings] == [("CONV001", "critical"), ("CONV002", "warning")]
-    assert result.ran == ["CONV001", "CONV002"]
-    assert [(s.code, s.reason) for s in result.skipped] == [("ZZZ001", "rule failed: KeyError: 'gpu'")]
+    assert [(f.code, f.severity.label) for f in result.findings] == [
+        ("CONV001", "critical"), ("ZZZ001", "critical"), ("CONV002", "warning")]
+    assert result.ran == ["CONV001", "CONV002", "ZZZ001"] and result.skipped == []
+    failure = result.findings[1]
+    assert failure.title == "rule ZZZ001 failed and could not judge: KeyError: 'gpu'"
+    assert failure.evidence[0].text == "ZZZ001 (broken) raised KeyError: 'gpu'"
+
+
+def test_a_failing_critical_rule_fails_the_command(monkeypatch):
+    """`--fail-on critical` must not exit 0 when a critical rule crashed instead of judging."""
+    monkeypatch.setitem(REGISTRY, "CONV001", dataclasses.replace(REGISTRY["CONV001"], check=_broken))
+    monkeypatch.setattr(diagnose_cli, "_gather", lambda *args: facts(ranks=[rank(0)]))
+    result = CliRunner().invoke(main, ["diagnose", "--select", "CONV001", "--fail-on", "critical"])
+    assert result.exit_code == 1, result.output
+    assert "rule CONV001 failed and could not judge: KeyError: 'gpu'" in result.output
 
 
 def test_no_facts_means_every_rule_not_run_and_no_findings():

@@ -12,7 +12,7 @@ import yaml
 
 from gpuwatch.agent.diagnosis import rules as _catalogue  # noqa: F401 - importing registers every rule
 from gpuwatch.agent.diagnosis.facts import Facts
-from gpuwatch.agent.diagnosis.registry import REGISTRY, Finding, Rule
+from gpuwatch.agent.diagnosis.registry import REGISTRY, Evidence, Finding, Rule
 
 log = logging.getLogger(__name__)
 
@@ -107,9 +107,21 @@ class Report:
     skipped: list[Skipped]
 
 
+def _failure(rule: Rule, error: Exception) -> Finding:
+    """A rule that raised: a finding at the rule's own severity, so that ``--fail-on`` cannot pass a job the rule
+    never judged (a crashing critical rule is no all-clear)."""
+    text = f"{type(error).__name__}: {error}"
+    return Finding(rule.code, rule.family, rule.severity, f"rule {rule.code} failed and could not judge: {text}",
+                   (Evidence(f"{rule.code} ({rule.title}) raised {text}", values={"exception": type(error).__name__}),),
+                   "report it as a gpuwatch bug with the `--format json` report and `gpuwatch --version`; meanwhile "
+                   f"check by hand what {rule.code} checks (gpuwatch diagnose --explain {rule.code})",
+                   "A rule that failed has not cleared the facts it was meant to judge.")
+
+
 def run(facts: Facts, rules: Iterable[Rule] | None = None, overrides: Overrides | None = None) -> Report:
-    """Run ``rules`` (default: all) on ``facts``. A rule whose needs are unmet, or that fails, is skipped
-    with the reason; its findings would rest on missing facts."""
+    """Run ``rules`` (default: all) on ``facts``. A rule whose needs are unmet is skipped with the reason; its
+    findings would rest on missing facts. A rule that raises becomes a finding of its own severity, with the
+    exception: one broken rule costs neither the rest of the report nor the exit status."""
     findings: list[Finding] = []
     ran: list[str] = []
     skipped: list[Skipped] = []
@@ -118,13 +130,13 @@ def run(facts: Facts, rules: Iterable[Rule] | None = None, overrides: Overrides 
         if reason is not None:
             skipped.append(Skipped(rule.code, reason))
             continue
+        ran.append(rule.code)
         try:
             issues = list(rule.check(facts, rule.params((overrides or {}).get(rule.code))))
         except Exception as exc:  # one broken rule must not cost the rest of the report
             log.debug("rule %s failed", rule.code, exc_info=True)
-            skipped.append(Skipped(rule.code, f"rule failed: {type(exc).__name__}: {exc}"))
+            findings.append(_failure(rule, exc))
             continue
-        ran.append(rule.code)
         findings += [Finding(rule.code, rule.family, min(rule.severity, issue.severity or rule.severity), issue.title,
                              issue.evidence, issue.fix, issue.reason) for issue in issues]
     findings.sort(key=lambda finding: (-finding.severity, _order(finding.code)))

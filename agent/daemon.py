@@ -69,7 +69,10 @@ def run_agent(config: AgentConfig) -> int:
                                        **telemetry)
             before_round = None
 
-        sampler = Sampler([REGISTRY[name](context) for name in config.collectors],
+        collectors = {name: REGISTRY[name](context) for name in config.collectors}
+        if "host" in collectors and "telemetry" in collectors:  # the host exports the ranks' RSS and CPU time
+            collectors["host"].watch_ranks(collectors["telemetry"].store.sender_pids)
+        sampler = Sampler(list(collectors.values()),
                           interval=config.interval, deadline=config.collector_timeout, node=config.node,
                           mode="simulated" if config.simulate else "real", before_round=before_round)
         stack.callback(sampler.close)

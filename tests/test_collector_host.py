@@ -40,8 +40,9 @@ def test_memory_load_and_own_process_are_present_and_in_range(collector):
     load = values(result, "gpuwatch_host_load_average")
     assert set(load) == {("1m",), ("5m",), ("15m",)} and all(v >= 0 for v in load.values())
     rss = values(result, "gpuwatch_host_process_resident_bytes")
-    own = (str(os.getpid()), psutil.Process().name())
+    own = (str(os.getpid()), psutil.Process().name(), "", "")
     assert list(rss) == [own] and 1e6 < rss[own] < psutil.virtual_memory().total
+    assert values(result, "gpuwatch_host_process_cpu_seconds_total")[own] > 0
     json.dumps(result.facts, allow_nan=False)
 
 
@@ -72,29 +73,31 @@ def test_real_cpu_ratio_is_in_range(collector):
     assert 0.0 < only(result, "gpuwatch_host_cpu_utilization_ratio") <= 1.0
 
 
-def test_watched_pids_are_exported_and_dropped_when_they_exit(collector):
+def test_ranks_are_exported_with_their_job_and_rank_and_dropped_when_they_exit(collector):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        collector.watch_pids([child.pid, 2**22 + 12345])  # the second one does not exist
+        collector.watch_ranks(lambda: {child.pid: ("llm", 3), 2**22 + 12345: ("llm", 4)})  # the second is gone
         result = collector.collect()
         rss = values(result, "gpuwatch_host_process_resident_bytes")
-        assert rss[(str(child.pid), psutil.Process(child.pid).name())] > 0
+        assert rss[(str(child.pid), psutil.Process(child.pid).name(), "llm", "3")] > 0
         assert len(rss) == 2 and result.errors == []
+        assert (str(child.pid), psutil.Process(child.pid).name(), "llm", "3") in values(
+            result, "gpuwatch_host_process_cpu_seconds_total")
         assert {p["pid"] for p in result.facts["processes"]} == {os.getpid(), child.pid}
     finally:
         child.kill()
         child.wait()
     result = collector.collect()
     watched = values(result, "gpuwatch_host_process_resident_bytes")
-    assert [pid for pid, _ in watched] == [str(os.getpid())]
+    assert [labels[0] for labels in watched] == [str(os.getpid())]
     assert result.errors == []
 
 
-def test_watched_pids_are_bounded(collector):
-    collector.watch_pids(range(10**7, 10**7 + MAX_WATCHED_PIDS + 5))
+def test_watched_ranks_are_bounded(collector):
+    collector.watch_ranks(lambda: {pid: ("j", pid) for pid in range(10**7, 10**7 + MAX_WATCHED_PIDS + 5)})
     result = collector.collect()
     assert result.errors == [f"5 pids beyond the limit of {MAX_WATCHED_PIDS} not watched"]
-    collector.watch_pids([])
+    collector.watch_ranks(dict)
     assert collector.collect().errors == []
 
 

@@ -1,6 +1,7 @@
 """`gpuwatch agent` as a real process receiving telemetry: series, state, TTL, hostile input, SIGKILL."""
 
 import json
+import os
 import random
 import signal
 import socket
@@ -175,3 +176,21 @@ def test_agent_killed_and_restarted_on_the_same_socket_resumes_delivery(start_ag
     assert rank["hello"]["rank"] == 3 and rank["last_step"]["step"] == 4  # the hello was re-sent first
     assert _telemetry_facts(second)["records"]["dropped"]["no_agent"] == 2  # reported by the client
     assert second.state()["collectors"]["telemetry"]["up"] is True
+
+
+def test_the_host_collector_attributes_resident_memory_and_cpu_to_the_ranks_that_report(start_agent):
+    """The ranks' pids come from the kernel with each record (SO_PASSCRED), so the host collector exports the
+    training processes' RSS and CPU time labelled with their job and rank, not only the agent's own."""
+    agent = start_agent("--no-collector.nvml", "--no-collector.nvlink", "--no-collector.infiniband",
+                        "--interval", "0.2")
+    with TelemetryClient(agent.telemetry_socket, heartbeat_interval=0) as client:
+        client.send(hello(3))
+        client.send(step(3, 1))
+        own = {("pid", str(os.getpid())), ("job", JOB), ("rank", "3")}
+        wait_until(lambda: any(own <= labels for labels in samples(agent.get("/metrics").decode(),
+                                                                   "gpuwatch_host_process_resident_bytes")),
+                   what="this process's RSS, labelled as job-42 rank 3")
+    text = agent.get("/metrics").decode()
+    (rss,) = [value for labels, value in samples(text, "gpuwatch_host_process_resident_bytes").items() if own <= labels]
+    assert rss == pytest.approx(_rss_bytes(os.getpid()), rel=0.5)
+    assert any(own <= labels for labels in samples(text, "gpuwatch_host_process_cpu_seconds_total"))

@@ -2,23 +2,27 @@
 the network interfaces (facts only: diagnosis checks NCCL_SOCKET_IFNAME against them).
 
 Which processes are training ranks is not the host's to know: the agent's own process is always
-watched, and whoever learns rank pids (the telemetry collector) hands them over with ``watch_pids``.
+watched, and whoever learns the ranks' pids (the telemetry collector, from the kernel's credentials on each
+record) is asked for them every round through ``watch_ranks``.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import psutil
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from gpuwatch.agent.collectors.base import Collector, CollectorContext, CollectorResult
 
-#: Bounds gpuwatch_host_process_resident_bytes: a buggy feeder cannot create unbounded series.
+#: Bounds gpuwatch_host_process_*: a buggy feeder cannot create unbounded series.
 MAX_WATCHED_PIDS = 256
+
+#: pid -> (job, rank) of the training ranks running on this host.
+RankPids = Mapping[int, tuple[str, int]]
 
 _FAMILIES = {socket.AF_INET: "ipv4", socket.AF_INET6: "ipv6", psutil.AF_LINK: "link"}
 
@@ -30,7 +34,8 @@ def _busy_and_total(times: Any) -> tuple[float, float]:
 
 
 class HostCollector(Collector):
-    """CPU, load, memory and per-process RSS; ``watch_pids`` is the hook for training rank pids."""
+    """CPU, load, memory, and the resident memory and CPU time of the agent and of the training ranks that
+``watch_ranks`` names."""
 
     name = "host"
 
@@ -40,15 +45,12 @@ class HostCollector(Collector):
         # semantics, independent of which thread samples.
         self._last_cpu = _busy_and_total(psutil.cpu_times())
         self._own_pid = os.getpid()
-        self._watched: frozenset[int] = frozenset()
-        self._pids_over_limit = 0
+        self._ranks: Callable[[], RankPids] = dict
         self._processes: dict[int, psutil.Process] = {}
 
-    def watch_pids(self, pids: Iterable[int]) -> None:
-        """Replace the set of extra processes (training ranks) whose RSS is exported; thread-safe."""
-        wanted = sorted(set(pids))
-        self._pids_over_limit = max(0, len(wanted) - MAX_WATCHED_PIDS)
-        self._watched = frozenset(wanted[:MAX_WATCHED_PIDS])
+    def watch_ranks(self, ranks: Callable[[], RankPids]) -> None:
+        """Ask ``ranks`` every round which processes are training ranks (pid -> job and rank)."""
+        self._ranks = ranks
 
     def collect(self) -> CollectorResult:
         errors: list[str] = []
@@ -80,14 +82,16 @@ class HostCollector(Collector):
             families.append(GaugeMetricFamily(
                 f"gpuwatch_host_memory_{field}_bytes", f"Host memory {field} (psutil.virtual_memory).",
                 value=getattr(memory, field)))
-        rss = GaugeMetricFamily(
-            "gpuwatch_host_process_resident_bytes",
-            "Resident set size of the agent and of watched training processes.", labels=["pid", "name"])
+        labels = ["pid", "name", "job", "rank"]
+        rss = GaugeMetricFamily("gpuwatch_host_process_resident_bytes", "Resident set size of the agent (job and "
+                                "rank empty) and of the training ranks that report to it.", labels=labels)
+        cpu = CounterMetricFamily("gpuwatch_host_process_cpu_seconds", "CPU time, user and system, of the agent "
+                                  "(job and rank empty) and of the training ranks that report to it.", labels=labels)
         for process in processes:
-            rss.add_metric([str(process["pid"]), process["name"]], process["rss_bytes"])
-        families.append(rss)
-        if self._pids_over_limit:
-            errors.append(f"{self._pids_over_limit} pids beyond the limit of {MAX_WATCHED_PIDS} not watched")
+            names = [str(process["pid"]), process["name"], process["job"], process["rank"]]
+            rss.add_metric(names, process["rss_bytes"])
+            cpu.add_metric(names, process["cpu_seconds"])
+        families += [rss, cpu]
 
         facts = {
             "cpu_ratio": cpu_ratio,
@@ -102,18 +106,26 @@ class HostCollector(Collector):
         return CollectorResult(families, facts, errors)
 
     def _processes_rss(self, errors: list[str]) -> list[dict[str, Any]]:
-        """RSS of the agent and the watched pids; a process that exited is dropped, not an error."""
-        pids = sorted(self._watched | {self._own_pid})
+        """RSS and CPU time of the agent and the ranks' processes; a process that exited is dropped, not an
+        error. At most MAX_WATCHED_PIDS ranks, lowest pids first."""
+        ranks = dict(self._ranks())
+        ranks.pop(self._own_pid, None)
+        if len(ranks) > MAX_WATCHED_PIDS:
+            errors.append(f"{len(ranks) - MAX_WATCHED_PIDS} pids beyond the limit of {MAX_WATCHED_PIDS} not watched")
+        pids = [self._own_pid, *sorted(ranks)[:MAX_WATCHED_PIDS]]
         for gone in self._processes.keys() - set(pids):
             del self._processes[gone]
         rows = []
         for pid in pids:
+            job, rank = ranks.get(pid, ("", ""))
             try:
                 process = self._processes.get(pid)
                 if process is None or not process.is_running():  # is_running also catches pid reuse
                     process = self._processes[pid] = psutil.Process(pid)
                 with process.oneshot():
-                    rows.append({"pid": pid, "name": process.name(), "rss_bytes": process.memory_info().rss})
+                    times = process.cpu_times()
+                    rows.append({"pid": pid, "name": process.name(), "job": job, "rank": str(rank),
+                                 "rss_bytes": process.memory_info().rss, "cpu_seconds": times.user + times.system})
             except psutil.NoSuchProcess:
                 self._processes.pop(pid, None)
             except psutil.Error as exc:

@@ -217,6 +217,11 @@ class TelemetryStore:
             ranks = [self._ranks[key].copy() for key in sorted(self._ranks)]
             return ranks, dict(self._records)
 
+    def sender_pids(self) -> dict[int, tuple[str, int]]:
+        """pid -> (job, rank) of every rank whose records carried the sender's pid (in the agent's namespace)."""
+        with self._lock:
+            return {s.sender_pid: (s.job, s.rank) for s in self._ranks.values() if s.sender_pid is not None}
+
     def probes(self) -> list[dict[str, Any]]:
         """The latest probe record body of each job, sorted by job; bodies are replaced whole, never mutated."""
         with self._lock:

@@ -2,17 +2,20 @@
 real pynvml API (same functions, signatures, error classes and struct types), so it cannot drift."""
 
 import inspect
+import itertools
 import json
 import time
+from types import SimpleNamespace
 
 import pynvml
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpuwatch.agent.collectors._nvml_common import RETRY_MAX_SECONDS
 from gpuwatch.agent.collectors.base import CollectorContext, CollectorError
 from gpuwatch.agent.collectors.nvml import NvmlCollector
 from gpuwatch.agent.exposition import Renderer
-from gpuwatch.agent.simulate import PRESETS
+from gpuwatch.agent.simulate import PRESETS, fake_nvml
 from gpuwatch.agent.simulate.fake_nvml import FakeNvml
 
 H100 = PRESETS["dgx-h100"]
@@ -187,12 +190,18 @@ def test_fault_xids_start_at_zero_so_their_first_occurrence_counts():
     assert gpu(result, 0)["xid_errors"] == {}
 
 
-def test_xid_errors_count_per_gpu_and_code_and_accumulate(monkeypatch):
-    fake, collector = node()
+def _record_event_waits(monkeypatch, fake) -> list[int]:
+    """The timeout of every nvmlEventSetWait_v2 call the collector makes from now on, in order."""
     waits = []
     wait = fake.nvmlEventSetWait_v2
     monkeypatch.setattr(fake, "nvmlEventSetWait_v2", lambda event_set, timeout: waits.append(timeout) or
                         wait(event_set, timeout))
+    return waits
+
+
+def test_xid_errors_count_per_gpu_and_code_and_accumulate(monkeypatch):
+    fake, collector = node()
+    waits = _record_event_waits(monkeypatch, fake)
     collector.collect()
     for index, code in ((2, 79), (2, 79), (2, 48), (6, 13)):
         fake.inject_xid(index, code)
@@ -209,7 +218,7 @@ def test_xid_errors_count_per_gpu_and_code_and_accumulate(monkeypatch):
     assert set(waits) == {0}  # never blocks waiting for events
 
 
-def test_an_xid_storm_is_drained_in_bounded_slices_and_every_event_is_counted():
+def test_an_xid_storm_is_drained_in_bounded_slices_and_every_event_is_counted(monkeypatch):
     """A GPU spewing Xids (a flapping NVLink, a dying board) must not stall a sampling round: each
     collect drains a bounded number of events, the rest wait for the next round, none is lost."""
     fake, collector = node()
@@ -217,10 +226,13 @@ def test_an_xid_storm_is_drained_in_bounded_slices_and_every_event_is_counted():
     storm = 2500
     for _ in range(storm):
         fake.inject_xid(3, 74)
-    started = time.monotonic()
-    counts = [occurred(collector.collect()).get(("3", "74"), 0) for _ in range(3)]
+    waits = _record_event_waits(monkeypatch, fake)
+    counts, calls = [], []
+    for _ in range(3):
+        counts.append(occurred(collector.collect()).get(("3", "74"), 0))
+        calls.append(len(waits) - sum(calls))
     assert counts == [1000, 2000, 2500]  # nvml._MAX_EVENTS_PER_COLLECT per round, then the remainder
-    assert time.monotonic() - started < 5  # generous: the bound is what keeps a round short
+    assert calls == [1000, 1000, 501]  # the bound is what keeps a round short: the last one ends on an empty set
     assert occurred(collector.collect()) == {("3", "74"): storm}
 
 
@@ -234,11 +246,33 @@ def test_compute_processes_are_facts_and_memory_series():
 
 # -- failures ---------------------------------------------------------------------------------------
 
-def test_without_a_driver_collect_raises_the_reason_and_init_is_retried_later():
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_without_a_driver_init_backs_off_and_is_retried_until_the_driver_loads(monkeypatch):
+    """A node without a driver: nvmlInit fails, and is not called again before 2 s, then 4, 8 … (at most 5 min),
+    while every round reports the reason; once the driver has loaded, the next retry succeeds."""
     fake, collector = node(library_missing=True)
-    with pytest.raises(CollectorError, match="NVML library not found: no NVIDIA driver on this node"):
-        collector.collect()
-    fake.library_missing = False  # driver finished loading
+    clock = collector._session._clock = _Clock()  # the session's injectable clock
+    calls = []
+    monkeypatch.setattr(fake, "nvmlInit", lambda real=fake.nvmlInit: (calls.append(clock.now), real())[1])
+    for _ in range(3):
+        with pytest.raises(CollectorError, match="NVML library not found: no NVIDIA driver on this node"):
+            collector.collect()
+        clock.now += 1.0
+    assert calls == [100.0, 102.0]  # not at 101: backing off for 2 s after the first failure
+    for _ in range(200):  # 200 more rounds of 1 s
+        with pytest.raises(CollectorError, match="NVML library not found"):
+            collector.collect()
+        clock.now += 1.0
+    assert [b - a for a, b in itertools.pairwise(calls)] == [2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
+    fake.library_missing = False  # the driver finished loading
+    clock.now = calls[-1] + RETRY_MAX_SECONDS
     assert len(collector.collect().facts["gpus"]) == 8
 
 
@@ -372,17 +406,20 @@ def test_the_fake_raises_pynvml_errors_and_returns_pynvml_structs():
         fake.nvmlDeviceGetPowerUsage(handle)
 
 
-def test_a_scripted_hang_blocks_the_call_like_a_stuck_driver():
+def test_a_scripted_hang_blocks_the_call_like_a_stuck_driver(monkeypatch):
+    """Every call of the hung function blocks in the calling thread for the scripted time, until the hang ends.
+    The fake's sleep is recorded instead of slept: the test proves the blocking, not the machine's speed."""
     fake, collector = node()
     collector.collect()
+    sleeps = []
+    monkeypatch.setattr(fake_nvml, "time", SimpleNamespace(sleep=sleeps.append, monotonic=time.monotonic))
     fake.hang("nvmlDeviceGetPowerUsage", 0.05)
-    started = time.monotonic()
     collector.collect()
-    assert time.monotonic() - started >= 8 * 0.05
+    assert [seconds for seconds in sleeps if seconds] == [0.05] * len(GPUS)  # one blocked call per GPU
+    sleeps.clear()
     fake.hang("nvmlDeviceGetPowerUsage", 0)
-    started = time.monotonic()
     collector.collect()
-    assert time.monotonic() - started < 0.3
+    assert not any(sleeps)
 
 
 def test_the_fast_field_value_view_has_pynvml_s_layout():

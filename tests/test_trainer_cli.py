@@ -69,3 +69,15 @@ def test_gpuwatch_lists_train_with_its_options():
     for option in ("--tp", "--pp", "--dp", "--micro-batches", "--schedule", "--global-batch", "--log-jsonl",
                    "--precision", "--device", "--checkpoint-dir", "--resume"):
         assert option in result.output
+
+
+def test_fp16_on_a_machine_without_cuda_is_refused_before_any_rank_starts(monkeypatch):
+    """`--device auto` on a CPU-only machine (this CPU build of torch, or no GPU for NVML) is the CPU: fp16 there is
+    a usage error at once, not a rank failing after gloo has started."""
+    import gpuwatch.trainer.cli as train_cli
+
+    monkeypatch.setattr(train_cli, "_cuda_possible", lambda: False)
+    monkeypatch.setattr("gpuwatch.trainer.launch.launch", lambda *args, **kwargs: pytest.fail("a rank started"))
+    result = CliRunner().invoke(main, ["train", *TINY, "--precision", "fp16"])
+    assert result.exit_code == 2
+    assert "--precision fp16 needs CUDA; use bf16 on CPU" in result.output

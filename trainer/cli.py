@@ -7,6 +7,8 @@ options are validated, so a bad layout is rejected at once.
 
 from __future__ import annotations
 
+import dataclasses
+
 import click
 
 from gpuwatch.trainer.config import (
@@ -86,7 +88,10 @@ def train(**options) -> None:
     cfg = TrainConfig(model=model, **options)
     world_size = torchrun_world_size()
     try:
-        cfg.validate(world_size)
+        cfg.validate(world_size)  # at once, before torch is imported
+        if cfg.device == "auto" and not _cuda_possible():  # and what only the CPU cannot do, before any rank starts
+            cfg = dataclasses.replace(cfg, device="cpu")
+            cfg.validate(world_size)
     except ConfigError as error:
         raise click.UsageError(str(error)) from None
 
@@ -106,3 +111,21 @@ def train(**options) -> None:
 
 if __name__ == "__main__":
     train()
+
+
+def _cuda_possible() -> bool:
+    """Whether `--device auto` can land on a GPU: a CUDA build of torch on a machine whose NVML sees a GPU. Asked
+    of NVML, not CUDA: the fork launcher must not initialise CUDA in the parent."""
+    import pynvml
+    import torch
+
+    if torch.version.cuda is None:
+        return False
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return False
+    try:
+        return pynvml.nvmlDeviceGetCount() > 0
+    finally:
+        pynvml.nvmlShutdown()

@@ -78,6 +78,7 @@ def test_fp16_on_a_machine_without_cuda_is_refused_before_any_rank_starts(monkey
 
     monkeypatch.setattr(train_cli, "_cuda_possible", lambda: False)
     monkeypatch.setattr("gpuwatch.trainer.launch.launch", lambda *args, **kwargs: pytest.fail("a rank started"))
-    result = CliRunner().invoke(main, ["train", *TINY, "--precision", "fp16"])
+    result = CliRunner().invoke(main, ["train", *TINY, "--tp", "1", "--pp", "1", "--dp", "1", "--micro-batches", "1",
+                                       "--precision", "fp16"])
     assert result.exit_code == 2
     assert "--precision fp16 needs CUDA; use bf16 on CPU" in result.output

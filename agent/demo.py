@@ -180,7 +180,8 @@ def _follow(output: IO[str], steps: int) -> list[str]:
     """Advance a progress bar on each ``step N/M`` line; return the last lines of output."""
     tail: collections.deque[str] = collections.deque(maxlen=30)
     done = 0
-    with click.progressbar(length=steps, label="training", file=sys.stderr) as bar:
+    # Drawn on a terminal only: elsewhere click would print its label once, a stray line in a log.
+    with click.progressbar(length=steps, label="training", file=sys.stderr, hidden=not sys.stderr.isatty()) as bar:
         for line in output:
             tail.append(line)
             if match := _STEP_LINE.match(line):

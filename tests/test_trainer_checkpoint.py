@@ -54,6 +54,17 @@ def test_resumed_run_continues_exactly_where_it_stopped(tmp_path):
 def test_resuming_with_another_layout_is_refused(tmp_path):
     launch(train, CONFIG.world_size, dataclasses.replace(CONFIG, steps=1, checkpoint_dir=str(tmp_path)),
            device="cpu", timeout=120)
-    other = dataclasses.replace(CONFIG, pp=1, dp=4, checkpoint_dir=str(tmp_path), resume=True)
-    with pytest.raises(RankFailed, match="resume with the same --tp/--pp/--dp and model options"):
+    other = dataclasses.replace(CONFIG, pp=1, dp=4, steps=1, checkpoint_dir=str(tmp_path), resume=True)
+    with pytest.raises(RankFailed, match="resume with the same --tp/--pp/--dp, model options and learning-rate"):
         launch(train, other.world_size, other, device="cpu", timeout=120)
+
+
+def test_resuming_with_another_step_count_is_refused(tmp_path):
+    """The cosine schedule spans --steps: resumed with another --steps every later learning rate would differ from
+    the run that was interrupted, so the checkpoint refuses rather than continue "exactly" on other terms."""
+    launch(train, CONFIG.world_size, dataclasses.replace(CONFIG, steps=1, checkpoint_dir=str(tmp_path)),
+           device="cpu", timeout=120)
+    longer = dataclasses.replace(CONFIG, steps=4, checkpoint_dir=str(tmp_path), resume=True)
+    with pytest.raises(RankFailed, match=r"'schedule': \{'lr': 0.01, 'warmup_steps': 2, 'steps': 1\}.*--steps: the "
+                                         "cosine decay spans --steps"):
+        launch(train, longer.world_size, longer, device="cpu", timeout=120)

@@ -25,7 +25,8 @@ from gpuwatch.trainer.parallel.groups import Grid
 if TYPE_CHECKING:
     from gpuwatch.trainer.train import Trainer
 
-SAME_RUN = "resume with the same --tp/--pp/--dp and model options"
+SAME_RUN = ("resume with the same --tp/--pp/--dp, model options and learning-rate schedule (--lr, --warmup-steps, "
+            "--steps: the cosine decay spans --steps, so another value would change every later step's rate)")
 
 
 def rank_file(directory: Path, step: int, grid: Grid) -> Path:
@@ -33,8 +34,11 @@ def rank_file(directory: Path, step: int, grid: Grid) -> Path:
 
 
 def _identity(trainer: Trainer, grid: Grid) -> dict:
-    """What must match for a checkpoint to fit this run."""
-    return {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp, "model": asdict(trainer.cfg.model)}
+    """What must match for a checkpoint to fit this run: the layout, the model, and the learning-rate schedule, whose
+    cosine ends at --steps (resumed with another --steps, the losses would differ from an uninterrupted run)."""
+    cfg = trainer.cfg
+    return {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp, "model": asdict(cfg.model),
+            "schedule": {"lr": cfg.lr, "warmup_steps": cfg.warmup_steps, "steps": cfg.steps}}
 
 
 def _atomic_write(path: Path, write) -> None:

@@ -1,4 +1,4 @@
-"""gpuwatch node agent: collectors -> snapshot -> exporter (see DESIGN.md §2)."""
+"""gpuwatch node agent: collectors -> snapshot -> exporter (see docs/agent.md)."""
 
 from importlib.metadata import PackageNotFoundError, version
 

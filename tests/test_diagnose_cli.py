@@ -135,7 +135,7 @@ def test_explain_shows_reasoning_thresholds_and_needs():
     assert result.exit_code == 0
     assert result.output.startswith("PERF001: Pipeline bubble ratio high\nfamily: performance    severity: warning")
     assert "(p − 1)/(m + p − 1)" in result.output
-    assert "max_bubble_ratio = 0.2  — seed 002" in result.output
+    assert "max_bubble_ratio = 0.2  — GPipe (Huang et al. 2019)" in result.output
     assert "Needs: pipeline bubble or micro-batches" in result.output
 
 

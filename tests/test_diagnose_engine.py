@@ -15,7 +15,7 @@ from gpuwatch.agent.diagnosis import engine
 from gpuwatch.agent.diagnosis.facts import Facts
 from gpuwatch.agent.diagnosis.registry import REGISTRY, Issue, Rule, Severity, rule
 
-#: DESIGN.md §6: the codes are a contract (dashboards, alerts, --select in users' scripts); so are families.
+#: The codes are a contract (dashboards, alerts, --select in users' scripts); so are families.
 CATALOGUE = {
     "NCCL001": ("network config", "critical"), "NCCL002": ("network config", "warning"),
     "NCCL003": ("network config", "critical"), "NCCL004": ("network config", "warning"),
@@ -41,7 +41,7 @@ def test_catalogue_codes_families_and_severities_are_the_contract():
 def test_every_rule_documents_itself():
     for entry in engine.catalogue():
         assert entry.title and "\n" not in entry.title, entry.code
-        assert len(entry.explanation) > 100, entry.code  # the --explain text: why, with the seeds' numbers
+        assert len(entry.explanation) > 100, entry.code  # the --explain text: why, with the numbers
         assert entry.needs, f"{entry.code} declares no needs: the engine could not say why it did not run"
         for name, threshold in entry.thresholds.items():
             assert name.isidentifier() and threshold.source, (entry.code, name)

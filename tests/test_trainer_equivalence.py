@@ -1,7 +1,7 @@
-"""The correctness bar (DESIGN.md §7): a TP × PP × DP run equals a single-process run.
+"""The reference trainer's correctness bar: a TP × PP × DP run equals a single-process run.
 
 Every layout trains the same model (same initial weights: each is drawn by parameter name, then
-sliced) on the same sequences (global batch 8, seed 0) for 6 AdamW steps, with warm-up, cosine
+sliced) on the same sequences (global batch 8, seed=0) for 6 AdamW steps, with warm-up, cosine
 decay and global-norm clipping all active (the first step's norm is above --clip-grad).
 
 Tolerances, fp32:

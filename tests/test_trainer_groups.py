@@ -52,7 +52,7 @@ def test_groups_on_eight_ranks_hold_the_ranks_the_layout_promises():
             assert found[kind] in expected[kind] and rank in found[kind]
         pipeline = found["pp"]
         assert neighbours == ((pipeline[0], None) if pp_rank == 1 else (None, pipeline[1]))
-        assert separate  # pipeline and data-parallel traffic never share a group (seeds/002)
+        assert separate  # pipeline and data-parallel traffic never share a group (a shared one can deadlock: TOPO001)
 
 
 def _wrong_grid(device):

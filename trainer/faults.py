@@ -36,7 +36,7 @@ def learning_rate(cfg: TrainConfig) -> float:
     """lr-explode: a learning rate far too high for the model (a typo'd exponent, a linear-scaling rule
     applied to a huge batch). AdamW moves every weight by about the learning rate each step whatever the
     gradient, so the weights grow large and the gradient norm, measured before clipping, explodes
-    (seed 000: above 100 the gradients exploded)."""
+    (past 100, where CONV002 calls it exploded)."""
     return EXPLODING_LR if "lr-explode" in cfg.faults else cfg.lr
 
 
@@ -87,10 +87,10 @@ def desync(cfg: TrainConfig, grid: Grid, model: torch.nn.Module) -> None:
 def overflow_fp16(cfg: TrainConfig, model: torch.nn.Module) -> None:
     """fp16-no-scaler: fp16 training without a loss scaler, the way it ends when a value leaves fp16's
     range (largest 65504): inf logits, a NaN loss, NaN gradients, and with no scaler to skip the step the
-    optimizer writes NaN into every weight (seed 004: autocast without GradScaler, and the loss turns
-    NaN). This small model's logits never get there by themselves, so the last stage's LM head emits them
-    in fp16 at FP16_OVERFLOW times their size, as a larger model's activations grow; the trainer also runs
-    without its DynamicLossScaler and reports no loss scale."""
+    optimizer writes NaN into every weight (torch.amp.GradScaler would skip a step whose gradients hold
+    inf or NaN). This small model's logits never get there by themselves, so the last stage's LM head
+    emits them in fp16 at FP16_OVERFLOW times their size, as a larger model's activations grow; the
+    trainer also runs without its DynamicLossScaler and reports no loss scale."""
     head = getattr(model, "head", None)
     if "fp16-no-scaler" in cfg.faults and head is not None:
         head.register_forward_hook(lambda module, inputs, logits: (logits * FP16_OVERFLOW).half())
@@ -100,7 +100,8 @@ class SharedGroup:
     """shared-pp-dp-group: pipeline send/recv and the data-parallel gradient all-reduce on one process group,
     as a job that uses the default group for both instead of one new_group per kind of traffic. On NCCL the
     two kinds of traffic serialise on one communicator, and a large all-reduce blocks the send/recv that
-    another stage waits for: seed 002's 13B model on 32 A100s hit NCCL timeouts after 2,000 steps.
+    another stage waits for: in one reported case a 13B model on 32 A100s hit NCCL timeouts after 2,000
+    steps.
 
     The shared group is every rank with this rank's TP rank (all its stages and replicas; the whole world
     when tp = 1). It still trains exactly: the all-reduce carries one slice per pipeline stage, each rank

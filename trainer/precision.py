@@ -1,12 +1,12 @@
 """Mixed precision: autocast for bf16 and fp16, and a dynamic loss scaler for fp16.
 
 Parameters, optimizer state and the residual stream stay fp32; autocast runs matmuls in the low
-precision. fp16's narrow range flushes small gradients to zero (the seeds: a loss that stops moving,
-or NaN, when the GradScaler is missing), so fp16 multiplies the loss by a scale S before backward,
-divides the gradients by S after the DP reduction, and skips the step, halving S, when a gradient
-is inf or NaN. The verdict comes from the global gradient norm, which every rank shares, so all
-ranks skip together: torch.amp.GradScaler looks only at its own rank's gradients, and pipeline
-stages could then disagree.
+precision. fp16's narrow range flushes small gradients to zero (the PyTorch AMP docs' reason for
+gradient scaling: without a GradScaler the loss stops moving, or turns NaN), so fp16 multiplies the
+loss by a scale S before backward, divides the gradients by S after the DP reduction, and skips the
+step, halving S, when a gradient is inf or NaN. The verdict comes from the global gradient norm,
+which every rank shares, so all ranks skip together: torch.amp.GradScaler looks only at its own
+rank's gradients, and pipeline stages could then disagree.
 """
 
 from __future__ import annotations

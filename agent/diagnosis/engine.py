@@ -16,7 +16,8 @@ from gpuwatch.agent.diagnosis.registry import REGISTRY, Evidence, Finding, Rule
 
 log = logging.getLogger(__name__)
 
-#: Catalogue order of the families' code prefixes (DESIGN.md §6): listings and reports follow it.
+#: Catalogue order of the families' code prefixes (as the README's Diagnosis section lists them): listings and
+#: reports follow it.
 PREFIX_ORDER = ("NCCL", "HW", "PERF", "MEM", "CONV", "TOPO")
 
 Overrides = Mapping[str, Mapping[str, float]]

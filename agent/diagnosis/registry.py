@@ -38,7 +38,7 @@ class Need:
 @dataclasses.dataclass(frozen=True)
 class Threshold:
     value: float
-    #: Where the number comes from (a seed and its story, or why it was chosen).
+    #: Where the number comes from (a public source, a reported case, a measurement, or why it was chosen).
     source: str
 
 

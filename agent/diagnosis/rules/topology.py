@@ -18,8 +18,8 @@ FAMILY = "topology"
 def shared_pp_dp_group(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """Pipeline stages exchange activations with send/recv while data-parallel replicas all-reduce their
     gradients. On one communicator the two kinds of traffic serialise: a large all-reduce blocks the
-    send/recv that another stage waits on, and the job deadlocks until the NCCL timeout (seed 002: a 13B
-    model on 32 A100s, PP×DP, NCCL timeouts after 2,000 steps, fixed by creating separate groups with
+    send/recv that another stage waits on, and the job deadlocks until the NCCL timeout (one reported case:
+    a 13B model on 32 A100s, PP×DP, NCCL timeouts after 2,000 steps, fixed by creating separate groups with
     new_group for PP and DP). Judged from the members of the groups each rank reports for pipeline
     ("pp") and data-parallel ("dp") traffic: the same members, or a group wider than its dimension,
     means shared."""
@@ -44,17 +44,18 @@ def shared_pp_dp_group(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue
                     "dp_group = dist.new_group(replicas) for the gradient all-reduce (every rank creates every "
                     "group, in the same order)",
                 reason="On a shared communicator a large gradient all-reduce blocks the stage-to-stage send/recv "
-                       "and the job deadlocks into an NCCL timeout (seed 002).",
+                       "and the job deadlocks into an NCCL timeout.",
             )
 
 
 @rule("TOPO002", family=FAMILY, severity=Severity.WARNING, title="Tensor-parallel group spans nodes",
       needs=(needs.HOSTS,))
 def tp_group_spans_nodes(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
-    """Tensor parallelism communicates inside every layer, forward and backward (seed 002: 384 collectives
-    per iteration for 96 layers), so it belongs inside the NVLink domain of one node; across nodes every
-    one of those collectives crosses InfiniBand (seed 001: tensor parallel innermost, single machine
-    multi-GPU; seed 004: tensor parallelism is used within a machine, rarely across nodes). A TP group is
+    """Tensor parallelism communicates inside every layer, forward and backward (Megatron-LM, Shoeybi et al.
+    2019: two all-reduces forward and two backward per transformer layer, 384 per iteration for 96 layers),
+    so it belongs inside the NVLink domain of one node; across nodes every one of those collectives crosses
+    InfiniBand (Narayanan et al., SC'21: tensor parallelism up to the GPUs of a server, pipeline parallelism
+    across servers). A TP group is
     the ranks of a job with the same pipeline stage and DP rank; the rule checks where each member runs."""
     for job, ranks in facts.jobs().items():
         placed = [r for r in ranks if r.layout is not None and r.layout.tp_size > 1 and r.host is not None]

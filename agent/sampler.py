@@ -42,7 +42,7 @@ class Sampler:
         self.collectors = list(collectors)
         self.interval = interval
         self.deadline = deadline if deadline is not None else max(0.5, 0.8 * interval)
-        self.agent_facts = {"version": __version__, "mode": mode, "node": node, "interval_seconds": interval}
+        self.agent_info = {"version": __version__, "mode": mode, "node": node, "interval_seconds": interval}
         self._before_round = before_round
         self._renderer = Renderer()
         self._scrapes = ScrapeClock()
@@ -53,7 +53,7 @@ class Sampler:
         self._pending: dict[str, concurrent.futures.Future[CollectorResult]] = {}
         self._last_success: dict[str, float] = {}
         self._stop = threading.Event()
-        self.snapshot = Snapshot(timestamp=0.0, families=(), collectors={}, facts={}, agent=self.agent_facts,
+        self.snapshot = Snapshot(timestamp=0.0, families=(), collectors={}, readings={}, agent=self.agent_info,
                                  renderer=self._renderer, scrapes=self._scrapes)
 
     def sample_once(self) -> Snapshot:
@@ -70,7 +70,7 @@ class Sampler:
         concurrent.futures.wait(futures.values(), timeout=self.deadline)
 
         families: list[Sequence[Metric]] = []
-        facts: dict[str, object] = {}
+        readings: dict[str, object] = {}
         statuses: dict[str, CollectorStatus] = {}
         now = time.time()
         for collector in self.collectors:
@@ -78,10 +78,10 @@ class Sampler:
             statuses[collector.name] = status
             if result is not None:
                 families.append(result.families)
-                facts[collector.name] = result.facts
+                readings[collector.name] = result.readings
         families.insert(0, DeferredFamilies(lambda: self._self_metrics(statuses)))  # built if scraped
-        snapshot = Snapshot(timestamp=now, families=families, collectors=statuses, facts=facts,
-                            agent=self.agent_facts, renderer=self._renderer, scrapes=self._scrapes)
+        snapshot = Snapshot(timestamp=now, families=families, collectors=statuses, readings=readings,
+                            agent=self.agent_info, renderer=self._renderer, scrapes=self._scrapes)
         if self._scrapes.due_within(self.interval):  # a scrape will read this round: render it before it asks
             snapshot.render()
         self.snapshot = snapshot  # one reference swap: readers see the old or the new one, whole
@@ -117,7 +117,7 @@ class Sampler:
         info = GaugeMetricFamily("gpuwatch_agent_info", "Agent build and mode; mode=simulated marks a "
                                  "scripted stand-in node, never real hardware.",
                                  labels=["version", "mode", "node"])
-        info.add_metric([__version__, self.agent_facts["mode"], self.agent_facts["node"]], 1)
+        info.add_metric([__version__, self.agent_info["mode"], self.agent_info["node"]], 1)
         up = GaugeMetricFamily("gpuwatch_collector_up", "1 when the collector's last run succeeded.",
                                labels=["collector"])
         duration = GaugeMetricFamily("gpuwatch_collector_duration_seconds",

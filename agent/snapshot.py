@@ -26,7 +26,8 @@ from gpuwatch.agent.exposition import Renderer
 
 def _json_safe(value: Any) -> Any:
     """Non-finite floats become "NaN"/"+Inf"/"-Inf", as in Prometheus's HTTP API: strict JSON stays parseable.
-    Objects with an ``as_dict`` (a window's step points) are written as that dict, only when the state is asked for."""
+    Objects with an ``as_dict`` (collectors' readings, a window's step points) are written as that dict, only when
+    the state is asked for."""
     as_dict = getattr(value, "as_dict", None)
     if callable(as_dict):
         value = as_dict()
@@ -87,7 +88,8 @@ class Snapshot:
     #: The round's metric families, one sequence per collector (a collector's may build on first use).
     families: Sequence[Sequence[Metric]]
     collectors: dict[str, CollectorStatus]
-    facts: dict[str, Any]
+    #: Each collector's readings, by collector name.
+    readings: dict[str, Any]
     agent: dict[str, Any]
     renderer: Renderer = dataclasses.field(default_factory=Renderer, compare=False, repr=False)
     scrapes: ScrapeClock = dataclasses.field(default_factory=ScrapeClock, compare=False, repr=False)
@@ -123,6 +125,6 @@ class Snapshot:
             "agent": self.agent,
             "timestamp": self.timestamp,
             "collectors": {name: dataclasses.asdict(status) for name, status in self.collectors.items()},
-            "facts": self.facts,
+            "facts": self.readings,  # the key readers of /api/v1/state have always used
         }
         return json.dumps(_json_safe(state), default=str, allow_nan=False).encode()

@@ -12,6 +12,8 @@ import pytest
 from gpuwatch.agent.collectors import host
 from gpuwatch.agent.collectors.base import CollectorContext
 from gpuwatch.agent.collectors.host import MAX_WATCHED_PIDS, HostCollector
+from gpuwatch.agent.collectors.readings import AddressReading, HostReadings
+from gpuwatch.agent.snapshot import Snapshot
 
 
 def values(result, sample_name):
@@ -43,7 +45,9 @@ def test_memory_load_and_own_process_are_present_and_in_range(collector):
     own = (str(os.getpid()), psutil.Process().name(), "", "")
     assert list(rss) == [own] and 1e6 < rss[own] < psutil.virtual_memory().total
     assert values(result, "gpuwatch_host_process_cpu_seconds_total")[own] > 0
-    json.dumps(result.facts, allow_nan=False)
+    assert result.readings.memory_total_bytes == total and result.readings.cpu_count == psutil.cpu_count()
+    state = json.loads(Snapshot(0.0, [], {}, {"host": result.readings}, {}).state_json)
+    assert HostReadings.from_dict(state["facts"]["host"]) == result.readings
 
 
 def test_cpu_ratio_is_busy_share_since_the_previous_sample(monkeypatch):
@@ -61,7 +65,7 @@ def test_cpu_ratio_is_busy_share_since_the_previous_sample(monkeypatch):
     result = HostCollector(CollectorContext()).collect()
     # Guest time is already inside user time: counted once. Busy 60+20, idle+iowait 60+20.
     assert only(result, "gpuwatch_host_cpu_utilization_ratio") == pytest.approx(0.5)
-    assert result.facts["cpu_ratio"] == pytest.approx(0.5)
+    assert result.readings.cpu_ratio == pytest.approx(0.5)
 
 
 def test_real_cpu_ratio_is_in_range(collector):
@@ -83,7 +87,7 @@ def test_ranks_are_exported_with_their_job_and_rank_and_dropped_when_they_exit(c
         assert len(rss) == 2 and result.errors == []
         assert (str(child.pid), psutil.Process(child.pid).name(), "llm", "3") in values(
             result, "gpuwatch_host_process_cpu_seconds_total")
-        assert {p["pid"] for p in result.facts["processes"]} == {os.getpid(), child.pid}
+        assert {p.pid for p in result.readings.processes} == {os.getpid(), child.pid}
     finally:
         child.kill()
         child.wait()
@@ -102,9 +106,9 @@ def test_watched_ranks_are_bounded(collector):
 
 
 def test_network_interfaces_include_loopback_marked_as_such(collector):
-    interfaces = {i["name"]: i for i in collector.collect().facts["network_interfaces"]}
-    loopbacks = [i for i in interfaces.values() if i["is_loopback"]]
-    assert [i["name"] for i in loopbacks] == ["lo"]
-    assert interfaces["lo"]["up"] is True
-    assert {"family": "ipv4", "address": "127.0.0.1"} in interfaces["lo"]["addresses"]
+    interfaces = {i.name: i for i in collector.collect().readings.network_interfaces}
+    loopbacks = [i for i in interfaces.values() if i.is_loopback]
+    assert [i.name for i in loopbacks] == ["lo"]
+    assert interfaces["lo"].up is True
+    assert AddressReading(family="ipv4", address="127.0.0.1") in interfaces["lo"].addresses
     assert set(interfaces) == set(psutil.net_if_stats())

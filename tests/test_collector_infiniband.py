@@ -14,8 +14,10 @@ import pytest
 from gpuwatch.agent.collectors import infiniband
 from gpuwatch.agent.collectors.base import CollectorContext, CollectorError
 from gpuwatch.agent.collectors.infiniband import InfinibandCollector
+from gpuwatch.agent.collectors.readings import InfinibandReadings
 from gpuwatch.agent.simulate import PRESETS
 from gpuwatch.agent.simulate.sysfs import SimulatedSysfs
+from gpuwatch.agent.snapshot import Snapshot
 
 FIXTURE_SYS = Path(__file__).parent / "fixtures" / "procfs-infiniband" / "sys"
 CLASS = "class/infiniband"
@@ -83,11 +85,11 @@ def test_rates_states_and_link_layer():
     assert values(result, "gpuwatch_ib_port_physical_state_id") == {
         ("hfi1_0", "1"): 5, ("mlx4_0", "1"): 5, ("mlx4_0", "2"): 5, ("mlx5_0", "1"): 4,
     }
-    port = result.facts["ports"][0]
-    assert [port[key] for key in ("device", "port", "state", "phys_state")] == [
-        "hfi1_0", 1, "ACTIVE", "LinkUp"]
-    assert port["transmitted_bytes"] == 1094233306172
-    json.dumps(result.facts, allow_nan=False)
+    port = result.readings.ports[0]
+    assert (port.device, port.port, port.state, port.state_id, port.phys_state) == ("hfi1_0", 1, "ACTIVE", 4, "LinkUp")
+    assert port.transmitted_bytes == 1094233306172
+    state = json.loads(Snapshot(0.0, [], {}, {"infiniband": result.readings}, {}).state_json)
+    assert InfinibandReadings.from_dict(state["facts"]["infiniband"]) == result.readings
 
 
 def test_device_info_including_the_omni_path_adapter_without_hca_type():
@@ -155,7 +157,7 @@ def test_unparsable_state_costs_the_state_not_the_port(fixture_copy):
     result = collect(fixture_copy)
     assert ("hfi1_0", "1", "InfiniBand") not in values(result, "gpuwatch_ib_port_up")
     assert values(result, "gpuwatch_ib_port_transmitted_bytes_total")[("hfi1_0", "1")] == 1094233306172
-    assert result.facts["ports"][0]["state"] is None
+    assert (result.readings.ports[0].state, result.readings.ports[0].state_id) == (None, None)
     assert result.errors == [f"{fixture_copy / CLASS}/hfi1_0/ports/1/state: unexpected content 'garbage'"]
 
 
@@ -173,9 +175,9 @@ def test_saturated_32_bit_counters_are_flagged_and_not_exported(fixture_copy):
     errors = values(result, "gpuwatch_ib_port_errors_total")
     assert ("mlx4_0", "1", "symbol_error") not in errors
     assert errors[("mlx4_0", "1", "link_downed")] == 254
-    port = next(p for p in result.facts["ports"] if (p["device"], p["port"]) == ("mlx4_0", 1))
-    assert port["transmitted_bytes"] is None
-    assert port["saturated"] == ["symbol_error", "port_xmit_data"]
+    port = next(p for p in result.readings.ports if (p.device, p.port) == ("mlx4_0", 1))
+    assert port.transmitted_bytes is None
+    assert port.saturated == ("symbol_error", "port_xmit_data")
     assert result.errors == []
 
 
@@ -309,7 +311,7 @@ def test_pread_at_offset_zero_regenerates_a_live_sysfs_attribute():
 def test_missing_class_directory_means_no_ports_not_an_error(tmp_path):
     result = collect(tmp_path)
     assert result.errors == []
-    assert result.facts == {"devices": [], "ports": []}
+    assert result.readings == InfinibandReadings(devices=(), ports=())
     assert result.families and all(not family.samples for family in result.families)
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from gpuwatch.agent.collectors.base import CollectorContext, CollectorError
 from gpuwatch.agent.collectors.nvlink import NvlinkCollector
+from gpuwatch.agent.collectors.readings import NvlinkReading, NvlinkReadings
 from gpuwatch.agent.simulate import PRESETS
 from gpuwatch.agent.simulate.fake_nvml import FakeNvml
 
@@ -48,12 +49,12 @@ def test_every_link_of_every_gpu_is_up_at_its_rated_speed():
     assert result.errors == []
     assert values(result, "gpuwatch_nvlink_up") == dict.fromkeys(LINKS, 1)
     assert values(result, SPEED) == dict.fromkeys(LINKS, 26_562 * 1_000_000)  # MB/s -> bytes/s
-    assert len(result.facts["links"]) == 144
-    assert result.facts["links"][0] == {
-        "gpu": 0, "link": 0, "up": True, "speed_bytes_per_second": 26_562_000_000,
-        "tx_bytes": values(result, TX)[("0", "0")], "rx_bytes": values(result, RX)[("0", "0")],
-        "errors": {"crc": 0, "replay": 0, "recovery": 0},
-    }
+    assert len(result.readings.links) == 144
+    assert result.readings.links[0] == NvlinkReading(
+        gpu=0, link=0, up=True, speed_bytes_per_second=26_562_000_000,
+        tx_bytes=values(result, TX)[("0", "0")], rx_bytes=values(result, RX)[("0", "0")],
+        errors={"crc": 0, "replay": 0, "recovery": 0},
+    )
 
 
 def test_bytes_are_kib_times_1024_and_grow_at_a_plausible_rate():
@@ -85,7 +86,7 @@ def test_a_link_going_down_reads_zero_and_stops_counting():
     assert sum(up.values()) == len(LINKS) - 1
     assert values(after, TX)[("3", "7")] == values(before, TX)[("3", "7")]
     assert values(after, TX)[("3", "6")] > values(before, TX)[("3", "6")]
-    assert next(link for link in after.facts["links"] if (link["gpu"], link["link"]) == (3, 7))["up"] is False
+    assert next(link for link in after.readings.links if (link.gpu, link.link) == (3, 7)).up is False
 
 
 def test_link_errors_are_counters_per_kind():
@@ -136,7 +137,7 @@ def test_a_driver_without_per_link_speed_or_error_fields_falls_back_or_omits(mon
 def test_a_gpu_without_nvlink_just_has_no_links():
     _, collector = node(PRESETS["a100-roce"])
     result = collector.collect()
-    assert (list(result.families), result.facts, result.errors) == ([], {"links": []}, [])
+    assert (list(result.families), result.readings, result.errors) == ([], NvlinkReadings(links=()), [])
 
 
 def test_a_lost_gpu_loses_its_links_and_the_others_stay():
@@ -146,7 +147,7 @@ def test_a_lost_gpu_loses_its_links_and_the_others_stay():
     result = collector.collect()
     assert set(values(result, "gpuwatch_nvlink_up")) == {key for key in LINKS if key[0] != "2"}
     assert result.errors == ["gpu 2: GPU is lost"]
-    assert {link["gpu"] for link in result.facts["links"]} == {0, 1, 3, 4, 5, 6, 7}
+    assert {link.gpu for link in result.readings.links} == {0, 1, 3, 4, 5, 6, 7}
 
 
 def test_without_a_driver_collect_raises_the_reason():

@@ -14,9 +14,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpuwatch.agent.collectors._nvml_common import RETRY_MAX_SECONDS
 from gpuwatch.agent.collectors.base import CollectorContext, CollectorError
 from gpuwatch.agent.collectors.nvml import NvmlCollector
+from gpuwatch.agent.collectors.readings import GpuProcessReading, GpuReading, NvmlReadings, PcieReading
 from gpuwatch.agent.exposition import Renderer
 from gpuwatch.agent.simulate import PRESETS, fake_nvml
 from gpuwatch.agent.simulate.fake_nvml import FakeNvml
+from gpuwatch.agent.snapshot import Snapshot
 
 H100 = PRESETS["dgx-h100"]
 GPUS = [str(index) for index in range(H100.gpu_count)]
@@ -38,8 +40,8 @@ def values(result, sample_name):
             for family in result.families for s in family.samples if s.name == sample_name}
 
 
-def gpu(result, index):
-    return result.facts["gpus"][index]
+def gpu(result, index) -> GpuReading:
+    return result.readings.gpus[index]
 
 
 # -- activity: GPM or the utilisation fallback ----------------------------------------------------
@@ -47,7 +49,7 @@ def gpu(result, index):
 def test_gpm_activity_is_averaged_between_the_previous_and_the_current_sample():
     fake, collector = node()
     first = collector.collect()
-    assert gpu(first, 0)["activity_source"] == "gpm"
+    assert gpu(first, 0).activity_source == "gpm"
     assert values(first, "gpuwatch_gpu_activity_source") == {(index, "gpm"): 1 for index in GPUS}
     assert values(first, "gpuwatch_gpu_sm_active_ratio") == {}  # one sample: nothing to compare yet
 
@@ -73,7 +75,7 @@ def test_without_gpm_sm_activity_falls_back_to_the_utilization_rate_and_says_so(
     collector.collect()
     fake.advance(1.0)
     result = collector.collect()
-    assert [g["activity_source"] for g in result.facts["gpus"]] == ["utilization"] * 4
+    assert [g.activity_source for g in result.readings.gpus] == ["utilization"] * 4
     assert values(result, "gpuwatch_gpu_activity_source") == {(str(i), "utilization"): 1 for i in range(4)}
     utilization = values(result, "gpuwatch_gpu_utilization_ratio")
     assert len(utilization) == 4 and all(0.5 < value <= 1 for value in utilization.values())
@@ -108,7 +110,7 @@ def test_values_are_exported_in_base_units():
     assert values(result, "gpuwatch_gpu_temperature_celsius")[("3",)] == state.temperature
     assert values(result, "gpuwatch_gpu_sm_clock_hertz")[("3",)] == 1980e6  # MHz -> Hz
     assert values(result, "gpuwatch_gpu_memory_clock_hertz")[("3",)] == 2619e6
-    assert gpu(result, 3)["memory_total_bytes"] == 80 * 1024**3
+    assert gpu(result, 3).memory_total_bytes == 80 * 1024**3
 
 
 def test_identity_is_labelled_on_gpu_info():
@@ -117,8 +119,8 @@ def test_identity_is_labelled_on_gpu_info():
     info = values(result, "gpuwatch_gpu_info")
     assert (("3", fake.gpus[3].uuid, "00000000:4B:00.0", H100.gpu_model, H100.driver_version)) in info
     assert len(info) == 8
-    assert result.facts["driver_version"] == H100.driver_version
-    assert gpu(result, 3)["pci_bus_id"] == "00000000:4B:00.0"
+    assert result.readings.driver_version == H100.driver_version
+    assert gpu(result, 3).pci_bus_id == "00000000:4B:00.0"
 
 
 # -- health: throttling, PCIe, ECC, Xid -----------------------------------------------------------
@@ -135,8 +137,8 @@ def test_clock_event_reasons_are_decoded_one_series_per_reason():
         "sync_boost": 0, "sw_thermal_slowdown": 0, "hw_thermal_slowdown": 1, "hw_power_brake": 0,
         "display_clocks_setting": 0,
     }
-    assert gpu(result, 2)["clock_event_reasons"] == ["sw_power_cap", "hw_thermal_slowdown"]
-    assert gpu(result, 0)["clock_event_reasons"] == []
+    assert gpu(result, 2).clock_event_reasons == ("sw_power_cap", "hw_thermal_slowdown")
+    assert gpu(result, 0).clock_event_reasons == ()
 
 
 def test_clock_reasons_come_from_the_throttle_name_on_drivers_before_r535():
@@ -145,7 +147,7 @@ def test_clock_reasons_come_from_the_throttle_name_on_drivers_before_r535():
     fake.set_clock_event_reasons(1, pynvml.nvmlClocksEventReasonHwSlowdown)
     result = collector.collect()
     assert result.errors == []
-    assert gpu(result, 1)["clock_event_reasons"] == ["hw_slowdown"]
+    assert gpu(result, 1).clock_event_reasons == ("hw_slowdown",)
     assert values(result, "gpuwatch_gpu_clock_event_active")[("1", "hw_slowdown")] == 1
 
 
@@ -158,8 +160,8 @@ def test_pcie_link_trained_below_its_maximum_shows_current_and_max():
     assert (generation[("5", "current")], generation[("5", "max")]) == (3, 5)
     assert (width[("5", "current")], width[("5", "max")]) == (8, 16)
     assert generation[("0", "current")] == generation[("0", "max")] == 5
-    assert gpu(result, 5)["pcie"] == {"current_generation": 3, "max_generation": 5, "current_width": 8,
-                                      "max_width": 16, "replays": 0}
+    assert gpu(result, 5).pcie == PcieReading(current_generation=3, max_generation=5, current_width=8, max_width=16,
+                                              replays=0)
     assert values(result, "gpuwatch_gpu_pcie_replays_total")[("5",)] == 0
 
 
@@ -173,7 +175,8 @@ def test_ecc_errors_are_counters_and_an_uncorrectable_one_leaves_a_row_remap_pen
         assert (ecc[("0", "corrected")], ecc[("0", "uncorrected")]) == (0, 0)
     assert values(result, "gpuwatch_gpu_row_remap_pending")[("4",)] == 1
     assert values(result, "gpuwatch_gpu_row_remap_pending")[("0",)] == 0
-    assert gpu(result, 4)["remapped_rows"]["pending"] == 1
+    assert gpu(result, 4).remapped_rows.pending == 1
+    assert gpu(result, 4).ecc_volatile.counts() == {"corrected": 3, "uncorrected": 1}
     kinds = {family.name: family.type for family in result.families}
     assert kinds["gpuwatch_gpu_ecc_volatile_errors"] == "counter"
     assert kinds["gpuwatch_gpu_ecc_aggregate_errors"] == "counter"
@@ -187,7 +190,7 @@ def test_fault_xids_start_at_zero_so_their_first_occurrence_counts():
     _, collector = node()
     result = collector.collect()
     assert values(result, XID) == {(index, code): 0 for index in GPUS for code in FAULT_XIDS}
-    assert gpu(result, 0)["xid_errors"] == {}
+    assert gpu(result, 0).xid_errors == {}
 
 
 def _record_event_waits(monkeypatch, fake) -> list[int]:
@@ -213,8 +216,8 @@ def test_xid_errors_count_per_gpu_and_code_and_accumulate(monkeypatch):
     fake.inject_xid(2, 79)
     result = collector.collect()
     assert occurred(result)[("2", "79")] == 3
-    assert gpu(result, 2)["xid_errors"] == {"79": 3, "48": 1}
-    assert gpu(result, 0)["xid_errors"] == {} and gpu(result, 0)["xid_watched"] is True
+    assert gpu(result, 2).xid_errors == {"79": 3, "48": 1}
+    assert gpu(result, 0).xid_errors == {} and gpu(result, 0).xid_watched is True
     assert set(waits) == {0}  # never blocks waiting for events
 
 
@@ -236,11 +239,11 @@ def test_an_xid_storm_is_drained_in_bounded_slices_and_every_event_is_counted(mo
     assert occurred(collector.collect()) == {("3", "74"): storm}
 
 
-def test_compute_processes_are_facts_and_memory_series():
+def test_compute_processes_are_readings_and_memory_series():
     fake, collector = node()
     result = collector.collect()
     used = fake.gpus[0].memory_used
-    assert gpu(result, 0)["processes"] == [{"pid": 4242, "used_memory_bytes": used}]
+    assert gpu(result, 0).processes == (GpuProcessReading(pid=4242, used_memory_bytes=used),)
     assert values(result, "gpuwatch_gpu_process_memory_bytes")[("0", "4242")] == used
 
 
@@ -273,19 +276,19 @@ def test_without_a_driver_init_backs_off_and_is_retried_until_the_driver_loads(m
     assert [b - a for a, b in itertools.pairwise(calls)] == [2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
     fake.library_missing = False  # the driver finished loading
     clock.now = calls[-1] + RETRY_MAX_SECONDS
-    assert len(collector.collect().facts["gpus"]) == 8
+    assert len(collector.collect().readings.gpus) == 8
 
 
 def test_a_gpu_lost_mid_run_is_reported_and_the_others_are_still_served():
     fake, collector = node()
-    collector.collect()
+    before = gpu(collector.collect(), 5)
     fake.inject_xid(5, 79)
     fake.lose_gpu(5)
     result = collector.collect()
     assert values(result, "gpuwatch_gpu_lost") == {(index,): int(index == "5") for index in GPUS}
-    lost = gpu(result, 5)
-    assert lost["lost"] is True and lost["uuid"] == fake.gpus[5].uuid and lost["xid_errors"] == {"79": 1}
-    assert "power_watts" not in lost
+    # Identity and Xid counts only: every value it would have to answer for now is unknown.
+    assert gpu(result, 5) == GpuReading(index=5, lost=True, uuid=fake.gpus[5].uuid, pci_bus_id=before.pci_bus_id,
+                                        model=H100.gpu_model, xid_watched=True, xid_errors={"79": 1})
     assert [error for error in result.errors if error.startswith("gpu 5:")] == ["gpu 5: GPU is lost"]
     assert set(values(result, POWER)) == {(index,) for index in GPUS if index != "5"}
     assert occurred(result) == {("5", "79"): 1}
@@ -296,7 +299,8 @@ def test_a_gpu_lost_before_start_is_reported_lost():
     fake, collector = node()
     fake.lose_gpu(0)
     result = collector.collect()
-    assert gpu(result, 0)["lost"] is True and gpu(result, 1)["lost"] is False
+    assert gpu(result, 0) == GpuReading(index=0, lost=True)  # no identity: never read
+    assert gpu(result, 1).lost is False
     assert values(result, "gpuwatch_gpu_lost")[("0",)] == 1
     assert any(error.startswith("gpu 0:") for error in result.errors)
     assert len(values(result, POWER)) == 7
@@ -308,7 +312,7 @@ def test_an_unsupported_value_is_just_omitted():
     result = collector.collect()
     assert result.errors == []
     assert ("1",) not in values(result, POWER) and ("0",) in values(result, POWER)
-    assert "power_watts" not in gpu(result, 1)
+    assert gpu(result, 1).power_watts is None and gpu(result, 0).power_watts is not None
     assert ("1",) in values(result, "gpuwatch_gpu_temperature_celsius")
 
 
@@ -332,7 +336,7 @@ def test_close_shuts_nvml_down():
 
 # -- exposition -----------------------------------------------------------------------------------
 
-def test_exposition_parses_with_help_on_every_family_and_facts_are_json():
+def test_exposition_parses_with_help_on_every_family_and_readings_are_json():
     fake, collector = node()
     collector.collect()
     fake.inject_xid(0, 48)
@@ -349,7 +353,9 @@ def test_exposition_parses_with_help_on_every_family_and_facts_are_json():
     assert contract <= set(families)
     assert all(family.documentation for family in families.values())
     assert families["gpuwatch_gpu_xid_errors"].type == "counter"
-    assert json.loads(json.dumps(result.facts))["gpus"][0]["xid_errors"] == {"48": 1}
+    state = json.loads(Snapshot(0.0, [], {}, {"nvml": result.readings}, {}).state_json)
+    assert state["facts"]["nvml"]["gpus"][0]["xid_errors"] == {"48": 1}
+    assert NvmlReadings.from_dict(state["facts"]["nvml"]) == result.readings
 
 
 # -- the stand-in is pynvml's shape -----------------------------------------------------------------

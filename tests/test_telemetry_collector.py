@@ -205,21 +205,21 @@ def test_collector_serves_every_rank_with_its_coordinates_and_passes_promtool(so
                             nccl_version="2.21.5", backend="")] == 1
     assert samples(text, "gpuwatch_telemetry_records_total")[frozenset({"result": "accepted", "reason": ""}.items())] \
         == 17
-    # Rank 7's latest step is a CPU step: host RSS only, no allocator series; a hex checksum stays a fact.
+    # Rank 7's latest step is a CPU step: host RSS only, no allocator series; a hex checksum stays in /api/v1/state.
     assert samples(text, "gpuwatch_train_memory_peak_bytes")[coordinates(7, kind="host_rss")] == 123
     assert len(samples(text, "gpuwatch_train_memory_reserved_bytes")) == 7
     assert coordinates(7) not in samples(text, "gpuwatch_train_param_checksum")
     assert samples(text, "gpuwatch_train_param_checksum")[coordinates(6)] == 1234.5
     assert samples(text, "gpuwatch_train_steps_total")[coordinates(7)] == 2
 
-    facts = result.facts
-    assert facts["socket"] == str(socket_path)
-    assert [(r["rank"], r["hello"]["pid"]) for r in facts["ranks"]] == [(r, 4000 + r) for r in range(8)]
+    readings = result.readings
+    assert readings["socket"] == str(socket_path)
+    assert [(r["rank"], r["hello"]["pid"]) for r in readings["ranks"]] == [(r, 4000 + r) for r in range(8)]
     # The hellos claim pids 4000+; the kernel says who really sent them (here: this test process).
-    assert facts["processes"][3] == {"pid": os.getpid(), "job": JOB, "rank": 3}
-    assert {r["sender_pid"] for r in facts["ranks"]} == {os.getpid()}
-    assert facts["ranks"][7]["sampled"]["param_checksum"] == {"step": 2, "value": "00ff"}
-    assert facts["records"]["accepted"] == 17
+    assert readings["processes"][3] == {"pid": os.getpid(), "job": JOB, "rank": 3}
+    assert {r["sender_pid"] for r in readings["ranks"]} == {os.getpid()}
+    assert readings["ranks"][7]["sampled"]["param_checksum"] == {"step": 2, "value": "00ff"}
+    assert readings["records"]["accepted"] == 17
     check = subprocess.run([require_tool("promtool"), "check", "metrics"], input=text, capture_output=True,
                            text=True)
     assert check.returncode == 0 and not check.stdout.strip() and not check.stderr.strip(), check
@@ -323,7 +323,7 @@ def test_collect_expires_silent_ranks_so_their_series_disappear(socket_path, ope
     result = collector.collect()
     text = Renderer().render(result.families).decode()
     assert "gpuwatch_train_" + "loss{" not in text and "gpuwatch_telemetry_ranks{" not in text
-    assert result.facts["ranks"] == []
+    assert result.readings["ranks"] == []
 
 
 def _rendered(store: TelemetryStore, per_rank: RankSeries) -> bytes:

@@ -8,9 +8,9 @@ import functools
 import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
-from prometheus_client.core import Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from gpuwatch.agent.telemetry.store import DEFAULT_MAX_JOBS, DEFAULT_MAX_RANKS, DEFAULT_TTL
 
@@ -54,17 +54,44 @@ class DeferredFamilies(Sequence[Metric]):
         return len(self._families)
 
 
+@dataclasses.dataclass(frozen=True)
+class MetricSpec:
+    """One exported family, declared once: its name, HELP text, unit and the reading field it exports.
+
+    The collector builds the family from it, and ``gpuwatch diagnose --prometheus`` reads the series back into the
+    diagnosis field of the same name by it, so that renaming or adding a series is one edit. ``unit`` is the base
+    unit of the value ("" for counts and plain numbers), which Prometheus naming puts in the name.
+    """
+
+    name: str
+    help: str
+    unit: str
+    field: str
+
+    def __post_init__(self) -> None:
+        if self.unit and f"_{self.unit}" not in self.name:
+            raise ValueError(f"{self.name} does not name its unit {self.unit}")
+
+    def gauge(self, labels: Sequence[str] | None = None, value: float | None = None) -> GaugeMetricFamily:
+        """The gauge family, labelled by ``labels``, or unlabelled with its one ``value``."""
+        return GaugeMetricFamily(self.name, self.help, value=value, labels=labels)
+
+
+#: A collector's readings: its typed readings (``collectors.readings``), or the telemetry store's state.
+R = TypeVar("R")
+
+
 @dataclasses.dataclass
-class CollectorResult:
+class CollectorResult(Generic[R]):
     """One sample of one collector.
 
-    ``families`` (a list, or ``DeferredFamilies``) go to /metrics; ``facts`` (JSON-serialisable) go to
-    /api/v1/state for diagnosis; ``errors`` are partial failures (one GPU lost, one unreadable file) that
-    did not stop the rest.
+    ``families`` (a list, or ``DeferredFamilies``) go to /metrics; ``readings`` go to /api/v1/state (as JSON) and
+    to diagnosis; ``errors`` are partial failures (one GPU lost, one unreadable file) that did not stop the rest.
     """
 
     families: Sequence[Metric] = dataclasses.field(default_factory=list)
-    facts: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # A collector without readings has an empty object in /api/v1/state.
+    readings: R = dataclasses.field(default_factory=dict)  # type: ignore[assignment]
     errors: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -83,8 +110,8 @@ class Collector(abc.ABC):
         self.context = context
 
     @abc.abstractmethod
-    def collect(self) -> CollectorResult:
-        """Read the source once and return its metric families and facts."""
+    def collect(self) -> CollectorResult[Any]:
+        """Read the source once and return its metric families and readings."""
 
     def close(self) -> None:  # noqa: B027 - optional hook, most collectors hold nothing
         """Release what the collector holds (NVML handle, sockets) at shutdown."""

@@ -1,5 +1,5 @@
 """The host around the GPUs, via psutil: CPU, load, memory, resident memory of watched processes, and
-the network interfaces (facts only: diagnosis checks NCCL_SOCKET_IFNAME against them).
+the network interfaces (readings only, no series: diagnosis checks NCCL_SOCKET_IFNAME against them).
 
 Which processes are training ranks is not the host's to know: the agent's own process is always
 watched, and whoever learns the ranks' pids (the telemetry collector, from the kernel's credentials on each
@@ -14,9 +14,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import psutil
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from gpuwatch.agent.collectors.base import Collector, CollectorContext, CollectorResult
+from gpuwatch.agent.collectors.base import Collector, CollectorContext, CollectorResult, MetricSpec
+from gpuwatch.agent.collectors.readings import AddressReading, HostReadings, InterfaceReading, ProcessReading
 
 #: Bounds gpuwatch_host_process_*: a buggy feeder cannot create unbounded series.
 MAX_WATCHED_PIDS = 256
@@ -25,6 +26,14 @@ MAX_WATCHED_PIDS = 256
 RankPids = Mapping[int, tuple[str, int]]
 
 _FAMILIES = {socket.AF_INET: "ipv4", socket.AF_INET6: "ipv6", psutil.AF_LINK: "link"}
+
+#: Host gauges, each of the HostReadings field it names; ``diagnose --prometheus`` reads the CPU count by CPUS.
+CPU_UTILIZATION = MetricSpec("gpuwatch_host_cpu_utilization_ratio",
+                             "Share of CPU time, all CPUs, not idle or in iowait since the previous sample.",
+                             "ratio", "cpu_ratio")
+CPUS = MetricSpec("gpuwatch_host_cpus", "Logical CPUs.", "", "cpu_count")
+_MEMORY_GAUGES = tuple(MetricSpec(f"gpuwatch_host_memory_{kind}_bytes", f"Host memory {kind} (psutil.virtual_memory).",
+                                  "bytes", f"memory_{kind}_bytes") for kind in ("total", "available", "used"))
 
 
 def _busy_and_total(times: Any) -> tuple[float, float]:
@@ -52,7 +61,7 @@ class HostCollector(Collector):
         """Ask ``ranks`` every round which processes are training ranks (pid -> job and rank)."""
         self._ranks = ranks
 
-    def collect(self) -> CollectorResult:
+    def collect(self) -> CollectorResult[HostReadings]:
         errors: list[str] = []
         busy, total = _busy_and_total(psutil.cpu_times())
         last_busy, last_total = self._last_cpu
@@ -61,51 +70,20 @@ class HostCollector(Collector):
         cpu_ratio = None
         if total > last_total:
             cpu_ratio = min(1.0, max(0.0, (busy - last_busy) / (total - last_total)))
-        load = psutil.getloadavg()
         memory = psutil.virtual_memory()
-        cpu_count = psutil.cpu_count()
-        processes = self._processes_rss(errors)
+        readings = HostReadings(
+            cpu_ratio=cpu_ratio,
+            cpu_count=psutil.cpu_count(),
+            load_average=tuple(psutil.getloadavg()),
+            memory_total_bytes=memory.total,
+            memory_available_bytes=memory.available,
+            memory_used_bytes=memory.used,
+            processes=self._processes_rss(errors),
+            network_interfaces=_network_interfaces(),
+        )
+        return CollectorResult(_families(readings), readings, errors)
 
-        families = []
-        if cpu_ratio is not None:
-            families.append(GaugeMetricFamily(
-                "gpuwatch_host_cpu_utilization_ratio",
-                "Share of CPU time, all CPUs, not idle or in iowait since the previous sample.",
-                value=cpu_ratio))
-        families.append(GaugeMetricFamily("gpuwatch_host_cpus", "Logical CPUs.", value=cpu_count))
-        load_family = GaugeMetricFamily(
-            "gpuwatch_host_load_average", "Run-queue load average over the window.", labels=["window"])
-        for window, value in zip(("1m", "5m", "15m"), load, strict=True):
-            load_family.add_metric([window], value)
-        families.append(load_family)
-        for field in ("total", "available", "used"):
-            families.append(GaugeMetricFamily(
-                f"gpuwatch_host_memory_{field}_bytes", f"Host memory {field} (psutil.virtual_memory).",
-                value=getattr(memory, field)))
-        labels = ["pid", "name", "job", "rank"]
-        rss = GaugeMetricFamily("gpuwatch_host_process_resident_bytes", "Resident set size of the agent (job and "
-                                "rank empty) and of the training ranks that report to it.", labels=labels)
-        cpu = CounterMetricFamily("gpuwatch_host_process_cpu_seconds", "CPU time, user and system, of the agent "
-                                  "(job and rank empty) and of the training ranks that report to it.", labels=labels)
-        for process in processes:
-            names = [str(process["pid"]), process["name"], process["job"], process["rank"]]
-            rss.add_metric(names, process["rss_bytes"])
-            cpu.add_metric(names, process["cpu_seconds"])
-        families += [rss, cpu]
-
-        facts = {
-            "cpu_ratio": cpu_ratio,
-            "cpu_count": cpu_count,
-            "load_average": list(load),
-            "memory_total_bytes": memory.total,
-            "memory_available_bytes": memory.available,
-            "memory_used_bytes": memory.used,
-            "processes": processes,
-            "network_interfaces": _network_interfaces(),
-        }
-        return CollectorResult(families, facts, errors)
-
-    def _processes_rss(self, errors: list[str]) -> list[dict[str, Any]]:
+    def _processes_rss(self, errors: list[str]) -> tuple[ProcessReading, ...]:
         """RSS and CPU time of the agent and the ranks' processes; a process that exited is dropped, not an
         error. At most MAX_WATCHED_PIDS ranks, lowest pids first."""
         ranks = dict(self._ranks())
@@ -124,28 +102,50 @@ class HostCollector(Collector):
                     process = self._processes[pid] = psutil.Process(pid)
                 with process.oneshot():
                     times = process.cpu_times()
-                    rows.append({"pid": pid, "name": process.name(), "job": job, "rank": str(rank),
-                                 "rss_bytes": process.memory_info().rss, "cpu_seconds": times.user + times.system})
+                    rows.append(ProcessReading(pid=pid, name=process.name(), job=job, rank=str(rank),
+                                               rss_bytes=process.memory_info().rss,
+                                               cpu_seconds=times.user + times.system))
             except psutil.NoSuchProcess:
                 self._processes.pop(pid, None)
             except psutil.Error as exc:
                 errors.append(f"pid {pid}: {exc}")
-        return rows
+        return tuple(rows)
 
 
-def _network_interfaces() -> list[dict[str, Any]]:
+def _families(readings: HostReadings) -> list[Metric]:
+    families: list[Metric] = []
+    if readings.cpu_ratio is not None:
+        families.append(CPU_UTILIZATION.gauge(value=readings.cpu_ratio))
+    families.append(CPUS.gauge(value=readings.cpu_count))
+    load = GaugeMetricFamily("gpuwatch_host_load_average", "Run-queue load average over the window.",
+                             labels=["window"])
+    for window, value in zip(("1m", "5m", "15m"), readings.load_average, strict=True):
+        load.add_metric([window], value)
+    families.append(load)
+    families += [spec.gauge(value=getattr(readings, spec.field)) for spec in _MEMORY_GAUGES]
+    labels = ["pid", "name", "job", "rank"]
+    rss = GaugeMetricFamily("gpuwatch_host_process_resident_bytes", "Resident set size of the agent (job and "
+                            "rank empty) and of the training ranks that report to it.", labels=labels)
+    cpu = CounterMetricFamily("gpuwatch_host_process_cpu_seconds", "CPU time, user and system, of the agent "
+                              "(job and rank empty) and of the training ranks that report to it.", labels=labels)
+    for process in readings.processes:
+        names = [str(process.pid), process.name, process.job, process.rank]
+        rss.add_metric(names, process.rss_bytes)
+        cpu.add_metric(names, process.cpu_seconds)
+    return [*families, rss, cpu]
+
+
+def _network_interfaces() -> tuple[InterfaceReading, ...]:
     addresses = psutil.net_if_addrs()
-    return [
-        {
-            "name": name,
-            "up": stat.isup,
-            "is_loopback": "loopback" in getattr(stat, "flags", "").split(","),
-            "mtu": stat.mtu,
-            "speed_mbps": stat.speed or None,  # psutil reports 0 when the speed is unknown
-            "addresses": [
-                {"family": _FAMILIES.get(address.family, str(address.family)), "address": address.address}
-                for address in addresses.get(name, [])
-            ],
-        }
+    return tuple(
+        InterfaceReading(
+            name=name,
+            up=stat.isup,
+            is_loopback="loopback" in getattr(stat, "flags", "").split(","),
+            mtu=stat.mtu,
+            speed_mbps=stat.speed or None,  # psutil reports 0 when the speed is unknown
+            addresses=tuple(AddressReading(_FAMILIES.get(address.family, str(address.family)), address.address)
+                            for address in addresses.get(name, [])),
+        )
         for name, stat in sorted(psutil.net_if_stats().items())
-    ]
+    )

@@ -15,7 +15,7 @@ driver reload) is a decrease, which ``rate()`` and ``increase()`` treat as a cou
 agent restart changes no value at all.
 
 The ~50 attributes of a port stay open between collects (``SysfsFiles``) and the families are built
-from the facts only when a scrape renders the round: what a round costs is one pread(2) per value.
+from the readings only when a scrape renders the round: what a round costs is one pread(2) per value.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from gpuwatch.agent.collectors.base import (
     CollectorResult,
     DeferredFamilies,
 )
+from gpuwatch.agent.collectors.readings import IbDeviceReading, IbPortReading, InfinibandReadings
 
 CLASS_DIR = "class/infiniband"
 
@@ -86,7 +87,8 @@ LEGACY_EXT_COUNTERS = {
     "port_multicast_rcv_packets": "multicast_rcv_packets",
 }
 
-#: Traffic counters: file -> (family and fact name, HELP, multiplier to the unit).
+#: Traffic counters: file -> (IbPortReading field, also the family's name after gpuwatch_ib_port_; HELP;
+#: multiplier to the unit).
 TRAFFIC_COUNTERS = {
     # The data counters count 4-byte words (IB spec: octets divided by 4).
     "port_xmit_data": ("transmitted_bytes", "Bytes transmitted by the port (port_xmit_data x 4).", 4),
@@ -107,6 +109,7 @@ _COUNTER_FILES = (*PORT_COUNTER_BITS, *IETF_COUNTERS)
 HW_COUNTER_SKIP = frozenset({"lifespan"})
 
 _GBIT = 1e9 / 8
+#: An HCA's sysfs attributes: the files read, the labels of gpuwatch_ib_device_info and IbDeviceReading's fields.
 _DEVICE_ATTRS = ("board_id", "fw_ver", "hca_type", "node_guid")
 
 
@@ -217,7 +220,7 @@ class InfinibandCollector(Collector):
         super().__init__(context)
         self._files = SysfsFiles()
 
-    def collect(self) -> CollectorResult:
+    def collect(self) -> CollectorResult[InfinibandReadings]:
         class_dir = os.path.join(self.context.sysfs_root, CLASS_DIR)
         try:
             devices = sorted(os.listdir(class_dir))
@@ -231,21 +234,21 @@ class InfinibandCollector(Collector):
                 scan.device(device, f"{class_dir}/{device}")
         finally:
             self._files.sweep()
-        facts = {"devices": scan.devices, "ports": scan.ports}
+        readings = InfinibandReadings(tuple(scan.devices), tuple(scan.ports))
         # Deferred to the scrape: ~500 samples' families would be most of a round otherwise.
-        return CollectorResult(DeferredFamilies(lambda: _families(facts)), facts, scan.errors)
+        return CollectorResult(DeferredFamilies(lambda: _families(readings)), readings, scan.errors)
 
     def close(self) -> None:
         self._files.close()
 
 
 class _Scan:
-    """The facts and errors of one collect."""
+    """The readings and errors of one collect."""
 
     def __init__(self, files: SysfsFiles) -> None:
         self.files = files
-        self.devices: list[dict[str, Any]] = []
-        self.ports: list[dict[str, Any]] = []
+        self.devices: list[IbDeviceReading] = []
+        self.ports: list[IbPortReading] = []
         self.errors: list[str] = []
 
     # -- reading helpers: each failure costs one value and is recorded ----------------------------
@@ -305,30 +308,25 @@ class _Scan:
         listing = self._listdir(path)
         attrs = {attr: self._text(f"{path}/{attr}", listing.get(attr), optional=True) or ""
                  for attr in _DEVICE_ATTRS}
-        self.devices.append({"device": device, **attrs})
+        self.devices.append(IbDeviceReading(device, **attrs))
         for port in ports:
             self.port(device, port, f"{path}/ports/{port}")
 
     def port(self, device: str, port: str, path: str) -> None:
         listing = self._listdir(path)
         link_layer = self._text(f"{path}/link_layer", listing.get("link_layer")) or "unknown"
-        fact: dict[str, Any] = {"device": device, "port": int(port), "link_layer": link_layer,
-                                "state": None, "state_id": None, "phys_state": None, "phys_state_id": None}
-        state = self._parsed(f"{path}/state", listing.get("state"), parse_state)
-        if state is not None:
-            fact["state_id"], fact["state"] = state
-        phys_state = self._parsed(f"{path}/phys_state", listing.get("phys_state"), parse_state)
-        if phys_state is not None:
-            fact["phys_state_id"], fact["phys_state"] = phys_state
-        fact["rate_bytes_per_second"] = self._parsed(f"{path}/rate", listing.get("rate"), parse_rate)
-
+        state_id, state = self._parsed(f"{path}/state", listing.get("state"), parse_state) or (None, None)
+        phys_state_id, phys_state = self._parsed(f"{path}/phys_state", listing.get("phys_state"),
+                                                 parse_state) or (None, None)
+        rate = self._parsed(f"{path}/rate", listing.get("rate"), parse_rate)
         values, saturated = self._counters(path, listing)
-        for file, (key, _, multiplier) in TRAFFIC_COUNTERS.items():
-            value = values.get(file)
-            fact[key] = None if value is None else value * multiplier
-        fact.update(errors={name: values[name] for name in ERROR_COUNTERS if name in values},
-                    saturated=saturated, hw_counters=self._hw_counters(path, listing))
-        self.ports.append(fact)
+        traffic = {key: None if (value := values.get(file)) is None else value * multiplier
+                   for file, (key, _, multiplier) in TRAFFIC_COUNTERS.items()}
+        self.ports.append(IbPortReading(
+            device=device, port=int(port), link_layer=link_layer, state=state, state_id=state_id,
+            phys_state=phys_state, phys_state_id=phys_state_id, rate_bytes_per_second=rate, **traffic,
+            errors={name: values[name] for name in ERROR_COUNTERS if name in values}, saturated=tuple(saturated),
+            hw_counters=self._hw_counters(path, listing)))
 
     def _counters(self, path: str, listing: dict[str, int]) -> tuple[dict[str, int], list[str]]:
         """The port's counters by ``counters/`` name, 64-bit sources first, and the saturated ones."""
@@ -352,8 +350,8 @@ class _Scan:
         return self._numbers(f"{path}/hw_counters", present, sorted(present.keys() - HW_COUNTER_SKIP))
 
 
-def _families(facts: dict[str, list[dict[str, Any]]]) -> list[Metric]:
-    """The collect's families, built from its facts when a scrape renders the round."""
+def _families(readings: InfinibandReadings) -> list[Metric]:
+    """The collect's families, built from its readings when a scrape renders the round."""
     port_labels = ["device", "port"]
     info = GaugeMetricFamily(
         "gpuwatch_ib_device_info", "InfiniBand/RoCE HCA (from sysfs); value 1.",
@@ -383,24 +381,25 @@ def _families(facts: dict[str, list[dict[str, Any]]]) -> list[Metric]:
         "1 for a fixed-width counter stuck at its maximum (it stopped counting, so it is not exported); "
         "reset it with perfquery -R.", labels=["device", "port", "counter"])
 
-    for device in facts["devices"]:
-        info.add_metric([device["device"], *(device[attr] for attr in _DEVICE_ATTRS)], 1)
-    for port in facts["ports"]:
-        device, number, link_layer = port["device"], str(port["port"]), port["link_layer"]
+    for device in readings.devices:
+        info.add_metric([device.device, *(getattr(device, attr) for attr in _DEVICE_ATTRS)], 1)
+    for port in readings.ports:
+        device, number, link_layer = port.device, str(port.port), port.link_layer
         labels = [device, number]
-        if port["state_id"] is not None:
-            state.add_metric(labels, port["state_id"])
-            up.add_metric([device, number, link_layer], 1 if port["state_id"] == ACTIVE else 0)
-        if port["phys_state_id"] is not None:
-            phys_state.add_metric(labels, port["phys_state_id"])
-        if port["rate_bytes_per_second"] is not None:
-            rate.add_metric([device, number, link_layer], port["rate_bytes_per_second"])
+        if port.state_id is not None:
+            state.add_metric(labels, port.state_id)
+            up.add_metric([device, number, link_layer], 1 if port.state_id == ACTIVE else 0)
+        if port.phys_state_id is not None:
+            phys_state.add_metric(labels, port.phys_state_id)
+        if port.rate_bytes_per_second is not None:
+            rate.add_metric([device, number, link_layer], port.rate_bytes_per_second)
         for key, family in traffic:
-            if port[key] is not None:
-                family.add_metric(labels, port[key])
-        for family, values in ((errors, port["errors"]), (hw, port["hw_counters"])):
+            value = getattr(port, key)
+            if value is not None:
+                family.add_metric(labels, value)
+        for family, values in ((errors, port.errors), (hw, port.hw_counters)):
             for name, value in values.items():
                 family.add_metric([device, number, name], value)
-        for name in port["saturated"]:
+        for name in port.saturated:
             saturated.add_metric([device, number, name], 1)
     return [info, up, state, phys_state, rate, *(family for _, family in traffic), errors, hw, saturated]

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from gpuwatch.agent.collectors._nvml_common import Device, DeviceQuery, NvmlSession, field_values
 from gpuwatch.agent.collectors.base import Collector, CollectorContext, CollectorResult, DeferredFamilies
+from gpuwatch.agent.collectors.readings import NvlinkReading, NvlinkReadings
 
 # Read for every link, in this order; throughput counts KiB, speed is in MB/s (10^6 bytes).
 _LINK_FIELDS = (
@@ -67,9 +68,9 @@ class NvlinkCollector(Collector):
         self._nvml = self._session.nvml
         self._links: dict[int, _Links] = {}  # by GPU index
 
-    def collect(self) -> CollectorResult:
+    def collect(self) -> CollectorResult[NvlinkReadings]:
         errors: list[str] = []
-        links: list[dict[str, Any]] = []
+        links: list[NvlinkReading] = []
         for device in self._session.devices():
             if device.handle is None:
                 errors.append(f"gpu {device.index}: {device.error}")
@@ -78,15 +79,15 @@ class NvlinkCollector(Collector):
                 links.extend(self._read(device, DeviceQuery(device, errors)))
             except pynvml.NVMLError_GpuIsLost as exc:
                 errors.append(f"gpu {device.index}: {exc}")
+        readings = NvlinkReadings(tuple(links))
         # Deferred to the first scrape: 144 links' families are most of this collector's round otherwise.
-        return CollectorResult(families=DeferredFamilies(lambda: self._families(links)), facts={"links": links},
-                               errors=errors)
+        return CollectorResult(DeferredFamilies(lambda: _families(readings)), readings, errors)
 
     def close(self) -> None:
         self._links.clear()
         self._session.close()
 
-    def _read(self, device: Device, get: DeviceQuery) -> list[dict[str, Any]]:
+    def _read(self, device: Device, get: DeviceQuery) -> list[NvlinkReading]:
         nvml, handle = self._nvml, device.handle
         gpu = self._links.get(device.index)
         if gpu is None:
@@ -96,7 +97,7 @@ class NvlinkCollector(Collector):
         values = get(nvml.nvmlDeviceGetFieldValues, handle, gpu.field_ids)
         numbers = [None] * len(gpu.field_ids) if values is None else field_values(values)
         common_speed = numbers[-1]
-        facts = []
+        readings = []
         width = len(_LINK_FIELDS)
         for position, link in enumerate(gpu.links):
             tx, rx, crc, replay, recovery, speed, state = numbers[position * width:(position + 1) * width]
@@ -107,35 +108,35 @@ class NvlinkCollector(Collector):
                 up = None if enabled is None else enabled == pynvml.NVML_FEATURE_ENABLED
             speed = speed if speed is not None else common_speed
             errors = zip(_ERRORS, (crc, replay, recovery), strict=True)
-            facts.append({
-                "gpu": device.index,
-                "link": link,
-                "up": up,
-                "speed_bytes_per_second": None if speed is None else speed * 1_000_000,
-                "tx_bytes": None if tx is None else tx * 1024,
-                "rx_bytes": None if rx is None else rx * 1024,
-                "errors": {name: count for name, count in errors if count is not None},
-            })
-        return facts
+            readings.append(NvlinkReading(
+                gpu=device.index,
+                link=link,
+                up=up,
+                speed_bytes_per_second=None if speed is None else speed * 1_000_000,
+                tx_bytes=None if tx is None else tx * 1024,
+                rx_bytes=None if rx is None else rx * 1024,
+                errors={name: count for name, count in errors if count is not None},
+            ))
+        return readings
 
-    @staticmethod
-    def _families(links: list[dict[str, Any]]) -> list[Metric]:
-        labels = ["gpu", "link"]
-        up = GaugeMetricFamily("gpuwatch_nvlink_up", "1 when the NVLink link is active.", labels=labels)
-        speed = GaugeMetricFamily("gpuwatch_nvlink_speed_bytes_per_second",
-                                  "Rated data rate of the link, one direction.", labels=labels)
-        transmitted = CounterMetricFamily("gpuwatch_nvlink_transmitted_bytes",
-                                          "Payload bytes sent over the link.", labels=labels)
-        received = CounterMetricFamily("gpuwatch_nvlink_received_bytes",
-                                       "Payload bytes received over the link.", labels=labels)
-        errors = CounterMetricFamily("gpuwatch_nvlink_errors", "Data-link errors on the link: CRC errors, "
-                                     "replays and link recoveries.", labels=[*labels, "error"])
-        for link in links:
-            key = [str(link["gpu"]), str(link["link"])]
-            for family, value in ((up, link["up"]), (speed, link["speed_bytes_per_second"]),
-                                  (transmitted, link["tx_bytes"]), (received, link["rx_bytes"])):
-                if value is not None:
-                    family.add_metric(key, value)
-            for name, count in link["errors"].items():
-                errors.add_metric([*key, name], count)
-        return [family for family in (up, speed, transmitted, received, errors) if family.samples]
+
+def _families(readings: NvlinkReadings) -> list[Metric]:
+    labels = ["gpu", "link"]
+    up = GaugeMetricFamily("gpuwatch_nvlink_up", "1 when the NVLink link is active.", labels=labels)
+    speed = GaugeMetricFamily("gpuwatch_nvlink_speed_bytes_per_second",
+                              "Rated data rate of the link, one direction.", labels=labels)
+    transmitted = CounterMetricFamily("gpuwatch_nvlink_transmitted_bytes",
+                                      "Payload bytes sent over the link.", labels=labels)
+    received = CounterMetricFamily("gpuwatch_nvlink_received_bytes",
+                                   "Payload bytes received over the link.", labels=labels)
+    errors = CounterMetricFamily("gpuwatch_nvlink_errors", "Data-link errors on the link: CRC errors, "
+                                 "replays and link recoveries.", labels=[*labels, "error"])
+    for link in readings.links:
+        key = [str(link.gpu), str(link.link)]
+        for family, value in ((up, link.up), (speed, link.speed_bytes_per_second),
+                              (transmitted, link.tx_bytes), (received, link.rx_bytes)):
+            if value is not None:
+                family.add_metric(key, value)
+        for name, count in link.errors.items():
+            errors.add_metric([*key, name], count)
+    return [family for family in (up, speed, transmitted, received, errors) if family.samples]

@@ -19,9 +19,23 @@ import pynvml
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gpuwatch.agent.collectors._nvml_common import Device, DeviceQuery, NvmlSession, field_values, handle_key
-from gpuwatch.agent.collectors.base import Collector, CollectorContext, CollectorResult, DeferredFamilies
+from gpuwatch.agent.collectors.base import (
+    Collector,
+    CollectorContext,
+    CollectorResult,
+    DeferredFamilies,
+    MetricSpec,
+)
+from gpuwatch.agent.collectors.readings import (
+    EccReading,
+    GpuProcessReading,
+    GpuReading,
+    NvmlReadings,
+    PcieReading,
+    RemappedRowsReading,
+)
 
-# GPM metric -> fact key; NVML reports percentages, the facts and metrics hold ratios.
+# GPM metric -> GpuReading field; NVML reports percentages, the readings and metrics hold ratios.
 _GPM_METRICS = (
     (pynvml.NVML_GPM_METRIC_SM_UTIL, "sm_active_ratio"),
     (pynvml.NVML_GPM_METRIC_SM_OCCUPANCY, "sm_occupancy_ratio"),
@@ -43,7 +57,7 @@ _CLOCK_EVENT_REASONS = (
     (pynvml.nvmlClocksEventReasonDisplayClockSetting, "display_clocks_setting"),
 )
 
-# Read in one nvmlDeviceGetFieldValues call per GPU: (field, facts group, key).
+# Read in one nvmlDeviceGetFieldValues call per GPU: (field, GpuReading field, field of that reading).
 _FIELDS = (
     (pynvml.NVML_FI_DEV_ECC_SBE_VOL_TOTAL, "ecc_volatile", "corrected"),
     (pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL, "ecc_volatile", "uncorrected"),
@@ -56,30 +70,39 @@ _FIELDS = (
     (pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER, "pcie", "replays"),
 )
 _FIELD_IDS = [field for field, _, _ in _FIELDS]
+#: The readings the grouped fields fill, beside ``pcie`` (which the link state fills too).
+_FIELD_GROUPS = (("ecc_volatile", EccReading), ("ecc_aggregate", EccReading), ("remapped_rows", RemappedRowsReading))
 
-# Per-GPU gauges labelled {gpu} only: fact key, metric name, help.
-_GAUGES = (
-    ("utilization_ratio", "gpuwatch_gpu_utilization_ratio",
-     "Share of the last sample period in which any kernel ran (nvmlDeviceGetUtilizationRates)."),
-    ("memory_copy_utilization_ratio", "gpuwatch_gpu_memory_copy_utilization_ratio",
-     "Share of the last sample period in which device memory was read or written."),
-    ("sm_active_ratio", "gpuwatch_gpu_sm_active_ratio",
-     "Share of SMs busy (GPM), or the utilisation rate where GPM is unsupported "
-     "(see gpuwatch_gpu_activity_source)."),
-    ("sm_occupancy_ratio", "gpuwatch_gpu_sm_occupancy_ratio",
-     "Resident warps over the theoretical maximum, between the last two GPM samples."),
-    ("tensor_active_ratio", "gpuwatch_gpu_tensor_active_ratio",
-     "Share of time the SMs ran any tensor-core instruction, between the last two GPM samples."),
-    ("dram_active_ratio", "gpuwatch_gpu_dram_active_ratio",
-     "Device memory bandwidth used over its peak, between the last two GPM samples."),
-    ("memory_total_bytes", "gpuwatch_gpu_memory_total_bytes", "Installed device memory."),
-    ("memory_used_bytes", "gpuwatch_gpu_memory_used_bytes", "Device memory allocated by processes."),
-    ("memory_reserved_bytes", "gpuwatch_gpu_memory_reserved_bytes",
-     "Device memory reserved by the driver and firmware."),
-    ("power_watts", "gpuwatch_gpu_power_watts", "Power draw of the GPU board."),
-    ("temperature_celsius", "gpuwatch_gpu_temperature_celsius", "GPU core temperature."),
-    ("sm_clock_hertz", "gpuwatch_gpu_sm_clock_hertz", "Current SM clock."),
-    ("memory_clock_hertz", "gpuwatch_gpu_memory_clock_hertz", "Current memory clock."),
+#: Per-GPU gauges labelled {gpu} only, each the GpuReading field of its name; ``diagnose --prometheus`` reads
+#: those diagnosis uses back by this table.
+GPU_GAUGES = (
+    MetricSpec("gpuwatch_gpu_utilization_ratio",
+               "Share of the last sample period in which any kernel ran (nvmlDeviceGetUtilizationRates).",
+               "ratio", "utilization_ratio"),
+    MetricSpec("gpuwatch_gpu_memory_copy_utilization_ratio",
+               "Share of the last sample period in which device memory was read or written.",
+               "ratio", "memory_copy_utilization_ratio"),
+    MetricSpec("gpuwatch_gpu_sm_active_ratio",
+               "Share of SMs busy (GPM), or the utilisation rate where GPM is unsupported "
+               "(see gpuwatch_gpu_activity_source).", "ratio", "sm_active_ratio"),
+    MetricSpec("gpuwatch_gpu_sm_occupancy_ratio",
+               "Resident warps over the theoretical maximum, between the last two GPM samples.",
+               "ratio", "sm_occupancy_ratio"),
+    MetricSpec("gpuwatch_gpu_tensor_active_ratio",
+               "Share of time the SMs ran any tensor-core instruction, between the last two GPM samples.",
+               "ratio", "tensor_active_ratio"),
+    MetricSpec("gpuwatch_gpu_dram_active_ratio",
+               "Device memory bandwidth used over its peak, between the last two GPM samples.",
+               "ratio", "dram_active_ratio"),
+    MetricSpec("gpuwatch_gpu_memory_total_bytes", "Installed device memory.", "bytes", "memory_total_bytes"),
+    MetricSpec("gpuwatch_gpu_memory_used_bytes", "Device memory allocated by processes.", "bytes",
+               "memory_used_bytes"),
+    MetricSpec("gpuwatch_gpu_memory_reserved_bytes", "Device memory reserved by the driver and firmware.", "bytes",
+               "memory_reserved_bytes"),
+    MetricSpec("gpuwatch_gpu_power_watts", "Power draw of the GPU board.", "watts", "power_watts"),
+    MetricSpec("gpuwatch_gpu_temperature_celsius", "GPU core temperature.", "celsius", "temperature_celsius"),
+    MetricSpec("gpuwatch_gpu_sm_clock_hertz", "Current SM clock.", "hertz", "sm_clock_hertz"),
+    MetricSpec("gpuwatch_gpu_memory_clock_hertz", "Current memory clock.", "hertz", "memory_clock_hertz"),
 )
 
 # Xids that mean a hardware or driver fault (ECC, row remap, NVLink, off the bus, GSP). A watched GPU
@@ -103,7 +126,7 @@ class _Gpm:
 class _GpuState:
     """What the collector keeps about one GPU between collects."""
 
-    identity: dict[str, str] | None = None  # uuid, pci_bus_id, model: read once
+    identity: dict[str, str] | None = None  # GpuReading's uuid, pci_bus_id and model: read once
     pcie_max: dict[str, int | None] = dataclasses.field(default_factory=dict)
     activity_source: str | None = None  # "gpm" or "utilization", decided on the first read
     gpm: _Gpm | None = None
@@ -123,9 +146,9 @@ def _counter(name: str, text: str, *labels: str) -> CounterMetricFamily:
     return CounterMetricFamily(name, text, labels=["gpu", *labels])
 
 
-def _put(facts: dict[str, Any], key: str, value: float | None, scale: float = 1) -> None:
+def _put(fields: dict[str, Any], key: str, value: float | None, scale: float = 1) -> None:
     if value is not None:
-        facts[key] = value * scale
+        fields[key] = value * scale
 
 
 class NvmlCollector(Collector):
@@ -140,19 +163,16 @@ class NvmlCollector(Collector):
         self._event_set: Any = None
         self._xid_states: dict[int, _GpuState] = {}  # device handle address -> state
 
-    def collect(self) -> CollectorResult:
+    def collect(self) -> CollectorResult[NvmlReadings]:
         devices = self._session.devices()
         if self._states is None:
             self._start(devices)
         errors: list[str] = []
         self._drain_xid_events(errors)
-        gpus = [self._sample(device, self._states[device.index], errors) for device in devices]
+        readings = NvmlReadings(self._driver_version,
+                                tuple(self._sample(device, self._states[device.index], errors) for device in devices))
         # Deferred to the scrape, like the other collectors': rounds nobody scrapes never build them.
-        return CollectorResult(
-            families=DeferredFamilies(lambda: self._families(gpus)),
-            facts={"driver_version": self._driver_version, "gpus": gpus},
-            errors=errors,
-        )
+        return CollectorResult(DeferredFamilies(lambda: _families(readings)), readings, errors)
 
     def close(self) -> None:
         nvml = self._nvml
@@ -210,59 +230,60 @@ class NvmlCollector(Collector):
 
     # -- one GPU ----------------------------------------------------------------------------------
 
-    def _sample(self, device: Device, state: _GpuState, errors: list[str]) -> dict[str, Any]:
-        """The GPU's facts; a lost GPU keeps its identity and Xid counts and gets ``lost: true``."""
+    def _sample(self, device: Device, state: _GpuState, errors: list[str]) -> GpuReading:
+        """The GPU's reading; a lost GPU keeps its identity and Xid counts and is marked ``lost``."""
+        xids = {"xid_watched": state.xid_watched,
+                "xid_errors": {str(xid): count for xid, count in state.xid_errors.items()}}
         lost_reason = device.error
         if lost_reason is None:
             try:
-                readings = self._read(device, state, DeviceQuery(device, errors))
-                facts = {"index": device.index, "lost": False, **readings}
+                return GpuReading(index=device.index, **self._read(device, state, DeviceQuery(device, errors)), **xids)
             except pynvml.NVMLError_GpuIsLost as exc:
                 lost_reason = str(exc)
-        if lost_reason is not None:
-            facts = {"index": device.index, "lost": True, **(state.identity or {})}
-            errors.append(f"gpu {device.index}: {lost_reason}")
-        facts["xid_watched"] = state.xid_watched
-        facts["xid_errors"] = {str(xid): count for xid, count in state.xid_errors.items()}
-        return facts
+        errors.append(f"gpu {device.index}: {lost_reason}")
+        return GpuReading(index=device.index, lost=True, **(state.identity or {}), **xids)
 
     def _read(self, device: Device, state: _GpuState, get: DeviceQuery) -> dict[str, Any]:
+        """The values of a GPU that answers, as GpuReading fields; what it or its driver lacks is left out."""
         nvml, handle = self._nvml, device.handle
         if state.identity is None:
             state.identity, state.pcie_max = self._identity(handle, get)
-        facts: dict[str, Any] = dict(state.identity)
-        self._read_activity(handle, state, facts, get)
+        fields: dict[str, Any] = dict(state.identity)
+        self._read_activity(handle, state, fields, get)
         memory = get(nvml.nvmlDeviceGetMemoryInfo, handle, pynvml.nvmlMemory_v2) or get(
             nvml.nvmlDeviceGetMemoryInfo, handle)  # drivers before R510 have no v2 (no reserved)
         if memory is not None:
-            facts["memory_total_bytes"] = memory.total
-            facts["memory_used_bytes"] = memory.used
-            _put(facts, "memory_reserved_bytes", getattr(memory, "reserved", None))
-        _put(facts, "power_watts", get(nvml.nvmlDeviceGetPowerUsage, handle), 1e-3)  # mW
+            fields["memory_total_bytes"] = memory.total
+            fields["memory_used_bytes"] = memory.used
+            _put(fields, "memory_reserved_bytes", getattr(memory, "reserved", None))
+        _put(fields, "power_watts", get(nvml.nvmlDeviceGetPowerUsage, handle), 1e-3)  # mW
         temperature = get(nvml.nvmlDeviceGetTemperature, handle, pynvml.NVML_TEMPERATURE_GPU)
-        _put(facts, "temperature_celsius", temperature)
+        _put(fields, "temperature_celsius", temperature)
         for key, clock in _CLOCKS:
-            _put(facts, key, get(nvml.nvmlDeviceGetClockInfo, handle, clock), 1e6)  # MHz
+            _put(fields, key, get(nvml.nvmlDeviceGetClockInfo, handle, clock), 1e6)  # MHz
         # The "throttle" name is all that drivers before R535 know.
         reasons = get(nvml.nvmlDeviceGetCurrentClocksEventReasons, handle)
         if reasons is None:
             reasons = get(nvml.nvmlDeviceGetCurrentClocksThrottleReasons, handle)
         if reasons is not None:
-            facts["clock_event_reasons"] = [name for bit, name in _CLOCK_EVENT_REASONS if reasons & bit]
-        facts["pcie"] = {
-            "current_generation": get(nvml.nvmlDeviceGetCurrPcieLinkGeneration, handle),
-            "max_generation": state.pcie_max["generation"],
-            "current_width": get(nvml.nvmlDeviceGetCurrPcieLinkWidth, handle),
-            "max_width": state.pcie_max["width"],
-        }
+            fields["clock_event_reasons"] = tuple(name for bit, name in _CLOCK_EVENT_REASONS if reasons & bit)
         values = get(nvml.nvmlDeviceGetFieldValues, handle, _FIELD_IDS)
+        groups: dict[str, dict[str, int]] = {}
         for (_, group, key), number in zip(_FIELDS, field_values(values), strict=True) if values is not None else ():
             if number is not None:
-                facts.setdefault(group, {})[key] = number
+                groups.setdefault(group, {})[key] = number
+        fields["pcie"] = PcieReading(
+            current_generation=get(nvml.nvmlDeviceGetCurrPcieLinkGeneration, handle),
+            max_generation=state.pcie_max["generation"],
+            current_width=get(nvml.nvmlDeviceGetCurrPcieLinkWidth, handle),
+            max_width=state.pcie_max["width"],
+            **groups.get("pcie", {}),
+        )
+        fields.update((group, reading(**groups[group])) for group, reading in _FIELD_GROUPS if group in groups)
         processes = get(nvml.nvmlDeviceGetComputeRunningProcesses, handle)
         if processes is not None:
-            facts["processes"] = [{"pid": p.pid, "used_memory_bytes": p.usedGpuMemory} for p in processes]
-        return facts
+            fields["processes"] = tuple(GpuProcessReading(p.pid, p.usedGpuMemory) for p in processes)
+        return fields
 
     def _identity(self, handle: Any, get: DeviceQuery) -> tuple[dict[str, str], dict[str, int | None]]:
         nvml = self._nvml
@@ -278,19 +299,19 @@ class NvmlCollector(Collector):
         }
         return identity, pcie_max
 
-    def _read_activity(self, handle: Any, state: _GpuState, facts: dict[str, Any], get: DeviceQuery) -> None:
+    def _read_activity(self, handle: Any, state: _GpuState, fields: dict[str, Any], get: DeviceQuery) -> None:
         utilization = get(self._nvml.nvmlDeviceGetUtilizationRates, handle)
         if utilization is not None:
-            facts["utilization_ratio"] = _ratio(utilization.gpu)
-            facts["memory_copy_utilization_ratio"] = _ratio(utilization.memory)
+            fields["utilization_ratio"] = _ratio(utilization.gpu)
+            fields["memory_copy_utilization_ratio"] = _ratio(utilization.memory)
         if state.activity_source is None:
             state.gpm = self._start_gpm(handle, get)
             state.activity_source = "gpm" if state.gpm is not None else "utilization"
-        facts["activity_source"] = state.activity_source
+        fields["activity_source"] = state.activity_source
         if state.gpm is not None:
-            facts.update(self._gpm_ratios(handle, state.gpm, get))
+            fields.update(self._gpm_ratios(handle, state.gpm, get))
         elif utilization is not None:
-            facts["sm_active_ratio"] = facts["utilization_ratio"]
+            fields["sm_active_ratio"] = fields["utilization_ratio"]
 
     def _start_gpm(self, handle: Any, get: DeviceQuery) -> _Gpm | None:
         nvml = self._nvml
@@ -323,76 +344,75 @@ class NvmlCollector(Collector):
         return {key: _ratio(metric.value) for (_, key), metric in metrics
                 if metric.nvmlReturn == pynvml.NVML_SUCCESS}
 
-    # -- exposition -------------------------------------------------------------------------------
 
-    def _families(self, gpus: list[dict[str, Any]]) -> list[Metric]:
-        info = _gauge("gpuwatch_gpu_info", "GPU identity; always 1.",
-                      "uuid", "pci_bus_id", "model", "driver_version")
-        lost = _gauge("gpuwatch_gpu_lost", "1 when NVML reports the GPU lost (fallen off the bus).")
-        source = _gauge("gpuwatch_gpu_activity_source", "Where the SM activity series come from: gpm, or "
-                        "utilization where GPM is unsupported; always 1.", "source")
-        gauges = [(key, _gauge(name, text)) for key, name, text in _GAUGES]
-        reasons = _gauge("gpuwatch_gpu_clock_event_active",
-                         "1 while this clock-event (throttle) reason holds the clocks down.", "reason")
-        generation = _gauge("gpuwatch_gpu_pcie_link_generation",
-                            "PCIe link generation: as trained now, and the most GPU and slot allow.", "kind")
-        width = _gauge("gpuwatch_gpu_pcie_link_width",
-                       "PCIe link width in lanes: as trained now, and the most GPU and slot allow.", "kind")
-        replays = _counter("gpuwatch_gpu_pcie_replays", "PCIe replays (link-level retransmissions).")
-        ecc = [("ecc_volatile", _counter("gpuwatch_gpu_ecc_volatile_errors",
-                                         "ECC errors since the driver loaded.", "error")),
-               ("ecc_aggregate", _counter("gpuwatch_gpu_ecc_aggregate_errors",
-                                          "ECC errors over the GPU's lifetime.", "error"))]
-        remapped = _gauge("gpuwatch_gpu_remapped_rows", "Memory rows remapped, by what caused it.", "cause")
-        remap_states = [("pending", _gauge("gpuwatch_gpu_row_remap_pending",
-                                           "1 when a row remap waits for a GPU reset.")),
-                        ("failure", _gauge("gpuwatch_gpu_row_remap_failure",
-                                           "1 when a row remap failed: the GPU needs service."))]
-        xid = _counter("gpuwatch_gpu_xid_errors", "Critical Xid errors seen since the agent started.", "xid")
-        processes = _gauge("gpuwatch_gpu_process_memory_bytes",
-                           "Device memory used by a compute process.", "pid")
-        for facts in gpus:
-            gpu = str(facts["index"])
-            if "uuid" in facts:
-                identity = [facts["uuid"], facts["pci_bus_id"], facts["model"], self._driver_version]
-                info.add_metric([gpu, *identity], 1)
-            lost.add_metric([gpu], int(facts["lost"]))
-            seen = facts["xid_errors"]
-            for code in _FAULT_XIDS if facts["xid_watched"] else ():
-                if code not in seen:
-                    xid.add_metric([gpu, code], 0)
-            for code, count in seen.items():
-                xid.add_metric([gpu, code], count)
-            if facts["lost"]:
-                continue
-            source.add_metric([gpu, facts["activity_source"]], 1)
-            for key, family in gauges:
-                if key in facts:
-                    family.add_metric([gpu], facts[key])
-            active = facts.get("clock_event_reasons")
-            for _, reason in _CLOCK_EVENT_REASONS if active is not None else ():
-                reasons.add_metric([gpu, reason], int(reason in active))
-            pcie = facts["pcie"]
-            for kind in ("current", "max"):
-                for family, quantity in ((generation, "generation"), (width, "width")):
-                    value = pcie[f"{kind}_{quantity}"]
-                    if value is not None:
-                        family.add_metric([gpu, kind], value)
-            if "replays" in pcie:
-                replays.add_metric([gpu], pcie["replays"])
-            for group, family in ecc:
-                for error, count in facts.get(group, {}).items():
-                    family.add_metric([gpu, error], count)
-            rows = facts.get("remapped_rows", {})
-            for cause in ("correctable", "uncorrectable"):
-                if cause in rows:
-                    remapped.add_metric([gpu, cause], rows[cause])
-            for key, family in remap_states:
-                if key in rows:
-                    family.add_metric([gpu], rows[key])
-            for process in facts.get("processes", ()):
-                if process["used_memory_bytes"] is not None:
-                    processes.add_metric([gpu, str(process["pid"])], process["used_memory_bytes"])
-        families = [info, lost, source, *(f for _, f in gauges), reasons, generation, width, replays,
-                    *(f for _, f in ecc), remapped, *(f for _, f in remap_states), xid, processes]
-        return [family for family in families if family.samples]
+# -- exposition -----------------------------------------------------------------------------------
+
+
+def _families(readings: NvmlReadings) -> list[Metric]:
+    info = _gauge("gpuwatch_gpu_info", "GPU identity; always 1.", "uuid", "pci_bus_id", "model", "driver_version")
+    lost = _gauge("gpuwatch_gpu_lost", "1 when NVML reports the GPU lost (fallen off the bus).")
+    source = _gauge("gpuwatch_gpu_activity_source", "Where the SM activity series come from: gpm, or "
+                    "utilization where GPM is unsupported; always 1.", "source")
+    gauges = [(spec.field, spec.gauge(["gpu"])) for spec in GPU_GAUGES]
+    reasons = _gauge("gpuwatch_gpu_clock_event_active",
+                     "1 while this clock-event (throttle) reason holds the clocks down.", "reason")
+    generation = _gauge("gpuwatch_gpu_pcie_link_generation",
+                        "PCIe link generation: as trained now, and the most GPU and slot allow.", "kind")
+    width = _gauge("gpuwatch_gpu_pcie_link_width",
+                   "PCIe link width in lanes: as trained now, and the most GPU and slot allow.", "kind")
+    replays = _counter("gpuwatch_gpu_pcie_replays", "PCIe replays (link-level retransmissions).")
+    ecc_volatile = _counter("gpuwatch_gpu_ecc_volatile_errors", "ECC errors since the driver loaded.", "error")
+    ecc_aggregate = _counter("gpuwatch_gpu_ecc_aggregate_errors", "ECC errors over the GPU's lifetime.", "error")
+    remapped = _gauge("gpuwatch_gpu_remapped_rows", "Memory rows remapped, by what caused it.", "cause")
+    remap_pending = _gauge("gpuwatch_gpu_row_remap_pending", "1 when a row remap waits for a GPU reset.")
+    remap_failure = _gauge("gpuwatch_gpu_row_remap_failure", "1 when a row remap failed: the GPU needs service.")
+    xid = _counter("gpuwatch_gpu_xid_errors", "Critical Xid errors seen since the agent started.", "xid")
+    processes = _gauge("gpuwatch_gpu_process_memory_bytes", "Device memory used by a compute process.", "pid")
+    for reading in readings.gpus:
+        gpu = str(reading.index)
+        if reading.uuid is not None:  # its identity was read once
+            info.add_metric([gpu, reading.uuid, reading.pci_bus_id, reading.model, readings.driver_version], 1)
+        lost.add_metric([gpu], int(reading.lost))
+        seen = reading.xid_errors
+        for code in _FAULT_XIDS if reading.xid_watched else ():
+            if code not in seen:
+                xid.add_metric([gpu, code], 0)
+        for code, count in seen.items():
+            xid.add_metric([gpu, code], count)
+        if reading.lost:
+            continue
+        source.add_metric([gpu, reading.activity_source], 1)
+        for field, family in gauges:
+            value = getattr(reading, field)
+            if value is not None:
+                family.add_metric([gpu], value)
+        active = reading.clock_event_reasons
+        for _, reason in _CLOCK_EVENT_REASONS if active is not None else ():
+            reasons.add_metric([gpu, reason], int(reason in active))
+        pcie = reading.pcie
+        if pcie is not None:
+            for kind, link_generation, link_width in (("current", pcie.current_generation, pcie.current_width),
+                                                      ("max", pcie.max_generation, pcie.max_width)):
+                if link_generation is not None:
+                    generation.add_metric([gpu, kind], link_generation)
+                if link_width is not None:
+                    width.add_metric([gpu, kind], link_width)
+            if pcie.replays is not None:
+                replays.add_metric([gpu], pcie.replays)
+        for family, ecc in ((ecc_volatile, reading.ecc_volatile), (ecc_aggregate, reading.ecc_aggregate)):
+            for error, count in ecc.counts().items() if ecc is not None else ():
+                family.add_metric([gpu, error], count)
+        rows = reading.remapped_rows
+        if rows is not None:
+            for cause, count in (("correctable", rows.correctable), ("uncorrectable", rows.uncorrectable)):
+                if count is not None:
+                    remapped.add_metric([gpu, cause], count)
+            for family, flag in ((remap_pending, rows.pending), (remap_failure, rows.failure)):
+                if flag is not None:
+                    family.add_metric([gpu], flag)
+        for process in reading.processes or ():
+            if process.used_memory_bytes is not None:
+                processes.add_metric([gpu, str(process.pid)], process.used_memory_bytes)
+    families = [info, lost, source, *(family for _, family in gauges), reasons, generation, width, replays,
+                ecc_volatile, ecc_aggregate, remapped, remap_pending, remap_failure, xid, processes]
+    return [family for family in families if family.samples]

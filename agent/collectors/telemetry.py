@@ -26,10 +26,11 @@ them. The whole sweep stays in /api/v1/state.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ from gpuwatch.agent.collectors.base import (
     CollectorError,
     CollectorResult,
     DeferredFamilies,
+    MetricSpec,
 )
 from gpuwatch.agent.exposition import TextFamily, format_value, series_prefix
 from gpuwatch.agent.telemetry import listener
@@ -55,79 +57,101 @@ log = logging.getLogger(__name__)
 RANK_LABELS = ["job", "rank", "local_rank", "tp_rank", "pp_stage", "dp_rank"]
 _LE = [floatToGoString(bound) for bound in COLLECTIVE_BUCKETS] + ["+Inf"]
 
-# (series, help, path into the latest step record): one gauge per rank when the field is present.
-_STEP_GAUGES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("gpuwatch_train_step_seconds", "Wall time of the rank's latest reported step.", ("step_seconds",)),
-    ("gpuwatch_train_compute_seconds", "Forward and backward time of the latest step, excluding time spent "
-     "waiting on collectives (a data-parallel all-reduce evens out whole-step times; this finds the slow "
-     "rank).", ("compute_seconds",)),
-    ("gpuwatch_train_dataloader_wait_seconds", "Time the latest step waited for its input batch.",
-     ("dataloader_wait_seconds",)),
-    ("gpuwatch_train_optimizer_seconds", "Optimizer time of the latest step.", ("optimizer_seconds",)),
-    ("gpuwatch_train_pipeline_busy_seconds", "Time this pipeline stage computed during the latest step.",
-     ("pipeline", "busy_seconds")),
-    ("gpuwatch_train_pipeline_idle_seconds", "Time this pipeline stage waited during the latest step.",
-     ("pipeline", "idle_seconds")),
-    ("gpuwatch_train_pipeline_bubble_ratio", "Measured pipeline bubble of the latest step: "
-     "idle / (busy + idle).", ("pipeline", "bubble_ratio")),
-    ("gpuwatch_train_pipeline_bubble_ratio_theoretical", "The schedule's ideal bubble, (p-1)/(m+p-1) for p "
-     "stages and m micro-batches.", ("pipeline", "bubble_ratio_theoretical")),
-    ("gpuwatch_train_loss", "Loss of the latest step; NaN or Inf when it diverged.", ("loss",)),
-    ("gpuwatch_train_grad_norm", "Global gradient norm of the latest step.", ("grad_norm",)),
-    ("gpuwatch_train_loss_scale", "Mixed-precision loss scale of the latest step.", ("loss_scale",)),
-    ("gpuwatch_train_learning_rate", "Learning rate of the latest step.", ("lr",)),
-    ("gpuwatch_train_model_flops_per_second", "Achieved model FLOP/s of the latest step.",
-     ("model_flops_per_second",)),
-    ("gpuwatch_train_mfu_ratio", "Model FLOPs utilisation of the latest step: achieved / peak FLOP/s.",
-     ("mfu",)),
-    ("gpuwatch_train_last_step", "Number of the latest reported step.", ("step",)),
-    ("gpuwatch_train_last_step_timestamp_seconds", "Rank's wall clock when it reported its latest step.",
-     ("time",)),
+
+@dataclasses.dataclass(frozen=True)
+class StepGauge(MetricSpec):
+    """A gauge of the rank's latest step record, one series per rank where the record has ``field`` (inside
+    ``group`` where the schema nests it). Diagnosis' ``StepFacts`` names the quantity as the record does."""
+
+    group: str | None = None
+
+    def latest(self, step: dict[str, Any]) -> Any:
+        """The value in a step record body; None where it has none."""
+        body = step.get(self.group) if self.group is not None else step
+        return None if body is None else body.get(self.field)
+
+
+#: The number of the latest step: whether a rank has stepped at all.
+LAST_STEP = StepGauge("gpuwatch_train_last_step", "Number of the latest reported step.", "", "step")
+STEP_GAUGES: tuple[StepGauge, ...] = (
+    StepGauge("gpuwatch_train_step_seconds", "Wall time of the rank's latest reported step.", "seconds",
+              "step_seconds"),
+    StepGauge("gpuwatch_train_compute_seconds", "Forward and backward time of the latest step, excluding time spent "
+              "waiting on collectives (a data-parallel all-reduce evens out whole-step times; this finds the slow "
+              "rank).", "seconds", "compute_seconds"),
+    StepGauge("gpuwatch_train_dataloader_wait_seconds", "Time the latest step waited for its input batch.", "seconds",
+              "dataloader_wait_seconds"),
+    StepGauge("gpuwatch_train_optimizer_seconds", "Optimizer time of the latest step.", "seconds",
+              "optimizer_seconds"),
+    StepGauge("gpuwatch_train_pipeline_busy_seconds", "Time this pipeline stage computed during the latest step.",
+              "seconds", "busy_seconds", "pipeline"),
+    StepGauge("gpuwatch_train_pipeline_idle_seconds", "Time this pipeline stage waited during the latest step.",
+              "seconds", "idle_seconds", "pipeline"),
+    StepGauge("gpuwatch_train_pipeline_bubble_ratio", "Measured pipeline bubble of the latest step: "
+              "idle / (busy + idle).", "ratio", "bubble_ratio", "pipeline"),
+    StepGauge("gpuwatch_train_pipeline_bubble_ratio_theoretical", "The schedule's ideal bubble, (p-1)/(m+p-1) for p "
+              "stages and m micro-batches.", "ratio", "bubble_ratio_theoretical", "pipeline"),
+    StepGauge("gpuwatch_train_loss", "Loss of the latest step; NaN or Inf when it diverged.", "", "loss"),
+    StepGauge("gpuwatch_train_grad_norm", "Global gradient norm of the latest step.", "", "grad_norm"),
+    StepGauge("gpuwatch_train_loss_scale", "Mixed-precision loss scale of the latest step.", "", "loss_scale"),
+    StepGauge("gpuwatch_train_learning_rate", "Learning rate of the latest step.", "", "lr"),
+    StepGauge("gpuwatch_train_model_flops_per_second", "Achieved model FLOP/s of the latest step.",
+              "flops_per_second", "model_flops_per_second"),
+    StepGauge("gpuwatch_train_mfu_ratio", "Model FLOPs utilisation of the latest step: achieved / peak FLOP/s.",
+              "ratio", "mfu"),
+    LAST_STEP,
+    StepGauge("gpuwatch_train_last_step_timestamp_seconds", "Rank's wall clock when it reported its latest step.",
+              "seconds", "time"),
 )
-_MEMORY_GAUGES = (
-    ("gpuwatch_train_memory_peak_bytes", "Peak memory of the latest step (reset every step); kind=cuda for "
-     "the CUDA caching allocator's allocated bytes, kind=host_rss for the process's resident set.",
-     "peak_bytes"),
-    ("gpuwatch_train_memory_allocated_bytes", "Memory allocated to tensors after the latest step.",
-     "allocated_bytes"),
-    ("gpuwatch_train_memory_reserved_bytes", "Memory the caching allocator holds after the latest step.",
-     "reserved_bytes"),
-    ("gpuwatch_train_memory_inactive_split_bytes", "Reserved memory in inactive split blocks (fragmentation) "
-     "after the latest step.", "inactive_split_bytes"),
+#: Memory of the latest step, labelled by the record's memory ``kind``.
+MEMORY_GAUGES: tuple[StepGauge, ...] = (
+    StepGauge("gpuwatch_train_memory_peak_bytes", "Peak memory of the latest step (reset every step); kind=cuda for "
+              "the CUDA caching allocator's allocated bytes, kind=host_rss for the process's resident set.",
+              "bytes", "peak_bytes", "memory"),
+    StepGauge("gpuwatch_train_memory_allocated_bytes", "Memory allocated to tensors after the latest step.",
+              "bytes", "allocated_bytes", "memory"),
+    StepGauge("gpuwatch_train_memory_reserved_bytes", "Memory the caching allocator holds after the latest step.",
+              "bytes", "reserved_bytes", "memory"),
+    StepGauge("gpuwatch_train_memory_inactive_split_bytes", "Reserved memory in inactive split blocks "
+              "(fragmentation) after the latest step.", "bytes", "inactive_split_bytes", "memory"),
 )
-_COUNTERS: tuple[tuple[str, str, Callable[[RankState], int]], ...] = (
-    ("gpuwatch_train_steps_total", "Step records received from the rank.", lambda s: s.steps),
-    ("gpuwatch_train_nonfinite_steps_total", "Steps with a NaN/Inf loss or gradient.",
-     lambda s: s.nonfinite_steps),
-    ("gpuwatch_train_tokens_total", "Tokens processed by the rank.", lambda s: s.tokens),
-    ("gpuwatch_train_samples_total", "Samples (sequences, images, rows) processed by the rank, where its "
-     "script counts them.", lambda s: s.samples),
-    ("gpuwatch_train_alloc_retries_total", "CUDA caching allocator retries (a cache flush and retry after a "
-     "failed cudaMalloc).", lambda s: s.alloc_retries),
-    ("gpuwatch_train_ooms_total", "Out-of-memory errors the CUDA caching allocator reported.",
-     lambda s: s.ooms),
+#: Counters of the rank's records since the agent first saw it, each the ``RankState`` field it names.
+COUNTERS: tuple[MetricSpec, ...] = (
+    MetricSpec("gpuwatch_train_steps_total", "Step records received from the rank.", "", "steps"),
+    MetricSpec("gpuwatch_train_nonfinite_steps_total", "Steps with a NaN/Inf loss or gradient.", "",
+               "nonfinite_steps"),
+    MetricSpec("gpuwatch_train_tokens_total", "Tokens processed by the rank.", "", "tokens"),
+    MetricSpec("gpuwatch_train_samples_total", "Samples (sequences, images, rows) processed by the rank, where its "
+               "script counts them.", "", "samples"),
+    MetricSpec("gpuwatch_train_alloc_retries_total", "CUDA caching allocator retries (a cache flush and retry after "
+               "a failed cudaMalloc).", "", "alloc_retries"),
+    MetricSpec("gpuwatch_train_ooms_total", "Out-of-memory errors the CUDA caching allocator reported.", "", "ooms"),
 )
 _INFO_FIELDS = ("world_size", "tp_size", "pp_size", "dp_size", "schedule", "micro_batches", "precision",
                 "torch_version", "nccl_version")
 _WINDOW = f"over the rank's window: its last {WINDOW_STEPS} steps within {WINDOW_SECONDS:g} s"
 #: Figures of the rank's window of recent steps (``window.summarize``), what the timing and learning rules
-#: judge: (series, help, ``WindowSummary`` attribute). ``gpuwatch diagnose --prometheus`` reads them back by the
+#: judge, each the ``WindowSummary`` attribute it names. ``gpuwatch diagnose --prometheus`` reads them back by the
 #: same table. Timing medians in seconds are one family, ``WINDOW_MEDIAN``.
-WINDOW_GAUGES: tuple[tuple[str, str, str], ...] = (
-    ("gpuwatch_train_window_steps", f"Steps {_WINDOW}.", "steps"),
-    ("gpuwatch_train_window_first_step", "Number of the oldest step in the rank's window.", "first_step"),
-    ("gpuwatch_train_window_last_step", "Number of the newest step in the rank's window.", "last_step"),
-    ("gpuwatch_train_window_span_seconds", "Rank's clock from the oldest to the newest step of its window.",
-     "seconds"),
-    ("gpuwatch_train_window_bubble_ratio", f"Median measured pipeline bubble {_WINDOW}.", "bubble_ratio"),
-    ("gpuwatch_train_window_loss_steps", f"Steps with a finite loss {_WINDOW}.", "loss_steps"),
-    ("gpuwatch_train_window_loss_min", f"Lowest finite loss {_WINDOW}.", "loss_min"),
-    ("gpuwatch_train_window_loss_max", f"Highest finite loss {_WINDOW}.", "loss_max"),
-    ("gpuwatch_train_window_grad_norm_steps", f"Steps with a finite gradient norm {_WINDOW}.", "grad_norm_steps"),
-    ("gpuwatch_train_window_grad_norm_max", f"Largest finite gradient norm {_WINDOW}.", "grad_norm_max"),
-    ("gpuwatch_train_window_param_checksums", f"Parameter checksums measured {_WINDOW}.", "checksums"),
-    ("gpuwatch_train_window_param_checksums_distinct", f"Distinct parameter checksums {_WINDOW}: 1 when "
-     "several were measured means the parameters did not change.", "distinct_checksums"),
+WINDOW_GAUGES: tuple[MetricSpec, ...] = (
+    MetricSpec("gpuwatch_train_window_steps", f"Steps {_WINDOW}.", "", "steps"),
+    MetricSpec("gpuwatch_train_window_first_step", "Number of the oldest step in the rank's window.", "",
+               "first_step"),
+    MetricSpec("gpuwatch_train_window_last_step", "Number of the newest step in the rank's window.", "", "last_step"),
+    MetricSpec("gpuwatch_train_window_span_seconds", "Rank's clock from the oldest to the newest step of its window.",
+               "seconds", "seconds"),
+    MetricSpec("gpuwatch_train_window_bubble_ratio", f"Median measured pipeline bubble {_WINDOW}.", "ratio",
+               "bubble_ratio"),
+    MetricSpec("gpuwatch_train_window_loss_steps", f"Steps with a finite loss {_WINDOW}.", "", "loss_steps"),
+    MetricSpec("gpuwatch_train_window_loss_min", f"Lowest finite loss {_WINDOW}.", "", "loss_min"),
+    MetricSpec("gpuwatch_train_window_loss_max", f"Highest finite loss {_WINDOW}.", "", "loss_max"),
+    MetricSpec("gpuwatch_train_window_grad_norm_steps", f"Steps with a finite gradient norm {_WINDOW}.", "",
+               "grad_norm_steps"),
+    MetricSpec("gpuwatch_train_window_grad_norm_max", f"Largest finite gradient norm {_WINDOW}.", "",
+               "grad_norm_max"),
+    MetricSpec("gpuwatch_train_window_param_checksums", f"Parameter checksums measured {_WINDOW}.", "", "checksums"),
+    MetricSpec("gpuwatch_train_window_param_checksums_distinct", f"Distinct parameter checksums {_WINDOW}: 1 when "
+               "several were measured means the parameters did not change.", "", "distinct_checksums"),
 )
 #: The median timings of the window, one series per timing (label ``timing``: the step record's field).
 WINDOW_MEDIAN = "gpuwatch_train_window_median_seconds"
@@ -149,13 +173,12 @@ _PER_RANK: tuple[tuple[str, str, str], ...] = (
     (_ENV_INFO, "gauge", "A variable of the rank's environment that diagnosis reads (NCCL_IB_DISABLE, "
      "NCCL_SOCKET_IFNAME, ...), from its hello; value 1, one series per variable set."),
     (_GPU_JOB, "gauge", "Which job and rank run on which GPU; join it on uuid (or gpu) to label GPU series by job."),
-    *((name, "gauge", doc) for name, doc, _ in _STEP_GAUGES),
-    *((name, "gauge", doc) for name, doc, _ in _MEMORY_GAUGES),
-    *((name.removesuffix("_total"), "counter", doc) for name, doc, _ in _COUNTERS),
+    *((gauge.name, "gauge", gauge.help) for gauge in (*STEP_GAUGES, *MEMORY_GAUGES)),
+    *((counter.name.removesuffix("_total"), "counter", counter.help) for counter in COUNTERS),
     (_COSINE, "gauge", "Cosine between this data-parallel rank's local gradient and the DP-mean gradient, latest "
      "measurement."),
     (_CHECKSUM, "gauge", "Parameter checksum, latest measurement; data-parallel replicas must agree."),
-    *((name, "gauge", doc) for name, doc, _ in WINDOW_GAUGES),
+    *((gauge.name, "gauge", gauge.help) for gauge in WINDOW_GAUGES),
     (WINDOW_MEDIAN, "gauge", f"Median of a step timing {_WINDOW} (timing: step_seconds, compute_seconds, "
      "dataloader_wait_seconds, exposed_collective_seconds)."),
     (UNAVAILABLE, "gauge", "A signal the rank's latest measuring step could not compute, and why (reason: "
@@ -163,14 +186,6 @@ _PER_RANK: tuple[tuple[str, str, str], ...] = (
     (_LATENCY, "histogram", "Latency of the rank's collective calls."),
     (_VOLUME, "counter", "Bytes the rank's collective calls moved (the rank's buffer size per call)."),
 )
-
-
-def _lookup(body: dict[str, Any], path: tuple[str, ...]) -> Any:
-    for key in path:
-        body = body.get(key)
-        if body is None:
-            return None
-    return body
 
 
 class _RankLines:
@@ -236,8 +251,8 @@ class _RankLines:
         line = self._line
         lines: dict[str, list[str]] = {name: [] for name, _, _ in _PER_RANK}
         lines.update((name, [text]) for name, text in self._hello_lines.items())
-        for name, _, read in _COUNTERS:
-            line(lines[name.removesuffix("_total")], name, read(state))
+        for counter in COUNTERS:
+            line(lines[counter.name.removesuffix("_total")], counter.name, getattr(state, counter.field))
         latency, volume = lines[_LATENCY], lines[_VOLUME]
         for op, totals in sorted(state.collectives.items()):
             buckets, count, total, moved = self._op(op)
@@ -257,23 +272,24 @@ class _RankLines:
                 line(lines[UNAVAILABLE], UNAVAILABLE, at, extra=(("signal", signal), ("reason", reason)))
         window = summarize(state.window.points())
         if window is not None:
-            for name, _, field in WINDOW_GAUGES:
-                value = getattr(window, field)
+            for gauge in WINDOW_GAUGES:
+                value = getattr(window, gauge.field)
                 if value is not None:
-                    line(lines[name], name, value)
+                    line(lines[gauge.name], gauge.name, value)
             for timing in WINDOW_TIMINGS:
                 if timing in window.medians:
                     line(lines[WINDOW_MEDIAN], WINDOW_MEDIAN, window.medians[timing], extra=(("timing", timing),))
         step = state.last_step
         if step is not None:
-            for name, _, path in _STEP_GAUGES:
-                value = _lookup(step, path)
+            for gauge in STEP_GAUGES:
+                value = gauge.latest(step)
                 if value is not None:
-                    line(lines[name], name, value)
-            memory = step.get("memory", {})
-            for name, _, field in _MEMORY_GAUGES:
-                if field in memory:
-                    line(lines[name], name, memory[field], memory["kind"])
+                    line(lines[gauge.name], gauge.name, value)
+            kind = step.get("memory", {}).get("kind")
+            for gauge in MEMORY_GAUGES:
+                value = gauge.latest(step)
+                if value is not None:
+                    line(lines[gauge.name], gauge.name, value, kind)
         self.parts = {name: "".join(part) for name, part in lines.items()}
         self.version = state.version
 
@@ -346,7 +362,8 @@ def probe_families(probes: Sequence[dict[str, Any]]) -> list[Metric]:
     return [bandwidth, info, finished]
 
 
-def _rank_facts(state: RankState) -> dict[str, Any]:
+def _rank_readings(state: RankState) -> dict[str, Any]:
+    """A rank's state as /api/v1/state serves it, read back by ``diagnosis.sources.telemetry.rank_facts``."""
     return {
         "job": state.job,
         "rank": state.rank,
@@ -432,7 +449,9 @@ class TelemetryCollector(Collector):
         self._error = None
         log.info("receiving telemetry on %s (kernel queue: %s datagrams)", self.path, self._queue_limit)
 
-    def collect(self) -> CollectorResult:
+    def collect(self) -> CollectorResult[dict[str, Any]]:
+        """The store's state as JSON-ready data: hello, step and probe bodies are the telemetry record schema's
+        (``agent.telemetry.schema``), so they stay as the schema defines them rather than typed again here."""
         if self._receiver is None:
             self._listen()
             if self._receiver is None:
@@ -442,7 +461,7 @@ class TelemetryCollector(Collector):
                      self.store.ttl)
         ranks, records = self.store.snapshot()
         probes = self.store.probes()
-        facts = {
+        readings = {
             "socket": str(self.path),
             "queue_limit": self._queue_limit,
             "ttl_seconds": self.store.ttl,
@@ -454,12 +473,12 @@ class TelemetryCollector(Collector):
             # For per-process attribution (host RSS): the senders' pids as the kernel reported them, in the
             # agent's pid namespace; the pid in a hello is the rank's view, wrong across containers.
             "processes": [{"pid": s.sender_pid, "job": s.job, "rank": s.rank} for s in ranks if s.sender_pid],
-            "ranks": [_rank_facts(state) for state in ranks],
+            "ranks": [_rank_readings(state) for state in ranks],
             "probes": probes,
         }
         # Deferred: the ranks are copies and probe bodies are never mutated, so building later is the same.
         return CollectorResult(DeferredFamilies(lambda: families(ranks, records, self._per_rank)
-                                                + probe_families(probes)), facts)
+                                                + probe_families(probes)), readings)
 
     def close(self) -> None:
         if self._receiver is not None:

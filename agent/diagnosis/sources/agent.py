@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from gpuwatch.agent.collectors.readings import NodeReadings
 from gpuwatch.agent.diagnosis.facts import Facts, SourceInfo
 from gpuwatch.agent.diagnosis.sources import HTTP_TIMEOUT, SourceError, http_json
 from gpuwatch.agent.diagnosis.sources.collectors import PARTS, node_facts
@@ -46,7 +47,8 @@ def facts_from_state(state: Any, location: str) -> Facts:
         missing[collector] = (f"{collector} collector down: {status.get('last_error')}" if status is not None
                               else f"{collector} collector not enabled on the agent")
         facts.notes.append(f"{name}: {missing[collector]}")
-    facts.nodes[name] = node_facts(name, collected, missing, simulated=state["agent"].get("mode") == "simulated")
+    facts.nodes[name] = node_facts(name, NodeReadings.from_dict(collected), missing,
+                                   simulated=state["agent"].get("mode") == "simulated")
     for raw in collected.get("telemetry", {}).get("ranks", ()):
         sampled = {key: (item["step"], item["value"]) for key, item in (raw.get("sampled") or {}).items()}
         unavailable = {key: (item["step"], item["reason"]) for key, item in (raw.get("unavailable") or {}).items()}

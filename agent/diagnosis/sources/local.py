@@ -12,6 +12,7 @@ from typing import Any
 import pynvml
 
 from gpuwatch.agent.collectors import REGISTRY, CollectorContext
+from gpuwatch.agent.collectors.readings import NodeReadings
 from gpuwatch.agent.diagnosis.facts import Facts, SourceInfo
 from gpuwatch.agent.diagnosis.sources.collectors import PARTS, node_facts
 from gpuwatch.agent.telemetry.schema import env_name_allowed
@@ -22,7 +23,7 @@ def collect(sysfs_root: Path = Path("/sys"), *, env: Mapping[str, str] | None = 
     hello may carry, so secrets never reach a report."""
     name = socket.gethostname()
     context = CollectorContext(sysfs_root=Path(sysfs_root), node=name, nvml=pynvml)
-    collected: dict[str, dict[str, Any]] = {}
+    collected: dict[str, Any] = {}  # readings by collector name
     missing: dict[str, str] = {}
     facts = Facts(sources=[SourceInfo("preflight" if env is not None else "local", name)])
     for collector_name in PARTS:
@@ -35,9 +36,9 @@ def collect(sysfs_root: Path = Path("/sys"), *, env: Mapping[str, str] | None = 
             continue
         finally:
             collector.close()
-        collected[collector_name] = result.facts
+        collected[collector_name] = result.readings
         facts.notes += [f"{name}: {collector_name}: {error}" for error in result.errors[:3]]
-    node_fact = node_facts(name, collected, missing)
+    node_fact = node_facts(name, NodeReadings(**collected), missing)
     if env is not None:
         node_fact.env = {key: value for key, value in env.items() if env_name_allowed(key)}
     facts.nodes[name] = node_fact

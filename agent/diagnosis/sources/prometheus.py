@@ -19,8 +19,17 @@ import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
+from gpuwatch.agent.collectors.host import CPUS
 from gpuwatch.agent.collectors.infiniband import PHYS_STATES, PORT_STATES
-from gpuwatch.agent.collectors.telemetry import UNAVAILABLE, WINDOW_GAUGES, WINDOW_MEDIAN
+from gpuwatch.agent.collectors.telemetry import (
+    COUNTERS,
+    LAST_STEP,
+    MEMORY_GAUGES,
+    STEP_GAUGES,
+    UNAVAILABLE,
+    WINDOW_GAUGES,
+    WINDOW_MEDIAN,
+)
 from gpuwatch.agent.diagnosis.facts import (
     BandwidthMeasurement,
     CollectiveFacts,
@@ -37,7 +46,7 @@ from gpuwatch.agent.diagnosis.facts import (
     StepFacts,
 )
 from gpuwatch.agent.diagnosis.sources import HTTP_TIMEOUT, SourceError, http_json
-from gpuwatch.agent.diagnosis.sources.collectors import PARTS, hca_model
+from gpuwatch.agent.diagnosis.sources.collectors import GPU_GAUGES_READ, PARTS, hca_model, read_by
 from gpuwatch.agent.telemetry.window import WindowSummary
 
 #: Window of the error-counter increases.
@@ -45,34 +54,24 @@ WINDOW = "10m"
 #: How far back the per-step host RSS history reaches, and its resolution.
 HISTORY = "30m:30s"
 
-_GPU_GAUGES = {
-    "gpuwatch_gpu_utilization_ratio": "utilization_ratio", "gpuwatch_gpu_sm_active_ratio": "sm_active_ratio",
-    "gpuwatch_gpu_memory_total_bytes": "memory_total_bytes", "gpuwatch_gpu_memory_used_bytes": "memory_used_bytes",
-    "gpuwatch_gpu_temperature_celsius": "temperature_celsius", "gpuwatch_gpu_power_watts": "power_watts",
-    "gpuwatch_gpu_sm_clock_hertz": "sm_clock_hertz",
-}
+#: The nvml collector's gauges diagnosis reads -> GpuFacts field (the reading's field of the same name).
+_GPU_GAUGES = {spec.name: spec.field for spec in GPU_GAUGES_READ}
 _GPU_SERIES = "|".join(["gpuwatch_gpu_info", "gpuwatch_gpu_lost", "gpuwatch_gpu_pcie_link_generation",
                         "gpuwatch_gpu_pcie_link_width", "gpuwatch_gpu_row_remap_pending",
                         "gpuwatch_gpu_row_remap_failure", "gpuwatch_gpu_job_info", *_GPU_GAUGES])
 _IB_SERIES = "gpuwatch_ib_(device_info|port_up|port_rate_bytes_per_second|port_state_id|port_physical_state_id)"
-#: Latest-step gauges of the telemetry collector -> StepFacts field.
-_STEP_GAUGES = {
-    "gpuwatch_train_step_seconds": "step_seconds", "gpuwatch_train_compute_seconds": "compute_seconds",
-    "gpuwatch_train_dataloader_wait_seconds": "dataloader_wait_seconds",
-    "gpuwatch_train_pipeline_bubble_ratio": "bubble_ratio",
-    "gpuwatch_train_pipeline_bubble_ratio_theoretical": "bubble_ratio_theoretical",
-    "gpuwatch_train_loss": "loss", "gpuwatch_train_grad_norm": "grad_norm", "gpuwatch_train_loss_scale": "loss_scale",
-    "gpuwatch_train_memory_peak_bytes": "peak_bytes", "gpuwatch_train_memory_allocated_bytes": "allocated_bytes",
-    "gpuwatch_train_memory_reserved_bytes": "reserved_bytes",
-    "gpuwatch_train_memory_inactive_split_bytes": "inactive_split_bytes",
-}
-_RANK_COUNTERS = {"gpuwatch_train_steps_total": "steps", "gpuwatch_train_nonfinite_steps_total": "nonfinite_steps",
-                  "gpuwatch_train_alloc_retries_total": "alloc_retries", "gpuwatch_train_ooms_total": "ooms"}
-_RANK_SERIES = "|".join(["gpuwatch_train_rank_info", "gpuwatch_train_env_info", "gpuwatch_train_last_step",
+#: The telemetry collector's latest-step gauges diagnosis reads -> StepFacts field (the record's field name); the
+#: step number is read on its own, as it tells whether the rank has a latest step at all.
+_STEP_GAUGES = {spec.name: spec.field for spec in read_by((*STEP_GAUGES, *MEMORY_GAUGES), StepFacts)
+                if spec is not LAST_STEP}
+_MEMORY_SERIES = frozenset(spec.name for spec in MEMORY_GAUGES)
+#: The telemetry collector's rank counters diagnosis reads -> RankFacts field (the rank state's field name).
+_RANK_COUNTERS = {spec.name: spec.field for spec in read_by(COUNTERS, RankFacts)}
+_RANK_SERIES = "|".join(["gpuwatch_train_rank_info", "gpuwatch_train_env_info", LAST_STEP.name,
                          "gpuwatch_train_param_checksum", "gpuwatch_train_grad_cosine_similarity",
                          "gpuwatch_train_collective_seconds_count", "gpuwatch_train_collective_seconds_sum",
                          "gpuwatch_train_collective_bytes_total", WINDOW_MEDIAN, UNAVAILABLE,
-                         *(name for name, _, _ in WINDOW_GAUGES), *_STEP_GAUGES, *_RANK_COUNTERS])
+                         *(spec.name for spec in WINDOW_GAUGES), *_STEP_GAUGES, *_RANK_COUNTERS])
 _RANK_KEY = "instance, job, exported_job, rank"
 
 
@@ -157,7 +156,7 @@ class _Reader:
 
     def _cpus(self) -> None:
         """Each node's logical CPUs: where CPU ranks outnumber them, the timing rules discount the wait for a CPU."""
-        for node, _, sample in self._node_samples("gpuwatch_host_cpus"):
+        for node, _, sample in self._node_samples(CPUS.name):
             node.cpus = _int_or_none(_value(sample))
 
     def _gpu(self, node: NodeFacts, index: str | None) -> GpuFacts | None:
@@ -246,7 +245,7 @@ class _Reader:
         for node, labels, sample in self._node_samples(f'{{__name__=~"{_IB_SERIES}"}}'):
             name, value = labels["__name__"], _value(sample)
             if name == "gpuwatch_ib_device_info":
-                models[node.name, labels["device"]] = hca_model(labels)
+                models[node.name, labels["device"]] = hca_model(labels.get("board_id"), labels.get("hca_type"))
                 continue
             if (entry := port(node, labels)) is None:
                 continue
@@ -284,7 +283,7 @@ class _Reader:
                 series[key].setdefault("unavailable", {})[labels["signal"]] = labels["reason"]
             else:
                 series[key][name] = _value(sample)
-                if name.startswith("gpuwatch_train_memory_"):
+                if name in _MEMORY_SERIES:
                     series[key]["memory_kind"] = labels.get("kind")
         for quantile in ("0.5", "0.99"):
             expr = f"histogram_quantile({quantile}, gpuwatch_train_collective_seconds_bucket)"
@@ -319,7 +318,7 @@ class _Reader:
         """Host RSS per step over ``HISTORY``: two subqueries at one resolution, so their timestamps align."""
         rss = 'gpuwatch_train_memory_peak_bytes{kind="host_rss"}'
         steps_at: dict[tuple[str, str], dict[float, float]] = {}
-        steps = f"(gpuwatch_train_last_step and on ({_RANK_KEY}) {rss})[{HISTORY}]"
+        steps = f"({LAST_STEP.name} and on ({_RANK_KEY}) {rss})[{HISTORY}]"
         for _, labels, sample in self._node_samples(steps):
             steps_at[_job(labels), labels["rank"]] = {float(t): float(v) for t, v in sample["values"]}
         histories = {}
@@ -340,7 +339,7 @@ class _Reader:
             dp_rank=int(labels["dp_rank"]), local_rank=_int(labels.get("local_rank")),
             schedule=labels.get("schedule") or None, micro_batches=_int(labels.get("micro_batches")),
             precision=labels.get("precision") or None)
-        last_step = values.get("gpuwatch_train_last_step")
+        last_step = values.get(LAST_STEP.name)
         last = None
         if last_step is not None:
             last = StepFacts(step=int(last_step), memory_kind=values.get("memory_kind"),
@@ -372,7 +371,7 @@ class _Reader:
 def _window(values: dict[str, Any]) -> WindowSummary | None:
     """The rank's window as its agent summarised it (``window.summarize``), read back through the exporter's
     own table of series, so the Prometheus source judges the very figures the agent source does."""
-    figures = {field: values[name] for name, _, field in WINDOW_GAUGES if name in values}
+    figures = {spec.field: values[spec.name] for spec in WINDOW_GAUGES if spec.name in values}
     if "steps" not in figures:
         return None
     medians = dict(values.get("window_medians", {}))

@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from _harness import free_port, get, running, wait_until
 from telemetry_records import collectives, hello, step
 
+from gpuwatch.agent.telemetry.window import MIN_WINDOW_STEPS
 from gpuwatch.trainer.telemetry import TelemetryClient
 
 GPUS = 8
@@ -139,12 +140,16 @@ def capture_template(workdir: Path) -> list[Series]:
                 client.send(hello(rank, job=JOB, local_rank=rank, tp_rank=rank, **layout,
                                   gpu={"index": rank, "uuid": uuids[rank]},
                                   env={"NCCL_DEBUG": "WARN", "NCCL_IB_DISABLE": "0"}))
-                client.send(step(rank, 100, job=JOB, memory=HEALTHY_MEMORY, pipeline=None,
-                                 collectives=collectives({"all_reduce": [0.002] * 4})))
+                for number in range(100 - MIN_WINDOW_STEPS + 1, 101):  # a window the timing rules judge
+                    client.send(step(rank, number, job=JOB, memory=HEALTHY_MEMORY, pipeline=None,
+                                     collectives=collectives({"all_reduce": [0.002] * 4})))
 
         def ready() -> str | None:
             text = get(url + "/metrics").decode()
-            return text if text.count("gpuwatch_train_last_step{") == GPUS and \
+            full = f" {MIN_WINDOW_STEPS}.0"
+            full_windows = sum(line.startswith("gpuwatch_train_window_steps{") and line.endswith(full)
+                               for line in text.splitlines())
+            return text if full_windows == GPUS and \
                 text.count("gpuwatch_gpu_job_info{") == GPUS and text.count("gpuwatch_train_env_info{") == GPUS \
                 else None
 
@@ -193,7 +198,8 @@ def _node_labels(series: Series, node: int, plan: Plan) -> dict[str, str]:
 def _planted(plan: Plan, node: int, name: str, labels: dict[str, str], value: float) -> float:
     """The value a series has once the plan's faults are in."""
     rank = int(labels["rank"]) if "rank" in labels else None
-    if node == plan.straggler_node and name == "gpuwatch_train_compute_seconds":
+    if node == plan.straggler_node and (name == "gpuwatch_train_compute_seconds" or (
+            name == "gpuwatch_train_window_median_seconds" and labels.get("timing") == "compute_seconds")):
         return value * 2
     if node == plan.ib_down_node and labels.get("device") == "mlx5_3" and labels.get("port") == "1":
         faulty = {"gpuwatch_ib_port_up": 0, "gpuwatch_ib_port_state_id": 1, "gpuwatch_ib_port_physical_state_id": 3}

@@ -42,7 +42,8 @@ def _promtool(*args: str) -> subprocess.CompletedProcess:
 def test_promtool_accepts_the_rules():
     result = _promtool("check", "rules", str(RULES))
     assert result.returncode == 0, result.stdout + result.stderr
-    records = [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"] if "record" in rule]
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    records = [rule for group in groups for rule in group["rules"] if "record" in rule]
     assert f"SUCCESS: {len(_alerts()) + len(records)} rules found" in result.stdout
 
 

@@ -374,6 +374,14 @@ def test_perf002_on_an_oversubscribed_node_needs_a_larger_gap():
     assert finding.evidence[-1].values == {"ranks": 8, "cpus": 2}
 
 
+def test_perf002_knows_cpu_sharing_from_the_ranks_hellos_when_no_node_facts_are_known():
+    """A run log knows no node: the ranks' own CPU count (from their hellos) tells that 4 CPU ranks share 2 CPUs."""
+    ranks = [dataclasses.replace(r, cpus=2) for r in _on_cpu(_compute({0: 0.3, 1: 0.3, 2: 0.3, 3: 0.6}, dp=4))]
+    silent("PERF002", facts(ranks=ranks))  # 2x, under the 3x such a node needs
+    (finding,) = fired("PERF002", facts(ranks=[dataclasses.replace(r, cpus=4) for r in ranks]))
+    assert "2.00x the median" in finding.evidence[0].text
+
+
 def test_perf002_judges_window_medians_not_the_latest_step():
     """The latest step is one noisy sample: a slow last step over a healthy window is silent, a slow window
     with a fast last step is not."""
@@ -458,8 +466,10 @@ def test_perf003_judges_window_medians():
     assert "rank 0: waits 0.15 s for input in a 0.5 s step (30%, median of 20 steps" in finding.evidence[0].text
 
 
-def test_perf003_silent_just_under_the_share():
+def test_perf003_silent_just_under_the_share_or_for_a_sub_millisecond_wait():
     silent("PERF003", facts(ranks=[rank(0, last=step(dataloader_wait_seconds=0.099))]))
+    # half of a 1.5 ms step, but 0.75 ms: fetching a batch costs that much however the loader is set up
+    silent("PERF003", facts(ranks=[rank(0, last=step(step_seconds=0.0015, dataloader_wait_seconds=0.00075))]))
 
 
 def test_perf003_not_run_without_dataloader_wait():
@@ -484,6 +494,20 @@ def test_perf004_silent_at_threshold_when_it_does_not_matter_against_the_step_an
     # CCR 3 on a toy: 0.3 ms of transfer against 0.1 ms of compute in a 2 ms step is not worth restructuring for.
     silent("PERF004", facts(ranks=_exposed({r: 0.0003 for r in range(2)}, compute=0.0001, step_seconds=0.002, dp=2)))
     silent("PERF004", facts(ranks=_exposed({r: 2.0 for r in range(4)}, tp=2, dp=2)))
+
+
+def test_perf004_leaves_latency_bound_all_reduces_of_tiny_models_alone():
+    """A few KiB per step: the all-reduce's time is its latency, which hybrid parallelism does not change."""
+    def moved(per_step: float) -> dict:
+        return {"all_reduce": CollectiveFacts("all_reduce", 100, 50.0, bytes=per_step * 100)}
+
+    tiny = [rank(r, dp=2, steps=100, collectives=moved(4096), last=step(step_seconds=0.004, compute_seconds=0.0005,
+                                                                       exposed_collective_seconds=0.0015))
+            for r in range(2)]
+    silent("PERF004", facts(ranks=tiny))
+    large = [dataclasses.replace(r, collectives=moved(64 * 2**20)) for r in tiny]
+    (finding,) = fired("PERF004", facts(ranks=large))
+    assert "64 MiB per step" in finding.evidence[0].text
 
 
 def test_perf004_not_run_without_exposed_collective_time():

@@ -51,6 +51,19 @@ def test_valid_hello_and_step_decode_to_their_known_fields():
     assert body["memory"]["kind"] == "cuda"
 
 
+def test_the_fields_that_say_what_a_rank_runs_on_and_why_a_signal_is_missing():
+    body = decode(encode(hello(cpus=2, backends={"default": "gloo", "dp": "gloo"}))).body
+    assert (body["cpus"], body["backends"]) == (2, {"default": "gloo", "dp": "gloo"})
+    assert _reason(encode(hello(cpus=0))) == ("out_of_range", "cpus")
+    assert _reason(encode(hello(backends={"dp": "nccl; rm"}))) == ("bad_label", "backends.dp")
+    body = decode(encode(step(samples=32, exposed_collective_seconds=0.01,
+                              unavailable={"grad_cosine_similarity": "zero_gradient"}))).body
+    assert (body["samples"], body["exposed_collective_seconds"]) == (32, 0.01)
+    assert body["unavailable"] == {"grad_cosine_similarity": "zero_gradient"}
+    assert _reason(encode(step(unavailable={"loss": "zero_gradient"}))) == ("out_of_range", "unavailable.loss")
+    assert _reason(encode(step(unavailable={"grad_norm": "because"}))) == ("out_of_range", "unavailable.grad_norm")
+
+
 def test_minimal_step_of_a_partially_instrumented_script_is_accepted():
     minimal = {key: step()[key] for key in ("v", "kind", "job", "rank", "step", "time", "step_seconds")}
     assert set(decode(encode(minimal)).body) == set(minimal)

@@ -247,6 +247,8 @@ class RankFacts:
     gpu_uuid: str | None = None
     env: dict[str, str] | None = None
     process_groups: dict[str, list[int]] | None = None
+    #: CPUs the rank's process may run on, from its hello; the node's count where node facts are unknown.
+    cpus: int | None = None
     #: The backend of each process group ("default": the world group's), from the hello; None when unknown.
     backends: dict[str, str] | None = None
     faults: tuple[str, ...] = ()

@@ -16,6 +16,8 @@ that restarted learns the rank's layout and a hung-but-alive rank does not expir
     tp_rank, pp_stage, dp_rank       int   this rank's coordinates, each below its size
     hostname            label
     pid                 int          the rank's process id (in its own pid namespace)
+    cpus?               int          CPUs the rank's process may run on (its affinity): with the ranks per
+                                     host, whether CPU ranks wait for a CPU (diagnosis without node facts)
     schedule?           label        pipeline schedule: "gpipe", "1f1b", ...
     micro_batches?      int
     precision?          label        "fp32", "bf16", "fp16", ...
@@ -446,6 +448,7 @@ _HELLO = _object(
         "hostname": _label(255), "pid": _integer(1, 2**22),
     },
     {
+        "cpus": _integer(1, 2**20),
         "schedule": _label(32), "micro_batches": _integer(1, MAX_RANK + 1), "precision": _label(32),
         "gpu": _object({"index": _integer(0, 1023), "uuid": _label(96)}),
         "torch_version": _label(64), "nccl_version": _label(64),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections.abc import Iterable, Sequence
 
@@ -69,16 +68,17 @@ def cpu_sharing(facts: Facts, ranks: Iterable[RankFacts]) -> list[Evidence]:
     """One line for each node where more of ``ranks`` (a job's) compute on the CPU than it has CPUs. There a
     rank that waits for a CPU looks slow or idle, so its timings measure the node's CPU shortage as much as
     the rank. Ranks with a GPU compute there; other jobs' ranks are not counted (a source may still list
-    ranks that have ended); nodes whose CPUs are unknown are not judged."""
+    ranks that have ended). A node's CPUs come from its node facts (the agent), else from the ranks' hellos (the
+    CPUs each rank's process may run on: a run log knows no node); a node whose CPUs are unknown is not judged."""
     placed = [rank for rank in ranks if rank.host is not None and rank.gpu_uuid is None and rank.gpu_index is None]
-    on_node = collections.Counter(rank.host for rank in placed)
     evidence = []
-    for host in sorted(on_node):
+    for host, on_node in group_by(sorted(placed, key=lambda r: r.host or ""), lambda r: r.host):
         node = facts.nodes.get(host)
-        if node is not None and node.cpus and on_node[host] > node.cpus:
-            evidence.append(Evidence(f"node {host} runs {on_node[host]} CPU ranks on {node.cpus} CPUs: their "
+        cpus = node.cpus if node is not None and node.cpus else max((r.cpus for r in on_node if r.cpus), default=None)
+        if cpus and len(on_node) > cpus:
+            evidence.append(Evidence(f"node {host} runs {len(on_node)} CPU ranks on {cpus} CPUs: their "
                                      "timings include waiting for a CPU", Where(node=host, job=placed[0].job),
-                                     {"ranks": on_node[host], "cpus": node.cpus}))
+                                     {"ranks": len(on_node), "cpus": cpus}))
     return evidence
 
 

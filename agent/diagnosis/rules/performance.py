@@ -220,12 +220,16 @@ def straggler(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
       thresholds={
           "max_wait_share": Threshold(0.2, "a fifth of the step spent waiting for input is worth fixing before "
                                            "anything else"),
+          "min_wait_seconds": Threshold(0.002, "below ~2 ms the wait is per-batch Python overhead (fetching and "
+                                               "collating a batch; handing one over from a worker process costs as "
+                                               "much), which more loader workers do not remove"),
           "low_sm_active": Threshold(0.3, "GPU activity below 30 % while the process mostly waits for data: the "
                                           "GPU starves"),
       })
 def input_stall(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """When the data loader cannot keep up, the GPU idles at the start of every step. The rule measures each
-    rank's data-loader wait as a share of its step (medians over its window of recent steps), and adds the
+    rank's data-loader wait as a share of its step (medians over its window of recent steps; a wait shorter than
+    min_wait_seconds is overhead no loader setting removes), and adds the
     rank's GPU activity as corroboration where the node's GPUs are known. Where CPU ranks outnumber their
     node's CPUs, a rank that waits for a CPU while it fetches its batch counts as waiting for input, so a
     stall is only reported as information there."""
@@ -236,7 +240,7 @@ def input_stall(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
             if wait is None or not step:
                 continue
             share = wait / step
-            if share < t.max_wait_share:
+            if share < t.max_wait_share or wait < t.min_wait_seconds:
                 continue
             gpu = facts.gpu_of(rank)
             activity = "" if gpu is None or gpu.busy is None else \
@@ -264,6 +268,14 @@ def input_stall(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
         )
 
 
+def _bytes_per_step(rank: RankFacts) -> float | None:
+    """The bytes the rank's collectives moved per step, from its totals; None when unknown."""
+    if not rank.collectives or not rank.steps:
+        return None
+    moved = [op.bytes for op in rank.collectives.values() if op.bytes is not None]
+    return sum(moved) / rank.steps if moved else None
+
+
 @rule("PERF004", family=FAMILY, severity=Severity.WARNING, title="Communication-bound data parallelism",
       needs=(needs.EXPOSED_COLLECTIVES, needs.COMPUTE),
       thresholds={
@@ -272,6 +284,11 @@ def input_stall(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
                                     "model while each GPU's compute does not"),
           "min_step_share": Threshold(0.2, "the transfer must take a fifth of the job's median step to be worth "
                                            "restructuring the job for"),
+          "min_bytes_per_step": Threshold(
+              2**20, "below about 1 MiB a collective's time is its latency, not its bandwidth (nccl-tests' bus "
+                     "bandwidth only nears the link's at megabytes), and neither more GPUs nor hybrid parallelism "
+                     "changes a latency: a tiny model's few-KiB all-reduce over gloo takes 1-2 ms against 0.5 ms of "
+                     "compute (benchmarks/false_alarms.py) and is not what this rule is about"),
       })
 def communication_bound(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """The communication-to-computation ratio (CCR) of a pure data-parallel job is the time its collectives
@@ -279,30 +296,36 @@ def communication_bound(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issu
     GPUs, sets the pace, and adding GPUs stops paying off. Transfer is not waiting: a rank that waits in the
     all-reduce for a late peer is not communicating, so the transfer is taken from the rank that waited
     least (see ``_waiting``), and a late rank is PERF002's finding. Only the collective time the training
-    thread actually waited for counts (DDP overlaps bucket all-reduces with the backward pass), and only
-    when it matters against the step: a fifth of it or more. Judged on jobs with tp = pp = 1 (hybrid jobs
-    communicate by design), with window medians (compute: the median over the job's ranks)."""
+    thread actually waited for counts (DDP overlaps bucket all-reduces with the backward pass), only when it
+    matters against the step (a fifth of it or more), and only for all-reduces large enough to be bound by
+    bandwidth (min_bytes_per_step): a latency-bound all-reduce of a tiny model is not helped by the advice.
+    Judged on jobs with tp = pp = 1 (hybrid jobs communicate by design), with window medians (compute: the
+    median over the job's ranks)."""
     for job, ranks in facts.jobs().items():
         pure = [r for r in ranks if r.layout is not None and r.layout.tp_size == r.layout.pp_size == 1
                 and r.layout.dp_size > 1]
         split = _waiting(pure)
         computes = [c for r in pure if (c := windowed(r, "compute_seconds"))]
         steps = [s for r in pure if (s := windowed(r, "step_seconds"))]
+        volumes = [v for r in pure if (v := _bytes_per_step(r)) is not None]
         if split is None or not computes or not steps:
             continue
         transfer, last, waits = split
         compute, step = median(computes), median(steps)
+        volume = median(volumes) if volumes else None
         ccr = transfer / compute
-        if ccr <= t.max_ccr or transfer < t.min_step_share * step:
+        if ccr <= t.max_ccr or transfer < t.min_step_share * step or (
+                volume is not None and volume < t.min_bytes_per_step):
             continue
         most = max(waits.values())
+        moved = f", {volume / 2**20:.3g} MiB per step" if volume is not None else ""
         yield Issue(
             title=f"job {job} is communication-bound: CCR {ccr:.2f} (collective transfer / compute) with pure "
                   f"data parallelism over {pure[0].layout.dp_size} ranks",
             evidence=(
-                Evidence(f"transfer {transfer:.3g} s per step: the exposed collective time of rank {last.rank}, which "
-                         f"waits least ({window_text(last)})", last.where,
-                         {"transfer_seconds": transfer, "rank": last.rank}),
+                Evidence(f"transfer {transfer:.3g} s per step{moved}: the exposed collective time of rank "
+                         f"{last.rank}, which waits least ({window_text(last)})", last.where,
+                         {"transfer_seconds": transfer, "rank": last.rank, "bytes_per_step": volume}),
                 Evidence(f"compute {compute:.3g} s per step (median over {len(computes)} ranks), in a {step:.3g} s "
                          f"step: transfer is {ratio_text(transfer / step)} of it", Where(job=job),
                          {"compute_seconds": compute, "step_seconds": step, "ccr": ccr}),

@@ -101,7 +101,7 @@ def rank_facts(
         env=dict(hello["env"]) if "env" in hello else None,
         process_groups={name: list(members) for name, members in hello["process_groups"].items()}
         if "process_groups" in hello else None,
-        backends=dict(hello["backends"]) if "backends" in hello else None,
+        cpus=hello.get("cpus"), backends=dict(hello["backends"]) if "backends" in hello else None,
         faults=tuple(hello.get("faults", ())),
         last=step(last_step) if last_step else None,
         window=summarize(window),

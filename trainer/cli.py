@@ -109,10 +109,6 @@ def train(**options) -> None:
         raise click.ClickException(str(error)) from None
 
 
-if __name__ == "__main__":
-    train()
-
-
 def _cuda_possible() -> bool:
     """Whether `--device auto` can land on a GPU: a CUDA build of torch on a machine whose NVML sees a GPU. Asked
     of NVML, not CUDA: the fork launcher must not initialise CUDA in the parent."""
@@ -129,3 +125,8 @@ def _cuda_possible() -> bool:
         return pynvml.nvmlDeviceGetCount() > 0
     finally:
         pynvml.nvmlShutdown()
+
+
+if __name__ == "__main__":
+    train()
+

@@ -8,6 +8,9 @@ memory, loss, gradient agreement across ranks and FLOP/s in Prometheus:
     gpuwatch agent &                                                   # once per node
     torchrun --nproc-per-node 2 examples/ddp_train.py --steps 200      # CPU (gloo) or one GPU per rank (NCCL)
     curl -s localhost:9746/metrics | grep gpuwatch_train_
+
+With GPUWATCH_RUN_LOG=runs/ (or `hooks.Monitor(..., run_log="runs/")`) every rank also keeps its records
+in runs/rank-NNNNN.jsonl, agent or not, for `gpuwatch diagnose --run-log runs/` after the job.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def train(device: torch.device, steps: int = 50, batch: int = 8, seq_len: int = 
                             grad_similarity_every=measure_every, checksum_every=measure_every)
     losses = []
     for inputs, targets in monitor.data(loader):  # gpuwatch: times the wait for each batch
-        with monitor.step(tokens=inputs.numel()) as step:  # gpuwatch
+        with monitor.step(tokens=inputs.numel(), samples=len(inputs)) as step:  # gpuwatch
             inputs, targets = inputs.to(device), targets.to(device)
             with step.compute():  # gpuwatch
                 loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())

@@ -1,4 +1,5 @@
-"""Helpers for the hooks' multi-process tests: the agent they report to, and reading what it and the run log hold."""
+"""Helpers for the hooks' tests: the agent they report to, reading what it and the run log hold, and a clock
+the test moves by hand."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 from telemetry_records import samples
 
 from gpuwatch.agent.telemetry.schema import decode
+from gpuwatch.trainer.hooks.clock import WallClock
 
 from conftest import wait_until
 
@@ -41,3 +43,17 @@ def read_run_log(directory: Path) -> dict[int, list[dict]]:
     for path in sorted(directory.glob("rank-*.jsonl")):
         logs[int(path.stem.split("-")[1])] = [decode(line).body for line in path.read_bytes().splitlines()]
     return logs
+
+
+class ManualClock(WallClock):
+    """The CPU clock of the hooks (`WallClock`), read from a time the test sets instead of `perf_counter`: the
+    durations the hooks compute from its marks are exactly what the test scripted, whatever the machine's load."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def mark(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds

@@ -4,30 +4,45 @@ raise into the training loop. Multi-process behaviour is in test_hooks_trainer.p
 import json
 import logging
 import math
-import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from click.testing import CliRunner
+from hooks_helpers import ManualClock
 
 from gpuwatch.agent.cli import main
 from gpuwatch.agent.telemetry.schema import COLLECTIVE_BUCKETS, decode, encode
 from gpuwatch.trainer import hooks
+from gpuwatch.trainer.hooks import memory
+from gpuwatch.trainer.hooks import monitor as monitor_module
+from gpuwatch.trainer.hooks.collectives import Call, exposed_seconds
+from gpuwatch.trainer.hooks.gradients import similarity_of
 from gpuwatch.trainer.hooks.identity import hello_record
 
 
 class Records:
-    """Stands in for the TelemetryClient: keeps what the monitor sends, checked against the agent's schema."""
+    """Stands in for the TelemetryClient: keeps what the monitor sends, checked against the agent's schema.
+    Submitted records are built at `close`, after every step: a record that read state of a later step
+    would show it."""
 
     def __init__(self) -> None:
         self.sent: list[dict] = []
+        self.submitted: list = []
         self.closed = False
 
     def send(self, record: dict) -> None:
         decode(encode(record))  # raises RecordRejected: the agent would drop it
         self.sent.append(record)
 
+    def submit(self, build) -> None:
+        self.submitted.append(build)
+
     def close(self) -> None:
+        for build in self.submitted:
+            record = build()
+            if record is not None:
+                self.send(record)
         self.closed = True
 
     def steps(self) -> list[dict]:
@@ -39,59 +54,100 @@ def records() -> Records:
     return Records()
 
 
-def _monitor(records: Records, **options) -> hooks.Monitor:
-    return hooks.Monitor(torch.nn.Linear(4, 4), job="unit", client=records, **options)
+@pytest.fixture
+def clock(monkeypatch) -> ManualClock:
+    """The clock every Monitor of the test measures with: phases last what the test advances it by."""
+    manual = ManualClock()
+    monkeypatch.setattr(monitor_module, "clock_for", lambda device: manual)
+    return manual
 
 
-def test_a_step_record_times_each_phase_and_takes_collective_waits_out_of_compute(records):
+def _monitor(records: Records, model: torch.nn.Module | None = None, **options) -> hooks.Monitor:
+    return hooks.Monitor(torch.nn.Linear(4, 4) if model is None else model, job="unit", client=records, **options)
+
+
+def test_a_step_record_times_each_phase_and_takes_collective_waits_out_of_compute(records, clock):
     monitor = _monitor(records, flops_per_token=1e6, peak_flops_per_second=1e12)
-    with monitor.step(tokens=4096) as step:
+    with monitor.step(tokens=4096, samples=8) as step:
         with step.data():
-            time.sleep(0.01)
+            clock.advance(0.01)
         with step.compute():
-            time.sleep(0.02)
+            clock.advance(0.02)
             with monitor.collective("all_reduce", 1 << 20):
-                time.sleep(0.03)
+                clock.advance(0.03)
+        with monitor.collective("barrier", 0):  # outside any phase: waited for all the same
+            clock.advance(0.001)
         with step.optimizer():
-            time.sleep(0.005)
+            clock.advance(0.005)
         step.report(loss=torch.tensor(2.5), grad_norm=1.5, lr=1e-3, loss_scale=1024.0)
     monitor.close()
 
     assert records.closed
     hello, record = records.sent
     assert hello["kind"] == "hello" and hello["job"] == record["job"] == "unit"
-    assert 0.01 <= record["dataloader_wait_seconds"] < 0.03
-    assert 0.02 <= record["compute_seconds"] < 0.045  # 0.05 had the all-reduce's 0.03 s stayed in
-    assert 0.005 <= record["optimizer_seconds"] < 0.025
-    assert record["step_seconds"] >= 0.065
+    assert "backends" not in hello  # torch.distributed is not initialised here
+    assert record["dataloader_wait_seconds"] == pytest.approx(0.01)
+    assert record["compute_seconds"] == pytest.approx(0.02)  # 0.05 had the all-reduce's 0.03 s stayed in
+    assert record["optimizer_seconds"] == pytest.approx(0.005)
+    assert record["step_seconds"] == pytest.approx(0.066)
+    assert record["exposed_collective_seconds"] == pytest.approx(0.031)  # the all-reduce and the barrier
     all_reduce = record["collectives"]["all_reduce"]
     assert (all_reduce["count"], all_reduce["bytes"]) == (1, 1 << 20)
-    assert 0.03 <= all_reduce["seconds"] < 0.05
+    assert all_reduce["seconds"] == pytest.approx(0.03)
     assert all_reduce["buckets"][COLLECTIVE_BUCKETS.index(0.05)] == 1  # le 0.05: after 0.02, before 0.1
+    assert all_reduce["buckets"][COLLECTIVE_BUCKETS.index(0.02)] == 0
     assert (record["loss"], record["grad_norm"], record["lr"], record["loss_scale"]) == (2.5, 1.5, 1e-3, 1024.0)
     assert record["nonfinite"] is False
-    assert record["tokens"] == 4096
-    assert record["model_flops_per_second"] == pytest.approx(1e6 * 4096 / record["step_seconds"])
-    assert record["mfu"] == pytest.approx(record["model_flops_per_second"] / 1e12)
+    assert (record["tokens"], record["samples"]) == (4096, 8)
+    assert record["model_flops_per_second"] == pytest.approx(1e6 * 4096 / 0.066)
+    assert record["mfu"] == pytest.approx(1e6 * 4096 / 0.066 / 1e12)
     assert record["memory"]["kind"] == "host_rss" and record["memory"]["peak_bytes"] > 10 << 20
+    assert "unavailable" not in record  # nothing was due on step 1
     assert not monitor.failures.counts
 
 
-def test_data_wrapper_times_the_wait_for_each_batch_as_part_of_the_step_it_feeds(records):
+def test_a_step_without_collectives_has_no_exposed_time_and_samples_only_when_given(records):
+    monitor = _monitor(records)
+    with monitor.step(samples=3):
+        pass
+    with monitor.step(tokens=5):
+        pass
+    monitor.close()
+    first, second = records.steps()
+    assert first["samples"] == 3 and "tokens" not in first
+    assert second["tokens"] == 5 and "samples" not in second
+    assert not any("exposed_collective_seconds" in r or "collectives" in r for r in (first, second))
+
+
+def test_exposed_collective_time_is_blocking_calls_whole_and_the_overlapped_tail_of_each_phase():
+    calls = [
+        Call("all_reduce", 8, 10.0, blocking=False, phase="compute", end=10.5),  # hidden behind compute
+        Call("all_reduce", 8, 10.2, blocking=False, phase="compute", end=10.9),  # the last launch: tail 10.2-11.0
+        Call("send", 8, 11.5, blocking=True, phase="optimizer", end=11.6),
+        Call("barrier", 0, 12.0, blocking=True, phase=None, end=12.25),
+        Call("all_reduce", 8, 12.5, blocking=False, phase=None, end=12.6),  # no phase end to measure against
+    ]
+    for call in calls:
+        call.seconds = call.end - call.start
+    exposed = exposed_seconds(calls, {"compute": 11.0, "optimizer": 11.7}, ManualClock())
+    assert exposed == pytest.approx({"compute": 0.8, "optimizer": 0.1, None: 0.25})
+
+
+def test_data_wrapper_times_the_wait_for_each_batch_as_part_of_the_step_it_feeds(records, clock):
     def slow_loader():
         for batch in range(3):
-            time.sleep(0.02)
+            clock.advance(0.02 * (batch + 1))
             yield batch
 
     with _monitor(records) as monitor:  # closes the monitor, sending what is pending
         for batch in monitor.data(slow_loader()):
             with monitor.step(tokens=batch + 1):
-                pass
+                clock.advance(0.01)
     assert records.closed
     steps = records.steps()
     assert [(r["step"], r["tokens"]) for r in steps] == [(1, 1), (2, 2), (3, 3)]
-    for record in steps:
-        assert 0.02 <= record["dataloader_wait_seconds"] <= record["step_seconds"]
+    assert [r["dataloader_wait_seconds"] for r in steps] == pytest.approx([0.02, 0.04, 0.06])
+    assert [r["step_seconds"] for r in steps] == pytest.approx([0.03, 0.05, 0.07])  # the step starts with its wait
 
 
 def test_nonfinite_loss_is_flagged_and_sent_as_data(records):
@@ -117,15 +173,126 @@ def test_peak_host_rss_is_per_step(records):
     assert first["peak_bytes"] - second["peak_bytes"] > 200 << 20  # the peak was reset between the steps
 
 
+def _rusage(*readings_kib: int):
+    """Stands in for the resource module: ru_maxrss reads these values in turn, then the last again."""
+    values = list(readings_kib)
+    return SimpleNamespace(RUSAGE_THREAD=1, getrusage=lambda who: SimpleNamespace(
+        ru_maxrss=values.pop(0) if len(values) > 1 else values[0]))
+
+
+def test_peak_rss_comes_from_getrusage_above_its_exec_floor_and_from_proc_status_below(monkeypatch):
+    """ru_maxrss never reads below the peak of the process that exec'd this one (a launcher): at or below what
+    it read right after the first reset, only /proc/self/status tells the step's peak."""
+    monkeypatch.setattr(memory, "resource", _rusage(1 << 40))  # a floor far above anything real
+    below = memory.HostMemory()
+    peak = below.read()["peak_bytes"]
+    assert 10 << 20 < peak < 1 << 40  # from status, not the floor
+    below.close()
+    monkeypatch.setattr(memory, "resource", _rusage(1000, 5_000_000))  # the floor, then a step's peak above it
+    above = memory.HostMemory()
+    assert above.read() == {"kind": "host_rss", "peak_bytes": 5_000_000 * 1024}
+    above.close()
+
+
+@pytest.mark.parametrize("target", ["runs", "logs/run.jsonl"])
+@pytest.mark.parametrize("given", ["argument", "environment"])
+def test_run_log_keeps_every_record_in_a_file_per_rank_or_in_one_file(tmp_path, monkeypatch, target, given):
+    monkeypatch.setenv("GPUWATCH_SOCKET", str(tmp_path / "no-agent.sock"))  # every send fails: the log has it all
+    monkeypatch.delenv("GPUWATCH_RUN_LOG", raising=False)
+    path = tmp_path / target
+    if given == "environment":
+        monkeypatch.setenv("GPUWATCH_RUN_LOG", str(path))
+    monitor = hooks.Monitor(torch.nn.Linear(4, 4), job="logged", run_log=path if given == "argument" else None)
+    for _ in range(3):
+        with monitor.step(samples=2):
+            pass
+    monitor.close()
+    log = path / "rank-00000.jsonl" if path.suffix != ".jsonl" else path
+    logged = [decode(line).body for line in log.read_bytes().splitlines()]
+    assert [(r["kind"], r.get("step"), r.get("samples")) for r in logged] == [
+        ("hello", None, None), ("step", 1, 2), ("step", 2, 2), ("step", 3, 2)]
+    assert monitor.client.drops["no_agent"] == 4
+
+
+def test_a_client_of_ones_own_takes_no_run_log_or_socket_from_the_monitor(records, tmp_path):
+    with pytest.raises(ValueError, match="give them to yours"):
+        hooks.Monitor(job="unit", client=records, run_log=tmp_path)
+
+
 def test_checksum_and_similarity_come_every_n_steps_only(records):
-    monitor = _monitor(records, checksum_every=2)
-    for _ in range(4):
+    monitor = _monitor(records, checksum_every=2, grad_similarity_every=3)
+    for _ in range(6):
         with monitor.step():
             pass
     monitor.close()
-    assert ["param_checksum" in record for record in records.steps()] == [False, True, False, True]
-    # one process is not data parallel: no gradient to compare, no cosine
-    assert not any("grad_cosine_similarity" in record for record in records.steps())
+    assert ["param_checksum" in record for record in records.steps()] == [False, True, False, True, False, True]
+    # one process is not data parallel: no gradient to compare, no cosine, and the measuring steps say why
+    why = {"grad_cosine_similarity": "no_data_parallel_group", "grad_norm": "no_gradient_seen"}
+    assert [record.get("unavailable") for record in records.steps()] == [None, None, why, None, None, why]
+
+
+def _train(monitor: hooks.Monitor, model: torch.nn.Module, steps: int, targets: torch.Tensor,
+           optimizer_phase: bool = True) -> list[torch.Tensor]:
+    """A few plain SGD steps on a fixed batch; the gradient norm of each step, as the optimizer saw it."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs, norms = torch.randn(len(targets), 4, generator=torch.Generator().manual_seed(0)), []
+    for _ in range(steps):
+        with monitor.step(samples=len(inputs)) as step:
+            with step.compute():
+                loss = torch.nn.functional.cross_entropy(model(inputs), targets)
+                loss.backward()
+            norms.append(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))
+            with step.optimizer() if optimizer_phase else hooks.OFF:
+                optimizer.step()
+                optimizer.zero_grad()
+            step.report(loss=loss.detach())
+    monitor.close()
+    return norms
+
+
+def test_without_data_parallelism_the_gradient_norm_comes_from_grad_on_measuring_steps(records):
+    model = torch.nn.Linear(4, 3)
+    norms = _train(_monitor(records, model, grad_similarity_every=2), model, 4, torch.tensor([0, 1, 2, 1]))
+    steps = records.steps()
+    assert ["grad_norm" in record for record in steps] == [False, True, False, True]
+    for record, norm in zip(steps[1::2], norms[1::2], strict=True):
+        assert record["grad_norm"] == pytest.approx(norm.item(), rel=1e-6) and norm > 0
+        assert record["unavailable"] == {"grad_cosine_similarity": "no_data_parallel_group"}
+        assert record["nonfinite"] is False
+
+
+def test_a_model_with_zero_gradients_reports_a_zero_gradient_norm(records):
+    """Cross-entropy over a single logit: the loss is 0 whatever the weights, and so is every gradient."""
+    model = torch.nn.Linear(4, 1)
+    _train(_monitor(records, model, grad_similarity_every=2), model, 2, torch.zeros(4, dtype=torch.long))
+    record = records.steps()[1]
+    assert (record["loss"], record["grad_norm"]) == (0.0, 0.0)
+    assert record["unavailable"] == {"grad_cosine_similarity": "no_data_parallel_group"}
+
+
+def test_without_an_optimizer_phase_the_gradient_norm_is_unavailable_and_without_a_model_the_checksum(records):
+    model = torch.nn.Linear(4, 3)
+    _train(_monitor(records, model, grad_similarity_every=1), model, 1, torch.tensor([0, 1]), optimizer_phase=False)
+    (record,) = records.steps()
+    assert record["unavailable"] == {"grad_cosine_similarity": "no_data_parallel_group",
+                                     "grad_norm": "no_gradient_seen"}
+    bare = Records()
+    monitor = hooks.Monitor(None, job="unit", client=bare, checksum_every=1, grad_similarity_every=0)
+    with monitor.step():
+        pass
+    monitor.close()
+    (record,) = bare.steps()
+    assert record["unavailable"] == {"param_checksum": "no_parameters"} and "param_checksum" not in record
+
+
+def test_similarity_says_why_it_has_no_cosine():
+    assert similarity_of([0.5, 1.0, 1.0, 3.0]) == (0.5, None)
+    assert similarity_of([0.0, 0.0, 0.0, 0.0]) == (None, "no_gradient_seen")
+    assert similarity_of([math.nan] * 4) == (None, "no_gradient_seen")  # the hooks failed on a shard
+    assert similarity_of([math.nan, math.inf, 1.0, 2.0]) == (None, "nonfinite_gradient")
+    assert similarity_of([0.0, 0.0, 4.0, 2.0]) == (None, "zero_gradient")  # this rank's gradient is zero
+    assert similarity_of([0.0, 4.0, 0.0, 2.0]) == (None, "zero_gradient")  # the mean is
+    assert similarity_of([1e300, 1e300, 1e300, 1.0]) == (1.0, None)  # large norms do not overflow
 
 
 def test_a_failing_hook_is_counted_and_logged_once_while_training_goes_on(records, caplog):
@@ -171,7 +338,9 @@ def test_gradient_cosine_similarity_is_exact_over_pieces_and_undefined_for_a_zer
     similarity = hooks.GradientSimilarity(torch.device("cpu"))
     for piece_local, piece_mean in zip(local.split(777), mean.split(777), strict=True):  # tensor by tensor
         similarity.observe(piece_local.view(-1, 1), piece_mean)
-    cosine = hooks.cosine(*similarity.reduce().tolist())
+    sums = similarity.reduce().tolist()
+    assert sums[3] == len(range(0, 10_000, 777))  # the pieces seen
+    cosine = hooks.cosine(*sums[:3])
     expected = torch.nn.functional.cosine_similarity(local.double(), mean.double(), dim=0).item()
     assert cosine == pytest.approx(expected, abs=1e-6)
     assert 0.5 < cosine < 0.9  # two independent halves: ~0.71, not a degenerate 1

@@ -1,5 +1,6 @@
 """The rank's telemetry client: never blocks, never raises, counts every drop, finds the agent again."""
 
+import contextlib
 import json
 import logging
 import os
@@ -14,7 +15,13 @@ from telemetry_records import hello, step
 
 from gpuwatch.agent.telemetry.paths import SYSTEM_SOCKET, default_socket_path, socket_path_candidates
 from gpuwatch.agent.telemetry.schema import MAX_RECORD_BYTES
-from gpuwatch.trainer.telemetry import BACKLOG_RECORDS, TelemetryClient, captured_environment
+from gpuwatch.trainer.telemetry import (
+    BACKLOG_RECORDS,
+    INBOX_RECORDS,
+    TelemetryClient,
+    captured_environment,
+    run_log_file,
+)
 
 from conftest import wait_until
 
@@ -121,6 +128,90 @@ def test_the_backlog_drains_by_itself_and_close_counts_what_never_left(socket_pa
     _send_in_thread(stalled, [step(number=n) for n in range(40)])
     stalled.close(timeout=0.05)
     assert stalled.sent + stalled.drops["busy"] == 40 and stalled.drops["busy"] > 0
+
+
+def _reading(agent: Receiver) -> list[dict]:
+    """What `agent` receives, read as it arrives by a thread of its own until the socket closes: the kernel
+    queues only a few datagrams."""
+    received: list[dict] = []
+    agent.sock.setblocking(True)
+
+    def read() -> None:
+        with contextlib.suppress(OSError):
+            while payload := agent.sock.recv(MAX_RECORD_BYTES + 1):
+                received.append(json.loads(payload))
+
+    threading.Thread(target=read, daemon=True).start()
+    return received
+
+
+def test_submitted_records_are_built_on_the_clients_thread_and_all_sent_in_order_by_close(socket_path):
+    agent = Receiver(socket_path)
+    received = _reading(agent)
+    client = TelemetryClient(socket_path, heartbeat_interval=0)
+    builders: set[str] = set()
+
+    def build(number: int):
+        def record() -> dict | None:
+            builders.add(threading.current_thread().name)
+            return None if number % 10 == 9 else step(number=number)  # None: nothing to send
+        return record
+
+    for number in range(50):
+        client.submit(build(number))
+    wait_until(lambda: len(received) == 45, timeout=10, what="the first batch, sent by the client's own thread")
+    assert builders == {"telemetry-client"}
+    for number in range(50, 100):
+        client.submit(build(number))
+    client.close()  # at once: what was submitted and not yet sent goes out now, in order
+    expected = [n for n in range(100) if n % 10 != 9]
+    wait_until(lambda: len(received) == len(expected), timeout=10, what="every record sent")
+    assert [record["step"] for record in received] == expected
+    assert client.dropped == 0
+
+
+class BlockedSocket:
+    """A datagram socket whose sends wait until the test lets them go: an agent that never answers."""
+
+    def __init__(self, real: socket.socket) -> None:
+        self.real, self.entered, self.release = real, threading.Event(), threading.Event()
+
+    def sendto(self, payload: bytes, address: bytes) -> int:
+        self.entered.set()
+        self.release.wait()
+        return self.real.sendto(payload, address)
+
+    def close(self) -> None:
+        self.real.close()
+
+
+def test_submit_never_waits_for_a_blocked_sender_and_counts_what_overflows_as_busy(socket_path, tmp_path):
+    Receiver(socket_path)  # never read: once released, the sends run into its full queue, as with a stalled agent
+    log_path = tmp_path / "rank-00000.jsonl"
+    client = TelemetryClient(socket_path, run_log=log_path, heartbeat_interval=0)
+    blocked = client._socket = BlockedSocket(client._socket)
+    client.submit(lambda: step(number=0))
+    assert blocked.entered.wait(10), "the client's thread never sent"  # it now holds the client's lock, waiting
+    overflow = 10
+    thread = threading.Thread(target=lambda: [client.submit(lambda n=n: step(number=n))
+                                              for n in range(1, INBOX_RECORDS + overflow + 1)], daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "submit() blocked"
+    assert client.drops == {"busy": overflow}
+    blocked.release.set()
+    client.close(timeout=0)
+    # The run log has every record the hand-over kept: the first, then the whole inbox in order.
+    logged = [json.loads(line)["step"] for line in log_path.read_text().splitlines()]
+    assert logged == list(range(INBOX_RECORDS + 1))
+    assert client.sent + client.dropped == INBOX_RECORDS + overflow + 1  # the rest met the agent's full queue
+
+
+def test_run_log_file_is_one_file_per_rank_in_a_directory_or_the_jsonl_file_named(tmp_path):
+    assert run_log_file(tmp_path / "runs" / "day-1", 7) == tmp_path / "runs" / "day-1" / "rank-00007.jsonl"
+    assert (tmp_path / "runs" / "day-1").is_dir()  # made for the rank's file
+    assert run_log_file(tmp_path / "logs" / "job.jsonl", 7) == tmp_path / "logs" / "job.jsonl"
+    assert (tmp_path / "logs").is_dir()
 
 
 def test_encoding_errors_and_oversized_records_are_counted_with_one_warning(socket_path, caplog):

@@ -38,7 +38,7 @@ def test_fork_launcher_trains_logs_every_step_and_a_bad_resume_fails_with_the_ra
                                "--checkpoint-dir", str(checkpoints), "--resume")
     assert resumed_elsewhere.returncode == 1
     assert "failed: " in resumed_elsewhere.stderr
-    assert "resume with the same --tp/--pp/--dp and model options" in resumed_elsewhere.stderr
+    assert "resume with the same --tp/--pp/--dp, model options and learning-rate schedule" in resumed_elsewhere.stderr
 
 
 @pytest.mark.integration

@@ -14,6 +14,10 @@ The same thread re-sends the rank's hello every ``heartbeat_interval`` seconds, 
 after the agent comes back re-sends it at once: a restarted agent relearns the rank's layout, and
 a rank that is alive but stuck (a hung collective) does not expire from the agent.
 
+The training loop hands its step records over with ``submit`` instead: a callable that builds the
+record, queued (never waiting, not even for the client's lock) and run on that thread, so building
+the record, encoding it, the run log's write and the datagram cost the training thread nothing.
+
 Imports nothing from torch: the hooks build the records, this module only carries them.
 """
 
@@ -27,7 +31,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -48,6 +52,14 @@ RETRY_SECONDS = 0.02
 ENV_BUDGET_BYTES = MAX_RECORD_BYTES // 2
 #: Records held while the agent's queue is full; more are dropped oldest first.
 BACKLOG_RECORDS = 64
+#: Records submitted and not yet built; more are dropped (counted as "busy": the sending side cannot keep up).
+INBOX_RECORDS = 256
+#: How long submitted records gather before the background thread takes them all at once. Every turn of that
+#: thread takes the GIL from the training thread, and each hand-over costs both threads CPU: one turn per
+#: batch instead of one per step is most of what moving the records off the training thread saves.
+BATCH_SECONDS = 0.05
+#: The name each rank's file takes in a run log directory (global rank, 5 digits), as `gpuwatch diagnose` reads it.
+RANK_LOG_NAME = "rank-{rank:05d}.jsonl"
 _NO_AGENT = frozenset({errno.ENOENT, errno.ECONNREFUSED, errno.ENOTDIR})
 _BUSY = frozenset({errno.EAGAIN, errno.ENOBUFS})
 
@@ -71,6 +83,19 @@ def captured_environment(environ: Mapping[str, str] = os.environ) -> dict[str, s
     return kept
 
 
+def run_log_file(path: str | os.PathLike[str], rank: int) -> Path:
+    """Where `rank` appends its records in the run log `path`: `path` itself when it names a ``.jsonl`` file
+    (ranks may share one: each record is one appended line carrying its rank), else the file
+    ``RANK_LOG_NAME`` in the directory `path`, created if need be. A directory that cannot be created is
+    left to the client, whose open then fails with a warning and leaves the run log out."""
+    path = Path(path)
+    if path.suffix != ".jsonl":
+        path = path / RANK_LOG_NAME.format(rank=rank)
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def _present(path: Path) -> bool:
     """Whether something is at ``path``. A root agent's socket that this user may not even look at
     counts as present: sending to it then fails with a warning that says why, where falling back to
@@ -90,7 +115,8 @@ class TelemetryClient:
     ``socket_path`` defaults to ``GPUWATCH_SOCKET``, else the agent's well-known places
     (``gpuwatch.agent.telemetry.paths``). ``run_log``, when given, receives every record as one
     JSON line, flushed, whether or not the agent got it: the post-mortem copy for diagnosis.
-    ``heartbeat_interval=0`` turns the hello heartbeat off. Safe to share between threads.
+    ``heartbeat_interval=0`` turns the hello heartbeat off. ``send`` is safe to share between
+    threads; ``submit`` is for one thread (the training loop's).
     """
 
     def __init__(
@@ -101,7 +127,9 @@ class TelemetryClient:
         heartbeat_interval: float = HEARTBEAT_INTERVAL,
     ) -> None:
         self.sent = 0
-        self.drops: collections.Counter[str] = collections.Counter()
+        self._drops: collections.Counter[str] = collections.Counter()
+        self._inbox: collections.deque[Callable[[], Mapping[str, Any] | None]] = collections.deque()
+        self._inbox_overflow = 0  # submissions dropped for a full inbox; written by the submitting thread only
         self.heartbeat_interval = heartbeat_interval
         self._candidates = (Path(socket_path),) if socket_path else socket_path_candidates()
         self._path = self._find_agent()
@@ -127,6 +155,13 @@ class TelemetryClient:
         self._thread.start()
 
     @property
+    def drops(self) -> collections.Counter[str]:
+        """Records dropped so far, by reason (``schema.CLIENT_DROP_REASONS``)."""
+        drops = collections.Counter(self._drops)
+        drops["busy"] += self._inbox_overflow
+        return +drops  # without zero counts
+
+    @property
     def dropped(self) -> int:
         return sum(self.drops.values())
 
@@ -140,6 +175,37 @@ class TelemetryClient:
             self._send(record)
         except Exception as exc:  # a bug here must cost a record, never the training run
             self._count_drop("error", exc)
+
+    def submit(self, build: Callable[[], Mapping[str, Any] | None]) -> None:
+        """Queue a record for the background thread, which calls ``build`` and sends what it returns (None:
+        nothing to send), in the order submitted. Never blocks and never raises: when ``INBOX_RECORDS``
+        submissions wait already this one is dropped and counted as "busy"; ``close`` sends what waits."""
+        waiting = len(self._inbox)
+        if waiting >= INBOX_RECORDS or self._closed.is_set():
+            self._inbox_overflow += 1
+            return
+        self._inbox.append(build)
+        # The first of a batch wakes the background thread, which then lets the batch gather; half a full inbox
+        # cuts that short. (The thread empties the inbox whenever it takes from it, so the first finds it empty.)
+        if waiting == 0 or waiting == INBOX_RECORDS // 2:
+            self._wake.set()
+
+    def _send_submitted(self) -> None:
+        """Build and send the submitted records, oldest first; on the background thread, or in ``close``. All that
+        wait are built before any is sent: building is pure Python, and sending lets go of the GIL."""
+        while self._inbox:
+            records = []
+            while self._inbox:
+                build = self._inbox.popleft()
+                try:
+                    record = build()
+                except Exception as exc:  # the builder's bug costs its record only
+                    self._count_drop("error", exc)
+                    continue
+                if record is not None:
+                    records.append(record)
+            for record in records:
+                self.send(record)
 
     def _send(self, record: Mapping[str, Any]) -> None:
         kind = record.get("kind")
@@ -222,7 +288,7 @@ class TelemetryClient:
             self._address = os.fsencode(self._path)
 
     def _count_drop(self, reason: str, detail: object = None) -> None:
-        self.drops[reason] += 1
+        self._drops[reason] += 1
         if detail is not None:
             self._warn_once(reason, f"{detail}")
 
@@ -244,17 +310,23 @@ class TelemetryClient:
                 log_file.close()
 
     def _background(self) -> None:
-        """Retry a backlog the agent had no room for; re-send the hello as a heartbeat. Sleeps
-        without a timeout when there is neither."""
+        """Send what was submitted; retry a backlog the agent had no room for; re-send the hello as a
+        heartbeat. Sleeps without a timeout when there is none of these."""
         while True:
             with self._lock:
                 timeout = RETRY_SECONDS if self._backlog else (self.heartbeat_interval or None)
             self._wake.wait(timeout)
-            self._wake.clear()
+            self._wake.clear()  # before looking at the inbox: a submission from now on sets it again
+            if self._closed.is_set():
+                return  # close sends the rest, in order
+            if self._inbox:
+                self._wake.wait(BATCH_SECONDS)
+                self._wake.clear()
+                if self._closed.is_set():
+                    return
+                self._send_submitted()
             try:
                 with self._lock:
-                    if self._closed.is_set():
-                        return
                     if self._backlog:
                         self._flush()
                     elif (self._hello is not None and self.heartbeat_interval
@@ -264,12 +336,14 @@ class TelemetryClient:
                 self._count_drop("error", exc)
 
     def close(self, timeout: float = 1.0) -> None:
-        """Stop the background thread, give the backlog up to ``timeout`` seconds to reach the agent
-        (the last steps of a run matter; what stays is counted as dropped), release the socket and
-        the run log. Not for the training loop: this one may wait."""
+        """Stop the background thread, send what was submitted, give the backlog up to ``timeout`` seconds to
+        reach the agent (the last steps of a run matter; what stays is counted as dropped), release the
+        socket and the run log. Not for the training loop: this one may wait."""
         self._closed.set()
         self._wake.set()
         self._thread.join(1.0)
+        if not self._thread.is_alive():  # else it is stuck in a write of the run log, and sends the rest itself
+            self._send_submitted()
         deadline = time.monotonic() + timeout
         while True:
             with self._lock:

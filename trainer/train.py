@@ -52,7 +52,6 @@ from gpuwatch.trainer.parallel.groups import Grid, build_grid, layout
 from gpuwatch.trainer.parallel.pipeline import MicroBatch, Pipeline
 from gpuwatch.trainer.parallel.tensor import is_tp_split
 from gpuwatch.trainer.precision import DynamicLossScaler, autocast
-from gpuwatch.trainer.telemetry import TelemetryClient
 
 MIN_LR_RATIO = 0.1  # cosine decay ends at 10 % of --lr
 
@@ -235,21 +234,20 @@ def instrument(trainer: Trainer, signals: Iterable[str] = SIGNALS) -> Monitor:
     cfg, grid = trainer.cfg, trainer.grid
     groups = {kind: next(tuple(g) for g in members if grid.rank in g)
               for kind, members in layout(cfg.tp, cfg.pp, cfg.dp).items()}
+    handles = {"tp": grid.tp_group, "pp": grid.pp_group, "dp": grid.dp_group}
     if trainer.shared is not None:  # the groups the traffic actually goes over
         groups |= {"pp": trainer.shared.ranks, "dp": trainer.shared.ranks}
+        handles |= {"pp": trainer.shared.group, "dp": trainer.shared.group}
     place = Layout(
         rank=grid.rank, world_size=cfg.world_size, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         tp_size=grid.tp, pp_size=grid.pp, dp_size=grid.dp,
         tp_rank=grid.tp_rank, pp_stage=grid.pp_rank, dp_rank=grid.dp_rank,
         schedule=cfg.schedule, micro_batches=cfg.micro_batches, precision=cfg.precision, process_groups=groups,
+        backends={kind: dist.get_backend(group) for kind, group in handles.items()},
     )
-    run_log = None
-    if cfg.run_log:
-        Path(cfg.run_log).mkdir(parents=True, exist_ok=True)
-        run_log = Path(cfg.run_log) / f"rank-{grid.rank:05d}.jsonl"
     monitor = Monitor(
         trainer.model, layout=place, job=cfg.job, device=trainer.device,
-        client=TelemetryClient(cfg.telemetry_socket, run_log),
+        socket_path=cfg.telemetry_socket, run_log=cfg.run_log,
         grad_similarity_every=cfg.grad_similarity_every, checksum_every=cfg.checksum_every,
         flops_per_token=model_flops_per_token(trainer) / (grid.tp * grid.pp),  # this rank's share
         shard_groups=(grid.tp_group, grid.pp_group), faults=cfg.faults, signals=signals,

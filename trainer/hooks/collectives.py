@@ -2,13 +2,14 @@
 
 A call is *blocking* when the training thread waits for it (the reference trainer's comm layer: the
 call returns when the collective is done) and *overlapped* when it runs beside the computation (a
-DDP bucket's all-reduce during backward). Both count in the latency histogram; they differ in what
-they take away from compute time (`exposed_seconds`).
+DDP bucket's all-reduce during backward). Both count in the latency histogram; they differ in how
+much of them the training thread spent waiting (`exposed_seconds`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import collections
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,15 +49,23 @@ def histogram(calls: Iterable[Call]) -> dict[str, dict[str, Any]]:
     return ops
 
 
-def exposed_seconds(calls: list[Call], phase: str, phase_end: Mark, clock: Clock) -> float:
-    """Time `phase` spent waiting on collectives rather than computing.
+def exposed_seconds(calls: Iterable[Call], phase_ends: Mapping[str, Mark], clock: Clock) -> dict[str | None, float]:
+    """Per phase (None: outside any), the time the training thread spent waiting on collectives rather than
+    computing; `calls` resolved and in launch order, `phase_ends` the end of each phase's last interval.
 
     Blocking calls count whole. Overlapped calls hide behind the computation until it runs out of
-    work: what shows is the tail from the last one's launch (DDP launches a bucket as soon as its
+    work: what shows is the tail from the phase's last launch (DDP launches a bucket as soon as its
     gradients are ready, so the last launch is the end of the backward computation) to the phase's
-    end, when the training thread has waited for all of them.
+    end, when the training thread has waited for all of them. An overlapped call issued outside any
+    phase has no such end and counts nothing.
     """
-    blocked = sum(c.seconds for c in calls if c.phase == phase and c.blocking)
-    overlapped = [c for c in calls if c.phase == phase and not c.blocking]
-    tail = clock.seconds(overlapped[-1].start, phase_end) if overlapped else 0.0
-    return blocked + tail
+    exposed: dict[str | None, float] = collections.defaultdict(float)
+    last_launch: dict[str, Call] = {}
+    for call in calls:
+        if call.blocking:
+            exposed[call.phase] += call.seconds
+        elif call.phase in phase_ends:
+            last_launch[call.phase] = call
+    for phase, call in last_launch.items():
+        exposed[phase] += clock.seconds(call.start, phase_ends[phase])
+    return exposed

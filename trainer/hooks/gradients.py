@@ -4,7 +4,9 @@ Gradient cosine similarity, cos(g_i, ḡ) = g_i·ḡ / (|g_i| |ḡ|), between da
 gradient g_i (before the reduction) and the DP mean ḡ. Exact, not a sketch: ḡ is what the DP
 all-reduce produces anyway, and g_i is still at hand while it does, so three sums g_i·ḡ, |g_i|²
 and |ḡ|² are taken bucket by bucket as the reduced values appear, then added over the tensor- and
-pipeline-parallel shards of the replica.
+pipeline-parallel shards of the replica, with a count of the pieces seen. Where the cosine is
+undefined, `similarity_of` says why (no gradient seen, a non-finite or a zero gradient), and |ḡ|²
+is the squared global gradient norm the optimizer sees, for free.
 
 * compute: three dot products per bucket (~3 multiply-adds per parameter; about 3x the time of a
   plain fp32 dot on the CPU, for the accuracy below), on measuring steps only (every N);
@@ -30,7 +32,9 @@ cancelling. One read of the parameters, every N steps.
 
 from __future__ import annotations
 
+import collections
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,8 +47,8 @@ DOT_CHUNK = 256
 
 
 class GradientSimilarity:
-    """Accumulates g_i·ḡ, |g_i|², |ḡ|² over one step's gradient tensors (`observe`), then adds them up over
-    the shards of the replica (`reduce`).
+    """Accumulates g_i·ḡ, |g_i|², |ḡ|² and a count of the pieces over one step's gradient tensors (`observe`),
+    then adds them up over the shards of the replica (`reduce`).
 
     `shard_groups`: the groups one data-parallel replica is sharded over (TP, PP; none under plain DDP).
     `observe` may run on a DDP communication thread while the training thread computes: on CUDA,
@@ -67,22 +71,23 @@ class GradientSimilarity:
     def observe(self, local: torch.Tensor, mean: torch.Tensor) -> None:
         """One bucket (or tensor): this rank's gradient values and their DP mean, any shape, same numel."""
         local, mean = local.detach().reshape(-1).float(), mean.detach().reshape(-1).float()
-        part = torch.stack([_dot(local, mean), _dot(local, local), _dot(mean, mean)])
+        dot = _dot(local, mean)  # the count as a device tensor too: one made from a Python number would sync
+        part = torch.stack([dot, _dot(local, local), _dot(mean, mean), torch.ones_like(dot)])
         if self._consumer is not None and part.is_cuda:
             part.record_stream(self._consumer)  # made on a comm stream, read on the training stream
         self._parts.append(part)
 
     @guarded
     def reduce(self) -> torch.Tensor:
-        """[g·ḡ, |g|², |ḡ|²] of the whole replica, this rank's parts all-reduced over the shard groups; once,
-        later calls return the same tensor. A collective: every rank of those groups makes it on the same
-        steps, even when its own part failed (then NaN, and no cosine comes out). Call it where the ranks
-        are in step anyway (the reference trainer: before the global gradient norm's all-reduces), or
-        the monitor does at the step's end."""
+        """[g·ḡ, |g|², |ḡ|², pieces seen] of the whole replica (fp64), this rank's parts all-reduced over the
+        shard groups; once, later calls return the same tensor. A collective: every rank of those groups
+        makes it on the same steps, even when its own part failed (then NaN, which reads as no gradient
+        seen). Call it where the ranks are in step anyway (the reference trainer: before the global gradient
+        norm's all-reduces), or the monitor does at the step's end."""
         if self._total is None:
             total = self._local_sums()
             if total is None:
-                total = torch.full((3,), math.nan, dtype=torch.float64, device=self._device)
+                total = torch.full((4,), math.nan, dtype=torch.float64, device=self._device)
             for group in self._shard_groups:
                 if dist.get_world_size(group) > 1:
                     dist.all_reduce(total, group=group)
@@ -92,7 +97,7 @@ class GradientSimilarity:
     @guarded
     def _local_sums(self) -> torch.Tensor:
         if not self._parts:
-            return torch.zeros(3, dtype=torch.float64, device=self._device)
+            return torch.zeros(4, dtype=torch.float64, device=self._device)
         return torch.stack(self._parts).sum(0)
 
 
@@ -107,10 +112,34 @@ def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def cosine(dot: float, local_squared: float, mean_squared: float) -> float | None:
-    """cos from the three sums, clamped to [-1, 1] against rounding; None when a gradient is zero or not finite."""
-    denominator = math.sqrt(max(0.0, local_squared * mean_squared))  # max(0.0, nan) is 0.0: no cosine
+    """cos from the three sums, clamped to [-1, 1] against rounding; None when a gradient is zero or not finite.
+    The square roots are taken apart, so two large finite norms cannot overflow their product."""
+    denominator = math.sqrt(max(0.0, local_squared)) * math.sqrt(max(0.0, mean_squared))  # max(0.0, nan) is 0.0
     value = dot / denominator if 0 < denominator < math.inf else math.nan
     return max(-1.0, min(1.0, value)) if math.isfinite(value) else None
+
+
+def similarity_of(sums: Sequence[float]) -> tuple[float | None, str | None]:
+    """The cosine from `GradientSimilarity.reduce`'s four sums, or None and why not (a reason code of
+    schema.UNAVAILABLE_REASONS): the hooks saw no gradient, one held NaN/Inf, or one was zero."""
+    dot, local_squared, mean_squared, seen = sums
+    if not seen > 0:  # NaN too: the hooks failed on some shard
+        return None, "no_gradient_seen"
+    if not math.isfinite(dot + local_squared + mean_squared):
+        return None, "nonfinite_gradient"
+    value = cosine(dot, local_squared, mean_squared)
+    return (value, None) if value is not None else (None, "zero_gradient")
+
+
+def gradient_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all of `grads` together, as clip_grad_norm_ takes it (one `torch._foreach_norm` per device
+    and dtype), as a 0-d fp64 tensor on the first one's device, to be read later without a sync."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = collections.defaultdict(list)
+    for grad in grads:
+        groups[grad.device, grad.dtype].append(grad)
+    device = grads[0].device
+    norms = [norm.to(device, torch.float64) for group in groups.values() for norm in torch._foreach_norm(group)]
+    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 def parameter_checksum(params: list[torch.Tensor]) -> torch.Tensor:

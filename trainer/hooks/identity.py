@@ -47,16 +47,23 @@ class Layout:
     precision: str | None = None
     #: the process groups this rank belongs to, by name, with their members' global ranks
     process_groups: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    #: the backend of each of those groups by the same names ("gloo", "nccl", ...; `dist.get_backend(group)`):
+    #: diagnosis judges NCCL settings only where NCCL carries the traffic
+    backends: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def data_parallel(cls, precision: str | None = None) -> Layout:
         """Every rank of the default process group a data-parallel replica, as under plain DDP."""
-        if not (dist.is_available() and dist.is_initialized()):
+        if not _distributed():
             return cls(precision=precision)
         rank, world_size = dist.get_rank(), dist.get_world_size()
         return cls(rank=rank, world_size=world_size, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                    dp_size=world_size, dp_rank=rank, precision=precision,
-                   process_groups={"dp": tuple(range(world_size))})
+                   process_groups={"dp": tuple(range(world_size))}, backends={"dp": dist.get_backend()})
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 def resolve_job(explicit: str | None = None, environ: Mapping[str, str] = os.environ) -> str:
@@ -66,7 +73,7 @@ def resolve_job(explicit: str | None = None, environ: Mapping[str, str] = os.env
         if candidate and candidate != "none":
             return label(candidate)
     job = [f"gpuwatch-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if _distributed() and dist.get_world_size() > 1:
         dist.broadcast_object_list(job, src=0)
     return job[0]
 
@@ -104,6 +111,14 @@ def _nccl_version(device: torch.device) -> str | None:
     return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
+def _cpus() -> int | None:
+    """CPUs this process may run on (its affinity, which a container or `taskset` narrows), else the host's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count()
+
+
 def hello_record(job: str, layout: Layout, device: torch.device, faults: tuple[str, ...] = ()) -> dict[str, Any]:
     """The rank's `hello` (gpuwatch.agent.telemetry.schema): layout, build, GPU, environment, faults."""
     record: dict[str, Any] = {
@@ -111,7 +126,7 @@ def hello_record(job: str, layout: Layout, device: torch.device, faults: tuple[s
         "local_rank": layout.local_rank, "world_size": layout.world_size,
         "tp_size": layout.tp_size, "pp_size": layout.pp_size, "dp_size": layout.dp_size,
         "tp_rank": layout.tp_rank, "pp_stage": layout.pp_stage, "dp_rank": layout.dp_rank,
-        "hostname": label(socket.gethostname(), 255), "pid": os.getpid(),
+        "hostname": label(socket.gethostname(), 255), "pid": os.getpid(), "cpus": _cpus(),
         "schedule": layout.schedule, "micro_batches": layout.micro_batches, "precision": layout.precision,
         "gpu": gpu_identity(device), "torch_version": label(torch.__version__, 64),
         "nccl_version": _nccl_version(device),
@@ -119,5 +134,14 @@ def hello_record(job: str, layout: Layout, device: torch.device, faults: tuple[s
                            if len(members) <= MAX_GROUP_MEMBERS},
         "env": captured_environment(),
         "faults": [label(fault, 64) for fault in faults],
+        "backends": _backends(layout),
     }
     return {name: value for name, value in record.items() if value is not None}
+
+
+def _backends(layout: Layout) -> dict[str, str] | None:
+    """The hello's `backends`: the layout's, plus the default group's as "default"; None without torch.distributed.
+    Made labels: a group with a backend per device reports "cpu:gloo,cuda:nccl", and "," is no label character."""
+    if not _distributed():
+        return None
+    return {name: label(backend, 32) for name, backend in {"default": dist.get_backend(), **layout.backends}.items()}

@@ -8,6 +8,7 @@ the allocator's statistics are host-side bookkeeping of what the host has alread
 from __future__ import annotations
 
 import os
+import resource
 from typing import Any
 
 import torch
@@ -52,7 +53,15 @@ class CudaMemory:
 
 class HostMemory:
     """The process's peak resident set per step (VmHWM), labelled kind="host_rss". Where clear_refs
-    cannot be written (an old kernel, a locked-down /proc) the peak is the process's since it started."""
+    cannot be written (an old kernel, a locked-down /proc) the peak is the process's since it started.
+
+    Read from getrusage's ru_maxrss where that is exact, else from /proc/self/status, which costs ~20 µs
+    in a training loop against ~4 µs (RUSAGE_THREAD: the same ru_maxrss, without adding up the CPU
+    times of every thread). ru_maxrss is the larger of the peak that clear_refs resets and a floor the
+    kernel folded in when the process was exec'd (the peak of the process that started it, a launcher
+    say; a forked rank has none). The floor cannot be read, but it is at most what ru_maxrss says just
+    after a reset (`_floor_kib`): any larger reading is the peak itself.
+    """
 
     kind = "host_rss"
 
@@ -64,14 +73,18 @@ class HostMemory:
             self._clear_refs: int | None = os.open(PROC_CLEAR_REFS, os.O_WRONLY)
         except OSError:
             self._clear_refs = None
+        self.reset()
+        self._floor_kib = resource.getrusage(resource.RUSAGE_THREAD).ru_maxrss
 
     def reset(self) -> None:
         if self._clear_refs is not None:
             os.write(self._clear_refs, b"5")
 
     def read(self) -> dict[str, Any]:
-        status = os.pread(self._status, 8192, 0)
-        kib = int(status.split(b"VmHWM:", 1)[1].split(None, 1)[0])
+        kib = resource.getrusage(resource.RUSAGE_THREAD).ru_maxrss
+        if kib <= self._floor_kib:  # perhaps the floor: only status tells
+            status = os.pread(self._status, 8192, 0)
+            kib = int(status.split(b"VmHWM:", 1)[1].split(None, 1)[0])
         return {"kind": self.kind, "peak_bytes": kib * 1024}
 
     def close(self) -> None:

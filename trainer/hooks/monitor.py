@@ -3,7 +3,14 @@
 A step's measurements are marks (`clock`) and device tensors taken without waiting for the device.
 The record is built once they are resolved: at once on the CPU, a step or two later on a GPU, when
 the device has passed the step's last mark. Steps wait in a short queue until then, so the training
-loop never synchronises for the hooks' sake.
+loop never synchronises for the hooks' sake. A resolved step is handed to the telemetry client's
+thread (`TelemetryClient.submit`), which builds its record, encodes and sends it: the training
+thread only takes the marks and the few values that would change under it.
+
+Cost on the training thread, per step with every default signal: see benchmarks/README.md ("Training
+hooks"). What stays here is what cannot wait: the marks, the phase bookkeeping, the memory peak (the
+next step resets it), reading the values the user reported (the next step may change them) and, on
+measuring steps, the checksum (the next update changes the parameters).
 
 Every entry point the training loop calls is guarded (`_safety`): an exception inside the hooks is
 counted in `Monitor.failures` and logged once, and training goes on. The user's own code inside a
@@ -13,6 +20,7 @@ counted in `Monitor.failures` and logged once, and training goes on. The user's 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -22,7 +30,6 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from gpuwatch.agent.telemetry.schema import SCHEMA_VERSION
@@ -30,12 +37,12 @@ from gpuwatch.trainer.hooks._safety import Failures, guarded
 from gpuwatch.trainer.hooks.clock import Clock, Mark, clock_for
 from gpuwatch.trainer.hooks.collectives import Call, exposed_seconds, histogram, resolve
 from gpuwatch.trainer.hooks.flops import peak_flops
-from gpuwatch.trainer.hooks.gradients import GradientSimilarity, cosine, parameter_checksum
+from gpuwatch.trainer.hooks.gradients import GradientSimilarity, gradient_norm, parameter_checksum, similarity_of
 from gpuwatch.trainer.hooks.identity import Layout, hello_record, resolve_job
 from gpuwatch.trainer.hooks.memory import memory_for
 from gpuwatch.trainer.hooks.off import OFF, Off
 from gpuwatch.trainer.hooks.pipeline import PipelineClock
-from gpuwatch.trainer.telemetry import TelemetryClient
+from gpuwatch.trainer.telemetry import TelemetryClient, run_log_file
 
 T = TypeVar("T")
 #: What a Monitor can measure besides step times, loss and throughput; each can be left out (`signals=`).
@@ -45,6 +52,8 @@ DEFAULT_EVERY = 10
 #: Steps waiting for the device; beyond this the oldest is resolved by waiting for it (a stalled device).
 MAX_PENDING = 16
 CLOSE_TIMEOUT_S = 5.0
+#: Where records are also appended when `Monitor(run_log=...)` is not given: a directory or a .jsonl file.
+RUN_LOG_VARIABLE = "GPUWATCH_RUN_LOG"
 
 
 class Monitor:
@@ -55,11 +64,23 @@ class Monitor:
     and feeds the gradient similarity (`comm_hook`/`comm_state`: your own hook to wrap instead of DDP's
     default all-reduce). `layout`: the rank's place in the job (default: plain data parallelism over
     the default process group). `job`: else GPUWATCH_JOB, SLURM_JOB_ID, TORCHELASTIC_RUN_ID or a
-    generated id (`resolve_job`). `client`: where records go (default: a TelemetryClient on
-    GPUWATCH_SOCKET or the agent's well-known socket); the monitor closes it. `flops_per_token`: this
-    rank's model FLOPs per token it processes (`transformer_flops_per_token`, divided by tp·pp), for
-    FLOP/s and MFU. `shard_groups`: the groups one data-parallel replica is sharded over (TP, PP),
-    where the gradient similarity's sums are added up. `faults`: injected faults, for the hello.
+    generated id (`resolve_job`). `socket_path`: the agent's telemetry socket (default: GPUWATCH_SOCKET,
+    else the agent's well-known places). `run_log` (default: GPUWATCH_RUN_LOG): every record is also
+    appended there, whether or not an agent listens, for `gpuwatch diagnose --run-log`; a directory
+    (this rank writes DIR/rank-NNNNN.jsonl, NNNNN its global rank) or a file ending in .jsonl.
+    `client`: a client of your own instead (for tests; `send`, `submit` and `close` as TelemetryClient
+    has them), which the monitor closes. `grad_similarity_every`, `checksum_every`: the measuring steps
+    (0: never). `flops_per_token`: this rank's model FLOPs per token it processes
+    (`transformer_flops_per_token`, divided by tp·pp), for FLOP/s and MFU. `shard_groups`: the groups
+    one data-parallel replica is sharded over (TP, PP), where the gradient similarity's sums are added
+    up. `faults`: injected faults, for the hello. `signals`: a subset of SIGNALS to measure.
+
+    On a measuring step where the user reports no `grad_norm`, the monitor reports the norm of the
+    gradient the optimizer sees: sqrt(|ḡ|²) from the gradient similarity's sums with data parallelism
+    (free; divided by a reported `loss_scale`, since DDP's buckets carry scaled gradients), else the
+    parameters' .grad as `step.optimizer()` finds them (one `torch._foreach_norm` pass: call it after a
+    loss scaler's `unscale_`). A sharded replica without data parallelism has neither, and says so
+    (`unavailable`), as does every other signal due on a step that could not be computed.
     """
 
     def __init__(
@@ -69,6 +90,8 @@ class Monitor:
         layout: Layout | None = None,
         job: str | None = None,
         device: torch.device | None = None,
+        socket_path: str | os.PathLike[str] | None = None,
+        run_log: str | os.PathLike[str] | None = None,
         client: TelemetryClient | None = None,
         grad_similarity_every: int = DEFAULT_EVERY,
         checksum_every: int = DEFAULT_EVERY,
@@ -80,13 +103,19 @@ class Monitor:
         comm_state: Any = None,
         signals: Iterable[str] = SIGNALS,
     ) -> None:
+        if client is not None and (socket_path is not None or run_log is not None):
+            raise ValueError("socket_path and run_log configure the monitor's own client: give them to yours")
         self.failures = Failures()
         self.layout = layout or Layout.data_parallel()
         self.params = list(model.parameters()) if model is not None else []
         self.device = device or (self.params[0].device if self.params else _default_device())
-        self.client = client if client is not None else TelemetryClient()
+        run_log = run_log if run_log is not None else os.environ.get(RUN_LOG_VARIABLE) or None
+        self.client = client if client is not None else TelemetryClient(
+            socket_path, run_log_file(run_log, self.layout.rank) if run_log is not None else None)
         self.signals = frozenset(signals) & SIGNALS
-        self.every = {"grad_similarity": grad_similarity_every, "checksum": checksum_every}
+        self._times_collectives = "collectives" in self.signals
+        self._every = {signal: every if signal in self.signals and every > 0 else 0
+                       for signal, every in (("grad_similarity", grad_similarity_every), ("checksum", checksum_every))}
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops_per_second or peak_flops(self.device)
         self.shard_groups = tuple(shard_groups)
@@ -104,37 +133,39 @@ class Monitor:
 
     # -- the training loop's side ------------------------------------------------------------------
 
-    def step(self, tokens: int | None = None, number: int | None = None) -> Step:
-        """The next training step, as a context manager around all of it. `number` defaults to one more
-        than the last; pass the trainer's own (a resumed run) so every rank agrees on measuring steps."""
+    def step(self, tokens: int | None = None, *, samples: int | None = None, number: int | None = None) -> Step:
+        """The next training step, as a context manager around all of it. `tokens` and `samples` (sequences,
+        images, rows: for models that do not count tokens) this rank processes in it. `number` defaults to
+        one more than the last; pass the trainer's own (a resumed run) so every rank agrees on measuring
+        steps."""
         self._last_number = self._last_number + 1 if number is None else number
-        return Step(self, self._last_number, tokens)
+        return Step(self, self._last_number, tokens, samples)
 
     def data(self, iterable: Iterable[T]) -> Iterator[T]:
         """Yield from `iterable`, timing each wait for the next item as the data-loader wait of the step
         it feeds (the next `step()`, whose time then starts with that wait)."""
-        iterator = iter(iterable)
+        iterator, mark = iter(iterable), self._clock.mark
         while True:
-            start = self._mark()
+            start = _guarded_mark(mark, self.failures)
             try:
                 item = next(iterator)
             except StopIteration:
                 return
-            end = self._mark()
-            self._data_wait = (start, end) if start is not None and end is not None else None
+            end = _guarded_mark(mark, self.failures)
+            self._data_wait = None if start is None or end is None else (start, end)
             yield item
 
     def collective(self, op: str, nbytes: int) -> _Collective | Off:
         """A context manager timing one blocking collective call of this step (op: schema.COLLECTIVE_OPS).
         The reference trainer routes its comm layer through it (`comm.set_timer(monitor.collective)`)."""
         step = self._current
-        if step is None or "collectives" not in self.signals:
+        if step is None or not self._times_collectives:
             return OFF
         return _Collective(self, step, op, nbytes)
 
     def close(self) -> None:
-        """Send the steps still waiting for the device (at most CLOSE_TIMEOUT_S), then close the client.
-        Not for the training loop: this one may wait."""
+        """Send the steps still waiting for the device (at most CLOSE_TIMEOUT_S), then close the client, which
+        sends every record handed to it. Not for the training loop: this one may wait."""
         self._flush(timeout=CLOSE_TIMEOUT_S)
         self._close_memory()
         self.client.close()
@@ -147,69 +178,64 @@ class Monitor:
 
     # -- step life cycle ---------------------------------------------------------------------------
 
-    @guarded
-    def _begin(self, step: Step) -> None:
-        step.start = self._clock.mark()
-        if self._data_wait is not None:  # measured by data() just before this step
-            step.start = self._data_wait[0]
-            step.phases["data"] = [self._data_wait]
-            self._data_wait = None
-        if self._memory is not None:
-            self._memory.reset()
-        self._current = step
-
     def _end(self, step: Step, failed: bool) -> None:
+        """The step's end mark and what the record needs before the next step changes it, then the hand-over;
+        nothing here waits for the device. Guarded inline, in parts (the hot path, as `Step.__enter__`)."""
         self._current = None
         if failed:  # the training loop raised: no record, and no collective of ours to wait in
             return
-        step.end = self._mark()
+        step.end = _guarded_mark(self._clock.mark, self.failures)
         if step.similarity is not None:
             # A collective over the shard groups unless the training loop made it already: every rank
             # makes it on every measuring step, whatever else fails here, or its peers would wait forever.
             sums = step.similarity.reduce()
             if sums is not None:
                 step.values["similarity"] = sums
-        self._conclude(step)
+        try:
+            if step.checksum_due and self.params:
+                self._checksum(step)
+            if self._memory is not None:
+                step.memory = self._read_memory()
+            step.time = time.time()
+            step.host = _HostValues(step.values, self._clock)
+            self._pending.append(step)
+        except Exception as error:
+            self.failures.record("Monitor._end", error)
         self._flush()
 
-    @guarded
-    def _conclude(self, step: Step) -> None:
-        """Take what the record needs before the next step changes it; nothing here waits for the device."""
-        if self._due("checksum", step) and self.params:
-            self._checksum(step)
-        if self._memory is not None:
-            step.memory = self._read_memory()
-        step.time = time.time()
-        step.host = _HostValues(step.values, self._clock)
-        self._pending.append(step)
-
-    def _due(self, signal: str, step: Step) -> bool:
-        every = self.every[signal]
-        return signal in self.signals and every > 0 and step.number % every == 0
+    def _due(self, signal: str, number: int) -> bool:
+        every = self._every[signal]
+        return every > 0 and number % every == 0
 
     @guarded
     def _flush(self, timeout: float = 0.0) -> None:
-        """Send the pending steps the device has finished, oldest first. With a timeout, wait up to that
-        long for the rest, then send them with whatever is resolved (a pipeline end that never came is
-        left out)."""
-        deadline = time.monotonic() + timeout
-        while self._pending:
-            step = self._pending[0]
-            overdue = len(self._pending) > MAX_PENDING or (timeout > 0 and time.monotonic() >= deadline)
-            if not step.ready() and not overdue:
-                if timeout == 0:
-                    return
-                time.sleep(0.005)
-                continue
-            self._pending.popleft()
-            if not step.ready() and self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # a stalled device: the rare wait that bounds the queue
-            record = self._record(step)
-            if record is not None:
-                self.client.send(record)
-            self._clock.release(step.marks())
+        """Hand the pending steps the device has finished to the client's thread, oldest first. With a timeout,
+        wait up to that long for the rest, then hand them over with whatever is resolved (a pipeline end
+        that never came is left out)."""
+        pending, deadline = self._pending, None
+        while pending:
+            step = pending[0]
+            if not step.ready():
+                if len(pending) <= MAX_PENDING:  # else overdue: a stalled device
+                    if timeout == 0:
+                        return
+                    deadline = time.monotonic() + timeout if deadline is None else deadline
+                    if time.monotonic() < deadline:
+                        time.sleep(0.005)
+                        continue
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)  # the rare wait that bounds the queue
+            pending.popleft()
+            self.client.submit(partial(self._finish, step))
 
     @guarded
+    def _finish(self, step: Step) -> dict[str, Any] | None:
+        """The record of a resolved step, its marks then free for reuse; on the client's thread."""
+        try:
+            return self._record(step)
+        finally:
+            self._clock.release(step.marks())
+
     def _record(self, step: Step) -> dict[str, Any] | None:
         """The step record (gpuwatch.agent.telemetry.schema) of a resolved step."""
         clock = self._clock
@@ -223,9 +249,9 @@ class Monitor:
         phases = {name: sum(clock.seconds(start, end) for start, end in marks) for name, marks in step.phases.items()}
         calls = [call for call in step.calls if call.end is not None]
         resolve(calls, clock)
+        exposed = exposed_seconds(calls, {name: marks[-1][1] for name, marks in step.phases.items()}, clock)
         if "compute" in phases:
-            waited = exposed_seconds(calls, "compute", step.phases["compute"][-1][1], clock)
-            record["compute_seconds"] = max(0.0, phases["compute"] - waited)
+            record["compute_seconds"] = max(0.0, phases["compute"] - exposed.get("compute", 0.0))
         for phase, field in (("data", "dataloader_wait_seconds"), ("optimizer", "optimizer_seconds")):
             if phase in phases:
                 record[field] = phases[phase]
@@ -234,16 +260,23 @@ class Monitor:
             record["pipeline"] = pipeline
         if calls:
             record["collectives"] = histogram(calls)
+            record["exposed_collective_seconds"] = sum(exposed.values())
         values = step.host.read()
+        unavailable: dict[str, str] = {}
+        if step.similarity_due:
+            self._gradient_fields(values, record, unavailable)
         record.update(_scalars(values))
-        if "similarity" in values:
-            similarity = cosine(*values["similarity"])
-            if similarity is not None:
-                record["grad_cosine_similarity"] = similarity
-        if math.isfinite(values.get("param_checksum", math.nan)):
-            record["param_checksum"] = values["param_checksum"]
+        if step.checksum_due:
+            if not self.params:
+                unavailable["param_checksum"] = "no_parameters"
+            elif math.isfinite(values.get("param_checksum", math.nan)):
+                record["param_checksum"] = values["param_checksum"]
+        if unavailable:
+            record["unavailable"] = unavailable
         if step.memory is not None:
             record["memory"] = step.memory
+        if step.samples is not None:
+            record["samples"] = step.samples
         if step.tokens is not None:
             record["tokens"] = step.tokens
             if self.flops_per_token and step_seconds > 0:
@@ -253,34 +286,73 @@ class Monitor:
                     record["mfu"] = flops / self.peak_flops
         return record
 
+    def _gradient_fields(self, values: dict[str, Any], record: dict[str, Any], unavailable: dict[str, str]) -> None:
+        """On a gradient-similarity step: the cosine, else why not; and the gradient norm when the user reported
+        none (into `values`, where the user's would be), else why not."""
+        if self.layout.dp_size <= 1:
+            unavailable["grad_cosine_similarity"] = "no_data_parallel_group"
+            if "grad_norm" not in values:
+                if "grad_norm_of_grads" in values:  # as step.optimizer() found them
+                    values["grad_norm"] = values["grad_norm_of_grads"]
+                else:
+                    unavailable["grad_norm"] = "no_data_parallel_group" if self.shard_groups else "no_gradient_seen"
+            return
+        if "similarity" not in values:  # the reduction failed, which is counted in failures
+            return
+        similarity, reason = similarity_of(values["similarity"])
+        if similarity is not None:
+            record["grad_cosine_similarity"] = similarity
+        else:
+            unavailable["grad_cosine_similarity"] = reason
+        if "grad_norm" not in values:
+            mean_squared, seen = values["similarity"][2], values["similarity"][3]
+            if seen > 0:
+                scale = values.get("loss_scale", math.nan)
+                values["grad_norm"] = math.sqrt(mean_squared) / (scale if math.isfinite(scale) and scale > 0 else 1)
+            else:
+                unavailable["grad_norm"] = "no_gradient_seen"
+
     # -- data-parallel communication hook ------------------------------------------------------------
 
     def _watch_ddp(self, model: DistributedDataParallel, hook: Callable | None, state: Any) -> None:
-        inner, inner_state = (hook, state) if hook is not None else (default_hooks.allreduce_hook, model.process_group)
+        """A communication hook that times each bucket's all-reduce (launch to completion, in the callback) and
+        feeds the gradient similarity. Without a hook of the user's it is DDP's default all-reduce of the
+        mean (`default_hooks.allreduce_hook`) with our callback as its only one: a Python callback per
+        bucket costs the training loop, and DDP needs one anyway to take the tensor out of the list."""
+        if hook is None:
+            group = model.process_group
+            size = group.size()
 
-        def gpuwatch_comm_hook(_, bucket):  # unannotated: DDP compares annotations with its own classes
-            started = self._bucket_started(bucket)
-            future = inner(inner_state, bucket)
-            return future if started is None else future.then(partial(self._bucket_done, *started))
+            def gpuwatch_comm_hook(_, bucket):  # unannotated: DDP compares annotations with its own classes
+                tensor = bucket.buffer()
+                started = self._bucket_started(tensor)
+                tensor.div_(size)  # before the sum, as DDP's hook does: fp16 would overflow after
+                # dist.all_reduce(tensor, group=group, async_op=True), without its Python checks: they and
+                # the second callback cost ~20 µs a bucket in a training loop
+                work = group.allreduce([torch.view_as_real(tensor) if tensor.is_complex() else tensor])
+                return work.get_future().then(_mean if started is None else partial(self._bucket_done, *started))
+        else:
+            def gpuwatch_comm_hook(_, bucket):
+                started = self._bucket_started(bucket.buffer())
+                future = hook(state, bucket)
+                return future if started is None else future.then(partial(self._bucket_done, *started))
 
         model.register_comm_hook(None, gpuwatch_comm_hook)
 
     @guarded
-    def _bucket_started(self, bucket: Any) -> tuple[Step, Call | None, torch.Tensor | None] | None:
+    def _bucket_started(self, buffer: torch.Tensor) -> tuple[Step, Call | None, torch.Tensor | None] | None:
         step = self._current
         if step is None:
             return None
-        buffer = bucket.buffer()
         call = None
-        if "collectives" in self.signals:
-            call = Call("all_reduce", buffer.numel() * buffer.element_size(), self._clock.mark(), blocking=False,
-                        phase=step.phase)
+        if self._times_collectives:
+            call = Call("all_reduce", buffer.nbytes, self._clock.mark(), blocking=False, phase=step.phase)
             step.calls.append(call)
-        local = buffer.clone() if step.similarity is not None else None  # DDP's hook reduces in place
+        local = buffer.clone() if step.similarity is not None else None  # the all-reduce works in place
         return None if call is None and local is None else (step, call, local)
 
     def _bucket_done(self, step: Step, call: Call | None, local: torch.Tensor | None, future: Any) -> torch.Tensor:
-        mean = future.value()  # a failed all-reduce raises here, into DDP, as it would without the hooks
+        mean = _mean(future)  # a failed all-reduce raises here, into DDP, as it would without the hooks
         self._bucket_observed(step, call, local, mean)
         return mean
 
@@ -300,12 +372,14 @@ class Monitor:
         step.values["param_checksum"] = parameter_checksum(self.params)
 
     @guarded
-    def _read_memory(self) -> dict[str, Any]:
-        return self._memory.read()
+    def _measure_gradient_norm(self, step: Step) -> None:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads:
+            step.values["grad_norm_of_grads"] = gradient_norm(grads)
 
     @guarded
-    def _mark(self) -> Mark:
-        return self._clock.mark()
+    def _read_memory(self) -> dict[str, Any]:
+        return self._memory.read()
 
     @guarded
     def _send_hello(self, faults: tuple[str, ...]) -> None:
@@ -325,8 +399,12 @@ class Step:
     """One training step: a context manager around it, with phases inside (`data`, `compute`,
     `optimizer`) and the values only the training loop knows (`report`)."""
 
-    def __init__(self, monitor: Monitor, number: int, tokens: int | None) -> None:
-        self.monitor, self.number, self.tokens = monitor, number, tokens
+    __slots__ = ("_measures_grads", "calls", "checksum_due", "end", "failures", "host", "memory", "monitor", "number",
+                 "phase", "phases", "pipeline", "samples", "similarity", "similarity_due", "start", "time", "tokens",
+                 "values")
+
+    def __init__(self, monitor: Monitor, number: int, tokens: int | None, samples: int | None = None) -> None:
+        self.monitor, self.number, self.tokens, self.samples = monitor, number, tokens, samples
         self.failures = monitor.failures
         self.start: Mark | None = None
         self.end: Mark | None = None
@@ -338,13 +416,30 @@ class Step:
         self.memory: dict[str, Any] | None = None
         self.time = 0.0
         self.host: _HostValues | None = None
-        measures = monitor._due("grad_similarity", self) and monitor.layout.dp_size > 1
+        self.checksum_due = monitor._due("checksum", number)
+        self.similarity_due = monitor._due("grad_similarity", number)
+        data_parallel = monitor.layout.dp_size > 1
         #: this step's GradientSimilarity, or None when the step does not measure it
         self.similarity = (GradientSimilarity(monitor.device, monitor.shard_groups, monitor.failures, monitor._stream)
-                           if measures else None)
+                           if self.similarity_due and data_parallel else None)
+        # Without data parallelism the gradient norm comes from .grad, where an unsharded replica has it whole.
+        self._measures_grads = self.similarity_due and not data_parallel and not monitor.shard_groups
 
     def __enter__(self) -> Step:
-        self.monitor._begin(self)
+        # The hot path guards itself inline (as `_Collective` does): a `guarded` wrapper per call adds up here.
+        monitor = self.monitor
+        try:
+            wait, monitor._data_wait = monitor._data_wait, None
+            if wait is None:
+                self.start = monitor._clock.mark()
+            else:  # measured by data() just before this step, which then starts with it
+                self.start = wait[0]
+                self.phases["data"] = [wait]
+            if monitor._memory is not None:
+                monitor._memory.reset()
+            monitor._current = self
+        except Exception as error:
+            self.failures.record("Step.__enter__", error)
         return self
 
     def __exit__(self, exc_type: type | None, *exc_info: object) -> bool:
@@ -360,10 +455,13 @@ class Step:
         return _Phase(self, "compute")
 
     def optimizer(self) -> _Phase:
-        """The optimizer's update."""
+        """The optimizer's update. On a measuring step without data parallelism, the gradient norm is taken from
+        .grad here, before the update and before zero_grad (and not timed as the optimizer's)."""
+        if self._measures_grads:
+            self._measures_grads = False
+            self.monitor._measure_gradient_norm(self)
         return _Phase(self, "optimizer")
 
-    @guarded
     def report(
         self,
         *,
@@ -374,8 +472,18 @@ class Step:
     ) -> None:
         """Values of this step; tensors are read later without a sync. A non-finite loss or gradient norm
         sets the record's `nonfinite` flag."""
-        reported = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "loss_scale": loss_scale}
-        self.values.update((name, value) for name, value in reported.items() if value is not None)
+        values = self.values
+        try:
+            if loss is not None:
+                values["loss"] = loss
+            if grad_norm is not None:
+                values["grad_norm"] = grad_norm
+            if lr is not None:
+                values["lr"] = lr
+            if loss_scale is not None:
+                values["loss_scale"] = loss_scale
+        except Exception as error:  # guarded inline, as in __enter__
+            self.failures.record("Step.report", error)
 
     def pipeline_clock(self, group: ProcessGroup, micro_batches: int) -> PipelineClock | Off:
         """A clock for this step's pipeline schedule over `group` (the stage's pipeline, its rank 0 the first
@@ -392,9 +500,9 @@ class Step:
 
     def ready(self) -> bool:
         """Whether the device has passed every mark, so the record can be built without waiting."""
-        return (self.host is not None and self.host.ready()
-                and (self.pipeline is None or self.pipeline.ready())
-                and all(call.end is not None for call in self.calls))
+        if self.host is None or not self.host.ready() or (self.pipeline is not None and not self.pipeline.ready()):
+            return False
+        return not any(call.end is None for call in self.calls)
 
     def marks(self) -> list[Mark]:
         marks = [self.start, self.end] + [m for ms in self.phases.values() for pair in ms for m in pair]
@@ -407,26 +515,34 @@ class Step:
 class _Phase:
     """`with step.compute():` and the like; phases may repeat within a step (their times add up)."""
 
-    __slots__ = ("failures", "name", "outer", "start", "step")
+    __slots__ = ("name", "outer", "start", "step")
 
     def __init__(self, step: Step, name: str) -> None:
-        self.step, self.name, self.failures = step, name, step.failures
+        self.step, self.name = step, name
         self.start = self.outer = None
 
-    @guarded
     def __enter__(self) -> None:
-        self.outer, self.step.phase = self.step.phase, self.name
-        self.start = self.step.monitor._clock.mark()
+        step = self.step  # guarded inline, as Step.__enter__
+        try:
+            self.outer, step.phase = step.phase, self.name
+            self.start = step.monitor._clock.mark()
+        except Exception as error:
+            step.failures.record("_Phase.__enter__", error)
 
     def __exit__(self, *exc_info: object) -> bool:
-        self._close()
+        step = self.step
+        try:
+            if self.start is not None:
+                end = step.monitor._clock.mark()
+                marks = step.phases.get(self.name)
+                if marks is None:
+                    step.phases[self.name] = [(self.start, end)]
+                else:
+                    marks.append((self.start, end))
+            step.phase = self.outer
+        except Exception as error:
+            step.failures.record("_Phase.__exit__", error)
         return False
-
-    @guarded
-    def _close(self) -> None:
-        if self.start is not None:
-            self.step.phases.setdefault(self.name, []).append((self.start, self.step.monitor._clock.mark()))
-        self.step.phase = self.outer
 
 
 class _Collective:
@@ -457,12 +573,22 @@ class _Collective:
 
 class _HostValues:
     """A step's values, some of them device tensors, brought to the host without a sync: one
-    non-blocking copy into pinned memory, read once the device has passed the mark after it."""
+    non-blocking copy into pinned memory, read once the device has passed the mark after it. Values
+    on the CPU are read at once: a tensor the user reported may change in the next step."""
+
+    __slots__ = ("_clock", "_host", "_sizes", "_values", "mark")
 
     def __init__(self, values: dict[str, float | torch.Tensor], clock: Clock) -> None:
         self._clock = clock
-        self._values = {name: _plain(v) for name, v in values.items() if not _on_gpu(v)}
-        on_gpu = {name: v.detach().reshape(-1).double() for name, v in values.items() if _on_gpu(v)}
+        self._values: dict[str, float | list[float]] = {}
+        on_gpu: dict[str, torch.Tensor] = {}
+        for name, value in values.items():
+            if type(value) is float:
+                self._values[name] = value
+            elif isinstance(value, torch.Tensor) and value.is_cuda:
+                on_gpu[name] = value.detach().reshape(-1).double()
+            else:
+                self._values[name] = _plain(value)
         self._sizes = {name: t.numel() for name, t in on_gpu.items()}
         self._host: torch.Tensor | None = None
         self.mark: Mark | None = None
@@ -485,16 +611,28 @@ class _HostValues:
         return values
 
 
-def _on_gpu(value: object) -> bool:
-    return isinstance(value, torch.Tensor) and value.is_cuda
-
-
 def _plain(value: float | torch.Tensor) -> float | list[float]:
     """A number, or a CPU tensor's value(s) (reading a CPU tensor needs no device sync)."""
     if not isinstance(value, torch.Tensor):
         return float(value)
-    values = value.detach().reshape(-1).double().tolist()
-    return values[0] if len(values) == 1 else values
+    if value.numel() == 1:  # every value but the similarity's sums
+        return float(value.item())
+    return value.detach().reshape(-1).double().tolist()
+
+
+def _guarded_mark(mark: Callable[[], Mark], failures: Failures) -> Mark | None:
+    """A mark, or None (the failure recorded) when taking it failed; for marks taken outside a guarded method."""
+    try:
+        return mark()
+    except Exception as error:
+        failures.record("Clock.mark", error)
+        return None
+
+
+def _mean(future: Any) -> torch.Tensor:
+    """The reduced bucket of an all-reduce's future: its one tensor (a work's future holds a list of them)."""
+    value = future.value()
+    return value[0] if isinstance(value, list) else value
 
 
 def _scalars(values: dict[str, Any]) -> dict[str, Any]:

@@ -1,13 +1,9 @@
-"""The ``gpuwatch`` command line.
-
-Subcommands that need torch (``train``) are imported only when invoked, so the agent runs on
-nodes without torch installed.
-"""
+"""``gpuwatch agent``: the node agent's command, its flags as Prometheus exporters spell theirs. The product's
+command line (``gpuwatch``, every subcommand) is ``gpuwatch.cli.main``."""
 
 from __future__ import annotations
 
 import grp
-import importlib
 import logging
 import socket
 import sys
@@ -15,43 +11,12 @@ from pathlib import Path
 
 import click
 
-from gpuwatch.agent import __version__
 from gpuwatch.agent.simulate import PRESETS
-from gpuwatch.agent.telemetry.paths import ENV_VAR as SOCKET_ENV_VAR
 from gpuwatch.agent.telemetry.store import DEFAULT_MAX_RANKS, DEFAULT_TTL
+from gpuwatch.protocol.paths import ENV_VAR as SOCKET_ENV_VAR
 
 DEFAULT_PORT = 9746  # not dcgm-exporter's 9400, node_exporter's 9100 nor nvidia_gpu_exporter's 9835
 DEFAULT_INTERVAL = 5.0
-
-
-class LazyGroup(click.Group):
-    """A click group whose subcommands live in modules imported on first use."""
-
-    def __init__(self, *args, lazy: dict[str, tuple[str, str]], **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.lazy = lazy
-
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted([*super().list_commands(ctx), *self.lazy])
-
-    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        if name not in self.lazy:
-            return super().get_command(ctx, name)
-        module_name, attribute = self.lazy[name]
-        return getattr(importlib.import_module(module_name), attribute)
-
-
-@click.group(
-    cls=LazyGroup,
-    lazy={"train": ("gpuwatch.trainer.cli", "train"), "diagnose": ("gpuwatch.agent.diagnosis.cli", "diagnose"),
-          "probe": ("gpuwatch.trainer.probe", "probe"),
-          "alerts": ("gpuwatch.alerts.cli", "alerts"),
-          "dashboards": ("gpuwatch.dashboards.cli", "dashboards"), "demo": ("gpuwatch.agent.demo", "demo")},
-    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
-)
-@click.version_option(__version__, prog_name="gpuwatch")
-def main() -> None:
-    """Observability and diagnosis for multi-node GPU training."""
 
 
 class ListenAddress(click.ParamType):
@@ -82,7 +47,7 @@ def _collector_options(function):
     return function
 
 
-@main.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--listen", type=ListenAddress(), default=f"0.0.0.0:{DEFAULT_PORT}", show_default=True,
               help="Address to serve /metrics, /healthz and /api/v1/state on.")
 @click.option("--interval", type=click.FloatRange(min=0.1), default=DEFAULT_INTERVAL, show_default=True,
@@ -148,6 +113,3 @@ def _group_id(group: str | None) -> int | None:
     except KeyError:
         raise click.ClickException(f"--telemetry.socket-group: no group {group!r} on this host") from None
 
-
-if __name__ == "__main__":
-    main()

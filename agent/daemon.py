@@ -14,9 +14,9 @@ from gpuwatch.agent.collectors import REGISTRY, CollectorContext
 from gpuwatch.agent.sampler import Sampler
 from gpuwatch.agent.server import AgentHTTPServer, serve_in_thread
 from gpuwatch.agent.telemetry import listener
-from gpuwatch.agent.telemetry.paths import default_socket_path
 from gpuwatch.agent.telemetry.store import DEFAULT_MAX_RANKS, DEFAULT_TTL
 from gpuwatch.agent.webconfig import WebConfig
+from gpuwatch.protocol.paths import default_socket_path
 
 log = logging.getLogger(__name__)
 

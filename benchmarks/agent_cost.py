@@ -64,7 +64,7 @@ def _process(command: list[str], ready_url: str) -> Iterator[subprocess.Popen]:
 
 
 def agent_command(port: int, sock: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "gpuwatch.agent.cli", "agent", "--listen", f"127.0.0.1:{port}",
+    return [sys.executable, "-m", "gpuwatch.cli.main", "agent", "--listen", f"127.0.0.1:{port}",
             "--telemetry.socket", str(sock), "--log-level", "warning", *extra]
 
 

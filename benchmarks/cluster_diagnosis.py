@@ -128,7 +128,7 @@ def capture_template(workdir: Path) -> list[Series]:
     """Scrape a simulated dgx-h100 agent with 8 healthy ranks (tp=8 on the node) reporting to it."""
     port, sock = free_port(), workdir / "telemetry.sock"
     url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "gpuwatch.agent.cli", "agent", "--simulate", "dgx-h100", "--interval", "0.5",
+    command = [sys.executable, "-m", "gpuwatch.cli.main", "agent", "--simulate", "dgx-h100", "--interval", "0.5",
                "--listen", f"127.0.0.1:{port}", "--telemetry.socket", str(sock), "--node", "template"]
     with _process(command, workdir / "agent.log"):
         state = wait_until(lambda: json.loads(get(url + "/api/v1/state"))["facts"].get("nvml"), "the agent's GPUs")
@@ -267,7 +267,7 @@ class Run:
 
 def diagnose(url: str) -> tuple[float, dict]:
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "gpuwatch.agent.cli", "diagnose", "--prometheus", url,
+    result = subprocess.run([sys.executable, "-m", "gpuwatch.cli.main", "diagnose", "--prometheus", url,
                              "--format", "json", "--fail-on", "never"], capture_output=True, text=True, check=True)
     return time.perf_counter() - started, json.loads(result.stdout)
 

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gpuwatch.agent.telemetry.schema import MAX_RECORD_BYTES
+from gpuwatch.protocol.schema import MAX_RECORD_BYTES
 from gpuwatch.trainer import hooks
 from gpuwatch.trainer.config import TrainConfig
 from gpuwatch.trainer.hooks import DEFAULT_EVERY, SIGNALS

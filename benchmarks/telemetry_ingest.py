@@ -34,8 +34,8 @@ from gpuwatch.agent.collectors.base import CollectorContext
 from gpuwatch.agent.collectors.telemetry import TelemetryCollector
 from gpuwatch.agent.exposition import Renderer
 from gpuwatch.agent.telemetry.listener import queue_limit
-from gpuwatch.agent.telemetry.schema import COLLECTIVE_BUCKETS, encode
 from gpuwatch.agent.telemetry.store import TelemetryStore
+from gpuwatch.protocol.schema import COLLECTIVE_BUCKETS, encode
 
 
 def step_record(rank: int, number: int) -> bytes:

@@ -46,6 +46,12 @@ def wait_until(predicate, timeout: float = 20.0, interval: float = 0.1, what: st
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+#: Every test agent's collector deadline (``args`` may set another): generous, so that on a loaded machine a healthy
+#: collector never misses a round and drops out of the one page or state a test reads. The deadline itself is
+#: tested with an injected hang (test_sampler.py, test_collector_nvml.py).
+COLLECTOR_TIMEOUT = ("--collector-timeout", "30")
+
+
 class AgentProcess:
     """``gpuwatch agent`` run as a user would run it, in its own process.
 
@@ -58,11 +64,16 @@ class AgentProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.telemetry_socket = telemetry_socket
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpuwatch.agent.cli", "agent", "--listen", f"127.0.0.1:{self.port}", *args],
+            [sys.executable, "-m", "gpuwatch.cli.main", "agent", "--listen", f"127.0.0.1:{self.port}",
+             *COLLECTOR_TIMEOUT, *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "GPUWATCH_SOCKET": str(telemetry_socket)},
         )
-        wait_until(self._healthy, what=f"agent on {self.url} (args {args})")
+        try:
+            wait_until(self._healthy, what=f"agent on {self.url} (args {args})")
+        except BaseException:  # the caller gets no handle on an agent that never turned healthy: stop it here
+            self.stop()
+            raise
 
     def _healthy(self) -> bool:
         if self.proc.poll() is not None:

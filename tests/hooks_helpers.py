@@ -7,7 +7,7 @@ from pathlib import Path
 
 from telemetry_records import samples
 
-from gpuwatch.agent.telemetry.schema import decode
+from gpuwatch.protocol.schema import decode
 from gpuwatch.trainer.hooks.clock import WallClock
 
 from conftest import wait_until

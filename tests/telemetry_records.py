@@ -7,7 +7,7 @@ import re
 import time
 from typing import Any
 
-from gpuwatch.agent.telemetry.schema import COLLECTIVE_BUCKETS, SCHEMA_VERSION, bucket_index
+from gpuwatch.protocol.schema import COLLECTIVE_BUCKETS, SCHEMA_VERSION, bucket_index
 
 JOB = "job-42"
 

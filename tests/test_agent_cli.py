@@ -86,7 +86,7 @@ def test_clean_shutdown_on_signal(start_agent, sig):
 
 
 def _run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "gpuwatch.agent.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "gpuwatch.cli.main", *args], capture_output=True, text=True,
                           timeout=30)
 
 
@@ -112,10 +112,13 @@ def test_port_in_use_is_a_clear_error_not_a_traceback():
 def test_agent_and_cli_never_import_torch():
     code = ("import sys; sys.modules['torch'] = None\n"  # any import of torch would now raise
             "from gpuwatch.agent import cli, daemon, collectors, simulate\n"
+            "from gpuwatch.cli.main import main\n"
             "from click.testing import CliRunner\n"
-            "result = CliRunner().invoke(cli.main, ['--help'])\n"
+            "result = CliRunner().invoke(main, ['--help'])\n"
             "assert result.exit_code == 0, result.output\n"
-            "assert 'agent' in result.output and 'train' in result.output, result.output\n")
+            "assert 'agent' in result.output and 'train' in result.output, result.output\n"
+            "result = CliRunner().invoke(main, ['agent', '--help'])\n"
+            "assert result.exit_code == 0 and '--telemetry.socket' in result.output, result.output\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
 

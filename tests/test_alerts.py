@@ -12,9 +12,9 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from gpuwatch.agent.cli import main
 from gpuwatch.agent.diagnosis.engine import catalogue
 from gpuwatch.alerts import RULES_FILE, RUNBOOK_PREFIX
+from gpuwatch.cli.main import main
 
 from conftest import require_tool
 

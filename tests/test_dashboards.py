@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from gpuwatch.agent.cli import main
+from gpuwatch.cli.main import main
 from gpuwatch.dashboards import DASHBOARDS, json_files
 from gpuwatch.dashboards.generate import JSON_DIR, render, write
 

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -144,6 +145,15 @@ def _gpu_job(agent, stop: threading.Event) -> None:
             stop.wait(0.2)
 
 
+def _still_missing(missing: Callable[[], list[str]], timeout: float = 60.0) -> list[str]:
+    """`missing()` polled until it lists nothing, for at most `timeout` seconds, and its last list. Polled, not
+    slept on: the rate windows fill as scrapes come, later on a loaded machine."""
+    deadline = time.monotonic() + timeout
+    while (found := missing()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return found
+
+
 def test_every_dashboard_and_rule_expression_returns_data(start_agent, prometheus_server, tmp_path):
     agent = start_agent("--simulate", "dgx-h100", "--interval", "0.5")
     prometheus = prometheus_server([f"127.0.0.1:{agent.port}"], scrape_interval="1s")
@@ -154,7 +164,7 @@ def test_every_dashboard_and_rule_expression_returns_data(start_agent, prometheu
     sender.start()
     try:
         run = subprocess.run(
-            [sys.executable, "-m", "gpuwatch.agent.cli", "train", "--steps", "6", "--tp", "1", "--pp", "2",
+            [sys.executable, "-m", "gpuwatch.cli.main", "train", "--steps", "6", "--tp", "1", "--pp", "2",
              "--dp", "2", "--device", "cpu", "--layers", "2", "--job", GLOO_JOB],
             env={**os.environ, "GPUWATCH_SOCKET": str(agent.telemetry_socket)},
             capture_output=True, text=True, timeout=240)
@@ -164,17 +174,18 @@ def test_every_dashboard_and_rule_expression_returns_data(start_agent, prometheu
         wait_until(lambda: prometheus.query(
             f'sum(rate(gpuwatch_train_collective_seconds_count{{job="{GPU_JOB}"}}[10s])) > 0'), what="gpu job")
         wait_until(lambda: prometheus.query("gpuwatch:gpu_rank:info"), what="recording rules")
-        time.sleep(3)
 
         queries = {**dashboard_queries(), **rule_queries()}
-        empty = [f"{where}: {expr}" for where, expr in queries.items() if not prometheus.query(expr)]
+        empty = _still_missing(lambda: [f"{where}: {expr}" for where, expr in queries.items()
+                                        if not prometheus.query(expr)])
         assert not empty, "queries without data:\n" + "\n".join(empty)
 
         # The real CPU run alone fills the training panels that do not need a GPU.
         board = json.loads((JSON_DIR / f"{DASHBOARDS['training']}.json").read_text())
-        silent = [panel["title"] for panel in board["panels"] if panel["title"] in GLOO_PANELS
-                  and not any(prometheus.query(_substitute(t["expr"]).replace('job=~".*"', f'job="{GLOO_JOB}"'))
-                              for t in panel["targets"])]
+        silent = _still_missing(lambda: [
+            panel["title"] for panel in board["panels"] if panel["title"] in GLOO_PANELS
+            and not any(prometheus.query(_substitute(t["expr"]).replace('job=~".*"', f'job="{GLOO_JOB}"'))
+                        for t in panel["targets"])])
         assert not silent, f"panels without data for the gloo run: {silent}"
     finally:
         stop.set()

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpuwatch.agent.demo import EXPECTED_RULE
+from gpuwatch.cli.demo import EXPECTED_RULE
 from gpuwatch.trainer.config import FAULTS
 
 from conftest import free_port, http_get, wait_until
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.integration
 
 
 def demo(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gpuwatch.agent.cli", "demo", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "gpuwatch.cli.main", "demo", *args], capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -52,6 +52,7 @@ def test_healthy_run_has_no_warning_and_stops_its_agent():
     assert "8 rank(s) from agent" in result.stdout
     assert f'targets: ["127.0.0.1:{port}"]' in result.stdout and "The agent has stopped" in result.stdout
     assert port_free(port)
+    assert "training" not in result.stderr.splitlines()  # the progress bar is drawn on a terminal only
 
 
 def test_keep_agent_leaves_only_the_agent_running_and_says_how_to_stop_it():
@@ -73,17 +74,19 @@ def test_keep_agent_leaves_only_the_agent_running_and_says_how_to_stop_it():
 
 
 def test_planted_fault_is_named_by_its_rule():
-    result = demo("--fault", "slow-rank", "--steps", "3")
+    """A fault whose finding does not depend on how fast the machine runs the ranks (identical gradients), so
+    the verdict is the demo's, not the load's. Finding slow-rank from real timings: tests/test_e2e_faults.py."""
+    result = demo("--fault", "duplicate-shards", "--steps", "3")
     assert result.returncode == 0, result.stderr
-    assert "fault slow-rank: expect PERF002" in result.stdout
+    assert f"fault duplicate-shards: expect {EXPECTED_RULE['duplicate-shards']}" in result.stdout
     report = result.stdout.split("$ gpuwatch diagnose", 1)[1]
-    assert "PERF002  straggler in job gpuwatch-demo" in report
+    assert f"{EXPECTED_RULE['duplicate-shards']}  duplicated data shards in job gpuwatch-demo" in report
 
 
 @pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_interrupt_stops_every_process_it_started(signum, status):
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "gpuwatch.agent.cli", "demo", "--steps", "100000",
+    process = subprocess.Popen([sys.executable, "-m", "gpuwatch.cli.main", "demo", "--steps", "100000",
                                 "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         parent = psutil.Process(process.pid)
@@ -97,7 +100,7 @@ def test_interrupt_stops_every_process_it_started(signum, status):
             process.kill()
     assert process.returncode == status, stderr
     assert "stopping the processes the demo started" in stderr
-    _, alive = psutil.wait_procs(started, timeout=5)
+    _, alive = psutil.wait_procs(started, timeout=30)  # a generous wait: the demo stops them before it exits
     assert alive == [], [p.cmdline() for p in alive]
     assert port_free(port)
 

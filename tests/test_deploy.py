@@ -34,7 +34,7 @@ SBATCH = DEPLOY / "slurm" / "train.sbatch"
 PROMETHEUS = DEPLOY / "prometheus"
 DOCKERFILE = DEPLOY / "Dockerfile"
 IB_SYSFS = FIXTURES / "procfs-infiniband" / "sys"
-GPUWATCH = [sys.executable, "-m", "gpuwatch.agent.cli"]
+GPUWATCH = [sys.executable, "-m", "gpuwatch.cli.main"]
 K8S_VERSION = "1.30.0"
 
 

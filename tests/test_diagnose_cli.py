@@ -14,12 +14,12 @@ import pytest
 from click.testing import CliRunner
 from diagnose_facts import GIB, facts, gpu, node, port, rank, step
 
-from gpuwatch.agent.cli import main
 from gpuwatch.agent.diagnosis import cli as diagnose_cli
 from gpuwatch.agent.diagnosis import engine, report
 from gpuwatch.agent.diagnosis.facts import History, NvlinkFacts, Sampled, SourceInfo
 from gpuwatch.agent.simulate import PRESETS
 from gpuwatch.agent.simulate.sysfs import SimulatedSysfs
+from gpuwatch.cli.main import main
 
 from conftest import FIXTURES, free_port
 

@@ -11,8 +11,8 @@ import pytest
 from click.testing import CliRunner
 from telemetry_records import JOB, hello, step
 
-from gpuwatch.agent.cli import main
-from gpuwatch.agent.telemetry.schema import EXPORTED_ENV, MAX_EXPORTED_ENV_VALUE_CHARS
+from gpuwatch.cli.main import main
+from gpuwatch.protocol.schema import EXPORTED_ENV, MAX_EXPORTED_ENV_VALUE_CHARS
 from gpuwatch.trainer.telemetry import TelemetryClient
 
 from conftest import wait_until

@@ -11,8 +11,8 @@ import torch
 from click.testing import CliRunner
 from hooks_helpers import ManualClock
 
-from gpuwatch.agent.cli import main
-from gpuwatch.agent.telemetry.schema import COLLECTIVE_BUCKETS, decode, encode
+from gpuwatch.cli.main import main
+from gpuwatch.protocol.schema import COLLECTIVE_BUCKETS, decode, encode
 from gpuwatch.trainer import hooks
 from gpuwatch.trainer.hooks import memory
 from gpuwatch.trainer.hooks import monitor as monitor_module

@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -35,6 +34,7 @@ def test_gpuwatch_train_reports_every_signal_of_every_rank_to_the_agent(start_ag
     """tp 2 × pp 2 × dp 2, 1F1B over 4 micro-batches, with duplicated data shards on purpose."""
     agent = start_agent(*AGENT)
     job, steps = "hooks-e2e", 4
+    started = time.time()
     run = subprocess.run(
         [sys.executable, "-m", "gpuwatch.trainer.cli", *TINY_OPTIONS, "--steps", str(steps), "--job", job,
          "--grad-similarity-every", "2", "--checksum-every", "2", "--fault", "duplicate-shards",
@@ -82,7 +82,8 @@ def test_gpuwatch_train_reports_every_signal_of_every_rank_to_the_agent(start_ag
     assert all(value > 0 for value in series("gpuwatch_train_model_flops_per_second").values())
     assert "gpuwatch_train_mfu_ratio{" not in text  # no known peak on a CPU
     assert all(value > 50 << 20 for value in series("gpuwatch_train_memory_peak_bytes", kind="host_rss").values())
-    assert all(time.time() - value < 60 for value in series("gpuwatch_train_last_step_timestamp_seconds").values())
+    last_steps = series("gpuwatch_train_last_step_timestamp_seconds").values()
+    assert all(started <= value <= time.time() for value in last_steps)  # Unix time, of this run
 
     # Every DP rank read the same data: local gradients equal the mean, the cosine is 1.
     assert all(abs(value - 1) < 1e-6 for value in series("gpuwatch_train_grad_cosine_similarity").values())
@@ -103,31 +104,34 @@ def test_gpuwatch_train_reports_every_signal_of_every_rank_to_the_agent(start_ag
     assert all([r["kind"] for r in records] == ["hello"] + ["step"] * steps for records in runs.values())
 
 
-def test_gpipe_bubble_with_one_micro_batch_is_far_above_eight(start_agent, tmp_path, monkeypatch):
-    """Two stages on two ranks (no more ranks than this machine's two cores, or stages would also idle
-    queueing for a core): theory says 1/2 for m = 1 and 1/9 for m = 8."""
+def test_a_real_gpipe_run_reports_a_consistent_bubble_for_every_stage_and_step(start_agent, tmp_path, monkeypatch):
+    """Two stages, with m = 1 and m = 8 micro-batches. How much a real run idles depends on the machine and its
+    load, so this checks structure only: the theory for m, the four fields on every step, a bubble strictly
+    inside (0, 1) (every stage computes, and waits for its peer: causality, not speed), and the exported
+    gauges equal to the last records. The measured bubble against the theory: tests/test_hooks_pipeline.py."""
     agent = start_agent(*AGENT)
     monkeypatch.setenv("GPUWATCH_SOCKET", str(agent.telemetry_socket))
-    model = ModelConfig(vocab_size=64, seq_len=64, hidden=128, heads=4, layers=4)
-    medians = {}
-    for m in (1, 8):
-        cfg = TrainConfig(model=model, pp=2, micro_batches=m, schedule="gpipe", global_batch=64, steps=5,
-                          telemetry=True, job=f"bubble-m{m}", run_log=str(tmp_path / f"m{m}"))
+    steps = 3
+    for m, theory in ((1, 1 / 2), (8, 1 / 9)):
+        job = f"bubble-m{m}"
+        cfg = TrainConfig(model=TINY, pp=2, micro_batches=m, schedule="gpipe", global_batch=8, steps=steps,
+                          telemetry=True, job=job, run_log=str(tmp_path / job))
         launch(train, cfg.world_size, cfg, device="cpu", timeout=120)
-        runs = read_run_log(tmp_path / f"m{m}")
-        medians[m] = {rank: statistics.median(r["pipeline"]["bubble_ratio"] for r in records[2:])  # warmed up
-                      for rank, records in runs.items()}
-    for m in (1, 8):
-        wait_for_step(agent, f"bubble-m{m}", ranks=2, step=5)
-    text = agent.get("/metrics").decode()
-    for stage in (0, 1):
-        assert by_rank(text, "gpuwatch_train_pipeline_bubble_ratio_theoretical", "bubble-m1")[stage] == 1 / 2
-        assert by_rank(text, "gpuwatch_train_pipeline_bubble_ratio_theoretical", "bubble-m8")[stage] == 1 / 9
-        last_m1 = by_rank(text, "gpuwatch_train_pipeline_bubble_ratio", "bubble-m1")[stage]
-        last_m8 = by_rank(text, "gpuwatch_train_pipeline_bubble_ratio", "bubble-m8")[stage]
-        assert last_m1 > last_m8
-        assert abs(medians[1][stage] - 1 / 2) < 0.1  # every stage's window closes at the same end
-        assert medians[8][stage] < medians[1][stage] - 0.15, medians
+        runs = read_run_log(tmp_path / job)
+        wait_for_step(agent, job, ranks=2, step=steps)
+        text = agent.get("/metrics").decode()
+        assert by_rank(text, "gpuwatch_train_pipeline_bubble_ratio_theoretical", job) == {0: theory, 1: theory}
+        exported = by_rank(text, "gpuwatch_train_pipeline_bubble_ratio", job)
+        assert sorted(runs) == sorted(exported) == [0, 1]
+        for stage, records in runs.items():
+            pipelines = [record["pipeline"] for record in records if record["kind"] == "step"]
+            assert len(pipelines) == steps
+            for pipeline in pipelines:
+                assert pipeline["bubble_ratio_theoretical"] == theory
+                assert pipeline["busy_seconds"] > 0 and pipeline["idle_seconds"] > 0
+                window = pipeline["busy_seconds"] + pipeline["idle_seconds"]
+                assert pipeline["bubble_ratio"] == pytest.approx(pipeline["idle_seconds"] / window)
+            assert exported[stage] == pipelines[-1]["bubble_ratio"]
 
 
 def _local_gradients_and_cosines(device, cfg: TrainConfig):

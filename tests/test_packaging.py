@@ -22,7 +22,7 @@ def test_every_package_folder_is_listed_under_the_gpuwatch_name():
 
 def test_console_script_points_at_the_cli():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts == {"gpuwatch": "gpuwatch.agent.cli:main"}
+    assert scripts == {"gpuwatch": "gpuwatch.cli.main:main"}
 
 
 def test_agent_dependencies_exclude_torch_and_deprecated_pynvml():

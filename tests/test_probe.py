@@ -10,13 +10,15 @@ import sys
 
 import pytest
 from click.testing import CliRunner
-from diagnose_facts import node, port
 from telemetry_records import samples
 
-from gpuwatch.agent.cli import main
-from gpuwatch.agent.diagnosis.facts import NvlinkFacts
-from gpuwatch.agent.telemetry.schema import MAX_RECORD_BYTES, decode, encode
-from gpuwatch.trainer.probe import Measurement, Result, bus_factor, classify, element_count, probe_record, sweep
+from gpuwatch.agent.simulate import PRESETS
+from gpuwatch.agent.simulate.sysfs import SimulatedSysfs
+from gpuwatch.cli.main import main
+from gpuwatch.protocol.interconnect import NodeLinks, classify
+from gpuwatch.protocol.schema import MAX_RECORD_BYTES, decode, encode
+from gpuwatch.trainer import probe
+from gpuwatch.trainer.probe import Measurement, Result, bus_factor, element_count, probe_record, sweep
 
 from conftest import wait_until
 
@@ -46,33 +48,40 @@ def test_sweep_sizes_and_element_counts():
     assert element_count("reduce_scatter", 4, 2) == 0  # too small to split: the size is skipped
 
 
-NVLINK_NODE = node()  # 8 GPUs with 18 NVLinks each, 4 active NDR InfiniBand ports
-ROCE_NODE = node(ib_ports=[port("mlx5_0", link_layer="Ethernet"), port("mlx5_1", "DOWN")])
+NVLINK_NODE = NodeLinks(nvlink_up=True, active_link_layers=frozenset({"InfiniBand"}))  # a DGX: NVLink, NDR ports
+ROCE_NODE = NodeLinks(nvlink_up=True, active_link_layers=frozenset({"Ethernet"}))
 
 
 ONE, TWO = ["a", "a"], ["a", "b"]  # the ranks' hosts: one node, two nodes
 
 
-@pytest.mark.parametrize(("backend", "hosts", "env", "facts", "expected"), [
+@pytest.mark.parametrize(("backend", "hosts", "env", "links", "expected"), [
     ("gloo", ONE, {}, None, "loopback"),
     ("gloo", ["a", "b", "c", "d"], {}, None, "socket"),
     ("nccl", ["a"], {}, NVLINK_NODE, "loopback"),  # one rank: nothing crosses a link, busbw is 0
     ("nccl", ONE, {}, NVLINK_NODE, "nvlink"),
     ("nccl", ONE, {"NCCL_P2P_DISABLE": "1"}, NVLINK_NODE, "pcie"),
-    ("nccl", ONE, {}, node(nvlinks=[NvlinkFacts(0, 4, (0, 1, 2, 3))]), "pcie"),  # links exist, all down
-    ("nccl", ONE, {}, node(nvlinks=None), "unknown"),
+    ("nccl", ONE, {}, NodeLinks(nvlink_up=False, active_link_layers=frozenset()), "pcie"),  # links all down
+    ("nccl", ONE, {}, NodeLinks(nvlink_up=None, active_link_layers=None), "unknown"),
     ("nccl", TWO, {}, NVLINK_NODE, "infiniband"),
     ("nccl", TWO, {"NCCL_IB_DISABLE": "0"}, NVLINK_NODE, "infiniband"),
     ("nccl", TWO, {"NCCL_IB_DISABLE": "1"}, NVLINK_NODE, "socket"),
     ("nccl", TWO, {"NCCL_NET": "Socket"}, NVLINK_NODE, "socket"),
     ("nccl", TWO, {"NCCL_NET": "AWS Libfabric"}, NVLINK_NODE, "unknown"),
     ("nccl", TWO, {}, ROCE_NODE, "roce"),
-    ("nccl", TWO, {}, node(ib_ports=[port("mlx5_0", "DOWN")]), "socket"),
-    ("nccl", TWO, {}, node(ib_ports=None), "unknown"),
+    ("nccl", TWO, {}, NodeLinks(nvlink_up=True, active_link_layers=frozenset()), "socket"),  # no port ACTIVE
+    ("nccl", TWO, {}, NodeLinks(nvlink_up=True, active_link_layers=None), "unknown"),
     ("nccl", TWO, {}, None, "unknown"),
 ])
-def test_classify_names_the_path_honestly(backend, hosts, env, facts, expected):
-    assert classify(backend, hosts, env, facts) == expected
+def test_classify_names_the_path_honestly(backend, hosts, env, links, expected):
+    assert classify(backend, hosts, env, links) == expected
+
+
+def test_the_probe_reads_its_node_links_with_the_agents_collectors(tmp_path):
+    """A simulated DGX H100's sysfs: 8 active InfiniBand ports read as such; no NVML driver here, NVLink unknown."""
+    sysfs = SimulatedSysfs(PRESETS["dgx-h100"], tmp_path / "sys")
+    links = probe._node_links(sysfs.root)
+    assert links.active_link_layers == frozenset({"InfiniBand"})
 
 
 def test_largest_probe_record_fits_one_datagram():
@@ -91,7 +100,7 @@ def test_largest_probe_record_fits_one_datagram():
 def test_probe_is_listed_and_helps_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"  # any import of torch would now raise
             "from click.testing import CliRunner\n"
-            "from gpuwatch.agent.cli import main\n"
+            "from gpuwatch.cli.main import main\n"
             "listing = CliRunner().invoke(main, ['--help'])\n"
             "assert listing.exit_code == 0 and 'probe' in listing.output, listing.output\n"
             "result = CliRunner().invoke(main, ['probe', '--help'])\n"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from telemetry_records import JOB, hello, probe
 
-from gpuwatch.agent.telemetry.schema import MAX_PROBE_RESULTS, RecordRejected, decode, encode
 from gpuwatch.agent.telemetry.store import TelemetryStore, probe_peaks
+from gpuwatch.protocol.schema import MAX_PROBE_RESULTS, RecordRejected, decode, encode
 
 
 def _rejected(record: dict) -> tuple[str, str]:

@@ -18,9 +18,9 @@ import pytest
 from click.testing import CliRunner
 from telemetry_records import hello, samples
 
-from gpuwatch.agent.cli import main
 from gpuwatch.agent.telemetry import listener
-from gpuwatch.agent.telemetry.schema import encode
+from gpuwatch.cli.main import main
+from gpuwatch.protocol.schema import encode
 
 from conftest import FIXTURES, AgentProcess, wait_until
 

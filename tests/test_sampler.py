@@ -3,13 +3,15 @@
 import gzip
 import json
 import threading
-import time
 
 from prometheus_client.core import GaugeMetricFamily
 
+from gpuwatch.agent import sampler as sampler_module
 from gpuwatch.agent.collectors.base import Collector, CollectorContext, CollectorResult, DeferredFamilies
 from gpuwatch.agent.sampler import Sampler
 from gpuwatch.agent.snapshot import ScrapeClock
+
+from conftest import wait_until
 
 
 class _Good(Collector):
@@ -41,7 +43,9 @@ class _Hung(Collector):
         return CollectorResult([GaugeMetricFamily("gpuwatch_hung_value", "Hung.", value=1)])
 
 
-def _sampler(*collectors, deadline=0.2):
+def _sampler(*collectors, deadline=10.0):
+    """A round waits at most `deadline` for its collectors: generous, so a loaded machine never makes a healthy
+    collector miss it; only a hung one waits it out."""
     return Sampler(collectors, interval=1.0, deadline=deadline, node="n1", mode="simulated")
 
 
@@ -64,38 +68,52 @@ def test_failing_collector_is_down_with_its_error_and_others_are_served():
 def test_hung_collector_misses_deadline_then_is_not_resubmitted_until_it_returns():
     context = CollectorContext()
     hung = _Hung(context)
-    sampler = _sampler(_Good(context), hung)
+    # The first round waits the whole deadline for the hung one: 1 s, still ample for the healthy one under load.
+    sampler = _sampler(_Good(context), hung, deadline=1.0)
     try:
-        started = time.monotonic()
         first = sampler.sample_once()
-        assert time.monotonic() - started < 2.0
-        assert first.collectors["hung"].up is False
+        assert first.collectors["hung"].up is False  # returned before the hung call's 10 s: the deadline cut it
         assert "timed out" in first.collectors["hung"].last_error
         assert first.collectors["good"].up is True
         second = sampler.sample_once()
         assert second.collectors["hung"].last_error == "still blocked in a previous collection"
         assert hung.calls == 1  # no pile-up of threads behind a stuck call
         hung.release.set()
-        time.sleep(0.05)
-        third = sampler.sample_once()
-        assert third.collectors["hung"].up is True
+        third = wait_until(lambda: (snapshot := sampler.sample_once()).collectors["hung"].up and snapshot,
+                           what="the released collector back up")
         assert "gpuwatch_hung_value 1.0" in third.metrics_text.decode()
+        assert hung.calls == 2  # submitted again only once the stuck call had returned
     finally:
         hung.release.set()
         sampler.close()
 
 
+class _Counting(_Good):
+    """Counts the rounds it was collected in."""
+
+    def __init__(self, context):
+        super().__init__(context)
+        self.calls = 0
+
+    def collect(self):
+        self.calls += 1
+        return super().collect()
+
+
 def test_run_loop_samples_on_interval_and_stops():
-    context = CollectorContext()
-    sampler = Sampler([_Good(context)], interval=0.05, deadline=0.5, node="n", mode="real")
+    collector = _Counting(CollectorContext())
+    sampler = Sampler([collector], interval=0.05, deadline=10.0, node="n", mode="real")
     thread = threading.Thread(target=sampler.run)
     thread.start()
-    time.sleep(0.3)
-    sampler.stop()
-    thread.join(2)
+    try:
+        wait_until(lambda: collector.calls >= 3, what="three sampling rounds")
+        assert "gpuwatch_good_value" in sampler.snapshot.metrics_text.decode()
+    finally:
+        sampler.stop()
+        thread.join(30)
+        sampler.close()
     assert not thread.is_alive()
     assert sampler.snapshot.timestamp > 0
-    assert "gpuwatch_good_value" in sampler.snapshot.metrics_text.decode()
 
 
 class _Deferred(Collector):
@@ -151,14 +169,19 @@ def test_scrape_clock_expects_the_next_scrape_at_the_last_gap():
     assert not scrapes.due_within(1.0)  # gone for more than two gaps: stop rendering ahead
 
 
-def test_the_round_a_regular_scraper_will_read_is_rendered_before_it_asks():
+def test_the_round_a_regular_scraper_will_read_is_rendered_before_it_asks(monkeypatch):
+    """Scrapes 0.05 s apart on the sampler's scrape clock (scripted) at a 0.05 s interval: the next round is due."""
+    clock = _Clock()
+    monkeypatch.setattr(sampler_module, "ScrapeClock", lambda: ScrapeClock(clock))
     collector = _Deferred(CollectorContext())
-    sampler = Sampler([collector], interval=0.05, node="n1", mode="simulated")
+    sampler = Sampler([collector], interval=0.05, deadline=10.0, node="n1", mode="simulated")
     for _ in range(2):
-        assert sampler.sample_once().metrics_gzip  # two scrapes about 0.05 s apart: one per round
-        time.sleep(0.05)
+        assert sampler.sample_once().metrics_gzip  # two scrapes 0.05 s apart: one per round
+        clock.now += 0.05
     builds = collector.builds
     ahead = sampler.sample_once()
     assert collector.builds == builds + 1 and "_gzip" in vars(ahead)  # rendered and compressed in the round
     assert b"gpuwatch_deferred_value" in gzip.decompress(ahead.metrics_gzip)
     assert collector.builds == builds + 1
+    clock.now += 10  # the scraper went away: rounds are no longer rendered ahead
+    assert "_gzip" not in vars(sampler.sample_once())

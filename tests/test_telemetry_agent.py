@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from telemetry_records import JOB, coordinates, hello, samples, step
 
-from gpuwatch.agent.telemetry.schema import MAX_RECORD_BYTES, encode
 from gpuwatch.agent.telemetry.store import TelemetryStore
+from gpuwatch.protocol.schema import MAX_RECORD_BYTES, encode
 from gpuwatch.trainer.telemetry import TelemetryClient
 
 from conftest import require_tool, wait_until

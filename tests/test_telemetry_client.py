@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from telemetry_records import hello, step
 
-from gpuwatch.agent.telemetry.paths import SYSTEM_SOCKET, default_socket_path, socket_path_candidates
-from gpuwatch.agent.telemetry.schema import MAX_RECORD_BYTES
+from gpuwatch.protocol.paths import SYSTEM_SOCKET, default_socket_path, socket_path_candidates
+from gpuwatch.protocol.schema import MAX_RECORD_BYTES
 from gpuwatch.trainer.telemetry import (
     BACKLOG_RECORDS,
     INBOX_RECORDS,
@@ -287,7 +287,7 @@ def test_a_root_agents_socket_the_rank_may_not_look_at_is_still_chosen(monkeypat
         return lstat(path)
 
     monkeypatch.setattr(Path, "lstat", no_access)
-    monkeypatch.setattr("gpuwatch.agent.telemetry.paths.SYSTEM_SOCKET", system)
+    monkeypatch.setattr("gpuwatch.protocol.paths.SYSTEM_SOCKET", system)
     monkeypatch.delenv("GPUWATCH_SOCKET", raising=False)
     assert TelemetryClient(heartbeat_interval=0).socket_path == system
 

@@ -15,9 +15,9 @@ from telemetry_records import JOB, collectives, coordinates, hello, samples, ste
 from gpuwatch.agent.collectors.base import CollectorContext, CollectorError
 from gpuwatch.agent.collectors.telemetry import RankSeries, TelemetryCollector, families
 from gpuwatch.agent.exposition import Renderer
-from gpuwatch.agent.telemetry.schema import encode
 from gpuwatch.agent.telemetry.store import TelemetryStore
 from gpuwatch.agent.telemetry.window import WINDOW_SECONDS, WINDOW_STEPS, StepWindow, summarize
+from gpuwatch.protocol.schema import encode
 from gpuwatch.trainer.telemetry import TelemetryClient
 
 from conftest import require_tool, wait_until

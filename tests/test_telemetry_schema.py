@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from telemetry_records import hello, step
 
-from gpuwatch.agent.telemetry.schema import (
+from gpuwatch.agent.telemetry.store import TelemetryStore
+from gpuwatch.protocol.schema import (
     COLLECTIVE_BUCKETS,
     MAX_RECORD_BYTES,
     REJECT_REASONS,
@@ -18,7 +19,6 @@ from gpuwatch.agent.telemetry.schema import (
     encode,
     env_name_allowed,
 )
-from gpuwatch.agent.telemetry.store import TelemetryStore
 
 
 def _reason(datagram: bytes) -> tuple[str, str]:

@@ -7,7 +7,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from gpuwatch.agent.cli import main
+from gpuwatch.cli.main import main
 
 TINY = ["--layers", "2", "--heads", "2", "--hidden", "16", "--seq-len", "8", "--vocab", "32",
         "--global-batch", "8", "--steps", "3"]

@@ -3,8 +3,8 @@ its docstring says, and listed in every rank's hello. Diagnosis of real faulty r
 
 import json
 import math
-import time
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -65,18 +65,60 @@ def test_cli_refuses_a_fault_rank_without_its_fault_and_lists_every_fault():
     assert all("".join(f"{name}: {what}".split()) in help_text for name, what in FAULTS.items())
 
 
-def test_only_the_slow_rank_stretches_its_passes_to_slowdown_times_their_cpu_time():
+class _ScriptedTime:
+    """Stands in for the `time` module as gpuwatch.trainer.faults uses it: its clocks return scripted readings
+    and its sleep only records what it was asked for, so a pass's stretch is exact, whatever the machine's load.
+    `log` keeps the order of clock readings, sleeps and (on a GPU) device synchronisations."""
+
+    def __init__(self, thread_time: Iterable[float] = (), perf_counter: Iterable[float] = ()) -> None:
+        self._readings = {"thread_time": iter(thread_time), "perf_counter": iter(perf_counter)}
+        self.log: list[str] = []
+        self.slept: list[float] = []
+
+    def _read(self, clock: str) -> float:
+        self.log.append(clock)
+        return next(self._readings[clock])  # StopIteration: the pass read a clock it should not
+
+    def thread_time(self) -> float:
+        return self._read("thread_time")
+
+    def perf_counter(self) -> float:
+        return self._read("perf_counter")
+
+    def sleep(self, seconds: float) -> None:
+        self.log.append("sleep")
+        self.slept.append(seconds)
+
+
+def _two_passes(slow: Callable[[], AbstractContextManager]) -> None:
+    for _ in range(2):
+        with slow():
+            pass
+
+
+def test_only_the_slow_rank_stretches_its_passes_to_slowdown_times_their_cpu_time(monkeypatch):
+    """Each pass sleeps SLOWDOWN - 1 times the thread CPU time it used, so it takes SLOWDOWN times as long; the
+    time between passes (waits for peers) is not stretched. Scripted clocks: the figures are exact."""
     grid = SimpleNamespace(rank=1)
     assert faults.slow_passes(config(dp=2, faults=("slow-rank",), fault_rank=0), grid, torch.device("cpu")) \
         is nullcontext
     slow = faults.slow_passes(config(dp=2, faults=("slow-rank",)), grid, torch.device("cpu"))
-    wall, cpu = time.perf_counter(), time.thread_time()
-    with slow():
-        deadline = time.thread_time() + 0.02
-        while time.thread_time() < deadline:  # 20 ms of CPU work
-            pass
-    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
-    assert wall >= faults.SLOWDOWN * cpu * 0.95
+    scripted = _ScriptedTime(thread_time=[10.0, 10.25, 11.0, 11.5])  # passes of 0.25 s and 0.5 s of CPU
+    monkeypatch.setattr(faults, "time", scripted)
+    _two_passes(slow)
+    assert scripted.slept == [(faults.SLOWDOWN - 1) * 0.25, (faults.SLOWDOWN - 1) * 0.5]
+    assert scripted.log == ["thread_time", "thread_time", "sleep"] * 2  # CPU time only: no wall clock
+
+
+def test_on_a_gpu_the_slow_rank_stretches_its_passes_by_their_wall_time_once_the_device_is_done(monkeypatch):
+    """On a GPU the host runs ahead of the device: each reading of the wall clock follows a synchronisation."""
+    slow = faults.slow_passes(config(dp=2, faults=("slow-rank",)), SimpleNamespace(rank=1), torch.device("cuda"))
+    scripted = _ScriptedTime(perf_counter=[5.0, 5.125, 6.0, 6.25])
+    monkeypatch.setattr(faults, "time", scripted)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: scripted.log.append("synchronize"))
+    _two_passes(slow)
+    assert scripted.slept == [(faults.SLOWDOWN - 1) * 0.125, (faults.SLOWDOWN - 1) * 0.25]
+    assert scripted.log == ["synchronize", "perf_counter", "synchronize", "perf_counter", "sleep"] * 2
 
 
 def test_duplicate_shards_give_every_replica_the_first_slice():

@@ -24,8 +24,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from gpuwatch.agent import webconfig
-from gpuwatch.agent.cli import main
 from gpuwatch.agent.webconfig import BasicAuth, WebConfigError
+from gpuwatch.cli.main import main
 
 from conftest import AgentProcess, free_port, require_tool, wait_until
 
@@ -310,7 +310,7 @@ def test_invalid_yaml_and_a_missing_file_fail_before_anything_starts(tmp_path):
     bad = tmp_path / "web.yml"
     bad.write_text("tls_server_config: [unclosed\n")
     for path, message in ((bad, "not valid YAML"), (tmp_path / "absent.yml", "cannot read")):
-        result = subprocess.run([sys.executable, "-m", "gpuwatch.agent.cli", "agent", "--web.config.file", str(path)],
+        result = subprocess.run([sys.executable, "-m", "gpuwatch.cli.main", "agent", "--web.config.file", str(path)],
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 1 and "Traceback" not in result.stderr
         (line,) = result.stderr.splitlines()

@@ -22,15 +22,14 @@ import functools
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from gpuwatch.agent.diagnosis.facts import NodeFacts
-from gpuwatch.agent.diagnosis.rules.common import env_flag
-from gpuwatch.agent.telemetry.schema import (
+from gpuwatch.protocol.interconnect import NodeLinks, classify
+from gpuwatch.protocol.schema import (
     MAX_PROBE_HOSTNAMES,
     MAX_PROBE_RESULTS,
     PROBE_OPS,
@@ -123,38 +122,6 @@ class Plan:
     sysfs_root: Path
 
 
-def classify(backend: str, hostnames: Sequence[str], env: Mapping[str, str], node: NodeFacts | None) -> str:
-    """The path one rank's traffic takes (the schema's INTERCONNECTS), given every rank's host. A lone rank
-    moves nothing between ranks: loopback. gloo moves data over TCP: through loopback on one host, sockets
-    between hosts. NCCL inside a node uses NVLink when the node's GPUs have links up and P2P is allowed, else
-    PCIe; between nodes its IB transport over the active InfiniBand or RoCE (link layer Ethernet) ports, or
-    sockets when IB is disabled or no port is active. ``node`` (this node's facts) is needed for NCCL only;
-    whatever cannot be known is "unknown"."""
-    nodes = len(set(hostnames))
-    if len(hostnames) == 1:
-        return "loopback"
-    if backend != "nccl":
-        return "loopback" if nodes == 1 else "socket"
-    if node is None:
-        return "unknown"
-    if nodes == 1:
-        nvlink = node.has_nvlink()
-        if nvlink is None:
-            return "unknown"
-        return "nvlink" if nvlink and not env_flag(env, "NCCL_P2P_DISABLE") else "pcie"
-    net = env.get("NCCL_NET", "").strip().lower()
-    if env_flag(env, "NCCL_IB_DISABLE") or net == "socket":
-        return "socket"
-    if net not in ("", "ib") or node.ib_ports is None:
-        return "unknown"  # a network plugin (EFA, ...) or unreadable ports
-    layers = {port.link_layer for port in node.active_ports()}
-    if "InfiniBand" in layers:
-        return "infiniband"
-    if "Ethernet" in layers:
-        return "roce"
-    return "unknown" if layers else "socket"
-
-
 # -- inside a rank ----------------------------------------------------------------------------------
 
 
@@ -200,14 +167,34 @@ def _agreed_path(backend: str, hostnames: list[str], sysfs_root: Path) -> str:
     """Every rank classifies its own path; ranks that disagree (mixed nodes) make it "unknown"."""
     import torch.distributed as dist
 
-    node = None
-    if backend == "nccl":
-        from gpuwatch.agent.diagnosis.sources import local
-
-        node = next(iter(local.collect(sysfs_root).nodes.values()))
+    node = _node_links(sysfs_root) if backend == "nccl" else None
     paths: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(paths, classify(backend, hostnames, os.environ, node))
     return paths[0] if len(set(paths)) == 1 else "unknown"
+
+
+def _node_links(sysfs_root: Path) -> NodeLinks:
+    """This node's NVLink and InfiniBand links, read by the agent's collectors (measurement only: no diagnosis);
+    a part that cannot be read here (no driver, no sysfs) is None."""
+    import pynvml
+
+    from gpuwatch.agent.collectors import REGISTRY, CollectorContext
+
+    context = CollectorContext(sysfs_root=sysfs_root, node=socket.gethostname(), nvml=pynvml)
+    readings = {}
+    for name in ("nvlink", "infiniband"):
+        collector = REGISTRY[name](context)
+        try:
+            readings[name] = collector.collect().readings
+        except Exception:  # a part this node cannot read stays unknown
+            readings[name] = None
+        finally:
+            collector.close()
+    links, ports = readings["nvlink"], readings["infiniband"]
+    return NodeLinks(
+        nvlink_up=None if links is None else any(link.up for link in links.links),
+        active_link_layers=None if ports is None else frozenset(
+            port.link_layer for port in ports.ports if port.state == "ACTIVE" and port.link_layer))
 
 
 def _collective(op: str, first: torch.Tensor, second: torch.Tensor, count: int, ranks: int) -> Callable[[], Any]:
@@ -278,7 +265,7 @@ def _rounded(value: float) -> float:
 
 
 def probe_record(measurement: Measurement, job: str) -> dict[str, Any]:
-    """The ``probe`` telemetry record (agent/telemetry/schema.py) of a measurement."""
+    """The ``probe`` telemetry record (protocol/schema.py) of a measurement."""
     m = measurement
     hosts = sorted(set(m.hostnames))
     return {

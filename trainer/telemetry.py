@@ -35,8 +35,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from gpuwatch.agent.telemetry.paths import socket_path_candidates
-from gpuwatch.agent.telemetry.schema import (
+from gpuwatch.protocol.paths import socket_path_candidates
+from gpuwatch.protocol.schema import (
     MAX_ENV_VALUE_CHARS,
     MAX_ENV_VARS,
     MAX_RECORD_BYTES,
@@ -113,7 +113,7 @@ class TelemetryClient:
     """Sends records to the node agent; ``sent``, ``dropped`` and ``drops`` (by reason) count them.
 
     ``socket_path`` defaults to ``GPUWATCH_SOCKET``, else the agent's well-known places
-    (``gpuwatch.agent.telemetry.paths``). ``run_log``, when given, receives every record as one
+    (``gpuwatch.protocol.paths``). ``run_log``, when given, receives every record as one
     JSON line, flushed, whether or not the agent got it: the post-mortem copy for diagnosis.
     ``heartbeat_interval=0`` turns the hello heartbeat off. ``send`` is safe to share between
     threads; ``submit`` is for one thread (the training loop's).
@@ -170,7 +170,7 @@ class TelemetryClient:
         return self._path
 
     def send(self, record: Mapping[str, Any]) -> None:
-        """Send one record (a dict as ``gpuwatch.agent.telemetry.schema`` describes); never raises."""
+        """Send one record (a dict as ``gpuwatch.protocol.schema`` describes); never raises."""
         try:
             self._send(record)
         except Exception as exc:  # a bug here must cost a record, never the training run

@@ -47,10 +47,10 @@ from gpuwatch.agent.collectors.base import (
 )
 from gpuwatch.agent.exposition import TextFamily, format_value, series_prefix
 from gpuwatch.agent.telemetry import listener
-from gpuwatch.agent.telemetry.paths import default_socket_path
-from gpuwatch.agent.telemetry.schema import COLLECTIVE_BUCKETS, EXPORTED_ENV, MAX_EXPORTED_ENV_VALUE_CHARS
 from gpuwatch.agent.telemetry.store import RankState, TelemetryStore, probe_peaks
 from gpuwatch.agent.telemetry.window import WINDOW_SECONDS, WINDOW_STEPS, summarize
+from gpuwatch.protocol.paths import default_socket_path
+from gpuwatch.protocol.schema import COLLECTIVE_BUCKETS, EXPORTED_ENV, MAX_EXPORTED_ENV_VALUE_CHARS
 
 log = logging.getLogger(__name__)
 

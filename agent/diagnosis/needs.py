@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 from gpuwatch.agent.diagnosis.facts import RATED_BY, Facts, RankFacts, describe_ranks, group_by, may_use_nccl
 from gpuwatch.agent.diagnosis.registry import Need
-from gpuwatch.agent.telemetry.schema import UNAVAILABLE_REASONS
 from gpuwatch.agent.telemetry.window import MIN_WINDOW_STEPS
+from gpuwatch.protocol.schema import UNAVAILABLE_REASONS
 
 
 def _node_part(part: str, what: str) -> Need:

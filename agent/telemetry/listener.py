@@ -23,8 +23,8 @@ import stat
 import struct
 from pathlib import Path
 
-from gpuwatch.agent.telemetry.paths import MAX_PATH_BYTES
-from gpuwatch.agent.telemetry.schema import MAX_RECORD_BYTES
+from gpuwatch.protocol.paths import MAX_PATH_BYTES
+from gpuwatch.protocol.schema import MAX_RECORD_BYTES
 
 log = logging.getLogger(__name__)
 

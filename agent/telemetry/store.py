@@ -20,7 +20,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gpuwatch.agent.telemetry.schema import (
+from gpuwatch.agent.telemetry.window import StepWindow
+from gpuwatch.protocol.schema import (
     CLIENT_DROP_REASONS,
     COLLECTIVE_BUCKETS,
     REJECT_REASONS,
@@ -28,7 +29,6 @@ from gpuwatch.agent.telemetry.schema import (
     RecordRejected,
     decode,
 )
-from gpuwatch.agent.telemetry.window import StepWindow
 
 DEFAULT_TTL = 120.0
 DEFAULT_MAX_RANKS = 1024

@@ -20,7 +20,7 @@ the time spent waiting on collectives, pipeline bubble (with a `PipelineClock` i
 learning rate, gradient cosine similarity and a parameter checksum every N steps (and why not, when
 one was due and could not be had), tokens, samples, model FLOP/s and MFU; once per rank a `hello`
 with its layout, process groups and their backends, build, GPU and environment. Records follow
-`gpuwatch.agent.telemetry.schema`; `examples/ddp_train.py` is a complete script, and
+`gpuwatch.protocol.schema`; `examples/ddp_train.py` is a complete script, and
 `gpuwatch.trainer.train` instruments the reference TP × PP × DP trainer.
 
 Nothing here blocks the training loop or raises into it: CUDA timings are events read once the

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpuwatch.agent.telemetry.schema import COLLECTIVE_BUCKETS, bucket_index
+from gpuwatch.protocol.schema import COLLECTIVE_BUCKETS, bucket_index
 from gpuwatch.trainer.hooks.clock import Clock, Mark
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpuwatch.agent.telemetry.schema import SCHEMA_VERSION
+from gpuwatch.protocol.schema import SCHEMA_VERSION
 from gpuwatch.trainer.telemetry import captured_environment
 
 #: Where the job id comes from when none is given, in order. torchrun's run id is "none" unless set.
@@ -120,7 +120,7 @@ def _cpus() -> int | None:
 
 
 def hello_record(job: str, layout: Layout, device: torch.device, faults: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The rank's `hello` (gpuwatch.agent.telemetry.schema): layout, build, GPU, environment, faults."""
+    """The rank's `hello` (gpuwatch.protocol.schema): layout, build, GPU, environment, faults."""
     record: dict[str, Any] = {
         "v": SCHEMA_VERSION, "kind": "hello", "job": job, "rank": layout.rank, "time": time.time(),
         "local_rank": layout.local_rank, "world_size": layout.world_size,

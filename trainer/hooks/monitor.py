@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
-from gpuwatch.agent.telemetry.schema import SCHEMA_VERSION
+from gpuwatch.protocol.schema import SCHEMA_VERSION
 from gpuwatch.trainer.hooks._safety import Failures, guarded
 from gpuwatch.trainer.hooks.clock import Clock, Mark, clock_for
 from gpuwatch.trainer.hooks.collectives import Call, exposed_seconds, histogram, resolve
@@ -237,7 +237,7 @@ class Monitor:
             self._clock.release(step.marks())
 
     def _record(self, step: Step) -> dict[str, Any] | None:
-        """The step record (gpuwatch.agent.telemetry.schema) of a resolved step."""
+        """The step record (gpuwatch.protocol.schema) of a resolved step."""
         clock = self._clock
         if step.start is None or step.end is None:
             return None

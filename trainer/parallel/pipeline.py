@@ -16,8 +16,8 @@ Neighbours exchange through comm.exchange, which posts each pair of transfers to
 steady state a stage sends its activation while receiving a gradient from the same neighbour, and
 two blocking sends facing each other would hang. Compute (_forward, _backward) and communication
 (_p2p) are separate methods, so what a stage spends busy and waiting can be measured apart: `run`
-takes the hooks' PipelineClock, which times every pass as busy and closes the stage's window when
-the schedule ends.
+takes a `StageClock` (the hooks' PipelineClock is one), which times every pass as busy and closes the
+stage's window when the schedule ends. The schedule knows only that small interface, not the hooks.
 """
 
 from __future__ import annotations
@@ -26,15 +26,40 @@ from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch.distributed import ProcessGroup
 
-from gpuwatch.trainer.hooks import OFF, PipelineClock
-from gpuwatch.trainer.hooks.off import Off
 from gpuwatch.trainer.model import GPTStage
 from gpuwatch.trainer.parallel import comm
 from gpuwatch.trainer.parallel.groups import Grid
+
+
+class StageClock(Protocol):
+    """Times one stage's schedule: `start` before it, `busy` around every forward and backward pass, `stop`
+    after it."""
+
+    def start(self) -> None: ...
+
+    def busy(self) -> AbstractContextManager[object]: ...
+
+    def stop(self) -> None: ...
+
+
+class _Untimed:
+    """The schedule run without a clock."""
+
+    def start(self) -> None:
+        pass
+
+    stop = start
+
+    def busy(self) -> AbstractContextManager[object]:
+        return nullcontext()
+
+
+UNTIMED = _Untimed()
 
 
 @dataclass(frozen=True)
@@ -63,10 +88,10 @@ class Pipeline:
         self.activation_shape, self.device, self.autocast, self.pace = activation_shape, device, autocast, pace
         self.group = grid.pp_group if group is None else group
         self.losses: list[torch.Tensor] = []
-        self.clock: PipelineClock | Off = OFF
+        self.clock: StageClock = UNTIMED
 
     def run(
-        self, batches: list[MicroBatch], loss_scale: float = 1.0, clock: PipelineClock | Off = OFF
+        self, batches: list[MicroBatch], loss_scale: float = 1.0, clock: StageClock = UNTIMED
     ) -> list[torch.Tensor]:
         """Forward and backward over all micro-batches; returns their losses (last stage, else empty).
 

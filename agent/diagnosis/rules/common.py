@@ -56,14 +56,6 @@ def env_scopes(facts: Facts, *, across_nodes: bool = False) -> list[EnvScope]:
     return scopes
 
 
-def env_flag(env: dict[str, str], name: str) -> bool:
-    """NCCL reads its switches as integers: set and non-zero means on."""
-    try:
-        return int(env.get(name, "0").strip() or "0") != 0
-    except ValueError:
-        return False
-
-
 def cpu_sharing(facts: Facts, ranks: Iterable[RankFacts]) -> list[Evidence]:
     """One line for each node where more of ``ranks`` (a job's) compute on the CPU than it has CPUs. There a
     rank that waits for a CPU looks slow or idle, so its timings measure the node's CPU shortage as much as

@@ -8,7 +8,8 @@ from collections.abc import Iterator
 from gpuwatch.agent.diagnosis import needs
 from gpuwatch.agent.diagnosis.facts import Facts, InterfaceFacts, Where, may_use_nccl
 from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
-from gpuwatch.agent.diagnosis.rules.common import capped, env_flag, env_scopes
+from gpuwatch.agent.diagnosis.rules.common import capped, env_scopes
+from gpuwatch.protocol.interconnect import env_flag
 
 FAMILY = "network config"
 #: Interfaces that only reach this host (NCCL itself skips them unless told to use them).

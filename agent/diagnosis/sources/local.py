@@ -15,7 +15,7 @@ from gpuwatch.agent.collectors import REGISTRY, CollectorContext
 from gpuwatch.agent.collectors.readings import NodeReadings
 from gpuwatch.agent.diagnosis.facts import Facts, SourceInfo
 from gpuwatch.agent.diagnosis.sources.collectors import PARTS, node_facts
-from gpuwatch.agent.telemetry.schema import env_name_allowed
+from gpuwatch.protocol.schema import env_name_allowed
 
 
 def collect(sysfs_root: Path = Path("/sys"), *, env: Mapping[str, str] | None = None) -> Facts:

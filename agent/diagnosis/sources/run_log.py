@@ -16,8 +16,8 @@ from pathlib import Path
 from gpuwatch.agent.diagnosis.facts import Facts, History, SourceInfo
 from gpuwatch.agent.diagnosis.sources import SourceError
 from gpuwatch.agent.diagnosis.sources.telemetry import bandwidth, rank_facts
-from gpuwatch.agent.telemetry.schema import MAX_RANK, RecordRejected, decode
 from gpuwatch.agent.telemetry.store import TelemetryStore
+from gpuwatch.protocol.schema import MAX_RANK, RecordRejected, decode
 
 #: Steps of history kept per rank and series (the latest ones); bounds memory on very long runs.
 HISTORY_LIMIT = 20_000

@@ -16,9 +16,9 @@ from gpuwatch.agent.diagnosis.facts import (
     Sampled,
     StepFacts,
 )
-from gpuwatch.agent.telemetry.schema import COLLECTIVE_BUCKETS
 from gpuwatch.agent.telemetry.store import probe_peaks
 from gpuwatch.agent.telemetry.window import StepPoint, summarize
+from gpuwatch.protocol.schema import COLLECTIVE_BUCKETS
 
 
 def histogram_quantile(quantile: float, buckets: Sequence[int]) -> float | None:

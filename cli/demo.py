@@ -116,7 +116,7 @@ class _Demo:
 
     def start_agent(self, simulate: bool) -> None:
         log = (self.workdir / "agent.log").open("w")
-        command = [sys.executable, "-m", "gpuwatch.agent.cli", "agent", "--listen", f"127.0.0.1:{self.port}",
+        command = [sys.executable, "-m", "gpuwatch.cli.main", "agent", "--listen", f"127.0.0.1:{self.port}",
                    "--interval", "1", "--log-level", "warning", *(["--simulate", "dgx-h100"] if simulate else [])]
         with log:
             self.agent = self._spawn(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
@@ -136,7 +136,7 @@ class _Demo:
 
     def train(self, options: list[str], steps: int) -> None:
         """Run the job, a progress bar fed by its ``step N/M`` lines; its output is kept for a failure report."""
-        command = [sys.executable, "-m", "gpuwatch.agent.cli", "train", "--job", JOB, "--steps", str(steps),
+        command = [sys.executable, "-m", "gpuwatch.cli.main", "train", "--job", JOB, "--steps", str(steps),
                    "--telemetry-socket", str(self.socket), *options]
         self.trainer = self._spawn(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True, bufsize=1)
@@ -202,7 +202,7 @@ def _trainer_options(fault: str, tp: int, pp: int, dp: int) -> list[str]:
 
 
 def _diagnose(url: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "gpuwatch.agent.cli", "diagnose", "--agent", url,
+    result = subprocess.run([sys.executable, "-m", "gpuwatch.cli.main", "diagnose", "--agent", url,
                              "--fail-on", "never"], capture_output=True, text=True, timeout=120)
     if result.returncode != 0:
         raise DemoError(f"gpuwatch diagnose --agent {url} failed with status {result.returncode}:\n"

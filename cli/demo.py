@@ -28,7 +28,7 @@ from typing import IO
 
 import click
 
-from gpuwatch.trainer.config import FAULTS
+from gpuwatch.trainer.config import FAULTS, gpus_present
 
 #: The rule each planted fault is meant to trip (what the demo tells the user to look for).
 EXPECTED_RULE = {
@@ -47,22 +47,6 @@ class DemoError(click.ClickException):
 
 class _Terminated(Exception):
     """SIGTERM, turned into an exception so that cleanup runs as for Ctrl-C."""
-
-
-def gpus_present() -> bool:
-    """Whether NVML initialises and sees a GPU: a cheap probe, no device is touched."""
-    import pynvml
-
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return False
-    try:
-        return pynvml.nvmlDeviceGetCount() > 0
-    except pynvml.NVMLError:
-        return False
-    finally:
-        pynvml.nvmlShutdown()
 
 
 def _port(requested: int | None) -> int:
@@ -140,6 +124,7 @@ class _Demo:
                    "--telemetry-socket", str(self.socket), *options]
         self.trainer = self._spawn(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True, bufsize=1)
+        assert self.trainer.stdout is not None, "spawned with stdout=PIPE"
         tail = _follow(self.trainer.stdout, steps)
         if self.trainer.wait() != 0:
             raise DemoError(f"the training job failed with status {self.trainer.returncode}:\n" + "".join(tail))
@@ -214,6 +199,7 @@ def _next_steps(url: str, port: int, kept: _Demo | None) -> None:
     if kept is None:
         click.echo("\nThe agent has stopped. With --keep-agent it keeps running for Prometheus and Grafana:")
     else:
+        assert kept.agent is not None, "the demo ran to the end, so it started the agent"
         pid = kept.agent.pid
         click.echo(f"\nThe agent keeps running (pid {pid}; stop it with: kill {pid}); train against it with\n"
                    f"  GPUWATCH_SOCKET={kept.socket} gpuwatch train --fault NAME")

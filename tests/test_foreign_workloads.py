@@ -116,30 +116,23 @@ def test_a_sleeping_rank_is_named_as_the_straggler(runs, script, nproc, fault_ra
     assert ranks_named(straggler) == {run.workload.slow_rank}, straggler
 
 
-SAME_DATA = [("ddp_tutorial", 2), ("grad_accumulation", 2), ("tiny_lm", 3)]
+#: (user-style bug, the rule that must name it on every rank, script, ranks): the same data on every rank (a sampler
+#: without its replicas, the rank left out of a seed) is a duplicated shard; a loss over a single logit (loss 0,
+#: gradients 0) is a model that does not learn.
+EVERY_RANK = [("same-data", "CONV004", "ddp_tutorial", 2), ("same-data", "CONV004", "grad_accumulation", 2),
+              ("same-data", "CONV004", "tiny_lm", 3), ("bad-loss-shape", "CONV006", "ddp_tutorial", 1),
+              ("bad-loss-shape", "CONV006", "grad_accumulation", 2), ("bad-loss-shape", "CONV006", "tiny_lm", 2)]
 
 
 @pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize(("script", "nproc"), SAME_DATA, ids=[f"{s}-{n}" for s, n in SAME_DATA])
-def test_every_rank_on_the_same_data_is_a_duplicated_shard(runs, script, nproc, source):
-    run = runs(script, nproc, "same-data")
+@pytest.mark.parametrize(("fault", "code", "script", "nproc"), EVERY_RANK,
+                         ids=[f"{f}-{s}-{n}" for f, _, s, n in EVERY_RANK])
+def test_a_bug_of_every_rank_is_named_on_every_rank(runs, fault, code, script, nproc, source):
+    run = runs(script, nproc, fault)
     diagnosis = _judged(run, source)
     found = diagnosis.serious()
-    assert "CONV004" in found, diagnosis.describe()
-    assert set().union(*map(ranks_named, found["CONV004"])) == set(range(nproc)), found["CONV004"]
-
-
-BAD_LOSS = [("ddp_tutorial", 1), ("grad_accumulation", 2), ("tiny_lm", 2)]
-
-
-@pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize(("script", "nproc"), BAD_LOSS, ids=[f"{s}-{n}" for s, n in BAD_LOSS])
-def test_a_loss_over_a_single_logit_is_a_model_that_does_not_learn(runs, script, nproc, source):
-    run = runs(script, nproc, "bad-loss-shape")
-    diagnosis = _judged(run, source)
-    found = diagnosis.serious()
-    assert "CONV006" in found, diagnosis.describe()
-    assert set().union(*map(ranks_named, found["CONV006"])) == set(range(nproc)), found["CONV006"]
+    assert code in found, diagnosis.describe()
+    assert set().union(*map(ranks_named, found[code])) == set(range(nproc)), found[code]
 
 
 @pytest.mark.parametrize("source", SOURCES)

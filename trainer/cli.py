@@ -19,6 +19,7 @@ from gpuwatch.trainer.config import (
     ConfigError,
     ModelConfig,
     TrainConfig,
+    gpus_present,
     torchrun_world_size,
 )
 
@@ -110,21 +111,10 @@ def train(**options) -> None:
 
 
 def _cuda_possible() -> bool:
-    """Whether `--device auto` can land on a GPU: a CUDA build of torch on a machine whose NVML sees a GPU. Asked
-    of NVML, not CUDA: the fork launcher must not initialise CUDA in the parent."""
-    import pynvml
+    """Whether `--device auto` can land on a GPU: a CUDA build of torch on a machine with a GPU."""
     import torch
 
-    if torch.version.cuda is None:
-        return False
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return False
-    try:
-        return pynvml.nvmlDeviceGetCount() > 0
-    finally:
-        pynvml.nvmlShutdown()
+    return torch.version.cuda is not None and gpus_present()
 
 
 if __name__ == "__main__":

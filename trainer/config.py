@@ -164,3 +164,20 @@ def torchrun_world_size() -> int | None:
     if all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
         return int(os.environ["WORLD_SIZE"])
     return None
+
+
+def gpus_present() -> bool:
+    """Whether NVML initialises and sees a GPU: asked of the driver's management library, so CUDA stays
+    uninitialised (the fork launcher forks after this) and torch is not imported."""
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return False
+    try:
+        return pynvml.nvmlDeviceGetCount() > 0
+    except pynvml.NVMLError:
+        return False
+    finally:
+        pynvml.nvmlShutdown()

@@ -9,8 +9,11 @@ import os
 import signal
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from gpuwatch.agent.collectors import REGISTRY, CollectorContext
+from gpuwatch.agent.collectors.host import HostCollector
+from gpuwatch.agent.collectors.telemetry import TelemetryCollector
 from gpuwatch.agent.sampler import Sampler
 from gpuwatch.agent.server import AgentHTTPServer, serve_in_thread
 from gpuwatch.agent.telemetry import listener
@@ -48,8 +51,8 @@ def run_agent(config: AgentConfig) -> int:
         except listener.SocketSetupError as exc:
             log.error("telemetry socket: %s", exc)
             return 1
-    telemetry = {"telemetry_socket": config.telemetry_socket, "telemetry_ttl": config.telemetry_ttl,
-                 "telemetry_max_ranks": config.telemetry_max_ranks}
+    telemetry: dict[str, Any] = {"telemetry_socket": config.telemetry_socket, "telemetry_ttl": config.telemetry_ttl,
+                                 "telemetry_max_ranks": config.telemetry_max_ranks}
     with contextlib.ExitStack() as stack:
         if config.simulate:
             from gpuwatch.agent.simulate import PRESETS, Simulation
@@ -70,8 +73,10 @@ def run_agent(config: AgentConfig) -> int:
             before_round = None
 
         collectors = {name: REGISTRY[name](context) for name in config.collectors}
-        if "host" in collectors and "telemetry" in collectors:  # the host exports the ranks' RSS and CPU time
-            collectors["host"].watch_ranks(collectors["telemetry"].store.sender_pids)
+        host_collector, telemetry_collector = collectors.get("host"), collectors.get("telemetry")
+        if isinstance(host_collector, HostCollector) and isinstance(telemetry_collector, TelemetryCollector):
+            # the host exports the ranks' RSS and CPU time
+            host_collector.watch_ranks(telemetry_collector.store.sender_pids)
         sampler = Sampler(list(collectors.values()),
                           interval=config.interval, deadline=config.collector_timeout, node=config.node,
                           mode="simulated" if config.simulate else "real", before_round=before_round)

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
@@ -42,7 +43,8 @@ class Sampler:
         self.collectors = list(collectors)
         self.interval = interval
         self.deadline = deadline if deadline is not None else max(0.5, 0.8 * interval)
-        self.agent_info = {"version": __version__, "mode": mode, "node": node, "interval_seconds": interval}
+        self.agent_info: dict[str, Any] = {"version": __version__, "mode": mode, "node": node,
+                                           "interval_seconds": interval}
         self._before_round = before_round
         self._renderer = Renderer()
         self._scrapes = ScrapeClock()

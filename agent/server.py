@@ -52,12 +52,14 @@ class AgentHTTPServer(http.server.ThreadingHTTPServer):
     def scheme(self) -> str:
         return "https" if self.web.tls else "http"
 
-    def finish_request(self, request: socket.socket, client_address: tuple[str, int]) -> None:
+    def finish_request(self, request: socket.socket | tuple[bytes, socket.socket],
+                       client_address: tuple[str, int]) -> None:
         """The TLS handshake runs here, in the connection's own thread: a slow or silent client
         must not stall ``accept`` for everyone else."""
         if self.web.tls is None:
             super().finish_request(request, client_address)
             return
+        assert isinstance(request, socket.socket), "a TCP server's request is the accepted connection"
         request.settimeout(CONNECTION_TIMEOUT)
         try:
             connection = self.web.tls.wrap_socket(request, server_side=True)

@@ -112,7 +112,8 @@ class BasicAuth:
         user, password = credentials
         hashed = self._users.get(user)
         known = hashed is not None
-        hashed = hashed if known else _DUMMY_HASH
+        if hashed is None:
+            hashed = _DUMMY_HASH
         key = hashlib.sha256(b":".join(part.hex().encode() for part in (user.encode(), hashed, password))).digest()
         with self._cache_lock:
             granted = self._cache.get(key)
@@ -297,4 +298,6 @@ def _load_chain(context: ssl.SSLContext, cert_file: str | None, cert: str | None
                 handle.write(pem)
             return target
 
-        context.load_cert_chain(materialise("cert.pem", cert, cert_file), materialise("key.pem", key, key_file))
+        certfile = materialise("cert.pem", cert, cert_file)
+        assert certfile is not None, "_tls rejects a config without cert_file or cert"
+        context.load_cert_chain(certfile, materialise("key.pem", key, key_file))

@@ -546,8 +546,7 @@ def decode(datagram: bytes) -> Record:
     if type(version) is not int or version != SCHEMA_VERSION:
         raise RecordRejected("bad_version", "v")
     kind = value.get("kind")
-    spec = _KINDS.get(kind) if type(kind) is str else None
-    if spec is None:
+    if type(kind) is not str or (spec := _KINDS.get(kind)) is None:
         raise RecordRejected("bad_kind", "kind")
     body = spec(value)
     if kind == "hello":

@@ -100,7 +100,8 @@ def test_json_report_of_many_findings_matches_the_schema():
                   history=History(loss=[(1, math.nan)], host_rss_bytes=[(n, GIB * (1 + n / 10)) for n in range(30)]),
                   last=step(loss=math.nan, grad_norm=500.0, bubble_ratio=0.8, memory_kind="cuda",
                             reserved_bytes=79 * GIB, allocated_bytes=40 * GIB, peak_bytes=79 * GIB,
-                            compute_seconds=0.9 if r == 3 else 0.3, dataloader_wait_seconds=0.3))
+                            compute_seconds=0.9 if r == 3 else 0.3, dataloader_wait_seconds=0.3,
+                            exposed_collective_seconds=0.01 if r == 3 else 0.5))
              for r in range(8)]
     down = [port("mlx5_0"), port("mlx5_1", "DOWN")]
     nodes = [node(f"node-{n}", nvlinks=[NvlinkFacts(0, 18, (3,), 1.0)], ib_ports=down,
@@ -109,7 +110,9 @@ def test_json_report_of_many_findings_matches_the_schema():
     result = engine.run(facts(nodes, ranks, sources=[SourceInfo("agent", "http://x")]))
     document = json.loads(json.dumps(report.to_json(result), allow_nan=False))
     check_schema(document, SCHEMA)
-    assert len({f["code"] for f in document["findings"]}) >= 15
+    codes = {f["code"] for f in document["findings"]}
+    assert len(codes) >= 15 and "PERF002" in codes  # with the waiting ranks, a list among the evidence values
+    assert any(isinstance(v, list) for f in document["findings"] for e in f["evidence"] for v in e["values"].values())
     assert document["summary"]["critical"] == sum(f["severity"] == "critical" for f in document["findings"])
 
 

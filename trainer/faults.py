@@ -19,6 +19,7 @@ from torch.distributed import ProcessGroup
 
 from gpuwatch.trainer.config import TrainConfig
 from gpuwatch.trainer.parallel import comm
+from gpuwatch.trainer.parallel.data import grad_of
 from gpuwatch.trainer.parallel.groups import Grid
 
 #: slow-rank: the slow rank's forward and backward passes take this many times as long; more than a throttled GPU
@@ -118,9 +119,9 @@ class SharedGroup:
             if tp_rank == grid.tp_rank:
                 self.group: ProcessGroup = group
                 self.ranks = tuple(ranks)
-        sizes = torch.zeros(grid.pp, dtype=torch.int64, device=device)
-        sizes[grid.pp_rank] = sum(p.numel() for p in params)
-        sizes = comm.all_reduce(sizes, grid.pp_group).tolist()
+        local_sizes = torch.zeros(grid.pp, dtype=torch.int64, device=device)
+        local_sizes[grid.pp_rank] = sum(p.numel() for p in params)
+        sizes = comm.all_reduce(local_sizes, grid.pp_group).tolist()
         self.offset, self.size, self.total = sum(sizes[: grid.pp_rank]), sizes[grid.pp_rank], sum(sizes)
 
     def all_reduce_gradients(
@@ -130,15 +131,17 @@ class SharedGroup:
     ) -> None:
         """`gpuwatch.trainer.parallel.data.all_reduce_gradients` over the shared group, in one bucket."""
         params = [p for p in params if p.grad is not None]
-        flat = torch.zeros(self.total, dtype=params[0].grad.dtype, device=params[0].grad.device)
+        first = grad_of(params[0])
+        flat = torch.zeros(self.total, dtype=first.dtype, device=first.device)
         mine = flat[self.offset:self.offset + self.size]
-        mine.copy_(torch.cat([p.grad.reshape(-1) for p in params]))
+        mine.copy_(torch.cat([grad_of(p).reshape(-1) for p in params]))
         comm.all_reduce(flat, self.group)
         mine.div_(self.grid.dp)
         if observe is not None:
             observe(params, mine)
         for param, reduced in zip(params, mine.split([p.numel() for p in params]), strict=True):
-            param.grad.copy_(reduced.view_as(param.grad))
+            grad = grad_of(param)
+            grad.copy_(reduced.view_as(grad))
 
 
 def shared_group(cfg: TrainConfig, grid: Grid, params: list[torch.nn.Parameter],

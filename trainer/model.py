@@ -117,6 +117,8 @@ class GPTStage(nn.Module):
         self.blocks = nn.ModuleDict(
             {str(i): Block(cfg, f"blocks.{i}", init, group) for i in range(first, first + per_stage)}
         )
+        self.norm: nn.LayerNorm | None
+        self.head: ColumnParallelLinear | None
         if grid.is_last_stage:
             self.norm = nn.LayerNorm(cfg.hidden)
             self.head = ColumnParallelLinear(  # logits split by vocabulary, never gathered
@@ -130,7 +132,7 @@ class GPTStage(nn.Module):
             x = self.embed(x)
         for block in self.blocks.values():
             x = block(x)
-        if self.head is not None:
+        if self.head is not None and self.norm is not None:  # both or neither
             x = self.head(self.norm(x))
         return x
 

@@ -47,7 +47,7 @@ from gpuwatch.trainer.hooks import (
 from gpuwatch.trainer.hooks.off import Off
 from gpuwatch.trainer.model import GPTStage
 from gpuwatch.trainer.parallel import comm
-from gpuwatch.trainer.parallel.data import all_reduce_gradients, clip_gradients, global_grad_norm
+from gpuwatch.trainer.parallel.data import all_reduce_gradients, clip_gradients, global_grad_norm, grad_of
 from gpuwatch.trainer.parallel.groups import Grid, build_grid, layout
 from gpuwatch.trainer.parallel.pipeline import MicroBatch, Pipeline
 from gpuwatch.trainer.parallel.tensor import is_tp_split
@@ -132,7 +132,7 @@ class Trainer:
             self.scaler.unscale(self.params)
             grad_norm = global_grad_norm(self.params, self.grid)
             clip_gradients(self.params, self.cfg.clip_grad, grad_norm)
-            lr, loss_scale = self.scheduler.get_last_lr()[0], self.scaler.scale
+            lr, loss_scale = self._lr(), self.scaler.scale
             take_step = self.scaler.update(grads_finite=math.isfinite(grad_norm))
             with step.optimizer():
                 if take_step:
@@ -147,6 +147,11 @@ class Trainer:
             step=self.step, loss=loss, grad_norm=grad_norm, lr=lr, loss_scale=loss_scale,
             skipped=not take_step, step_time_s=time.perf_counter() - start,
         )
+
+    def _lr(self) -> float:
+        lr = self.scheduler.get_last_lr()[0]
+        assert not isinstance(lr, torch.Tensor), "the optimizer's lr is a float, never a tensor"
+        return lr
 
     def _global_batch_loss(self, losses: list[torch.Tensor]) -> float | None:
         """The mean of the micro-batch losses over the DP replicas (last stage only)."""
@@ -172,10 +177,10 @@ class Trainer:
         def observe(bucket: list[torch.nn.Parameter], mean: torch.Tensor) -> None:
             kept = [is_tp_split(p) or self.grid.tp_rank == 0 for p in bucket]
             if all(kept):
-                similarity.observe(torch.cat([p.grad.reshape(-1) for p in bucket]), mean)
+                similarity.observe(torch.cat([grad_of(p).reshape(-1) for p in bucket]), mean)
             elif any(kept):
-                means = mean.split([p.grad.numel() for p in bucket])
-                similarity.observe(torch.cat([p.grad.reshape(-1) for p, k in zip(bucket, kept, strict=True) if k]),
+                means = mean.split([grad_of(p).numel() for p in bucket])
+                similarity.observe(torch.cat([grad_of(p).reshape(-1) for p, k in zip(bucket, kept, strict=True) if k]),
                                    torch.cat([m for m, k in zip(means, kept, strict=True) if k]))
 
         self._all_reduce_gradients(observe)
@@ -276,7 +281,9 @@ def train(device: torch.device, cfg: TrainConfig) -> list[StepResult]:
             + (f"; FAULTS INJECTED: {', '.join(cfg.faults)}" if cfg.faults else ""),
             flush=True,
         )
-    resumed = cfg.resume and checkpoint.load_latest(trainer, Path(cfg.checkpoint_dir), grid)
+    # TrainConfig.validate requires a checkpoint_dir with resume
+    resumed = cfg.resume and cfg.checkpoint_dir is not None and checkpoint.load_latest(
+        trainer, Path(cfg.checkpoint_dir), grid)
     if grid.rank == 0 and cfg.resume:
         print(f"resumed from step {trainer.step}" if resumed else f"no checkpoint in {cfg.checkpoint_dir}: "
               "starting from step 0", flush=True)

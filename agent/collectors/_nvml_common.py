@@ -150,4 +150,4 @@ def field_values(values: ctypes.Array) -> list[int | float | None]:
 
 def handle_key(handle: Any) -> int:
     """The address a device handle points to: equal for every copy NVML hands out (event data)."""
-    return ctypes.cast(handle, ctypes.c_void_p).value
+    return ctypes.cast(handle, ctypes.c_void_p).value or 0  # ctypes reads NULL as None

@@ -381,8 +381,8 @@ def _families(readings: InfinibandReadings) -> list[Metric]:
         "1 for a fixed-width counter stuck at its maximum (it stopped counting, so it is not exported); "
         "reset it with perfquery -R.", labels=["device", "port", "counter"])
 
-    for device in readings.devices:
-        info.add_metric([device.device, *(getattr(device, attr) for attr in _DEVICE_ATTRS)], 1)
+    for reading in readings.devices:
+        info.add_metric([reading.device, *(getattr(reading, attr) for attr in _DEVICE_ATTRS)], 1)
     for port in readings.ports:
         device, number, link_layer = port.device, str(port.port), port.link_layer
         labels = [device, number]

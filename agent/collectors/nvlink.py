@@ -10,7 +10,7 @@ the state field. nvmlDeviceGetNvLinkUtilizationCounter is deprecated and not use
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import pynvml
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -95,12 +95,14 @@ class NvlinkCollector(Collector):
         if not gpu.links:
             return []
         values = get(nvml.nvmlDeviceGetFieldValues, handle, gpu.field_ids)
-        numbers = [None] * len(gpu.field_ids) if values is None else field_values(values)
+        # Every NVLink field read is integer-typed (counters, a speed in MB/s, a state).
+        numbers = [None] * len(gpu.field_ids) if values is None else cast("list[int | None]", field_values(values))
         common_speed = numbers[-1]
         readings = []
         width = len(_LINK_FIELDS)
         for position, link in enumerate(gpu.links):
             tx, rx, crc, replay, recovery, speed, state = numbers[position * width:(position + 1) * width]
+            up: bool | None
             if state is not None:
                 up = state in _UP_STATES
             else:

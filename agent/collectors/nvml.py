@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import pynvml
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -165,12 +165,11 @@ class NvmlCollector(Collector):
 
     def collect(self) -> CollectorResult[NvmlReadings]:
         devices = self._session.devices()
-        if self._states is None:
-            self._start(devices)
+        states = self._states if self._states is not None else self._start(devices)
         errors: list[str] = []
         self._drain_xid_events(errors)
         readings = NvmlReadings(self._driver_version,
-                                tuple(self._sample(device, self._states[device.index], errors) for device in devices))
+                                tuple(self._sample(device, states[device.index], errors) for device in devices))
         # Deferred to the scrape, like the other collectors': rounds nobody scrapes never build them.
         return CollectorResult(DeferredFamilies(lambda: _families(readings)), readings, errors)
 
@@ -189,12 +188,13 @@ class NvmlCollector(Collector):
 
     # -- start-up ---------------------------------------------------------------------------------
 
-    def _start(self, devices: list[Device]) -> None:
+    def _start(self, devices: list[Device]) -> dict[int, _GpuState]:
         self._driver_version = self._nvml.nvmlSystemGetDriverVersion()
-        self._states = {device.index: _GpuState() for device in devices}
-        self._event_set = self._watch_xid_events(devices)
+        self._states = states = {device.index: _GpuState() for device in devices}
+        self._event_set = self._watch_xid_events(devices, states)
+        return states
 
-    def _watch_xid_events(self, devices: list[Device]) -> Any:
+    def _watch_xid_events(self, devices: list[Device], states: dict[int, _GpuState]) -> Any:
         """One event set for all GPUs, registered for critical Xid errors where the GPU supports it."""
         nvml = self._nvml
         try:
@@ -208,7 +208,7 @@ class NvmlCollector(Collector):
                 nvml.nvmlDeviceRegisterEvents(device.handle, pynvml.nvmlEventTypeXidCriticalError, event_set)
             except pynvml.NVMLError:
                 continue
-            state = self._states[device.index]
+            state = states[device.index]
             state.xid_watched = True
             self._xid_states[handle_key(device.handle)] = state
         return event_set
@@ -232,8 +232,8 @@ class NvmlCollector(Collector):
 
     def _sample(self, device: Device, state: _GpuState, errors: list[str]) -> GpuReading:
         """The GPU's reading; a lost GPU keeps its identity and Xid counts and is marked ``lost``."""
-        xids = {"xid_watched": state.xid_watched,
-                "xid_errors": {str(xid): count for xid, count in state.xid_errors.items()}}
+        xids: dict[str, Any] = {"xid_watched": state.xid_watched,
+                                "xid_errors": {str(xid): count for xid, count in state.xid_errors.items()}}
         lost_reason = device.error
         if lost_reason is None:
             try:
@@ -241,7 +241,8 @@ class NvmlCollector(Collector):
             except pynvml.NVMLError_GpuIsLost as exc:
                 lost_reason = str(exc)
         errors.append(f"gpu {device.index}: {lost_reason}")
-        return GpuReading(index=device.index, lost=True, **(state.identity or {}), **xids)
+        identity: dict[str, Any] = state.identity or {}
+        return GpuReading(index=device.index, lost=True, **identity, **xids)
 
     def _read(self, device: Device, state: _GpuState, get: DeviceQuery) -> dict[str, Any]:
         """The values of a GPU that answers, as GpuReading fields; what it or its driver lacks is left out."""
@@ -269,7 +270,9 @@ class NvmlCollector(Collector):
             fields["clock_event_reasons"] = tuple(name for bit, name in _CLOCK_EVENT_REASONS if reasons & bit)
         values = get(nvml.nvmlDeviceGetFieldValues, handle, _FIELD_IDS)
         groups: dict[str, dict[str, int]] = {}
-        for (_, group, key), number in zip(_FIELDS, field_values(values), strict=True) if values is not None else ():
+        # Every field in _FIELDS is integer-typed (counters and flags).
+        numbers = cast("list[int | None]", field_values(values)) if values is not None else [None] * len(_FIELDS)
+        for (_, group, key), number in zip(_FIELDS, numbers, strict=True):
             if number is not None:
                 groups.setdefault(group, {})[key] = number
         fields["pcie"] = PcieReading(
@@ -370,7 +373,8 @@ def _families(readings: NvmlReadings) -> list[Metric]:
     processes = _gauge("gpuwatch_gpu_process_memory_bytes", "Device memory used by a compute process.", "pid")
     for reading in readings.gpus:
         gpu = str(reading.index)
-        if reading.uuid is not None:  # its identity was read once
+        if reading.uuid is not None:  # its identity was read once, all of it
+            assert reading.pci_bus_id is not None and reading.model is not None
             info.add_metric([gpu, reading.uuid, reading.pci_bus_id, reading.model, readings.driver_version], 1)
         lost.add_metric([gpu], int(reading.lost))
         seen = reading.xid_errors
@@ -381,14 +385,16 @@ def _families(readings: NvmlReadings) -> list[Metric]:
             xid.add_metric([gpu, code], count)
         if reading.lost:
             continue
+        assert reading.activity_source is not None, "a GPU that answers has one"
         source.add_metric([gpu, reading.activity_source], 1)
         for field, family in gauges:
             value = getattr(reading, field)
             if value is not None:
                 family.add_metric([gpu], value)
         active = reading.clock_event_reasons
-        for _, reason in _CLOCK_EVENT_REASONS if active is not None else ():
-            reasons.add_metric([gpu, reason], int(reason in active))
+        if active is not None:
+            for _, reason in _CLOCK_EVENT_REASONS:
+                reasons.add_metric([gpu, reason], int(reason in active))
         pcie = reading.pcie
         if pcie is not None:
             for kind, link_generation, link_width in (("current", pcie.current_generation, pcie.current_width),
@@ -399,14 +405,14 @@ def _families(readings: NvmlReadings) -> list[Metric]:
                     width.add_metric([gpu, kind], link_width)
             if pcie.replays is not None:
                 replays.add_metric([gpu], pcie.replays)
-        for family, ecc in ((ecc_volatile, reading.ecc_volatile), (ecc_aggregate, reading.ecc_aggregate)):
+        for ecc_family, ecc in ((ecc_volatile, reading.ecc_volatile), (ecc_aggregate, reading.ecc_aggregate)):
             for error, count in ecc.counts().items() if ecc is not None else ():
-                family.add_metric([gpu, error], count)
+                ecc_family.add_metric([gpu, error], count)
         rows = reading.remapped_rows
         if rows is not None:
-            for cause, count in (("correctable", rows.correctable), ("uncorrectable", rows.uncorrectable)):
-                if count is not None:
-                    remapped.add_metric([gpu, cause], count)
+            for cause, rows_count in (("correctable", rows.correctable), ("uncorrectable", rows.uncorrectable)):
+                if rows_count is not None:
+                    remapped.add_metric([gpu, cause], rows_count)
             for family, flag in ((remap_pending, rows.pending), (remap_failure, rows.failure)):
                 if flag is not None:
                     family.add_metric([gpu], flag)

@@ -18,11 +18,10 @@ here: it is the telemetry store's state, whose bodies are the record schema's (`
 from __future__ import annotations
 
 import dataclasses
-import functools
 import types
 import typing
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 R = TypeVar("R", bound="Reading")
 
@@ -31,6 +30,10 @@ class Reading:
     """Base of every reading: ``as_dict`` for the state's JSON, ``from_dict`` back from it."""
 
     __slots__ = ()
+
+    if typing.TYPE_CHECKING:
+        # Every reading type is a dataclass: what dataclasses.fields asks of its argument (no attribute at run time).
+        __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
     def as_dict(self) -> dict[str, Any]:
         """The fields by name, nested readings as they are: the state's JSON writer (``snapshot._json_safe``) asks
@@ -45,10 +48,18 @@ class Reading:
         return cls(**{name: convert(data[name]) for name, convert in _converters(cls) if name in data})
 
 
-@functools.cache
+# Each reading type's converters, built on its first from_dict. A dict rather than functools.cache, whose arguments
+# typeshed types as Hashable, which mypy does not see a class as (python/mypy#11470).
+_CONVERTERS: dict[type[Reading], tuple[tuple[str, Callable[[Any], Any]], ...]] = {}
+
+
 def _converters(cls: type[Reading]) -> tuple[tuple[str, Callable[[Any], Any]], ...]:
-    hints = typing.get_type_hints(cls)
-    return tuple((field.name, _converter(hints[field.name])) for field in dataclasses.fields(cls))
+    converters = _CONVERTERS.get(cls)
+    if converters is None:
+        hints = typing.get_type_hints(cls)
+        converters = tuple((field.name, _converter(hints[field.name])) for field in dataclasses.fields(cls))
+        _CONVERTERS[cls] = converters
+    return converters
 
 
 def _converter(hint: Any) -> Callable[[Any], Any]:

@@ -13,7 +13,7 @@ import dataclasses
 import math
 import statistics
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from gpuwatch.agent.telemetry.window import WindowSummary
 
@@ -382,7 +382,7 @@ def _fill(target: Any, source: Any) -> None:
 # -- small helpers the rules share ------------------------------------------------------------------
 
 
-def finite(value: float | None) -> bool:
+def finite(value: float | None) -> TypeGuard[float]:
     return value is not None and math.isfinite(value)
 
 

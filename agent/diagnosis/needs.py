@@ -130,9 +130,9 @@ def _capacity_available(facts: Facts) -> str | None:
 
 def _pipeline_available(facts: Facts) -> str | None:
     """Measured bubble or micro-batch count wherever a pipeline exists; no pipeline is nothing to judge."""
-    piped = [r for r in facts.ranks if r.layout is not None and r.layout.pp_size > 1]
-    if any(r.layout.micro_batches is not None or (r.last is not None and r.last.bubble_ratio is not None)
-           for r in piped) or not piped:
+    piped = [(r, r.layout) for r in facts.ranks if r.layout is not None and r.layout.pp_size > 1]
+    if any(layout.micro_batches is not None or (r.last is not None and r.last.bubble_ratio is not None)
+           for r, layout in piped) or not piped:
         return LAYOUT.available(facts)
     return "pipeline ranks report neither a measured bubble nor micro_batches"
 

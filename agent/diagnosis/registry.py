@@ -46,7 +46,9 @@ class Threshold:
 class Evidence:
     text: str
     where: Where = dataclasses.field(default_factory=Where)
-    values: Mapping[str, float | int | str | None] = dataclasses.field(default_factory=dict)
+    #: The numbers behind the text, by name (docs/diagnose-report.schema.json): a number, a string, None, or a
+    #: list of them (the ranks waiting for a straggler, the signs of a model that does not learn).
+    values: Mapping[str, float | int | str | list[int] | list[str] | None] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,7 +68,7 @@ _LINK_ERROR_FIELDS = (pynvml.NVML_FI_DEV_NVLINK_ERROR_DL_CRC, pynvml.NVML_FI_DEV
 
 
 def _address(pointer: Any) -> int:
-    return ctypes.cast(pointer, ctypes.c_void_p).value
+    return ctypes.cast(pointer, ctypes.c_void_p).value or 0  # ctypes reads NULL as None
 
 
 def _clamp(value: float, low: float, high: float) -> float:

@@ -31,7 +31,8 @@ def _timed(op: str, tensors: Sequence[torch.Tensor]) -> AbstractContextManager:
     return _timer(op, sum(t.nbytes for t in tensors))
 
 
-def all_reduce(tensor: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, group: ProcessGroup,
+               op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
     """Reduce `tensor` in place across `group` and return it."""
     if dist.get_world_size(group) > 1:
         with _timed("all_reduce", (tensor,)):

@@ -21,13 +21,22 @@ from gpuwatch.trainer.parallel.groups import Grid
 from gpuwatch.trainer.parallel.tensor import is_tp_split
 
 
+def grad_of(param: torch.nn.Parameter) -> torch.Tensor:
+    """The gradient of a parameter the caller knows has one (the all-reduce takes only those)."""
+    grad = param.grad
+    assert grad is not None, "a parameter without a gradient is never all-reduced"
+    return grad
+
+
 def buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> Iterator[list[torch.nn.Parameter]]:
-    """Consecutive runs of parameters (one dtype per run) holding at most `bucket_bytes`, or one parameter."""
+    """Consecutive runs of parameters (one dtype per run) holding at most `bucket_bytes`, or one parameter.
+    Every parameter has a gradient."""
     bucket: list[torch.nn.Parameter] = []
     size = 0
     for param in params:
-        nbytes = param.grad.numel() * param.grad.element_size()
-        if bucket and (size + nbytes > bucket_bytes or param.grad.dtype != bucket[0].grad.dtype):
+        grad = grad_of(param)
+        nbytes = grad.numel() * grad.element_size()
+        if bucket and (size + nbytes > bucket_bytes or grad.dtype != grad_of(bucket[0]).dtype):
             yield bucket
             bucket, size = [], 0
         bucket.append(param)
@@ -50,12 +59,13 @@ def all_reduce_gradients(
     if grid.dp == 1:
         return
     for bucket in buckets([p for p in params if p.grad is not None], bucket_bytes):
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        flat = torch.cat([grad_of(p).reshape(-1) for p in bucket])
         comm.all_reduce(flat, grid.dp_group).div_(grid.dp)
         if observe is not None:
             observe(bucket, flat)
-        for param, reduced in zip(bucket, flat.split([p.grad.numel() for p in bucket]), strict=True):
-            param.grad.copy_(reduced.view_as(param.grad))
+        for param, reduced in zip(bucket, flat.split([grad_of(p).numel() for p in bucket]), strict=True):
+            grad = grad_of(param)
+            grad.copy_(reduced.view_as(grad))
 
 
 def global_grad_norm(params: list[torch.nn.Parameter], grid: Grid) -> float:

@@ -49,7 +49,8 @@ def is_tp_split(param: torch.Tensor) -> bool:
 def split_parameter(full: torch.Tensor, dim: int, group: ProcessGroup, chunks: int = 1) -> nn.Parameter:
     """This rank's slice of `full` as a parameter, marked as split."""
     param = nn.Parameter(shard(full, dim, dist.get_rank(group), dist.get_world_size(group), chunks))
-    param.tp_split = (dim, chunks)
+    # A tensor takes Python attributes at run time; torch's stubs declare none beyond its own.
+    param.tp_split = (dim, chunks)  # type: ignore[attr-defined]
     return param
 
 

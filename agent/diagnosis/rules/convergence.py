@@ -198,16 +198,18 @@ def duplicated_shards(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]
     dataset exclusive to it (PyTorch docs, torch.utils.data)."""
     for job, ranks in facts.jobs().items():
         for group in _dp_groups(ranks):
-            known = [r for r in group if r.grad_cosine is not None and isinstance(r.grad_cosine.value, float)
-                     and finite(r.grad_cosine.value)]  # a NaN cosine (NaN gradients) is CONV001's
-            if len(known) < 2 or any(r.grad_cosine.value < t.min_cosine for r in known):
+            # (rank, dp rank, cosine): every rank of a DP group has a layout; a NaN cosine (NaN gradients) is CONV001's
+            known = [(r, r.layout.dp_rank, r.grad_cosine.value) for r in group
+                     if r.layout is not None and r.grad_cosine is not None and isinstance(r.grad_cosine.value, float)
+                     and finite(r.grad_cosine.value)]
+            if len(known) < 2 or any(cosine < t.min_cosine for _, _, cosine in known):
                 continue
             yield Issue(
-                title=f"duplicated data shards in job {job}: DP ranks {rank_list(r.rank for r in known)} compute "
-                      "identical gradients",
-                evidence=tuple(Evidence(f"rank {r.rank} (dp {r.layout.dp_rank}): gradient cosine similarity "
-                                        f"{r.grad_cosine.value:.5f} with the DP mean", r.where,
-                                        {"grad_cosine_similarity": r.grad_cosine.value}) for r in known),
+                title=f"duplicated data shards in job {job}: DP ranks {rank_list(r.rank for r, _, _ in known)} "
+                      "compute identical gradients",
+                evidence=tuple(Evidence(f"rank {r.rank} (dp {dp_rank}): gradient cosine similarity "
+                                        f"{cosine:.5f} with the DP mean", r.where,
+                                        {"grad_cosine_similarity": cosine}) for r, dp_rank, cosine in known),
                 fix="every data-parallel rank must draw different data: shard the dataset by data-parallel rank "
                     "(PyTorch: DataLoader(..., sampler=DistributedSampler(dataset, num_replicas=dp_size, "
                     "rank=dp_rank)) and sampler.set_epoch(epoch) every epoch), or, in a loop that samples its own "
@@ -272,9 +274,10 @@ def not_learning(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
             if window is None or window.steps < MIN_WINDOW_STEPS:
                 continue
             signs = []
-            if window.loss_steps >= MIN_WINDOW_STEPS and window.loss_max - window.loss_min <= \
-                    t.max_loss_spread * max(abs(window.loss_min), abs(window.loss_max)):
-                signs.append(f"loss {window.loss_min:.6g} at all {window.loss_steps} steps")
+            low, high = window.loss_min, window.loss_max  # both set once a step had a finite loss
+            if window.loss_steps >= MIN_WINDOW_STEPS and low is not None and high is not None and \
+                    high - low <= t.max_loss_spread * max(abs(low), abs(high)):
+                signs.append(f"loss {low:.6g} at all {window.loss_steps} steps")
             if window.grad_norm_steps and window.grad_norm_max == 0:
                 signs.append(f"gradient norm 0 at all {window.grad_norm_steps} steps")
             if window.checksums > 1 and window.distinct_checksums == 1:

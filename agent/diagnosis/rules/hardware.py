@@ -61,8 +61,8 @@ def pcie_degraded(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
         degraded = []
         for gpu in node.gpus or ():
             busy = gpu.busy
-            if busy is None or busy < t.min_load or None in (gpu.pcie_generation, gpu.pcie_max_generation,
-                                                              gpu.pcie_width, gpu.pcie_max_width):
+            if busy is None or busy < t.min_load or gpu.pcie_generation is None or gpu.pcie_max_generation is None \
+                    or gpu.pcie_width is None or gpu.pcie_max_width is None:
                 continue
             if gpu.pcie_generation < gpu.pcie_max_generation or gpu.pcie_width < gpu.pcie_max_width:
                 degraded.append(Evidence(
@@ -124,7 +124,7 @@ def ib_port_unhealthy(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]
             if evidence:
                 yield Issue(
                     title=f"{len(evidence)} InfiniBand port(s) on {node.name} {problem}: "
-                          + ", ".join(e.where.port for e in evidence),
+                          + ", ".join(str(e.where.port) for e in evidence),
                     evidence=tuple(evidence),
                     fix=f"check the cable and transceiver with `ibstat` / `iblinkinfo` / `mlxlink` on {node.name}; "
                         "drain the node until the port is ACTIVE at full rate",

@@ -83,11 +83,14 @@ def peak_near_capacity(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue
                 continue
             gpu = facts.gpu_of(rank)
             capacity = gpu.memory_total_bytes if gpu is not None else None
-            share = last.peak_bytes / capacity if capacity and last.peak_bytes is not None else None
+            peak_bytes = last.peak_bytes
+            share: float | None = None
+            text = f"rank {rank.rank}: peak unknown"
+            if capacity and peak_bytes is not None:
+                share = peak_bytes / capacity
+                text = f"rank {rank.rank}: peak {gib(peak_bytes)} of {gib(capacity)} ({ratio_text(share)})"
             if not rank.ooms and (share is None or share < t.max_peak_share):
                 continue
-            text = f"rank {rank.rank}: " + (f"peak {gib(last.peak_bytes)} of {gib(capacity)} ({ratio_text(share)})"
-                                             if share is not None else "peak unknown")
             text += f", {gib(last.reserved_bytes)} reserved" if last.reserved_bytes is not None else ""
             text += f"; {rank.ooms} OOM(s)" if rank.ooms else ""
             tight.append(((bool(rank.ooms), share or 0.0), Evidence(text, rank.where, {

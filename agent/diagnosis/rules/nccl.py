@@ -50,11 +50,11 @@ def ib_disabled_with_active_ports(facts: Facts, t: types.SimpleNamespace) -> Ite
                                      {"link_layer": port.link_layer, "rate_bytes_per_second": rate})
                             for name, ports in active.items() for port in ports
                             for rate in (port.rate_bytes_per_second,)], what="active ports")
-        ports = "; ".join(f"{name}: {', '.join(port.name for port in node_ports)}" if len(active) > 1
-                          else ", ".join(port.name for port in node_ports) for name, node_ports in active.items())
+        listed = "; ".join(f"{name}: {', '.join(port.name for port in node_ports)}" if len(active) > 1
+                           else ", ".join(port.name for port in node_ports) for name, node_ports in active.items())
         count = sum(len(node_ports) for node_ports in active.values())
         yield Issue(
-            title=f"{setting} while {count} InfiniBand/RoCE port(s) are active on {', '.join(active)}: {ports}",
+            title=f"{setting} while {count} InfiniBand/RoCE port(s) are active on {', '.join(active)}: {listed}",
             evidence=tuple(evidence),
             fix="export NCCL_IB_DISABLE=0 (or unset it, and NCCL_NET=Socket) in the job's environment",
             reason="With IB disabled NCCL falls back to TCP sockets between nodes: collectives run several times "
@@ -179,6 +179,7 @@ def p2p_disabled_on_nvlink(facts: Facts, t: types.SimpleNamespace) -> Iterator[I
             settings.append(f"NCCL_SHM_DISABLE={scope.env['NCCL_SHM_DISABLE']}")
         evidence = [Evidence(f"{', '.join(settings)} in the environment of {scope}", scope.where)]
         for node in linked_nodes:
+            assert node.nvlinks is not None, "has_nvlink() is None without NVLink facts"
             linked = [gpu for gpu in node.nvlinks if gpu.links > len(gpu.down)]
             links = sum(gpu.links - len(gpu.down) for gpu in linked)
             evidence.append(Evidence(f"{len(linked)} GPU(s) on {node.name} with {links} NVLink links up",
@@ -226,20 +227,20 @@ def ring_latency_tail(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]
             if (stats is None or stats.count < t.min_calls or not stats.p50_seconds or stats.p99_seconds is None
                     or _allows_tree(rank.env)):
                 continue
-            ratio = stats.p99_seconds / stats.p50_seconds
+            p50, p99 = stats.p50_seconds, stats.p99_seconds
+            ratio = p99 / p50
             if ratio >= t.tail_ratio:
-                tailed.append((ratio, rank, stats))
+                tailed.append((ratio, rank, stats.count, p50, p99))
         if not tailed:
             continue
         tailed.sort(key=lambda item: -item[0])
-        unknown_env = any(rank.env is None for _, rank, _ in tailed)
+        unknown_env = any(rank.env is None for _, rank, *_ in tailed)
         yield Issue(
             title=f"all-reduce p99 up to {tailed[0][0]:.1f}x its p50 on {len(tailed)} rank(s) of job {job}",
-            evidence=capped([Evidence(f"rank {rank.rank}: all-reduce p50 {s.p50_seconds * 1e3:.2f} ms, p99 "
-                                      f"{s.p99_seconds * 1e3:.2f} ms ({ratio:.1f}x) over {s.count} calls",
-                                      rank.where, {"p50_seconds": s.p50_seconds, "p99_seconds": s.p99_seconds,
-                                                   "calls": s.count})
-                             for ratio, rank, s in tailed], what="ranks"),
+            evidence=capped([Evidence(f"rank {rank.rank}: all-reduce p50 {p50 * 1e3:.2f} ms, p99 "
+                                      f"{p99 * 1e3:.2f} ms ({ratio:.1f}x) over {calls} calls",
+                                      rank.where, {"p50_seconds": p50, "p99_seconds": p99, "calls": calls})
+                             for ratio, rank, calls, p50, p99 in tailed], what="ranks"),
             fix="export NCCL_ALGO=Tree (and NCCL_TREE_THRESHOLD=0 on older NCCL), then compare step times"
                 + (" — unless NCCL_ALGO already allows Tree (the ranks' environment is unknown here)"
                    if unknown_env else ""),

@@ -56,6 +56,7 @@ def pipeline_bubble(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
         if not piped:
             continue
         layout = piped[0].layout
+        assert layout is not None, "piped ranks have a layout"
         stages, micro = layout.pp_size, layout.micro_batches
         bubbles = {r.rank: b for r in piped if (b := windowed(r, "bubble_ratio")) is not None}
         measured = [rank for rank in piped if rank.rank in bubbles]
@@ -319,9 +320,11 @@ def communication_bound(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issu
             continue
         most = max(waits.values())
         moved = f", {volume / 2**20:.3g} MiB per step" if volume is not None else ""
+        layout = pure[0].layout
+        assert layout is not None, "pure data-parallel ranks have a layout"
         yield Issue(
             title=f"job {job} is communication-bound: CCR {ccr:.2f} (collective transfer / compute) with pure "
-                  f"data parallelism over {pure[0].layout.dp_size} ranks",
+                  f"data parallelism over {layout.dp_size} ranks",
             evidence=(
                 Evidence(f"transfer {transfer:.3g} s per step{moved}: the exposed collective time of rank "
                          f"{last.rank}, which waits least ({window_text(last)})", last.where,

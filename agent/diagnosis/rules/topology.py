@@ -68,7 +68,9 @@ def tp_group_spans_nodes(facts: Facts, t: types.SimpleNamespace) -> Iterator[Iss
                         f"ranks {rank_list(r.rank for r in on)} on {host}" for host, on in hosts.items()),
                     members[0].where, {"pp_stage": stage, "dp_rank": dp, "nodes": len(hosts)}))
         if spanning:
-            tp = placed[0].layout.tp_size
+            layout = placed[0].layout
+            assert layout is not None, "placed ranks have a layout"
+            tp = layout.tp_size
             yield Issue(
                 title=f"{len(spanning)} tensor-parallel group(s) of job {job} span nodes (tp={tp})",
                 evidence=capped(spanning, what="groups"),

@@ -111,7 +111,7 @@ class _Reader:
         self.api = api
         self.nodes: dict[str, NodeFacts] = {}  # by instance
         self.facts = Facts(sources=[SourceInfo("prometheus", api.url)])
-        self.gpu_of_rank: dict[tuple[str, str, str], tuple[int, str | None]] = {}  # (node, job, rank) -> GPU
+        self.gpu_of_rank: dict[tuple[str, str, str | None], tuple[int, str | None]] = {}  # (node, job, rank) -> GPU
 
     def read(self) -> Facts:
         agents = self.api.query("gpuwatch_agent_info")
@@ -140,7 +140,7 @@ class _Reader:
 
     def _collectors(self) -> None:
         """A part whose collector is up starts known (empty); one that is down or absent stays unknown."""
-        up: dict[str, dict[str, float]] = collections.defaultdict(dict)
+        up: dict[str, dict[str | None, float]] = collections.defaultdict(dict)
         for node, labels, sample in self._node_samples("gpuwatch_collector_up"):
             up[node.name][labels.get("collector")] = _value(sample)
         for node in self.nodes.values():
@@ -202,6 +202,7 @@ class _Reader:
             if gpu is None:
                 continue
             if labels["__name__"] == "gpuwatch_gpu_xid_errors_total":
+                assert gpu.xid_errors is not None, "_gpu makes each GPU with an empty xid_errors"
                 gpu.xid_errors[labels["xid"]] = int(_value(sample))
             elif labels.get("error") == "uncorrected":
                 gpu.ecc_uncorrected = int(_value(sample))
@@ -213,9 +214,9 @@ class _Reader:
         links: dict[tuple[str, int], NvlinkFacts] = {}
         for node, labels, sample in self._node_samples("count by (instance, gpu) (gpuwatch_nvlink_up)"):
             if node.nvlinks is not None:
-                links[node.name, int(labels["gpu"])] = entry = NvlinkFacts(gpu=int(labels["gpu"]),
-                                                                           links=int(_value(sample)))
-                node.nvlinks.append(entry)
+                links[node.name, int(labels["gpu"])] = link = NvlinkFacts(gpu=int(labels["gpu"]),
+                                                                          links=int(_value(sample)))
+                node.nvlinks.append(link)
         for node, labels, _ in self._node_samples("gpuwatch_nvlink_up == 0"):
             if (entry := links.get((node.name, int(labels["gpu"])))) is not None:
                 entry.down = tuple(sorted((*entry.down, int(labels["link"]))))
@@ -258,6 +259,7 @@ class _Reader:
                 entry.phys_state = PHYS_STATES.get(int(value), str(int(value)))
         for node, labels, sample in self._node_samples(f"increase(gpuwatch_ib_port_errors_total[{WINDOW}]) > 0"):
             if (entry := port(node, labels)) is not None:
+                assert entry.errors_increase is not None, "port() makes each port with an empty errors_increase"
                 entry.errors_increase[labels["counter"]] = _value(sample)
         for node in self.nodes.values():
             for entry in node.ib_ports or ():
@@ -318,8 +320,8 @@ class _Reader:
         """Host RSS per step over ``HISTORY``: two subqueries at one resolution, so their timestamps align."""
         rss = 'gpuwatch_train_memory_peak_bytes{kind="host_rss"}'
         steps_at: dict[tuple[str, str], dict[float, float]] = {}
-        steps = f"({LAST_STEP.name} and on ({_RANK_KEY}) {rss})[{HISTORY}]"
-        for _, labels, sample in self._node_samples(steps):
+        query = f"({LAST_STEP.name} and on ({_RANK_KEY}) {rss})[{HISTORY}]"
+        for _, labels, sample in self._node_samples(query):
             steps_at[_job(labels), labels["rank"]] = {float(t): float(v) for t, v in sample["values"]}
         histories = {}
         for _, labels, sample in self._node_samples(f"{rss}[{HISTORY}]"):
@@ -358,14 +360,15 @@ class _Reader:
             return None if value is None else Sampled(value=value, as_of_step=_int_or_none(last_step))
 
         backend = labels.get("backend")
+        # Each an int or None, by field name: Any, as mypy cannot match ** keys to RankFacts' own fields.
+        counters: dict[str, Any] = {field: _int_or_none(values.get(name)) for name, field in _RANK_COUNTERS.items()}
         return RankFacts(
             job=job, rank=rank, node=node.name, layout=layout, gpu_index=gpu_index, gpu_uuid=gpu_uuid,
             env=values.get("env"), backends={"default": backend} if backend else None,
             faults=tuple(filter(None, labels.get("faults", "").split(","))), last=last,
             window=_window(values), unavailable=values.get("unavailable"),
             collectives=collectives or None, param_checksum=sampled("gpuwatch_train_param_checksum"),
-            grad_cosine=sampled("gpuwatch_train_grad_cosine_similarity"), history=history,
-            **{field: _int_or_none(values.get(name)) for name, field in _RANK_COUNTERS.items()})
+            grad_cosine=sampled("gpuwatch_train_grad_cosine_similarity"), history=history, **counters)
 
 
 def _window(values: dict[str, Any]) -> WindowSummary | None:
@@ -377,10 +380,12 @@ def _window(values: dict[str, Any]) -> WindowSummary | None:
     medians = dict(values.get("window_medians", {}))
     if (bubble := figures.pop("bubble_ratio", None)) is not None:
         medians["bubble_ratio"] = bubble
-    counts = {field: int(figures[field]) for field in ("steps", "first_step", "last_step", "loss_steps",
-                                                      "grad_norm_steps", "checksums", "distinct_checksums")
-              if field in figures}
-    return WindowSummary(**{**figures, **counts, "medians": medians})
+    counts: dict[str, int] = {field: int(figures[field])
+                              for field in ("steps", "first_step", "last_step", "loss_steps", "grad_norm_steps",
+                                            "checksums", "distinct_checksums")
+                              if field in figures}
+    fields: dict[str, Any] = {**figures, **counts, "medians": medians}  # counts as ints over their float gauges
+    return WindowSummary(**fields)
 
 
 def _job(labels: dict[str, str]) -> str:

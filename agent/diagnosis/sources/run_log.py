@@ -29,7 +29,8 @@ class _Series:
     """The latest HISTORY_LIMIT points of every History series of one rank."""
 
     def __init__(self) -> None:
-        self.points = {field.name: collections.deque(maxlen=HISTORY_LIMIT) for field in dataclasses.fields(History)}
+        self.points: dict[str, collections.deque[tuple[int, float]]] = {
+            field.name: collections.deque(maxlen=HISTORY_LIMIT) for field in dataclasses.fields(History)}
 
     def history(self) -> History:
         return History(**{name: list(points) for name, points in self.points.items()})

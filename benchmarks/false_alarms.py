@@ -11,7 +11,7 @@ second. A false alarm is any warning or critical finding about a healthy run.
 It also prints the noise the timing rules face on those healthy runs: each rank's median compute time over the
 median of the other ranks' (from the run log; from the agent's window of recent steps where the hooks wrote no
 log), and how close PERF002 came to firing on the run (``foreign.straggler_closeness``: both of its conditions,
-the ratio and the margin against the step, at the node's CPU sharing; 1 would fire). Noise must sit well below 1.
+the ratio for ranks on CPUs and the margin against the step; 1 would fire). Noise must sit well below 1.
 
 Then the detection latency of a planted straggler (``--fault sleep-rank``: the last of 2 ranks sleeps 0.3 s per
 step): from the moment the agent first shows a step record of the job (its /api/v1/state polled every 0.1 s) to
@@ -94,12 +94,11 @@ def timing_series(run: foreign.Run, field: str) -> tuple[str, dict[int, list[flo
     return "agent window", {r["rank"]: [p[field] for p in r.get("window") or () if field in p] for r in run.ranks}
 
 
-def perf002_closeness(run: foreign.Run, ranks: int) -> float:
-    """How near PERF002 came to naming a rank of ``run`` (1 fires), with the thresholds it used for this node."""
+def perf002_closeness(run: foreign.Run) -> float:
+    """How near PERF002 came to naming a rank of ``run`` (1 fires), with the thresholds it uses for ranks that
+    compute on CPUs, as these do (the shared-core bar)."""
     thresholds = {name: threshold.value for name, threshold in REGISTRY["PERF002"].thresholds.items()}
-    shared = ranks > (os.cpu_count() or 1)
-    ratio = max(thresholds["straggler_ratio"], thresholds["shared_cpu_ratio"]) if shared else \
-        thresholds["straggler_ratio"]
+    ratio = max(thresholds["straggler_ratio"], thresholds["shared_cpu_ratio"])
     closeness = foreign.straggler_closeness(timing_series(run, "compute_seconds")[1],
                                             timing_series(run, "step_seconds")[1], ratio, thresholds["min_step_share"])
     return max(closeness.values(), default=0.0)
@@ -124,7 +123,7 @@ def healthy_runs(agent, prometheus: PrometheusServer, workdir: Path, runs: int,
                             if diagnosis.report is not None else f"{source}: no report")
         origin, series = timing_series(run, "compute_seconds")
         ratios = foreign.compute_ratios(series) if ranks > 1 else {}
-        noise.append(Noise(f"{script} {ranks}r", ranks, origin, ratios, perf002_closeness(run, ranks)))
+        noise.append(Noise(f"{script} {ranks}r", ranks, origin, ratios, perf002_closeness(run)))
         spread = f"max ratio {max(ratios.values()):.2f}, PERF002 at {noise[-1].closeness:.2f}" if ratios else \
             "one rank"
         print(f"  [{index:3}/{runs}] {script:17} {ranks} rank(s)  {'; '.join(verdicts):40}  {spread:24} "

@@ -374,12 +374,19 @@ def test_perf002_on_an_oversubscribed_node_needs_a_larger_gap():
     assert finding.evidence[-1].values == {"ranks": 8, "cpus": 2}
 
 
-def test_perf002_knows_cpu_sharing_from_the_ranks_hellos_when_no_node_facts_are_known():
-    """A run log knows no node: the ranks' own CPU count (from their hellos) tells that 4 CPU ranks share 2 CPUs."""
-    ranks = [dataclasses.replace(r, cpus=2) for r in _on_cpu(_compute({0: 0.3, 1: 0.3, 2: 0.3, 3: 0.6}, dp=4))]
-    silent("PERF002", facts(ranks=ranks))  # 2x, under the 3x such a node needs
-    (finding,) = fired("PERF002", facts(ranks=[dataclasses.replace(r, cpus=4) for r in ranks]))
-    assert "2.00x the median" in finding.evidence[0].text
+def test_perf002_asks_cpu_ranks_for_a_larger_gap_and_says_why():
+    """Ranks on CPUs share the host's cores, with each other and with the rest of the host: 2x is within their noise
+    whatever the CPU count (a run log knows it from the hellos), 3x is a straggler; the evidence says which case."""
+    cpu_ranks = _on_cpu(_compute({0: 0.3, 1: 0.3, 2: 0.3, 3: 0.6}, dp=4))
+    for cpus in (2, 4, None):
+        silent("PERF002", facts(ranks=[dataclasses.replace(r, cpus=cpus) for r in cpu_ranks]))
+    slow = _on_cpu(_compute({0: 0.3, 1: 0.3, 2: 0.3, 3: 0.9}, dp=4))
+    (shared,) = fired("PERF002", facts(ranks=[dataclasses.replace(r, cpus=2) for r in slow]))
+    assert shared.evidence[-1].values == {"ranks": 4, "cpus": 2}  # oversubscribed, from the ranks' hellos
+    (own,) = fired("PERF002", facts(ranks=[dataclasses.replace(r, cpus=4) for r in slow]))
+    assert "compute on CPUs, whose cores they share" in own.evidence[-1].text
+    gpu_ranks = _compute({0: 0.3, 1: 0.3, 2: 0.3, 3: 0.6}, dp=4)  # with a GPU each, 2x is a straggler
+    assert len(fired("PERF002", facts(ranks=gpu_ranks))) == 1
 
 
 def test_perf002_judges_window_medians_not_the_latest_step():

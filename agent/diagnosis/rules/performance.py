@@ -143,8 +143,10 @@ def _waiting(ranks: list[RankFacts]) -> tuple[float, RankFacts, dict[int, float]
                    "sub-millisecond difference on a shared CPU is noise (benchmarks/false_alarms.py), and a "
                    "real one costs too little to act on"),
           "shared_cpu_ratio": Threshold(
-              3.0, "where ranks outnumber a node's CPUs, the share of a CPU each rank gets varies from step to "
-                   "step; healthy ranks, 4 or 8 to a 2-CPU node, measured up to 1.9x apart"),
+              3.0, "ranks that compute on CPUs share the cores with each other and everything else on the host, so "
+                   "their compute time includes waiting for a core: healthy ranks, 4 or 8 to a 2-CPU node, measured up "
+                   "to 1.9x apart, and users' scripts on a busy 2-CPU machine up to 1.36x over their window medians "
+                   "(benchmarks/false_alarms.py)"),
       })
 def straggler(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """A straggler is found from each rank's compute time (forward and backward without waiting on
@@ -155,9 +157,9 @@ def straggler(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     (straggler_ratio) and by a margin that matters against the step (min_step_share of the job's median
     step time). When every rank of a node is slow, the node is named instead: a node reading from slow
     disks, or a slow GPU, sets the pace of the whole job. The other ranks' waiting for it in collectives
-    (their exposed collective time beyond the straggler's) is its evidence, not a network problem. Where
-    CPU ranks outnumber their node's CPUs, compute times include waiting for a CPU, and only a larger gap
-    (shared_cpu_ratio) tells a straggler from that noise."""
+    (their exposed collective time beyond the straggler's) is its evidence, not a network problem. Ranks that
+    compute on CPUs (no GPU: a test, a demo, a CPU job) share the host's cores, so their compute times include
+    waiting for one, and only a larger gap (shared_cpu_ratio) tells a straggler from that noise."""
     for job, ranks in facts.jobs().items():
         computes = {r.rank: c for r in ranks if (c := windowed(r, "compute_seconds")) is not None and c > 0}
         timed = [r for r in ranks if r.rank in computes]
@@ -166,6 +168,11 @@ def straggler(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
             continue
         step = median(step_times)
         sharing = cpu_sharing(facts, ranks)
+        on_cpus = all(r.gpu_uuid is None and r.gpu_index is None for r in timed)
+        if on_cpus and not sharing:
+            sharing = [Evidence(f"the ranks of job {job} compute on CPUs, whose cores they share with each other and "
+                                "the rest of the host: their timings include waiting for a core", Where(job=job),
+                                {"cpu_ranks": len(timed)})]
         threshold = max(t.straggler_ratio, t.shared_cpu_ratio) if sharing else t.straggler_ratio
         slow: list[tuple[float, RankFacts, float]] = []
         for _, peers in group_by(timed, lambda r: r.layout.pp_stage if r.layout is not None else 0):

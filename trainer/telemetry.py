@@ -254,7 +254,7 @@ class TelemetryClient:
     def _offer_hello(self) -> None:
         """Re-send the hello unless records wait before it. A failed re-send loses nothing new,
         so it is not counted as a drop."""
-        if not self._backlog and self._send_datagram(self._hello) is None:
+        if not self._backlog and self._hello is not None and self._send_datagram(self._hello) is None:
             self.sent += 1
             self._replay_hello = False
             self._hello_sent_at = time.monotonic()

@@ -64,7 +64,7 @@ def exposed_seconds(calls: Iterable[Call], phase_ends: Mapping[str, Mark], clock
     for call in calls:
         if call.blocking:
             exposed[call.phase] += call.seconds
-        elif call.phase in phase_ends:
+        elif call.phase is not None and call.phase in phase_ends:
             last_launch[call.phase] = call
     for phase, call in last_launch.items():
         exposed[phase] += clock.seconds(call.start, phase_ends[phase])

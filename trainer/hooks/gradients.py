@@ -142,7 +142,7 @@ def gradient_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
-def parameter_checksum(params: list[torch.Tensor]) -> torch.Tensor:
+def parameter_checksum(params: Sequence[torch.Tensor]) -> torch.Tensor:
     """Σ_j (j + 1) · Σ_k p_jk in fp64, as a 0-d tensor on the parameters' device (read it without a sync later)."""
     sums = torch.stack([p.detach().sum(dtype=torch.float64) for p in params])
     weights = torch.arange(1, len(params) + 1, dtype=torch.float64, device=sums.device)

@@ -25,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
@@ -261,6 +261,7 @@ class Monitor:
         if calls:
             record["collectives"] = histogram(calls)
             record["exposed_collective_seconds"] = sum(exposed.values())
+        assert step.host is not None  # set when the step ended; only ended steps are recorded
         values = step.host.read()
         unavailable: dict[str, str] = {}
         if step.similarity_due:
@@ -302,7 +303,7 @@ class Monitor:
         similarity, reason = similarity_of(values["similarity"])
         if similarity is not None:
             record["grad_cosine_similarity"] = similarity
-        else:
+        elif reason is not None:
             unavailable["grad_cosine_similarity"] = reason
         if "grad_norm" not in values:
             mean_squared, seen = values["similarity"][2], values["similarity"][3]
@@ -363,7 +364,8 @@ class Monitor:
         if local is not None:
             if local.is_cuda:
                 local.record_stream(torch.cuda.current_stream())  # allocated on the backward's stream
-            step.similarity.observe(local, mean)
+            if step.similarity is not None:  # a local copy is taken only for a step that measures similarity
+                step.similarity.observe(local, mean)
 
     # -- helpers -----------------------------------------------------------------------------------
 
@@ -378,8 +380,8 @@ class Monitor:
             step.values["grad_norm_of_grads"] = gradient_norm(grads)
 
     @guarded
-    def _read_memory(self) -> dict[str, Any]:
-        return self._memory.read()
+    def _read_memory(self) -> dict[str, Any] | None:
+        return self._memory.read() if self._memory is not None else None
 
     @guarded
     def _send_hello(self, faults: tuple[str, ...]) -> None:
@@ -442,7 +444,7 @@ class Step:
             self.failures.record("Step.__enter__", error)
         return self
 
-    def __exit__(self, exc_type: type | None, *exc_info: object) -> bool:
+    def __exit__(self, exc_type: type | None, *exc_info: object) -> Literal[False]:
         self.monitor._end(self, failed=exc_type is not None)
         return False
 
@@ -519,7 +521,8 @@ class _Phase:
 
     def __init__(self, step: Step, name: str) -> None:
         self.step, self.name = step, name
-        self.start = self.outer = None
+        self.start: Mark | None = None
+        self.outer: str | None = None
 
     def __enter__(self) -> None:
         step = self.step  # guarded inline, as Step.__enter__
@@ -529,7 +532,7 @@ class _Phase:
         except Exception as error:
             step.failures.record("_Phase.__enter__", error)
 
-    def __exit__(self, *exc_info: object) -> bool:
+    def __exit__(self, *exc_info: object) -> Literal[False]:
         step = self.step
         try:
             if self.start is not None:
@@ -561,7 +564,7 @@ class _Collective:
         except Exception as error:
             self.failures.record("_Collective.__enter__", error)
 
-    def __exit__(self, *exc_info: object) -> bool:
+    def __exit__(self, *exc_info: object) -> Literal[False]:
         try:
             if self.start is not None:
                 step = self.step

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 
 class Off:
     """Every call does nothing and costs next to nothing, so instrumented code needs no `if`s."""
@@ -11,7 +13,7 @@ class Off:
     def __enter__(self) -> Off:
         return self
 
-    def __exit__(self, *exc_info: object) -> bool:
+    def __exit__(self, *exc_info: object) -> Literal[False]:
         return False
 
     def data(self) -> Off:

@@ -25,7 +25,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -69,7 +69,7 @@ class PipelineClock:
     def __enter__(self) -> None:
         self._opened = self._clock.mark()
 
-    def __exit__(self, *exc_info: object) -> bool:
+    def __exit__(self, *exc_info: object) -> Literal[False]:
         self._close_pass()
         return False
 

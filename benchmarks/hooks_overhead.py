@@ -1,15 +1,17 @@
 """What the training hooks cost: their fixed cost per step on a tiny model, then the reference trainer with the
 hooks off and on, step by step.
 
-**Fixed cost** (`--part fixed`): a step of ~2 ms (a two-layer MLP on a fixed batch, SGD), in one process and
-as plain DDP over 2 ranks (gloo), where the hooks' own work is largest against the step. Blocks of
-`--fixed-steps` steps alternate hooks off (a second, identical model without a Monitor) and on (a Monitor
-with every default signal: similarity and checksum every 10 steps, reporting loss, lr and samples); each
-round is one block of each, the first a warm-up. Per step and round: the CPU time of the training thread
-(`time.thread_time`), of the whole process (`time.process_time`, which includes the telemetry client's
-thread: each block ends with a pause for it to send what it was handed, so that its work lands in its
-own block) and wall time; printed as off, on and their difference, min / median / max over the rounds,
-with the machine (CPU, cores, load average before and after). CPU time is what the hooks take from the
+**Fixed cost** (`--part fixed`): a step of ~1-2 ms (a two-layer MLP on a fixed batch, SGD), in one process (a
+plain model) and as plain DDP over 2 ranks (gloo), where the hooks' own work is largest against the step; with
+`--bucket-hook`, DDP with `Monitor(bucket_hook=True)` as well. The loop is a user's DDP tutorial's:
+`monitor.data(batches)`, `with monitor.step(samples=...)`, `step.compute()` around forward and backward,
+`step.optimizer()` around the update, `step.report(loss=loss.detach(), lr=...)`. Blocks of `--fixed-steps`
+steps alternate hooks off (a second, identical model without a Monitor) and on (a Monitor with every default
+signal: similarity and checksum every 10 steps); each round is one block of each, the first a warm-up. Per step and
+round: the CPU time of the training thread (`time.thread_time`), of the whole process (`time.process_time`, which
+includes the telemetry client's thread: each block ends with a pause for it to send what it was handed, so that its
+work lands in its own block) and wall time; printed as off, on and their difference, min / median / max over the
+rounds, with the machine (CPU, cores, load average before and after). CPU time is what the hooks take from the
 training thread whatever else the machine runs; wall time on a shared machine wanders.
 
 **Reference trainer** (`--part trainer`): each configuration runs in several rounds, the configurations
@@ -29,8 +31,8 @@ On-steps are every other step, so "every N" is configured as every 2N: the hooks
 on-step in N, as in a real run. No agent needs to run: a thread here reads the records off the
 socket and drops them, so a send costs what it costs with an agent.
 
-    python benchmarks/hooks_overhead.py [--part fixed|trainer|all] [--fixed-rounds 20 --fixed-steps 100]
-        [--rounds 5 --steps 120] [--tp 2 --pp 2 --dp 2] [--only default]
+    python benchmarks/hooks_overhead.py [--part fixed|trainer|all] [--fixed-rounds 200 --fixed-steps 10]
+        [--bucket-hook] [--rounds 5 --steps 120] [--tp 2 --pp 2 --dp 2] [--only default]
 """
 
 from __future__ import annotations
@@ -43,7 +45,10 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +68,8 @@ from gpuwatch.trainer.train import Trainer, instrument
 WARMUP_STEPS = 20
 #: The fixed-cost model: width of the MLP's hidden layer and the batch (~2 ms a step here; `--width` to tune).
 FIXED_WIDTH, FIXED_BATCH = 512, 64
+#: The fixed cost's three identical models, each one block of steps per round in this order (`_fixed_cost`).
+ARMS = ("off", "on", "floor")
 #: name -> (signals, or None for hooks off on both sides; measure one on-step in N)
 CONFIGS = {
     "none (noise floor)": (None, DEFAULT_EVERY),
@@ -76,53 +83,66 @@ CONFIGS = {
 }
 
 
-def _fixed_cost(device, rounds: int, steps: int, width: int) -> dict[str, dict[bool, list[float]]]:
-    """Per round, µs per step of this rank's training thread, process and wall clock, hooks off (False) and
-    on (True); a round is one block of `steps` steps each way, the first round a warm-up."""
-    distributed = torch.distributed.is_initialized()
+def _fixed_cost(device, rounds: int, steps: int, width: int, bucket_hook: bool = False) -> dict[str, Any]:
+    """Per round, µs per step of this rank's training thread and wall clock for three identical models: one
+    without a Monitor ("off"), one with ("on") and a second one without ("floor": its difference from "off" is
+    the noise floor of this very run); a round is one block of `steps` steps of each, in turn, the first round a
+    warm-up. And the CPU time the telemetry client's thread took per "on" step, read from its own clock. DDP with
+    more than one rank (the launcher makes a process group of one for a single rank too: that one trains a plain
+    model)."""
+    distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
 
     def model() -> nn.Module:
         torch.manual_seed(0)
         mlp = nn.Sequential(nn.Linear(128, width), nn.ReLU(), nn.Linear(width, 16))
         return DistributedDataParallel(mlp) if distributed else mlp
 
-    plain, watched = model(), model()
-    optimizers = {m: torch.optim.SGD(m.parameters(), lr=0.01) for m in (plain, watched)}
+    models = {arm: model() for arm in ARMS}
+    optimizers = {arm: torch.optim.SGD(m.parameters(), lr=0.01) for arm, m in models.items()}
     batches = [(torch.randn(FIXED_BATCH, 128), torch.randint(16, (FIXED_BATCH,)))] * steps
-    monitor = hooks.Monitor(watched, job="hooks-overhead")
+    monitor = hooks.Monitor(models["on"], job="hooks-overhead", bucket_hook=bucket_hook)
+    client_thread = monitor.client._thread.ident
+    assert client_thread is not None
+    client_clock = time.pthread_getcpuclockid(client_thread)
 
-    def off() -> None:
-        optimizer = optimizers[plain]
+    def bare(arm: str) -> None:
+        network, optimizer = models[arm], optimizers[arm]
         for inputs, targets in batches:
-            loss = F.cross_entropy(plain(inputs), targets)
+            loss = F.cross_entropy(network(inputs), targets)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
 
-    def on() -> None:
-        optimizer = optimizers[watched]
+    def watched() -> None:
+        network, optimizer = models["on"], optimizers["on"]
         for inputs, targets in monitor.data(batches):
             with monitor.step(samples=len(inputs)) as step:
                 with step.compute():
-                    loss = F.cross_entropy(watched(inputs), targets)
+                    loss = F.cross_entropy(network(inputs), targets)
                     loss.backward()
                 with step.optimizer():
                     optimizer.step()
                     optimizer.zero_grad()
                 step.report(loss=loss.detach(), lr=0.01)
 
-    out: dict[str, dict[bool, list[float]]] = {clock: {False: [], True: []} for clock in ("thread", "process", "wall")}
+    blocks: dict[str, Callable[[], None]] = {
+        "off": partial(bare, "off"), "on": watched, "floor": partial(bare, "floor")}
+    out: dict[str, Any] = {clock: {arm: [] for arm in ARMS} for clock in ("thread", "wall")}
+    client_seconds = 0.0
     for round_ in range(rounds + 1):
-        for hooked, block in ((False, off), (True, on)):
-            thread, process, wall = time.thread_time(), time.process_time(), time.perf_counter()
-            block()
+        client = time.clock_gettime(client_clock)
+        for arm in ARMS:
+            thread, wall = time.thread_time(), time.perf_counter()
+            blocks[arm]()
             wall = time.perf_counter() - wall
-            time.sleep(2 * BATCH_SECONDS)  # the client's thread sends this block's records now, not in the next
             if round_ > 0:
-                for clock, seconds in (("thread", time.thread_time() - thread),
-                                       ("process", time.process_time() - process), ("wall", wall)):
-                    out[clock][hooked].append(seconds / steps * 1e6)
+                out["thread"][arm].append((time.thread_time() - thread) / steps * 1e6)
+                out["wall"][arm].append(wall / steps * 1e6)
+        if round_ > 0:
+            client_seconds += time.clock_gettime(client_clock) - client
+    time.sleep(2 * BATCH_SECONDS)  # the client's thread sends the last records
     monitor.close()
+    out["client_us_per_step"] = client_seconds / (rounds * steps) * 1e6
     return out
 
 
@@ -140,20 +160,27 @@ def _spread(values: list[float]) -> str:
     return f"{min(values):7.1f} {statistics.median(values):7.1f} {max(values):7.1f}"
 
 
-def fixed_cost(rounds: int, steps: int, width: int) -> None:
-    """Print the hooks' fixed cost per step, in one process and on rank 0 of 2-rank DDP."""
+def fixed_cost(rounds: int, steps: int, width: int, bucket_hook: bool = False) -> None:
+    """Print the hooks' fixed cost per step, in one process and on rank 0 of 2-rank DDP (and with the bucket
+    hook, if asked)."""
     print(f"fixed cost: MLP 128-{width}-16, batch {FIXED_BATCH}, SGD; default signals (similarity and checksum "
-          f"every {DEFAULT_EVERY} steps); {rounds} rounds of {steps} steps off, then on (after a warm-up round)\n"
-          f"machine: {_machine()}\nload average before: {_load()}", flush=True)
-    print(f"{'µs per step':24} {'off (median)':>12} {'on (median)':>12}   {'on - off:  min  median     max':>30}")
-    for name, ranks in (("one process", 1), ("DDP, 2 ranks (rank 0)", 2)):
-        result = launch(_fixed_cost, ranks, rounds, steps, width, device="cpu", timeout=3600)[0]
+          f"every {DEFAULT_EVERY} steps); {rounds} rounds of {steps} steps each: off, on, off again (the floor), "
+          f"after a warm-up round\nmachine: {_machine()}\nload average before: {_load()}", flush=True)
+    print(f"{'µs per step':28} {'off':>7} {'on':>7}   {'on - off: min  median    max':>28}   {'floor (median)':>14}")
+    layouts = [("one process", 1, False), ("DDP, 2 ranks (rank 0)", 2, False)]
+    if bucket_hook:
+        layouts.append(("DDP, 2 ranks, bucket_hook=True (rank 0)", 2, True))
+    for name, ranks, hooked in layouts:
+        result = launch(_fixed_cost, ranks, rounds, steps, width, hooked, device="cpu", timeout=3600)[0]
         print(name)
-        for clock in ("thread", "process", "wall"):
-            off, on = result[clock][False], result[clock][True]
-            cost = [b - a for a, b in zip(off, on, strict=True)]
-            print(f"  {clock:22} {statistics.median(off):12.1f} {statistics.median(on):12.1f}   {_spread(cost):>30}",
-                  flush=True)
+        for clock in ("thread", "wall"):
+            times = result[clock]
+            cost = [on - off for off, on in zip(times["off"], times["on"], strict=True)]
+            floor = [again - off for off, again in zip(times["off"], times["floor"], strict=True)]
+            print(f"  {clock + ' (training thread)' if clock == 'thread' else clock:26} "
+                  f"{statistics.median(times['off']):7.1f} {statistics.median(times['on']):7.1f}   "
+                  f"{_spread(cost):>28}   {statistics.median(floor):14.1f}", flush=True)
+        print(f"  telemetry client's thread: {result['client_us_per_step']:.1f} µs of CPU per step", flush=True)
     print(f"load average after: {_load()}")
 
 
@@ -196,9 +223,12 @@ def _medians_ms(samples: list[tuple[float, float]]) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=("fixed", "trainer", "all"), default="all")
-    parser.add_argument("--fixed-rounds", type=int, default=20, help="Rounds of the fixed-cost measurement.")
-    parser.add_argument("--fixed-steps", type=int, default=100, help="Steps per block of the fixed-cost measurement.")
+    parser.add_argument("--fixed-rounds", type=int, default=200, help="Rounds of the fixed-cost measurement.")
+    parser.add_argument("--fixed-steps", type=int, default=DEFAULT_EVERY,
+                        help="Steps per block of the fixed-cost measurement (one measuring period by default).")
     parser.add_argument("--width", type=int, default=FIXED_WIDTH, help="Hidden width of the fixed-cost model.")
+    parser.add_argument("--bucket-hook", action="store_true",
+                        help="Measure DDP with Monitor(bucket_hook=True) too (fixed cost).")
     parser.add_argument("--rounds", type=int, default=5, help="Runs per trainer configuration, taking turns.")
     parser.add_argument("--steps", type=int, default=120, help="Steps per trainer run, off and on together.")
     parser.add_argument("--tp", type=int, default=2)
@@ -211,7 +241,7 @@ def main() -> None:
     _drain(agent)
     os.environ["GPUWATCH_SOCKET"] = str(agent)
     if args.part in ("fixed", "all"):
-        fixed_cost(args.fixed_rounds, args.fixed_steps, args.width)
+        fixed_cost(args.fixed_rounds, args.fixed_steps, args.width, args.bucket_hook)
     if args.part in ("trainer", "all"):
         trainer_overhead(args)
 

@@ -51,6 +51,8 @@ that restarted learns the rank's layout and a hung-but-alive rank does not expir
                         latency ≤ COLLECTIVE_BUCKETS[i] not counted in an earlier bucket, the
                         last one the overflow; sum(buckets) == count. Pre-bucketing on the rank
                         (``bucket_index``) keeps a datagram small whatever the call rate.
+    gradient_sync_bytes?  int        bytes DDP all-reduces in a step (every gradient), where no hook
+                                     times its calls (no ``collectives`` for them); the step's volume
     loss?               float        NaN/±Infinity allowed: a diverging run is data, not an error
     grad_norm?          float ≥ 0    NaN/Infinity allowed, as for loss
     nonfinite?          bool         a non-finite loss or gradient was seen this step
@@ -469,6 +471,7 @@ _STEP = _object(
             {"bubble_ratio_theoretical": _RATIO},
         ),
         "collectives": _object({}, dict.fromkeys(COLLECTIVE_OPS, _histogram)),
+        "gradient_sync_bytes": _COUNT,
         "loss": _number(-math.inf, math.inf, nonfinite_ok=True),
         "grad_norm": _number(nonfinite_ok=True),
         "nonfinite": _boolean,

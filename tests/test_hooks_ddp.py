@@ -1,9 +1,13 @@
 """A plain DistributedDataParallel script (examples/ddp_train.py), not the reference trainer, instrumented
-through the public API: its ranks' core signals reach a real agent and its run log. Then what DDP's gradients
-tell: the gradient norm when the script reports none, and why a zero gradient has no cosine."""
+through the public API: its ranks' core signals reach a real agent and its run log. By default DDP keeps its
+C++ all-reduce (no Python communication hook): the hooks time the tail of each backward that waits for it and,
+on measuring steps, compare each rank's own gradient with DDP's average; `bucket_hook=True` times every bucket
+as well. Either way, the cosine and the gradient norm equal what the script computes beside DDP, and a missing
+cosine says why."""
 
+import contextlib
 import importlib.util
-import math
+import time
 from pathlib import Path
 
 import pytest
@@ -52,11 +56,14 @@ def test_a_plain_ddp_script_reports_the_core_signals_of_every_rank(start_agent, 
         assert 0 < series("gpuwatch_train_dataloader_wait_seconds")[rank] < step_time[rank]
         assert 0 < series("gpuwatch_train_optimizer_seconds")[rank] < step_time[rank]
         assert series("gpuwatch_train_loss")[rank] == pytest.approx(losses[rank][-1])
-    # DDP's buckets, timed by the communication hook: at least one all-reduce per step, the whole gradient
-    n_params = sum(p.numel() for p in _example().TinyLM(256, 64, 2).parameters())
-    assert all(count >= steps for count in series("gpuwatch_train_collective_seconds_count", op="all_reduce").values())
-    assert set(series("gpuwatch_train_collective_bytes_total", op="all_reduce").values()) == {steps * 4 * n_params}
-    assert all(-1 < value < 0.999 for value in series("gpuwatch_train_grad_cosine_similarity").values())
+    # DDP's all-reduce stays DDP's own (no communication hook): no per-call latencies, but its volume, the cosine
+    # of every measuring step (every 2nd here), and the time the backward waited for it, measured on every step
+    assert not by_rank(text, "gpuwatch_train_collective_seconds_count", "ddp-example")
+    assert all(-1 <= value <= 1 for value in series("gpuwatch_train_grad_cosine_similarity").values())
+    assert set(series("gpuwatch_train_gradient_sync_bytes").values()) == {
+        4 * sum(p.numel() for p in _example().TinyLM(vocab=256, width=64, depth=2).parameters())}
+    assert all(value >= 0 for value in series("gpuwatch_train_window_median_seconds",
+                                              timing="exposed_collective_seconds").values())
     checksum = series("gpuwatch_train_param_checksum")
     assert checksum[0] == checksum[1]  # DDP keeps the replicas identical
     assert len(set(series("gpuwatch_train_grad_norm").values())) == 1  # clipped after the reduction: shared
@@ -73,55 +80,111 @@ def test_a_plain_ddp_script_reports_the_core_signals_of_every_rank(start_agent, 
         assert [r["step"] for r in records] == list(range(1, steps + 1))
         for record in records:
             assert record["samples"] == 8  # the batch: sequences
-            # DDP's buckets are launched in the compute phase, which waits for the last of them
-            assert 0 <= record["exposed_collective_seconds"] <= record["step_seconds"] - record["compute_seconds"]
-            assert "unavailable" not in record  # every signal due was measured
+            # the backward runs in the compute phase, whose waiting for DDP's all-reduce is taken out of it
+            assert 0 < record["exposed_collective_seconds"] <= record["step_seconds"] - record["compute_seconds"]
+            assert "collectives" not in record
+            assert "unavailable" not in record
+            assert ("grad_cosine_similarity" in record) == (record["step"] % 2 == 0)
 
 
-def _ddp_steps(device, steps: int, run_log: Path, zero_gradient: bool) -> list[float]:
-    """A DDP linear model, a few SGD steps reporting the loss only; the norm of the averaged gradient of each step,
-    as DDP left it in .grad. With `zero_gradient`, cross-entropy over a single logit: the loss and every gradient
-    are zero whatever the weights."""
+def _ddp_steps(device, steps: int, run_log: Path, zero_gradient: bool, bucket_hook: bool,
+               micro_batches: int = 1) -> dict:
+    """A DDP linear model, a few SGD steps reporting the loss only, each over `micro_batches` (all but the last
+    under `no_sync`, as gradient accumulation does). Per step, as the script sees them itself: the norm of the
+    averaged gradient DDP left in .grad, and the cosine between this rank's own gradient (taken beside DDP, with
+    `torch.autograd.grad` on the bare module) and that average; then the communication hooks DDP was given.
+    With `zero_gradient`, cross-entropy over a single logit: the loss and every gradient are zero."""
     torch.manual_seed(0)
     classes = 1 if zero_gradient else 3
     model = DistributedDataParallel(torch.nn.Linear(4, classes))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    monitor = hooks.Monitor(model, job="ddp-gradients", run_log=run_log, grad_similarity_every=2, checksum_every=2)
+    monitor = hooks.Monitor(model, job="ddp-gradients", run_log=run_log, grad_similarity_every=2, checksum_every=2,
+                            bucket_hook=bucket_hook)
     rank = torch.distributed.get_rank()
     inputs = torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))  # each rank its own data
     targets = torch.randint(classes, (8,), generator=torch.Generator().manual_seed(rank))
-    norms = []
+    norms, cosines = [], []
     for _ in range(steps):
         with monitor.step(samples=len(inputs)) as step:
+            own = torch.zeros(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
             with step.compute():
-                loss = F.cross_entropy(model(inputs), targets)
-                loss.backward()
-            norms.append(math.sqrt(sum(p.grad.double().square().sum().item() for p in model.parameters())))
+                for micro in range(micro_batches):
+                    rows = slice(micro * 8 // micro_batches, (micro + 1) * 8 // micro_batches)
+                    own_loss = F.cross_entropy(model.module(inputs[rows]), targets[rows])
+                    own += torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+                        own_loss, list(model.module.parameters()))]).double()
+                    with contextlib.nullcontext() if micro == micro_batches - 1 else model.no_sync():
+                        loss = F.cross_entropy(model(inputs[rows]), targets[rows])
+                        if rank == 1:
+                            time.sleep(0.05)  # rank 0 waits for it in the all-reduce: a tail to measure
+                        loss.backward()
+            mean = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+            norms.append(mean.norm().item())
+            cosines.append((own @ mean / (own.norm() * mean.norm())).item() if norms[-1] > 0 else None)
             with step.optimizer():
                 optimizer.step()
                 optimizer.zero_grad()
             step.report(loss=loss.detach())
+    comm_hooks = [hook.__name__ for hook, _ in model._comm_hooks]
     monitor.close()
-    return norms
+    return {"norms": norms, "cosines": cosines, "comm_hooks": comm_hooks, "failures": dict(monitor.failures.counts)}
 
 
-def test_ddp_reports_the_gradient_norm_the_script_did_not_and_cosines_on_measuring_steps(tmp_path, monkeypatch):
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_by_default_ddp_gets_no_communication_hook_the_wait_for_its_all_reduce_is_timed_and_the_cosine_taken(
+        tmp_path, monkeypatch, micro_batches):
     monkeypatch.setenv("GPUWATCH_SOCKET", str(tmp_path / "no-agent.sock"))
-    norms = launch(_ddp_steps, 2, 4, tmp_path, False, device="cpu", timeout=120)
+    ranks = launch(_ddp_steps, 2, 4, tmp_path, False, False, micro_batches, device="cpu", timeout=120)
+    assert [result["comm_hooks"] for result in ranks] == [[], []]  # DDP's C++ all-reduce, untouched
+    assert [result["failures"] for result in ranks] == [{}, {}]
+    n_params = 4 * 3 + 3
     for rank, records in read_run_log(tmp_path).items():
         steps = records[1:]
+        assert [r["step"] for r in steps] == [1, 2, 3, 4]
+        for record in steps:
+            assert "collectives" not in record  # per-call latencies need the bucket hook
+            assert record["gradient_sync_bytes"] == 4 * n_params  # what DDP all-reduces: every fp32 gradient
+            assert 0 < record["exposed_collective_seconds"] <= record["step_seconds"] - record["compute_seconds"]
+        if rank == 0:  # it waits ~50 ms for rank 1 at every all-reduce: waiting, not computing
+            assert all(r["exposed_collective_seconds"] > max(0.03, r["compute_seconds"]) for r in steps)
+        # the measuring steps: this rank's gradient (over all its micro-batches) against DDP's average, as the
+        # script computes it beside DDP; the gradient norm is the average's
+        assert ["grad_norm" in r for r in steps] == ["grad_cosine_similarity" in r for r in steps] == [
+            False, True] * 2
+        for record, norm, cosine in zip(steps[1::2], ranks[rank]["norms"][1::2], ranks[rank]["cosines"][1::2],
+                                        strict=True):
+            assert record["grad_norm"] == pytest.approx(norm, rel=1e-6) and norm > 0
+            assert record["grad_cosine_similarity"] == pytest.approx(cosine, abs=1e-6) and cosine < 0.999
+            assert "unavailable" not in record
+        assert ["param_checksum" in r for r in steps] == [False, True] * 2
+
+
+def test_the_bucket_hook_times_every_bucket_and_measures_the_cosine_and_gradient_norm(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUWATCH_SOCKET", str(tmp_path / "no-agent.sock"))
+    ranks = launch(_ddp_steps, 2, 4, tmp_path, False, True, device="cpu", timeout=120)
+    assert [result["comm_hooks"] for result in ranks] == [["gpuwatch_comm_hook"]] * 2
+    n_params = 4 * 3 + 3
+    for rank, records in read_run_log(tmp_path).items():
+        steps = records[1:]
+        for record in steps:
+            all_reduce = record["collectives"]["all_reduce"]  # one bucket: the whole gradient, every step
+            assert (all_reduce["count"], all_reduce["bytes"], sum(all_reduce["buckets"])) == (1, 4 * n_params, 1)
+            assert "gradient_sync_bytes" not in record  # the calls carry their bytes
+            assert 0 <= record["exposed_collective_seconds"] <= record["step_seconds"] - record["compute_seconds"]
         assert ["grad_norm" in r for r in steps] == ["grad_cosine_similarity" in r for r in steps] == [
             False, True, False, True]
-        for record, norm in zip(steps[1::2], norms[rank][1::2], strict=True):
+        for record, norm, cosine in zip(steps[1::2], ranks[rank]["norms"][1::2], ranks[rank]["cosines"][1::2],
+                                        strict=True):
             assert record["grad_norm"] == pytest.approx(norm, rel=1e-6) and norm > 0  # |ḡ|, the mean's norm
-            assert -1 < record["grad_cosine_similarity"] < 0.999  # different data on each rank
+            assert record["grad_cosine_similarity"] == pytest.approx(cosine, abs=1e-6) and cosine < 0.999
             assert "unavailable" not in record
 
 
-def test_a_zero_gradient_has_no_cosine_and_says_why_with_a_zero_gradient_norm(tmp_path, monkeypatch):
+@pytest.mark.parametrize("bucket_hook", [True, False])
+def test_a_zero_gradient_has_a_zero_gradient_norm_and_no_cosine_and_says_why(tmp_path, monkeypatch, bucket_hook):
     monkeypatch.setenv("GPUWATCH_SOCKET", str(tmp_path / "no-agent.sock"))
-    norms = launch(_ddp_steps, 2, 4, tmp_path, True, device="cpu", timeout=120)
-    assert set(norms[0] + norms[1]) == {0.0}
+    ranks = launch(_ddp_steps, 2, 4, tmp_path, True, bucket_hook, device="cpu", timeout=120)
+    assert set(ranks[0]["norms"] + ranks[1]["norms"]) == {0.0}
     for records in read_run_log(tmp_path).values():
         steps = records[1:]
         assert [r.get("unavailable") for r in steps] == [None, {"grad_cosine_similarity": "zero_gradient"}] * 2

@@ -194,6 +194,26 @@ def test_peak_rss_comes_from_getrusage_above_its_exec_floor_and_from_proc_status
     above.close()
 
 
+def test_status_is_read_only_while_a_reading_might_be_the_floor(monkeypatch):
+    """With no floor above the process's own peaks (a forked rank), status confirms a reading once and the bound
+    drops beneath it: later readings at that level or above are taken as they are, a new low is checked again.
+    Where status shows less than the reading, the reading was the floor: the bound stays."""
+    status_peaks: list[int] = []
+    monkeypatch.setattr(memory.os, "pread", lambda fd, size, offset: b"VmHWM:\t %d kB\n" % status_peaks.pop(0))
+    monkeypatch.setattr(memory, "resource", _rusage(1000, 1000, 3000, 1000, 3000, 990))
+    host = memory.HostMemory()  # the bound: 1000, read just after the first reset
+    status_peaks.extend([1000, 990])
+    assert [host.read()["peak_bytes"] // 1024 for _ in range(5)] == [1000, 3000, 1000, 3000, 990]
+    assert status_peaks == []  # read for the first 1000 and for 990 only
+    monkeypatch.setattr(memory, "resource", _rusage(5000, 5000, 5000))  # a launcher's floor of 5000
+    floored = memory.HostMemory()
+    status_peaks.extend([1200, 1300])
+    assert [floored.read()["peak_bytes"] // 1024 for _ in range(2)] == [1200, 1300]  # status each time
+    assert status_peaks == []
+    host.close()
+    floored.close()
+
+
 @pytest.mark.parametrize("target", ["runs", "logs/run.jsonl"])
 @pytest.mark.parametrize("given", ["argument", "environment"])
 def test_run_log_keeps_every_record_in_a_file_per_rank_or_in_one_file(tmp_path, monkeypatch, target, given):
@@ -352,10 +372,10 @@ def test_gradient_cosine_similarity_is_exact_over_pieces_and_undefined_for_a_zer
 def test_parameter_checksum_is_deterministic_and_sees_a_one_ulp_change():
     params = [torch.randn(300, 200, generator=torch.Generator().manual_seed(1)), torch.randn(200)]
     replica = [p.clone() for p in params]
-    assert hooks.parameter_checksum(params).item() == hooks.parameter_checksum(replica).item()
+    assert hooks.parameter_checksum(params) == hooks.parameter_checksum(replica)
     replica[0][17, 3] = torch.nextafter(replica[0][17, 3], torch.tensor(math.inf))
-    assert hooks.parameter_checksum(params).item() != hooks.parameter_checksum(replica).item()
-    assert hooks.parameter_checksum(params[::-1]).item() != hooks.parameter_checksum(params).item()  # weighted
+    assert hooks.parameter_checksum(params) != hooks.parameter_checksum(replica)
+    assert hooks.parameter_checksum(params[::-1]) != hooks.parameter_checksum(params)  # weighted
 
 
 def test_model_flops_bubble_and_peaks():

@@ -91,6 +91,9 @@ STEP_GAUGES: tuple[StepGauge, ...] = (
               "idle / (busy + idle).", "ratio", "bubble_ratio", "pipeline"),
     StepGauge("gpuwatch_train_pipeline_bubble_ratio_theoretical", "The schedule's ideal bubble, (p-1)/(m+p-1) for p "
               "stages and m micro-batches.", "ratio", "bubble_ratio_theoretical", "pipeline"),
+    StepGauge("gpuwatch_train_gradient_sync_bytes", "Bytes DDP all-reduces per step (every gradient), where the "
+              "hooks do not time its calls (gpuwatch_train_collective_bytes_total counts those they time).", "bytes",
+              "gradient_sync_bytes"),
     StepGauge("gpuwatch_train_loss", "Loss of the latest step; NaN or Inf when it diverged.", "", "loss"),
     StepGauge("gpuwatch_train_grad_norm", "Global gradient norm of the latest step.", "", "grad_norm"),
     StepGauge("gpuwatch_train_loss_scale", "Mixed-precision loss scale of the latest step.", "", "loss_scale"),

@@ -185,6 +185,7 @@ class StepFacts:
     compute_seconds: float | None = None
     dataloader_wait_seconds: float | None = None
     exposed_collective_seconds: float | None = None
+    gradient_sync_bytes: float | None = None  # DDP's all-reduce volume, where its calls are not timed
     bubble_ratio: float | None = None
     bubble_ratio_theoretical: float | None = None
     loss: float | None = None

@@ -36,8 +36,8 @@ class Clock(Protocol):
 class WallClock:
     """`time.perf_counter`, for CPU training: every mark is ready when taken."""
 
-    def mark(self) -> float:
-        return time.perf_counter()
+    #: perf_counter itself, not a method calling it: a mark costs no Python frame (the hooks take ~10 a step)
+    mark = staticmethod(time.perf_counter)
 
     def ready(self, mark: float) -> bool:
         return True

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import resource
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,6 +30,8 @@ class CudaMemory:
         self.device = device
         stats = torch.cuda.memory_stats(device)
         self._retries, self._ooms = stats.get("num_alloc_retries", 0), stats.get("num_ooms", 0)
+        #: `reset` as a callable the monitor keeps (as HostMemory's)
+        self.resetter: Callable[[], object] = partial(torch.cuda.reset_peak_memory_stats, device)
 
     def reset(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -55,12 +59,15 @@ class HostMemory:
     """The process's peak resident set per step (VmHWM), labelled kind="host_rss". Where clear_refs
     cannot be written (an old kernel, a locked-down /proc) the peak is the process's since it started.
 
-    Read from getrusage's ru_maxrss where that is exact, else from /proc/self/status, which costs ~20 µs
-    in a training loop against ~4 µs (RUSAGE_THREAD: the same ru_maxrss, without adding up the CPU
-    times of every thread). ru_maxrss is the larger of the peak that clear_refs resets and a floor the
-    kernel folded in when the process was exec'd (the peak of the process that started it, a launcher
-    say; a forked rank has none). The floor cannot be read, but it is at most what ru_maxrss says just
-    after a reset (`_floor_kib`): any larger reading is the peak itself.
+    Read from getrusage's ru_maxrss where that is exact, else from /proc/self/status, which costs ~10 µs
+    against ~1 µs (RUSAGE_THREAD: the same ru_maxrss, without adding up the CPU times of every thread;
+    measured on a 2-core EPYC VM). ru_maxrss is the larger of the peak that clear_refs resets and a floor the
+    kernel folded in (the peak of the process that exec'd it, a launcher say, or of a thread that exited).
+    The floor cannot be read by itself, only bounded: a reading above `_floor_bound` is the peak itself;
+    one at or below it is checked against status once, which tells either that the reading is the floor
+    (status shows a lower peak: the bound stays) or that the floor lies below it (the bound drops). So
+    the bound soon sits under the smallest peak the loop reaches, and status is read on the few steps
+    whose peak is a new low.
     """
 
     kind = "host_rss"
@@ -73,24 +80,34 @@ class HostMemory:
             self._clear_refs: int | None = os.open(PROC_CLEAR_REFS, os.O_WRONLY)
         except OSError:
             self._clear_refs = None
+        #: `reset` as the monitor calls it every step: the write itself, without a Python frame around it
+        self.resetter: Callable[[], object] = (
+            partial(os.write, self._clear_refs, b"5") if self._clear_refs is not None else _nothing)
         self.reset()
-        self._floor_kib = resource.getrusage(resource.RUSAGE_THREAD).ru_maxrss
+        self._rusage = partial(resource.getrusage, resource.RUSAGE_THREAD)
+        self._floor_bound = self._rusage().ru_maxrss  # the floor is at most this: ru_maxrss just after a reset
 
     def reset(self) -> None:
-        if self._clear_refs is not None:
-            os.write(self._clear_refs, b"5")
+        self.resetter()
 
     def read(self) -> dict[str, Any]:
-        kib = resource.getrusage(resource.RUSAGE_THREAD).ru_maxrss
-        if kib <= self._floor_kib:  # perhaps the floor: only status tells
+        kib = self._rusage().ru_maxrss
+        if kib <= self._floor_bound:  # perhaps the floor: only status tells
             status = os.pread(self._status, 8192, 0)
-            kib = int(status.split(b"VmHWM:", 1)[1].split(None, 1)[0])
+            peak = int(status.split(b"VmHWM:", 1)[1].split(None, 1)[0])
+            if peak >= kib:  # the reading was the peak: the floor lies below it
+                self._floor_bound = kib - 1
+            kib = peak
         return {"kind": self.kind, "peak_bytes": kib * 1024}
 
     def close(self) -> None:
         for fd in (self._status, self._clear_refs):
             if fd is not None:
                 os.close(fd)
+
+
+def _nothing() -> None:
+    pass
 
 
 def memory_for(device: torch.device) -> CudaMemory | HostMemory:

@@ -7,14 +7,27 @@ loop never synchronises for the hooks' sake. A resolved step is handed to the te
 thread (`TelemetryClient.submit`), which builds its record, encodes and sends it: the training
 thread only takes the marks and the few values that would change under it.
 
+Under DistributedDataParallel the time the training thread waits for DDP's gradient all-reduce is taken
+without a communication hook: a hook on one parameter's gradient queues an autograd final callback once per
+backward, which marks the end of the backward's computation (every gradient computed, every bucket
+launched) and queues a second one behind DDP's own final callback, which waits for the buckets; between
+the two marks is the tail the training thread waited for (`exposed_collective_seconds`, every step). Three
+Python calls per backward against ~50 µs per bucket for a Python communication hook, which DDP calls on
+the training thread for every bucket on the CPU. On measuring steps only, a hook after each parameter's
+gradient accumulation copies this rank's gradient before DDP's own hook there averages it, and the second
+callback compares the copies with DDP's averages (the gradient cosine similarity). `Monitor(bucket_hook=True)`
+adds a communication hook (DDP's all-reduce with a callback per bucket) for what only it sees: each bucket's
+latency (the record's `collectives`).
+
 Cost on the training thread, per step with every default signal: see benchmarks/README.md ("Training
 hooks"). What stays here is what cannot wait: the marks, the phase bookkeeping, the memory peak (the
 next step resets it), reading the values the user reported (the next step may change them) and, on
-measuring steps, the checksum (the next update changes the parameters).
+measuring steps, the checksum and the gradient norm (the next update changes the parameters).
 
 Every entry point the training loop calls is guarded (`_safety`): an exception inside the hooks is
-counted in `Monitor.failures` and logged once, and training goes on. The user's own code inside a
-`with step.compute():` is not guarded: its exceptions pass through untouched.
+counted in `Monitor.failures` and logged once, and training goes on; so is every hook that runs inside
+autograd or DDP. The user's own code inside a `with step.compute():` is not guarded: its exceptions pass
+through untouched.
 """
 
 from __future__ import annotations
@@ -23,7 +36,7 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import partial
 from typing import Any, Literal, TypeVar
 
@@ -34,10 +47,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gpuwatch.protocol.schema import SCHEMA_VERSION
 from gpuwatch.trainer.hooks._safety import Failures, guarded
-from gpuwatch.trainer.hooks.clock import Clock, Mark, clock_for
+from gpuwatch.trainer.hooks.clock import Clock, Mark, WallClock, clock_for
 from gpuwatch.trainer.hooks.collectives import Call, exposed_seconds, histogram, resolve
 from gpuwatch.trainer.hooks.flops import peak_flops
-from gpuwatch.trainer.hooks.gradients import GradientSimilarity, gradient_norm, parameter_checksum, similarity_of
+from gpuwatch.trainer.hooks.gradients import (
+    GradientSimilarity,
+    checksum_of,
+    gradient_norms,
+    norm_of,
+    parameter_sums,
+    similarity_of,
+)
 from gpuwatch.trainer.hooks.identity import Layout, hello_record, resolve_job
 from gpuwatch.trainer.hooks.memory import memory_for
 from gpuwatch.trainer.hooks.off import OFF, Off
@@ -52,34 +72,51 @@ DEFAULT_EVERY = 10
 #: Steps waiting for the device; beyond this the oldest is resolved by waiting for it (a stalled device).
 MAX_PENDING = 16
 CLOSE_TIMEOUT_S = 5.0
+#: On the CPU, parameters up to this size are copied for the checksum, which the client's thread then takes.
+COPY_CHECKSUM_BYTES = 32 << 20
+#: Gradient elements compared with DDP's average at a time on a measuring step (`Monitor._compare_gradients`):
+#: DDP's default bucket size in fp32 (25 MiB), so the flat copies of a chunk cost what a bucket does.
+COMPARE_CHUNK_ELEMENTS = 25 * 2**20 // 4
 #: Where records are also appended when `Monitor(run_log=...)` is not given: a directory or a .jsonl file.
 RUN_LOG_VARIABLE = "GPUWATCH_RUN_LOG"
+#: Autograd's engine, whose final callbacks (`queue_callback`) run once a backward's graph is done, in the order
+#: queued; DDP's reducer queues the one that waits for its buckets when the last bucket is launched.
+_ENGINE = torch.autograd.Variable._execution_engine
 
 
 class Monitor:
     """Measures one rank's training steps and sends them to the node agent.
 
-    `model`: the module being trained (its parameters feed the checksum, its device picks the clock);
-    a DistributedDataParallel model also gets a communication hook that times each bucket's all-reduce
-    and feeds the gradient similarity (`comm_hook`/`comm_state`: your own hook to wrap instead of DDP's
-    default all-reduce). `layout`: the rank's place in the job (default: plain data parallelism over
-    the default process group). `job`: else GPUWATCH_JOB, SLURM_JOB_ID, TORCHELASTIC_RUN_ID or a
-    generated id (`resolve_job`). `socket_path`: the agent's telemetry socket (default: GPUWATCH_SOCKET,
-    else the agent's well-known places). `run_log` (default: GPUWATCH_RUN_LOG): every record is also
-    appended there, whether or not an agent listens, for `gpuwatch diagnose --run-log`; a directory
-    (this rank writes DIR/rank-NNNNN.jsonl, NNNNN its global rank) or a file ending in .jsonl.
-    `client`: a client of your own instead (for tests; `send`, `submit` and `close` as TelemetryClient
-    has them), which the monitor closes. `grad_similarity_every`, `checksum_every`: the measuring steps
-    (0: never). `flops_per_token`: this rank's model FLOPs per token it processes
-    (`transformer_flops_per_token`, divided by tp·pp), for FLOP/s and MFU. `shard_groups`: the groups
-    one data-parallel replica is sharded over (TP, PP), where the gradient similarity's sums are added
-    up. `faults`: injected faults, for the hello. `signals`: a subset of SIGNALS to measure.
+    `model`: the module being trained (its parameters feed the checksum, its device picks the clock). A
+    DistributedDataParallel model gets a hook on a parameter's gradient (see the module's docstring) that
+    times, every step, the tail of the backward the training thread waits for DDP's gradient all-reduce
+    (`exposed_collective_seconds`, taken out of `compute_seconds`); DDP keeps its own C++ all-reduce.
+    On measuring steps it also compares each rank's own gradient with DDP's average (the cosine).
+    `bucket_hook=True` registers a Python communication hook instead, as DDP's default all-reduce with a
+    callback per bucket (~50 µs of the training thread per bucket and step on the CPU, where DDP runs it
+    on the training thread): it times each bucket's all-reduce (the record's `collectives`: count, bytes,
+    a latency histogram) and feeds the gradient cosine similarity from the buckets.
+    `comm_hook`/`comm_state`: your own communication hook, which the bucket hook wraps instead of DDP's
+    all-reduce (implies `bucket_hook=True`). `layout`: the rank's place in the job (default: plain data
+    parallelism over the default process group). `job`: else GPUWATCH_JOB,
+    SLURM_JOB_ID, TORCHELASTIC_RUN_ID or a generated id (`resolve_job`). `socket_path`: the agent's
+    telemetry socket (default: GPUWATCH_SOCKET, else the agent's well-known places). `run_log` (default:
+    GPUWATCH_RUN_LOG): every record is also appended there, whether or not an agent listens, for
+    `gpuwatch diagnose --run-log`; a directory (this rank writes DIR/rank-NNNNN.jsonl, NNNNN its global
+    rank) or a file ending in .jsonl. `client`: a client of your own instead (for tests; `send`, `submit`
+    and `close` as TelemetryClient has them), which the monitor closes. `grad_similarity_every`,
+    `checksum_every`: the measuring steps (0: never). `flops_per_token`: this rank's model FLOPs per token
+    it processes (`transformer_flops_per_token`, divided by tp·pp), for FLOP/s and MFU. `shard_groups`:
+    the groups one data-parallel replica is sharded over (TP, PP), where the gradient similarity's sums
+    are added up. `faults`: injected faults, for the hello. `signals`: a subset of SIGNALS to measure
+    (without "collectives" a DDP model's backward is watched on measuring steps only).
 
     On a measuring step where the user reports no `grad_norm`, the monitor reports the norm of the
-    gradient the optimizer sees: sqrt(|ḡ|²) from the gradient similarity's sums with data parallelism
-    (free; divided by a reported `loss_scale`, since DDP's buckets carry scaled gradients), else the
-    parameters' .grad as `step.optimizer()` finds them (one `torch._foreach_norm` pass: call it after a
-    loss scaler's `unscale_`). A sharded replica without data parallelism has neither, and says so
+    gradient the optimizer sees: sqrt(|ḡ|²) from the gradient similarity's sums where those are taken
+    (the bucket hook, the reference trainer; free; divided by a reported `loss_scale`, since DDP's
+    buckets carry scaled gradients), else the parameters' .grad as `step.optimizer()` finds them (one
+    `torch._foreach_norm` pass: call it after a loss scaler's `unscale_`; under DDP that is the average
+    DDP left there). A sharded replica without the similarity's sums has neither, and says so
     (`unavailable`), as does every other signal due on a step that could not be computed.
     """
 
@@ -101,6 +138,7 @@ class Monitor:
         faults: Iterable[str] = (),
         comm_hook: Callable | None = None,
         comm_state: Any = None,
+        bucket_hook: bool = False,
         signals: Iterable[str] = SIGNALS,
     ) -> None:
         if client is not None and (socket_path is not None or run_log is not None):
@@ -108,6 +146,7 @@ class Monitor:
         self.failures = Failures()
         self.layout = layout or Layout.data_parallel()
         self.params = list(model.parameters()) if model is not None else []
+        self._param_bytes = sum(p.numel() * p.element_size() for p in self.params)
         self.device = device or (self.params[0].device if self.params else _default_device())
         run_log = run_log if run_log is not None else os.environ.get(RUN_LOG_VARIABLE) or None
         self.client = client if client is not None else TelemetryClient(
@@ -116,20 +155,42 @@ class Monitor:
         self._times_collectives = "collectives" in self.signals
         self._every = {signal: every if signal in self.signals and every > 0 else 0
                        for signal, every in (("grad_similarity", grad_similarity_every), ("checksum", checksum_every))}
+        self._similarity_every, self._checksum_every = self._every["grad_similarity"], self._every["checksum"]
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops_per_second or peak_flops(self.device)
         self.shard_groups = tuple(shard_groups)
         self.job = resolve_job(job)
         self._clock = clock_for(self.device)
+        self._mark = self._clock.mark  # on the CPU time.perf_counter itself: no Python frame per mark
+        self._on_host = isinstance(self._clock, WallClock)  # every mark ready when taken: no queue
         self._stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         self._memory = self._open_memory() if "memory" in self.signals else None
+        self._reset_memory = self._memory.resetter if self._memory is not None else None
         self._current: Step | None = None
         self._pending: deque[Step] = deque()
         self._data_wait: tuple[Mark, Mark] | None = None
         self._last_number = 0
+        ddp = model if isinstance(model, DistributedDataParallel) else None
+        self.bucket_hook = ddp is not None and (bucket_hook or comm_hook is not None)
+        #: A DDP model that reduces its gradients in C++ (no bucket hook), watched through autograd instead
+        self._ddp = ddp if not self.bucket_hook else None
+        #: its parameters that get gradients, the bytes DDP all-reduces per synchronising backward, and on a
+        #: measuring step this rank's own gradient of each, by index, kept until DDP has averaged them
+        self._grad_params = [p for p in self._ddp.parameters() if p.requires_grad] if self._ddp is not None else []
+        self._gradient_sync_bytes = sum(p.numel() * p.element_size() for p in self._grad_params)
+        self._local_grads: dict[int, torch.Tensor] = {}
+        self._handles: list[Any] = []  # the hooks on the model, removed by close()
+        self._grad_handles: list[Any] = []  # a measuring step's hooks on every gradient, removed when it is taken
+        # The backward whose tail is being timed (`_backward_tail`): 0 none, 1 its callback queued, 2 the
+        # computation's end marked (`_tail_start`, in `_tail_step`) and the second callback queued.
+        self._tail_stage = 0
+        self._tail_start: Mark | None = None
+        self._tail_step: Step | None = None
         self._send_hello(tuple(faults))
-        if isinstance(model, DistributedDataParallel):
-            self._watch_ddp(model, comm_hook, comm_state)
+        if ddp is not None and self.bucket_hook:
+            self._watch_ddp(ddp, comm_hook, comm_state)
+        elif self._ddp is not None and self._times_collectives:
+            self._watch_backward(self._ddp)
 
     # -- the training loop's side ------------------------------------------------------------------
 
@@ -138,21 +199,50 @@ class Monitor:
         images, rows: for models that do not count tokens) this rank processes in it. `number` defaults to
         one more than the last; pass the trainer's own (a resumed run) so every rank agrees on measuring
         steps."""
-        self._last_number = self._last_number + 1 if number is None else number
-        return Step(self, self._last_number, tokens, samples)
+        self._last_number = number = self._last_number + 1 if number is None else number
+        # Made here rather than in a Step.__init__: one Python frame fewer on the hot path.
+        step = _new(Step)
+        step.monitor, step.failures, step.number = self, self.failures, number
+        step.tokens, step.samples = tokens, samples
+        step.start = step.end = step.phase = step.pipeline = step.memory = step.scalars = step.host = None
+        step.measured = step.similarity = step.reported = None
+        step.phases, step.calls, step.waits, step.values, step.time = [], [], [], {}, 0.0
+        every = self._checksum_every
+        step.checksum_due = every > 0 and number % every == 0
+        every = self._similarity_every
+        step.similarity_due = due = every > 0 and number % every == 0
+        step._measures_grads = False
+        if due:
+            # The gradient similarity where there are replicas to compare; else the gradient norm comes from
+            # .grad, where the replica has it whole.
+            replicated = self.layout.dp_size > 1
+            if replicated:
+                step.similarity = GradientSimilarity(self.device, self.shard_groups, self.failures, self._stream)
+                if self._ddp is not None:
+                    self._watch_gradients()
+            step._measures_grads = not replicated and not self.shard_groups
+        return step
 
     def data(self, iterable: Iterable[T]) -> Iterator[T]:
         """Yield from `iterable`, timing each wait for the next item as the data-loader wait of the step
         it feeds (the next `step()`, whose time then starts with that wait)."""
-        iterator, mark = iter(iterable), self._clock.mark
+        iterator, mark, failures = iter(iterable), self._mark, self.failures
         while True:
-            start = _guarded_mark(mark, self.failures)
+            try:  # guarded inline, as Step.__enter__
+                start = mark()
+            except Exception as error:
+                failures.record("Clock.mark", error)
+                start = None
             try:
                 item = next(iterator)
             except StopIteration:
                 return
-            end = _guarded_mark(mark, self.failures)
-            self._data_wait = None if start is None or end is None else (start, end)
+            try:
+                end = mark()
+                self._data_wait = None if start is None else (start, end)
+            except Exception as error:
+                failures.record("Clock.mark", error)
+                self._data_wait = None
             yield item
 
     def collective(self, op: str, nbytes: int) -> _Collective | Off:
@@ -165,9 +255,11 @@ class Monitor:
 
     def close(self) -> None:
         """Send the steps still waiting for the device (at most CLOSE_TIMEOUT_S), then close the client, which
-        sends every record handed to it. Not for the training loop: this one may wait."""
+        sends every record handed to it, and take the hooks off the model. Not for the training loop: this
+        one may wait."""
         self._flush(timeout=CLOSE_TIMEOUT_S)
         self._close_memory()
+        self._remove_hooks()
         self.client.close()
 
     def __enter__(self) -> Monitor:
@@ -177,35 +269,6 @@ class Monitor:
         self.close()
 
     # -- step life cycle ---------------------------------------------------------------------------
-
-    def _end(self, step: Step, failed: bool) -> None:
-        """The step's end mark and what the record needs before the next step changes it, then the hand-over;
-        nothing here waits for the device. Guarded inline, in parts (the hot path, as `Step.__enter__`)."""
-        self._current = None
-        if failed:  # the training loop raised: no record, and no collective of ours to wait in
-            return
-        step.end = _guarded_mark(self._clock.mark, self.failures)
-        if step.similarity is not None:
-            # A collective over the shard groups unless the training loop made it already: every rank
-            # makes it on every measuring step, whatever else fails here, or its peers would wait forever.
-            sums = step.similarity.reduce()
-            if sums is not None:
-                step.values["similarity"] = sums
-        try:
-            if step.checksum_due and self.params:
-                self._checksum(step)
-            if self._memory is not None:
-                step.memory = self._read_memory()
-            step.time = time.time()
-            step.host = _HostValues(step.values, self._clock)
-            self._pending.append(step)
-        except Exception as error:
-            self.failures.record("Monitor._end", error)
-        self._flush()
-
-    def _due(self, signal: str, number: int) -> bool:
-        every = self._every[signal]
-        return every > 0 and number % every == 0
 
     @guarded
     def _flush(self, timeout: float = 0.0) -> None:
@@ -230,43 +293,88 @@ class Monitor:
 
     @guarded
     def _finish(self, step: Step) -> dict[str, Any] | None:
-        """The record of a resolved step, its marks then free for reuse; on the client's thread."""
+        """The record of a resolved step, its marks then free for reuse (CUDA events; numbers need no release);
+        on the client's thread."""
         try:
             return self._record(step)
         finally:
-            self._clock.release(step.marks())
+            if not self._on_host:
+                self._clock.release(step.marks())
 
     def _record(self, step: Step) -> dict[str, Any] | None:
-        """The step record (gpuwatch.protocol.schema) of a resolved step."""
-        clock = self._clock
+        """The step record (gpuwatch.protocol.schema) of a resolved step. On the client's thread, beside the training
+        loop: the less Python here, the less it takes the GIL from the training thread (wall-clock marks are
+        subtracted inline, not through `Clock.seconds`)."""
         if step.start is None or step.end is None:
             return None
-        step_seconds = clock.seconds(step.start, step.end)
+        clock, on_host = self._clock, self._on_host
+        step_seconds = max(0.0, step.end - step.start) if on_host else clock.seconds(step.start, step.end)
         record: dict[str, Any] = {
             "v": SCHEMA_VERSION, "kind": "step", "job": self.job, "rank": self.layout.rank, "time": step.time,
             "step": step.number, "step_seconds": step_seconds,
         }
-        phases = {name: sum(clock.seconds(start, end) for start, end in marks) for name, marks in step.phases.items()}
-        calls = [call for call in step.calls if call.end is not None]
-        resolve(calls, clock)
-        exposed = exposed_seconds(calls, {name: marks[-1][1] for name, marks in step.phases.items()}, clock)
+        phases: dict[str, float] = {}
+        phase_ends: dict[str, Mark] = {}
+        for name, start, end in step.phases:
+            phases[name] = phases.get(name, 0.0) + (max(0.0, end - start) if on_host else clock.seconds(start, end))
+            phase_ends[name] = end
+        calls = [call for call in step.calls if call.end is not None] if step.calls else None
+        exposed: dict[str | None, float] = {}
+        if calls:
+            resolve(calls, clock)
+            exposed = exposed_seconds(calls, phase_ends, clock)
+        for phase, start, end in step.waits:  # DDP's all-reduce tail, waited for whole
+            exposed[phase] = exposed.get(phase, 0.0) + (
+                max(0.0, end - start) if on_host else clock.seconds(start, end))
         if "compute" in phases:
             record["compute_seconds"] = max(0.0, phases["compute"] - exposed.get("compute", 0.0))
-        for phase, field in (("data", "dataloader_wait_seconds"), ("optimizer", "optimizer_seconds")):
-            if phase in phases:
-                record[field] = phases[phase]
-        pipeline = step.pipeline.result() if step.pipeline is not None else None
-        if pipeline is not None:
-            record["pipeline"] = pipeline
+        if "data" in phases:
+            record["dataloader_wait_seconds"] = phases["data"]
+        if "optimizer" in phases:
+            record["optimizer_seconds"] = phases["optimizer"]
+        if step.pipeline is not None:
+            pipeline = step.pipeline.result()
+            if pipeline is not None:
+                record["pipeline"] = pipeline
         if calls:
             record["collectives"] = histogram(calls)
+        if calls or step.waits:
             record["exposed_collective_seconds"] = sum(exposed.values())
-        assert step.host is not None  # set when the step ended; only ended steps are recorded
-        values = step.host.read()
+        if step.waits and self._ddp is not None:  # DDP's all-reduce, whose calls no hook sees: its volume
+            record["gradient_sync_bytes"] = self._gradient_sync_bytes
+        assert step.scalars is not None  # set when the step ended; only ended steps are recorded
+        values: dict[str, Any] = dict(step.scalars)
+        if step.reported is not None:
+            self._read_reported(step.reported, values)
+        if step.host is not None:
+            values.update(step.host.read())
+        if step.measured is not None:  # the monitor's own tensors on the host, final since it made them
+            measured = step.measured
+            copies = measured.pop("param_copies", None)
+            if isinstance(copies, list):  # summed here rather than on the training thread
+                measured["param_sums"] = parameter_sums(copies)
+            values.update({name: [t.item() for t in value] if isinstance(value, list) else value.tolist()
+                           for name, value in measured.items()})
+            if "param_sums" in values:
+                values["param_checksum"] = checksum_of(values.pop("param_sums"))
+            if "grad_norms" in values:
+                values["grad_norm_of_grads"] = norm_of(values.pop("grad_norms"))
         unavailable: dict[str, str] = {}
         if step.similarity_due:
             self._gradient_fields(values, record, unavailable)
-        record.update(_scalars(values))
+        # loss, grad_norm, lr, loss_scale and the nonfinite flag, as the schema takes them
+        loss, grad_norm = values.get("loss"), values.get("grad_norm")
+        if loss is not None:
+            record["loss"] = loss
+        if grad_norm is not None:
+            record["grad_norm"] = grad_norm
+        if loss is not None or grad_norm is not None:
+            record["nonfinite"] = not ((loss is None or math.isfinite(loss))
+                                       and (grad_norm is None or math.isfinite(grad_norm)))
+        for name in ("lr", "loss_scale"):  # finite and non-negative, or left out
+            value = values.get(name)
+            if value is not None and math.isfinite(value) and value >= 0:
+                record[name] = value
         if step.checksum_due:
             if not self.params:
                 unavailable["param_checksum"] = "no_parameters"
@@ -286,6 +394,17 @@ class Monitor:
                 if self.peak_flops and flops <= self.peak_flops:  # above peak: a wrong flops_per_token
                     record["mfu"] = flops / self.peak_flops
         return record
+
+    def _read_reported(self, reported: dict[str, tuple[torch.Tensor, int]], values: dict[str, Any]) -> None:
+        """The host tensors the user reported, read now (on the client's thread) where they have not changed since
+        the step ended; one that has is left out, and counted as a failure (report a copy, or a number)."""
+        for name, (tensor, version) in reported.items():
+            value = _plain(tensor)
+            if tensor._version == version:  # after the read: unchanged until then, so the value is the step's
+                values[name] = value
+            else:
+                self.failures.record("Step.report", RuntimeError(
+                    f"the tensor reported as {name} changed before the record read it: report a copy or a number"))
 
     def _gradient_fields(self, values: dict[str, Any], record: dict[str, Any], unavailable: dict[str, str]) -> None:
         """On a gradient-similarity step: the cosine, else why not; and the gradient norm when the user reported
@@ -313,7 +432,103 @@ class Monitor:
             else:
                 unavailable["grad_norm"] = "no_gradient_seen"
 
-    # -- data-parallel communication hook ------------------------------------------------------------
+    # -- data parallelism: DDP's all-reduce tail, every step ----------------------------------------
+
+    def _watch_backward(self, model: DistributedDataParallel) -> None:
+        """Hook the gradient of one parameter: every one gets a gradient in every backward unless DDP is told to
+        find unused ones, and then the first and the last (one of them is used, in any model that has an
+        input and an output layer). A hook on a tensor runs before the hooks on its gradient's accumulation,
+        DDP's among them, so the callback it queues comes before the one DDP queues with its last bucket."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        hooked = params[:1] + params[-1:] if model.find_unused_parameters else params[-1:]
+        for param in {id(p): p for p in hooked}.values():
+            self._handles.append(param.register_hook(self._backward_tail))
+
+    def _backward_tail(self, grad: torch.Tensor | None = None) -> None:
+        """One method in three roles, one code object for a training loop to keep warm (three cost ~5 µs more
+        per step there). As the hook on a parameter's gradient (`grad` given), inside the backward: queue itself
+        as a final callback, once per backward. As that callback: every gradient is computed and every bucket
+        launched; mark it, and queue itself again, now behind DDP's callback, which waits for the buckets. As
+        that second callback: DDP's all-reduce is done, and the time since the mark is what the training thread
+        waited for it, counted in the step and phase the backward ran in. Returns None: the gradient stays as it
+        is. Never raises into autograd."""
+        try:
+            stage = self._tail_stage
+            if grad is not None:
+                if stage == 0:
+                    _ENGINE.queue_callback(self._backward_tail)
+                    self._tail_stage = 1
+            elif stage == 1:
+                self._tail_start = self._mark()
+                self._tail_step = self._current
+                self._tail_stage = 2
+                _ENGINE.queue_callback(self._backward_tail)
+            elif stage == 2:
+                self._tail_stage = 0
+                step = self._tail_step
+                self._tail_step = None
+                if step is not self._current:  # a backward outside any step, or one the step has outlived
+                    step = None
+                if step is not None and self._times_collectives:
+                    step.waits.append((step.phase, self._tail_start, self._mark()))
+                elif not self._on_host:
+                    self._clock.release([self._tail_start])
+                if self._local_grads:
+                    self._compare_gradients(step)
+        except Exception as error:
+            self._tail_stage, self._tail_step = 0, None
+            self.failures.record("Monitor._backward_tail", error)
+
+    # -- data parallelism: each rank's own gradient against DDP's average, on measuring steps --------
+
+    @guarded
+    def _watch_gradients(self) -> None:
+        """For one measuring step, a hook after each parameter's gradient accumulation: it runs before DDP's
+        own hook there copies the gradient into its bucket to be averaged, so `.grad` still holds this rank's
+        gradient (summed over the step's micro-batches). Registered and removed per measuring step: a Python
+        call per parameter and backward is a cost the other steps do not pay."""
+        keep = self._keep_local_gradient
+        self._grad_handles = [param.register_post_accumulate_grad_hook(partial(keep, index))
+                              for index, param in enumerate(self._grad_params)]
+
+    def _keep_local_gradient(self, index: int, param: torch.Tensor) -> None:
+        """Copy this rank's gradient of one parameter, in a backward DDP reduces (not under `no_sync`, where the
+        step's gradient is still being summed), and queue `_backward_tail`, which compares the copies with
+        DDP's averages once DDP is done. Never raises into autograd."""
+        try:
+            ddp = self._ddp
+            if ddp is not None and ddp.require_backward_grad_sync and param.grad is not None:
+                self._local_grads[index] = param.grad.detach().clone()
+                self._backward_tail(param.grad)
+        except Exception as error:
+            self.failures.record("Monitor._keep_local_gradient", error)
+
+    def _compare_gradients(self, step: Step | None) -> None:
+        """Feed the step's GradientSimilarity each kept gradient and DDP's average of it, now in `.grad`, in
+        chunks of up to COMPARE_CHUNK_ELEMENTS (one flat pair per chunk: a few operations per chunk rather than
+        per parameter), then drop the copies and the hooks."""
+        kept, self._local_grads = self._local_grads, {}
+        self._unwatch_gradients()
+        similarity = step.similarity if step is not None else None
+        if similarity is None:
+            return
+        pairs = [(local, mean) for index, local in sorted(kept.items())
+                 if (mean := self._grad_params[index].grad) is not None]
+        start, size = 0, 0
+        for end, (local, _) in enumerate(pairs, 1):
+            size += local.numel()
+            if size >= COMPARE_CHUNK_ELEMENTS or end == len(pairs):
+                chunk = pairs[start:end]
+                similarity.observe(torch.cat([local.reshape(-1) for local, _ in chunk]),
+                                   torch.cat([mean.reshape(-1) for _, mean in chunk]))
+                start, size = end, 0
+
+    @guarded
+    def _unwatch_gradients(self) -> None:
+        while self._grad_handles:
+            self._grad_handles.pop().remove()
+
+    # -- data parallelism: the bucket hook (bucket_hook=True) ------------------------------------------
 
     def _watch_ddp(self, model: DistributedDataParallel, hook: Callable | None, state: Any) -> None:
         """A communication hook that times each bucket's all-reduce (launch to completion, in the callback) and
@@ -371,17 +586,22 @@ class Monitor:
 
     @guarded
     def _checksum(self, step: Step) -> None:
-        step.values["param_checksum"] = parameter_checksum(self.params)
+        """Each parameter's sum now (the next update changes them); the weighted sum with the record
+        (`checksum_of`). On the CPU, a model of at most COPY_CHECKSUM_BYTES is copied instead and summed with the
+        record, on the client's thread: a copy costs the training thread a fraction of the fp64 sums (~30 against
+        ~110 µs for 68 k parameters in a training loop)."""
+        if self._on_host and self._param_bytes <= COPY_CHECKSUM_BYTES:
+            step.measure("param_copies", [p.detach().clone() for p in self.params])
+        else:
+            step.measure("param_sums", parameter_sums(self.params))
 
     @guarded
     def _measure_gradient_norm(self, step: Step) -> None:
+        """Each gradient's norm now (zero_grad and the next backward change them); their norm with the record
+        (`norm_of`)."""
         grads = [p.grad for p in self.params if p.grad is not None]
         if grads:
-            step.values["grad_norm_of_grads"] = gradient_norm(grads)
-
-    @guarded
-    def _read_memory(self) -> dict[str, Any] | None:
-        return self._memory.read() if self._memory is not None else None
+            step.measure("grad_norms", gradient_norms(grads))
 
     @guarded
     def _send_hello(self, faults: tuple[str, ...]) -> None:
@@ -396,36 +616,47 @@ class Monitor:
         if self._memory is not None:
             self._memory.close()
 
+    @guarded
+    def _remove_hooks(self) -> None:
+        self._unwatch_gradients()
+        while self._handles:
+            self._handles.pop().remove()
+
 
 class Step:
     """One training step: a context manager around it, with phases inside (`data`, `compute`,
     `optimizer`) and the values only the training loop knows (`report`)."""
 
-    __slots__ = ("_measures_grads", "calls", "checksum_due", "end", "failures", "host", "memory", "monitor", "number",
-                 "phase", "phases", "pipeline", "samples", "similarity", "similarity_due", "start", "time", "tokens",
-                 "values")
+    __slots__ = ("_measures_grads", "calls", "checksum_due", "end", "failures", "host", "measured", "memory", "monitor",
+                 "number", "phase", "phases", "pipeline", "reported", "samples", "scalars", "similarity",
+                 "similarity_due", "start", "time", "tokens", "values", "waits")
 
-    def __init__(self, monitor: Monitor, number: int, tokens: int | None, samples: int | None = None) -> None:
-        self.monitor, self.number, self.tokens, self.samples = monitor, number, tokens, samples
-        self.failures = monitor.failures
-        self.start: Mark | None = None
-        self.end: Mark | None = None
-        self.phase: str | None = None  # the phase open now, which collective calls are attributed to
-        self.phases: dict[str, list[tuple[Mark, Mark]]] = {}
-        self.calls: list[Call] = []
-        self.values: dict[str, float | torch.Tensor] = {}
-        self.pipeline: PipelineClock | None = None
-        self.memory: dict[str, Any] | None = None
-        self.time = 0.0
-        self.host: _HostValues | None = None
-        self.checksum_due = monitor._due("checksum", number)
-        self.similarity_due = monitor._due("grad_similarity", number)
-        data_parallel = monitor.layout.dp_size > 1
-        #: this step's GradientSimilarity, or None when the step does not measure it
-        self.similarity = (GradientSimilarity(monitor.device, monitor.shard_groups, monitor.failures, monitor._stream)
-                           if self.similarity_due and data_parallel else None)
-        # Without data parallelism the gradient norm comes from .grad, where an unsharded replica has it whole.
-        self._measures_grads = self.similarity_due and not data_parallel and not monitor.shard_groups
+    # Made by Monitor.step (no __init__: a Python frame fewer on the hot path). What each slot holds:
+    monitor: Monitor
+    failures: Failures
+    number: int
+    tokens: int | None
+    samples: int | None
+    start: Mark | None
+    end: Mark | None
+    phase: str | None  # the phase open now, which collective calls are attributed to
+    phases: list[tuple[str, Mark, Mark]]  # (name, start, end) of each interval, in order
+    calls: list[Call]  # timed collective calls (the comm layer's, the bucket hook's)
+    waits: list[tuple[str | None, Mark, Mark]]  # DDP's all-reduce tails: (phase, start, end)
+    values: dict[str, float | torch.Tensor]  # what the user reported
+    #: tensors the monitor made on a measuring step (a tensor, or one per parameter), read with the record
+    measured: dict[str, torch.Tensor | list[torch.Tensor]] | None
+    pipeline: PipelineClock | None
+    memory: dict[str, Any] | None
+    time: float
+    scalars: dict[str, float | list[float]] | None  # the values read on the host, at the end
+    reported: dict[str, tuple[torch.Tensor, int]] | None  # the user's host tensors and their versions, at the end
+    host: _HostValues | None  # the values on the device, copied to the host without a sync
+    checksum_due: bool
+    similarity_due: bool
+    #: this step's GradientSimilarity, or None when the step does not measure it (or nothing would feed it)
+    similarity: GradientSimilarity | None
+    _measures_grads: bool  # whether step.optimizer() takes the gradient norm from .grad
 
     def __enter__(self) -> Step:
         # The hot path guards itself inline (as `_Collective` does): a `guarded` wrapper per call adds up here.
@@ -433,36 +664,110 @@ class Step:
         try:
             wait, monitor._data_wait = monitor._data_wait, None
             if wait is None:
-                self.start = monitor._clock.mark()
+                self.start = monitor._mark()
             else:  # measured by data() just before this step, which then starts with it
                 self.start = wait[0]
-                self.phases["data"] = [wait]
-            if monitor._memory is not None:
-                monitor._memory.reset()
+                self.phases.append(("data", wait[0], wait[1]))
+            if monitor._reset_memory is not None:
+                monitor._reset_memory()
             monitor._current = self
+            monitor._tail_stage = 0  # a backward that raised never ran its callbacks
         except Exception as error:
             self.failures.record("Step.__enter__", error)
         return self
 
     def __exit__(self, exc_type: type | None, *exc_info: object) -> Literal[False]:
-        self.monitor._end(self, failed=exc_type is not None)
+        """The step's end mark and what the record needs before the next step changes it, then the hand-over;
+        nothing here waits for the device. Guarded inline, in parts (the hot path, as `__enter__`)."""
+        monitor = self.monitor
+        monitor._current = None
+        if monitor._grad_handles:  # a measuring step whose gradients DDP never averaged (a failed backward)
+            monitor._local_grads = {}
+            monitor._unwatch_gradients()
+        if exc_type is not None:  # the training loop raised: no record, and no collective of ours to wait in
+            return False
+        try:
+            self.end = monitor._mark()
+        except Exception as error:
+            self.failures.record("Clock.mark", error)
+        if self.similarity is not None:
+            # A collective over the shard groups unless the training loop made it already: every rank
+            # makes it on every measuring step, whatever else fails here, or its peers would wait forever.
+            sums = self.similarity.reduce()
+            if sums is not None:
+                self.measure("similarity", sums)
+        if self.checksum_due and monitor.params:
+            monitor._checksum(self)
+        if monitor._memory is not None:
+            try:
+                self.memory = monitor._memory.read()
+            except Exception as error:
+                self.failures.record("Monitor._read_memory", error)
+        try:
+            self.time = time.time()
+            # The user's values: numbers as they are; tensors on the host read with the record, on the client's
+            # thread, if they have not changed by then (their version counter says: the next step may change a
+            # tensor the user reported); tensors on the device copied to the host without a sync (`_HostValues`),
+            # with those the monitor made there. The monitor's own host tensors never change: read with the record.
+            scalars: dict[str, float | list[float]] = {}
+            on_device: dict[str, torch.Tensor] | None = None
+            for name, value in self.values.items():
+                if type(value) is float:
+                    scalars[name] = value
+                elif not isinstance(value, torch.Tensor):
+                    scalars[name] = float(value)
+                elif value.is_cuda:
+                    if on_device is None:
+                        on_device = {}
+                    on_device[name] = value
+                else:
+                    try:
+                        version = value._version
+                    except RuntimeError:  # an inference tensor has no version counter: read it now
+                        scalars[name] = _plain(value)
+                        continue
+                    if self.reported is None:
+                        self.reported = {}
+                    self.reported[name] = (value, version)
+            self.scalars = scalars
+            if self.measured is not None and not monitor._on_host:
+                on_device = {**(on_device or {}), **{name: torch.stack(value) if isinstance(value, list) else value
+                                                     for name, value in self.measured.items()}}
+                self.measured = None
+            if on_device is not None:
+                self.host = _HostValues(on_device, monitor._clock)
+            if monitor._on_host and not monitor._pending and self.pipeline is None:  # resolved: hand it over
+                monitor.client.submit(partial(monitor._finish, self))
+                return False
+            monitor._pending.append(self)
+        except Exception as error:
+            self.failures.record("Monitor._end", error)
+        monitor._flush()
         return False
+
+    # The phases are made by hand: `_Phase(self, name)` would cost an `__init__` frame more on the hot path.
 
     def data(self) -> _Phase:
         """Waiting for the input batch."""
-        return _Phase(self, "data")
+        phase = _new(_Phase)
+        phase.step, phase.name, phase.start = self, "data", None
+        return phase
 
     def compute(self) -> _Phase:
         """Forward and backward; time spent waiting on collectives inside it is taken out."""
-        return _Phase(self, "compute")
+        phase = _new(_Phase)
+        phase.step, phase.name, phase.start = self, "compute", None
+        return phase
 
     def optimizer(self) -> _Phase:
-        """The optimizer's update. On a measuring step without data parallelism, the gradient norm is taken from
-        .grad here, before the update and before zero_grad (and not timed as the optimizer's)."""
+        """The optimizer's update. On a measuring step without the gradient similarity's sums, the gradient norm
+        is taken from .grad here, before the update and before zero_grad (and not timed as the optimizer's)."""
         if self._measures_grads:
             self._measures_grads = False
             self.monitor._measure_gradient_norm(self)
-        return _Phase(self, "optimizer")
+        phase = _new(_Phase)
+        phase.step, phase.name, phase.start = self, "optimizer", None
+        return phase
 
     def report(
         self,
@@ -487,6 +792,12 @@ class Step:
         except Exception as error:  # guarded inline, as in __enter__
             self.failures.record("Step.report", error)
 
+    def measure(self, name: str, value: torch.Tensor | list[torch.Tensor]) -> None:
+        """Keep a tensor the monitor made (or one per parameter) for the record."""
+        if self.measured is None:
+            self.measured = {}
+        self.measured[name] = value
+
     def pipeline_clock(self, group: ProcessGroup, micro_batches: int) -> PipelineClock | Off:
         """A clock for this step's pipeline schedule over `group` (the stage's pipeline, its rank 0 the first
         stage), or OFF when the pipeline signal is off or there is one stage. Every stage must ask on
@@ -502,50 +813,54 @@ class Step:
 
     def ready(self) -> bool:
         """Whether the device has passed every mark, so the record can be built without waiting."""
-        if self.host is None or not self.host.ready() or (self.pipeline is not None and not self.pipeline.ready()):
+        if self.scalars is None or (self.host is not None and not self.host.ready()) or (
+                self.pipeline is not None and not self.pipeline.ready()):
             return False
-        return not any(call.end is None for call in self.calls)
+        if any(call.end is None for call in self.calls):
+            return False
+        ready = self.monitor._clock.ready
+        return all(ready(end) for _, _, end in self.waits)
 
     def marks(self) -> list[Mark]:
-        marks = [self.start, self.end] + [m for ms in self.phases.values() for pair in ms for m in pair]
+        marks = [self.start, self.end] + [m for _, start, end in self.phases for m in (start, end)]
         marks += [m for call in self.calls for m in (call.start, call.end)]
+        marks += [m for _, start, end in self.waits for m in (start, end)]
         marks += self.pipeline.marks() if self.pipeline is not None else []
         marks += [self.host.mark] if self.host is not None and self.host.mark is not None else []
         return [m for m in marks if m is not None]
 
 
 class _Phase:
-    """`with step.compute():` and the like; phases may repeat within a step (their times add up)."""
+    """`with step.compute():` and the like; phases may repeat within a step (their times add up). Made by
+    `Step.data`, `compute` and `optimizer`, without an `__init__`."""
 
     __slots__ = ("name", "outer", "start", "step")
-
-    def __init__(self, step: Step, name: str) -> None:
-        self.step, self.name = step, name
-        self.start: Mark | None = None
-        self.outer: str | None = None
+    step: Step
+    name: str
+    start: Mark | None
+    outer: str | None  # the phase this one is inside, restored as it ends
 
     def __enter__(self) -> None:
         step = self.step  # guarded inline, as Step.__enter__
         try:
             self.outer, step.phase = step.phase, self.name
-            self.start = step.monitor._clock.mark()
+            self.start = step.monitor._mark()
         except Exception as error:
+            self.start = None
             step.failures.record("_Phase.__enter__", error)
 
     def __exit__(self, *exc_info: object) -> Literal[False]:
         step = self.step
         try:
             if self.start is not None:
-                end = step.monitor._clock.mark()
-                marks = step.phases.get(self.name)
-                if marks is None:
-                    step.phases[self.name] = [(self.start, end)]
-                else:
-                    marks.append((self.start, end))
+                step.phases.append((self.name, self.start, step.monitor._mark()))
             step.phase = self.outer
         except Exception as error:
             step.failures.record("_Phase.__exit__", error)
         return False
+
+
+_new = object.__new__
 
 
 class _Collective:
@@ -581,21 +896,24 @@ class _HostValues:
 
     __slots__ = ("_clock", "_host", "_sizes", "_values", "mark")
 
-    def __init__(self, values: dict[str, float | torch.Tensor], clock: Clock) -> None:
+    def __init__(self, values: Mapping[str, float | torch.Tensor], clock: Clock) -> None:
         self._clock = clock
+        self._host: torch.Tensor | None = None
+        self.mark: Mark | None = None
         self._values: dict[str, float | list[float]] = {}
-        on_gpu: dict[str, torch.Tensor] = {}
+        on_gpu: dict[str, torch.Tensor] | None = None
         for name, value in values.items():
             if type(value) is float:
                 self._values[name] = value
             elif isinstance(value, torch.Tensor) and value.is_cuda:
+                if on_gpu is None:
+                    on_gpu = {}
                 on_gpu[name] = value.detach().reshape(-1).double()
             else:
                 self._values[name] = _plain(value)
-        self._sizes = {name: t.numel() for name, t in on_gpu.items()}
-        self._host: torch.Tensor | None = None
-        self.mark: Mark | None = None
+        self._sizes: dict[str, int] = {}
         if on_gpu:
+            self._sizes = {name: t.numel() for name, t in on_gpu.items()}
             flat = torch.cat(list(on_gpu.values()))
             self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
             self._host.copy_(flat, non_blocking=True)
@@ -623,33 +941,10 @@ def _plain(value: float | torch.Tensor) -> float | list[float]:
     return value.detach().reshape(-1).double().tolist()
 
 
-def _guarded_mark(mark: Callable[[], Mark], failures: Failures) -> Mark | None:
-    """A mark, or None (the failure recorded) when taking it failed; for marks taken outside a guarded method."""
-    try:
-        return mark()
-    except Exception as error:
-        failures.record("Clock.mark", error)
-        return None
-
-
 def _mean(future: Any) -> torch.Tensor:
     """The reduced bucket of an all-reduce's future: its one tensor (a work's future holds a list of them)."""
     value = future.value()
     return value[0] if isinstance(value, list) else value
-
-
-def _scalars(values: dict[str, Any]) -> dict[str, Any]:
-    """loss, grad_norm, lr, loss_scale and the nonfinite flag, as the schema takes them."""
-    out: dict[str, Any] = {}
-    for name in ("loss", "grad_norm"):
-        if name in values:
-            out[name] = values[name]
-    if out:
-        out["nonfinite"] = not all(math.isfinite(value) for value in out.values())
-    for name in ("lr", "loss_scale"):  # finite and non-negative, or left out
-        if math.isfinite(values.get(name, math.nan)) and values[name] >= 0:
-            out[name] = values[name]
-    return out
 
 
 def _default_device() -> torch.device:

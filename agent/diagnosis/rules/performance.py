@@ -277,11 +277,12 @@ def input_stall(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
 
 
 def _bytes_per_step(rank: RankFacts) -> float | None:
-    """The bytes the rank's collectives moved per step, from its totals; None when unknown."""
-    if not rank.collectives or not rank.steps:
-        return None
-    moved = [op.bytes for op in rank.collectives.values() if op.bytes is not None]
-    return sum(moved) / rank.steps if moved else None
+    """The bytes the rank's collectives moved per step: from the totals of the calls the hooks timed, else the
+    volume of DDP's all-reduce its latest step reported (`gradient_sync_bytes`); None when unknown."""
+    moved = [op.bytes for op in (rank.collectives or {}).values() if op.bytes is not None]
+    if moved and rank.steps:
+        return sum(moved) / rank.steps
+    return rank.last.gradient_sync_bytes if rank.last is not None else None
 
 
 @rule("PERF004", family=FAMILY, severity=Severity.WARNING, title="Communication-bound data parallelism",

@@ -66,6 +66,7 @@ def step(body: Mapping[str, Any]) -> StepFacts:
         step=body["step"], step_seconds=body.get("step_seconds"), compute_seconds=body.get("compute_seconds"),
         dataloader_wait_seconds=body.get("dataloader_wait_seconds"),
         exposed_collective_seconds=body.get("exposed_collective_seconds"),
+        gradient_sync_bytes=body.get("gradient_sync_bytes"),
         bubble_ratio=pipeline.get("bubble_ratio"), bubble_ratio_theoretical=pipeline.get("bubble_ratio_theoretical"),
         loss=_maybe_nonfinite(body.get("loss")), grad_norm=_maybe_nonfinite(body.get("grad_norm")),
         loss_scale=body.get("loss_scale"),

@@ -128,9 +128,11 @@ def _fixed_cost(device, rounds: int, steps: int, width: int, bucket_hook: bool =
     blocks: dict[str, Callable[[], None]] = {
         "off": partial(bare, "off"), "on": watched, "floor": partial(bare, "floor")}
     out: dict[str, Any] = {clock: {arm: [] for arm in ARMS} for clock in ("thread", "wall")}
-    client_seconds = 0.0
+    client = 0.0
     for round_ in range(rounds + 1):
-        client = time.clock_gettime(client_clock)
+        if round_ == 1:  # after the warm-up round, whose records the client's thread may still be sending
+            time.sleep(2 * BATCH_SECONDS)
+            client = time.clock_gettime(client_clock)
         for arm in ARMS:
             thread, wall = time.thread_time(), time.perf_counter()
             blocks[arm]()
@@ -138,9 +140,8 @@ def _fixed_cost(device, rounds: int, steps: int, width: int, bucket_hook: bool =
             if round_ > 0:
                 out["thread"][arm].append((time.thread_time() - thread) / steps * 1e6)
                 out["wall"][arm].append(wall / steps * 1e6)
-        if round_ > 0:
-            client_seconds += time.clock_gettime(client_clock) - client
     time.sleep(2 * BATCH_SECONDS)  # the client's thread sends the last records
+    client_seconds = time.clock_gettime(client_clock) - client
     monitor.close()
     out["client_us_per_step"] = client_seconds / (rounds * steps) * 1e6
     return out

@@ -396,18 +396,18 @@ def test_job_id_comes_from_the_flag_then_the_environment_then_is_generated():
     assert generated.startswith("gpuwatch-") and generated != hooks.resolve_job(None, {})
 
 
-def test_hello_carries_layout_groups_faults_and_only_allowlisted_environment(monkeypatch):
+def test_hello_carries_layout_groups_and_only_allowlisted_environment(monkeypatch):
     monkeypatch.setenv("NCCL_DEBUG", "INFO")
     monkeypatch.setenv("NCCL_IB_TOKEN_SECRET", "leak")
     monkeypatch.setenv("HOME_SECRET", "leak")
     layout = hooks.Layout(rank=5, world_size=8, local_rank=5, tp_size=2, pp_size=2, dp_size=2, tp_rank=1,
                           pp_stage=1, dp_rank=0, schedule="1f1b", micro_batches=4, precision="bf16",
                           process_groups={"tp": (4, 5), "pp": (1, 5), "dp": (5, 7), "huge": tuple(range(600))})
-    record = hello_record("job-1", layout, torch.device("cpu"), ("duplicate-shards",))
+    record = hello_record("job-1", layout, torch.device("cpu"))
     body = decode(encode(record)).body
     assert (body["rank"], body["tp_rank"], body["pp_stage"], body["dp_rank"]) == (5, 1, 1, 0)
     assert body["process_groups"] == {"tp": [4, 5], "pp": [1, 5], "dp": [5, 7]}  # 600 members would not fit
-    assert body["faults"] == ["duplicate-shards"]
+    assert "faults" not in body  # a Monitor's `hello=` adds them (test_hello_fields_join_...)
     assert body["env"]["NCCL_DEBUG"] == "INFO"
     assert "leak" not in json.dumps(record)
     assert "gpu" not in body and body["torch_version"] == torch.__version__
@@ -423,3 +423,12 @@ def test_gpuwatch_train_has_the_telemetry_options_and_checks_them():
     assert no_telemetry.exit_code == 2 and "--run-log and --telemetry-socket need --telemetry" in no_telemetry.output
     bad_fault = runner.invoke(main, ["train", "--fault", "cosmic-rays"])
     assert bad_fault.exit_code == 2 and "duplicate-shards" in bad_fault.output
+
+
+def test_hello_fields_join_the_hello_and_one_the_schema_refuses_is_refused_at_once(records):
+    hooks.Monitor(torch.nn.Linear(2, 2), job="chaos", client=records, hello={"faults": ["slow-rank"]}).close()
+    assert [r["faults"] for r in records.sent if r["kind"] == "hello"] == [["slow-rank"]]
+    with pytest.raises(ValueError, match="invalid hello"):
+        hooks.Monitor(torch.nn.Linear(2, 2), job="chaos", client=Records(), hello={"faults": "slow-rank"})
+    with pytest.raises(ValueError, match="kind or version"):
+        hooks.Monitor(torch.nn.Linear(2, 2), job="chaos", client=Records(), hello={"kind": "step"})

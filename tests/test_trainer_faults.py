@@ -96,13 +96,19 @@ def _two_passes(slow: Callable[[], AbstractContextManager]) -> None:
             pass
 
 
+def _slowed(cfg, device: str) -> Callable[[], AbstractContextManager]:
+    """The pace rank 1's pipeline gets from the slow-rank fault, applied to a stand-in trainer."""
+    trainer = SimpleNamespace(cfg=cfg, grid=SimpleNamespace(rank=1), device=torch.device(device),
+                              pipeline=SimpleNamespace(pace=nullcontext))
+    faults.slow_rank(trainer)
+    return trainer.pipeline.pace
+
+
 def test_only_the_slow_rank_stretches_its_passes_to_slowdown_times_their_cpu_time(monkeypatch):
     """Each pass sleeps SLOWDOWN - 1 times the thread CPU time it used, so it takes SLOWDOWN times as long; the
     time between passes (waits for peers) is not stretched. Scripted clocks: the figures are exact."""
-    grid = SimpleNamespace(rank=1)
-    assert faults.slow_passes(config(dp=2, faults=("slow-rank",), fault_rank=0), grid, torch.device("cpu")) \
-        is nullcontext
-    slow = faults.slow_passes(config(dp=2, faults=("slow-rank",)), grid, torch.device("cpu"))
+    assert _slowed(config(dp=2, faults=("slow-rank",), fault_rank=0), "cpu") is nullcontext
+    slow = _slowed(config(dp=2, faults=("slow-rank",)), "cpu")
     scripted = _ScriptedTime(thread_time=[10.0, 10.25, 11.0, 11.5])  # passes of 0.25 s and 0.5 s of CPU
     monkeypatch.setattr(faults, "time", scripted)
     _two_passes(slow)
@@ -112,7 +118,7 @@ def test_only_the_slow_rank_stretches_its_passes_to_slowdown_times_their_cpu_tim
 
 def test_on_a_gpu_the_slow_rank_stretches_its_passes_by_their_wall_time_once_the_device_is_done(monkeypatch):
     """On a GPU the host runs ahead of the device: each reading of the wall clock follows a synchronisation."""
-    slow = faults.slow_passes(config(dp=2, faults=("slow-rank",)), SimpleNamespace(rank=1), torch.device("cuda"))
+    slow = _slowed(config(dp=2, faults=("slow-rank",)), "cuda")
     scripted = _ScriptedTime(perf_counter=[5.0, 5.125, 6.0, 6.25])
     monkeypatch.setattr(faults, "time", scripted)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: scripted.log.append("synchronize"))
@@ -122,9 +128,15 @@ def test_on_a_gpu_the_slow_rank_stretches_its_passes_by_their_wall_time_once_the
 
 
 def test_duplicate_shards_give_every_replica_the_first_slice():
-    samplers = [DistributedSampler(1024, 8, rank, 4, seed=0, duplicate_shards=True) for rank in range(4)]
-    batches = [sampler.next_indices() for sampler in samplers]
+    trainers = [SimpleNamespace(sampler=DistributedSampler(1024, 8, rank, 4, seed=0)) for rank in range(4)]
+    for trainer in trainers:
+        faults.duplicate_shards(trainer)
+    batches = [trainer.sampler.next_indices() for trainer in trainers]
     assert batches == [DistributedSampler(1024, 8, 0, 4, seed=0).next_indices()] * 4
+
+
+def test_every_fault_the_cli_offers_has_one_injector():
+    assert set(faults.INJECTORS) == set(FAULTS)
 
 
 def test_lr_explode_takes_the_gradient_norm_past_100_within_four_steps():
@@ -137,6 +149,7 @@ def test_lr_explode_takes_the_gradient_norm_past_100_within_four_steps():
 def _replica_state(device, cfg):
     """This rank's parameter sum before training, after 3 steps, and its last gradient."""
     trainer = Trainer(cfg, build_grid(cfg.tp, cfg.pp, cfg.dp), device)
+    faults.apply(trainer)
     before = sum(p.detach().double().sum().item() for p in trainer.params)
     for _ in range(3):
         trainer.train_step()

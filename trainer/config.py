@@ -84,6 +84,11 @@ class TrainConfig:
         return self.world_size - 1 if self.fault_rank is None else self.fault_rank
 
     @property
+    def needs_cuda(self) -> bool:
+        """fp16 trains on CUDA only; the fp16-no-scaler fault runs anywhere (it only needs fp16's range)."""
+        return self.precision == "fp16" and "fp16-no-scaler" not in self.faults
+
+    @property
     def micro_batch_size(self) -> int:
         """Sequences per micro-batch on one DP rank."""
         return self.global_batch // (self.dp * self.micro_batches)
@@ -120,7 +125,7 @@ class TrainConfig:
             (self.checkpoint_every >= 0, "--checkpoint-every must not be negative"),
             (self.checkpoint_dir is not None or (not self.resume and self.checkpoint_every == 0),
              "--resume and --checkpoint-every need --checkpoint-dir"),
-            (not (self.precision == "fp16" and self.device == "cpu") or "fp16-no-scaler" in self.faults,
+            (not (self.needs_cuda and self.device == "cpu"),
              "--precision fp16 needs CUDA; use bf16 on CPU"),
             (self.grad_similarity_every >= 0 and self.checksum_every >= 0,
              "--grad-similarity-every and --checksum-every must not be negative (0 turns them off)"),

@@ -64,18 +64,13 @@ class DistributedSampler:
     Step s uses positions [s·B, (s+1)·B) for global batch B, and DP rank r takes the r-th contiguous
     slice. Every layout with the same seed and global batch therefore trains on the same sequences
     per step, no two DP ranks read the same one, and `consumed` is the whole data position.
-
-    `duplicate_shards` is a fault on purpose (`--fault duplicate-shards`): every DP rank takes the
-    first slice, as a job without a distributed sampler does, so the replicas' gradients agree exactly.
     """
 
     def __init__(
-        self, corpus_size: int, global_batch: int, dp_rank: int, dp_size: int, seed: int,
-        duplicate_shards: bool = False,
-    ) -> None:
+        self, corpus_size: int, global_batch: int, dp_rank: int, dp_size: int, seed: int) -> None:
         self.corpus_size, self.global_batch, self.seed = corpus_size, global_batch, seed
         self.per_rank = global_batch // dp_size
-        self.offset = 0 if duplicate_shards else dp_rank * self.per_rank
+        self.offset = dp_rank * self.per_rank  # where this rank's slice of a global batch starts
         self.consumed = 0
         self._epoch, self._order = -1, torch.empty(0, dtype=torch.long)
 

@@ -1,26 +1,29 @@
 """Failures the reference trainer reproduces on purpose (`gpuwatch train --fault NAME`), so that `gpuwatch
-diagnose` can be shown to find them on real runs. Each function or class below is one fault; its docstring
-names the real failure it stands for. The trainer calls them at a few places (Trainer.__init__ and the
-gradient reduction); each is a no-op without its fault. duplicate-shards lives in the sampler
-(`gpuwatch.trainer.data.DistributedSampler`). Every rank lists its faults in its telemetry hello, so no one
-takes a faulty demo for a real run.
+diagnose` can be shown to find them on real runs. They are an overlay: the trainer is built without them, then
+`apply` changes the parts a fault lives in (the model's weights or output, the pipeline's pace or group, the
+optimizer's learning rate, the loss scaler, the sampler, the gradient reduction). Each function below is one
+fault; its docstring names the real failure it stands for. Every rank lists its faults in its telemetry hello,
+so no one takes a faulty demo for a real run.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from gpuwatch.trainer.config import TrainConfig
 from gpuwatch.trainer.parallel import comm
 from gpuwatch.trainer.parallel.data import grad_of
 from gpuwatch.trainer.parallel.groups import Grid
+from gpuwatch.trainer.precision import DynamicLossScaler
+
+if TYPE_CHECKING:  # train.py imports this module
+    from gpuwatch.trainer.train import Trainer
 
 #: slow-rank: the slow rank's forward and backward passes take this many times as long; more than a throttled GPU
 #: loses, so that one step's scheduling noise on a small CPU-only machine (up to 2x) cannot hide it.
@@ -33,12 +36,14 @@ DESYNC_NOISE = 1e-3
 FP16_OVERFLOW = 2.0**24
 
 
-def learning_rate(cfg: TrainConfig) -> float:
+def explode_learning_rate(trainer: Trainer) -> None:
     """lr-explode: a learning rate far too high for the model (a typo'd exponent, a linear-scaling rule
     applied to a huge batch). AdamW moves every weight by about the learning rate each step whatever the
     gradient, so the weights grow large and the gradient norm, measured before clipping, explodes
-    (past 100, where CONV002 calls it exploded)."""
-    return EXPLODING_LR if "lr-explode" in cfg.faults else cfg.lr
+    (past 100, where CONV002 calls it exploded). The schedule is made anew around the new peak."""
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = group["initial_lr"] = EXPLODING_LR
+    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, trainer.scheduler.lr_lambdas)
 
 
 class _SlowPass:
@@ -63,38 +68,48 @@ class _SlowPass:
         time.sleep((SLOWDOWN - 1) * (self._now() - self.start))
 
 
-def slow_passes(cfg: TrainConfig, grid: Grid, device: torch.device) -> Callable[[], AbstractContextManager]:
+def slow_rank(trainer: Trainer) -> None:
     """slow-rank: one rank computes SLOWDOWN times slower than its peers, as a GPU that throttles (heat,
     power brake), sits on a degraded PCIe link or shares its node with another job does. Every other rank
     waits for it at each collective, so step times come out even; only compute times show the straggler.
-    Returns what the pipeline wraps each forward and backward pass in."""
-    return partial(_SlowPass, device) if grid.rank == cfg.slow_rank else nullcontext
+    The pipeline wraps each of that rank's forward and backward passes in a `_SlowPass`."""
+    if trainer.grid.rank == trainer.cfg.slow_rank:
+        trainer.pipeline.pace = partial(_SlowPass, trainer.device)
 
 
-def desync(cfg: TrainConfig, grid: Grid, model: torch.nn.Module) -> None:
+def desync(trainer: Trainer) -> None:
     """desync: the last data-parallel replica starts from other weights than the rest, as when rank 0's
     weights are never broadcast and each replica initialises from its own seed, or a replica loads another
     checkpoint. The DP all-reduce keeps the gradients equal, so the replicas stay apart for good while the
     loss curve looks normal; only a comparison of the replicas' parameters shows it."""
-    if "desync" not in cfg.faults or grid.dp_rank != grid.dp - 1:
+    if trainer.grid.dp_rank != trainer.grid.dp - 1:
         return
-    generator = torch.Generator().manual_seed(cfg.seed + 1)  # the same on every TP rank: replicated weights agree
+    # the same on every TP rank, so that replicated weights agree
+    generator = torch.Generator().manual_seed(trainer.cfg.seed + 1)
     with torch.no_grad():
-        for param in model.parameters():
+        for param in trainer.model.parameters():
             noise = torch.randn(param.shape, generator=generator) * DESYNC_NOISE
             param.add_(noise.to(param.device))
 
 
-def overflow_fp16(cfg: TrainConfig, model: torch.nn.Module) -> None:
+def overflow_fp16(trainer: Trainer) -> None:
     """fp16-no-scaler: fp16 training without a loss scaler, the way it ends when a value leaves fp16's
     range (largest 65504): inf logits, a NaN loss, NaN gradients, and with no scaler to skip the step the
     optimizer writes NaN into every weight (torch.amp.GradScaler would skip a step whose gradients hold
     inf or NaN). This small model's logits never get there by themselves, so the last stage's LM head
     emits them in fp16 at FP16_OVERFLOW times their size, as a larger model's activations grow; the
-    trainer also runs without its DynamicLossScaler and reports no loss scale."""
-    head = getattr(model, "head", None)
-    if "fp16-no-scaler" in cfg.faults and head is not None:
+    trainer runs without its DynamicLossScaler and reports no loss scale."""
+    trainer.scaler = DynamicLossScaler(enabled=False)
+    head = getattr(trainer.model, "head", None)
+    if head is not None:
         head.register_forward_hook(lambda module, inputs, logits: (logits * FP16_OVERFLOW).half())
+
+
+def duplicate_shards(trainer: Trainer) -> None:
+    """duplicate-shards: every DP rank reads the same data, as a job without a distributed sampler (or with
+    one not told the rank and the number of replicas) does: each takes the first slice of the global batch,
+    so the replicas' gradients agree exactly and the job trains on 1/dp of the data it pays for."""
+    trainer.sampler.offset = 0
 
 
 class SharedGroup:
@@ -144,7 +159,33 @@ class SharedGroup:
             grad.copy_(reduced.view_as(grad))
 
 
-def shared_group(cfg: TrainConfig, grid: Grid, params: list[torch.nn.Parameter],
-                 device: torch.device) -> SharedGroup | None:
-    """The shared-pp-dp-group fault's group, or None without it. Collective: every rank calls it."""
-    return SharedGroup(grid, params, device) if "shared-pp-dp-group" in cfg.faults else None
+def shared_group(trainer: Trainer) -> None:
+    """shared-pp-dp-group (SharedGroup): the pipeline's send/recv and the gradient reduction move to one group,
+    and the hello names it as both. Collective: every rank calls it."""
+    shared = SharedGroup(trainer.grid, trainer.params, trainer.device)
+    trainer.pipeline.group = shared.group
+    trainer.reduce_gradients = shared.all_reduce_gradients
+    trainer.traffic_groups |= {"pp": (shared.ranks, shared.group), "dp": (shared.ranks, shared.group)}
+
+
+#: Each fault of `gpuwatch.trainer.config.FAULTS` and what injects it, applied in this order (shared-pp-dp-group
+#: first: it is collective, and every rank gets there before any other fault can differ between them).
+INJECTORS: dict[str, Callable[[Trainer], None]] = {
+    "shared-pp-dp-group": shared_group,
+    "desync": desync,
+    "fp16-no-scaler": overflow_fp16,
+    "duplicate-shards": duplicate_shards,
+    "slow-rank": slow_rank,
+    "lr-explode": explode_learning_rate,
+}
+
+
+def apply(trainer: Trainer) -> None:
+    """Inject the run's faults (`cfg.faults`) into a trainer built without them: the one place where they enter.
+    Every rank calls it; rank 0 says which faults it injects."""
+    names = trainer.cfg.faults
+    for name, inject in INJECTORS.items():
+        if name in names:
+            inject(trainer)
+    if names and trainer.grid.rank == 0:
+        print(f"FAULTS INJECTED: {', '.join(names)}", flush=True)

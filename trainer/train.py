@@ -10,8 +10,8 @@ Each phase is a separate call in Trainer.train_step, where the hooks (`gpuwatch.
 and inspect it: the step and its data / compute / optimizer phases, every collective (through the
 comm layer), the pipeline's busy and idle time, and each gradient before and after its DP reduction.
 
-Fault switches (`--fault`, `gpuwatch.trainer.faults`) reproduce failures on purpose; they hook in where
-Trainer.__init__ builds the model, pipeline and optimizer, and in the DP reduction.
+Fault switches (`--fault`) reproduce failures on purpose: `gpuwatch.trainer.faults.apply` changes a built
+Trainer's parts, once, before the first step; nothing here knows of them.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import TextIO
 import torch
 import torch._dynamo  # torch.optim imports it lazily (~1.5 s): pay that once, before the fork, not per rank
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from gpuwatch.trainer import checkpoint, faults
 from gpuwatch.trainer.config import ConfigError, TrainConfig
@@ -87,26 +88,29 @@ class Trainer:
         m = cfg.model
         self.model = GPTStage(m, grid, cfg.seed).to(device)
         self.params = list(self.model.parameters())
-        faults.desync(cfg, grid, self.model)
-        faults.overflow_fp16(cfg, self.model)
-        self.shared = faults.shared_group(cfg, grid, self.params, device)
         self.pipeline = Pipeline(
             self.model, grid, cfg.schedule, (cfg.micro_batch_size, m.seq_len, m.hidden), device,
-            partial(autocast, device, cfg.precision), pace=faults.slow_passes(cfg, grid, device),
-            group=self.shared.group if self.shared else None,
+            partial(autocast, device, cfg.precision),
         )
         self.optimizer = torch.optim.AdamW(
             [  # as nanoGPT: no weight decay on 1-D parameters (biases, norm gains)
                 {"params": [p for p in self.params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
                 {"params": [p for p in self.params if p.dim() < 2], "weight_decay": 0.0},
             ],
-            lr=faults.learning_rate(cfg), betas=(0.9, 0.95),
+            lr=cfg.lr, betas=(0.9, 0.95),
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_cosine(cfg.warmup_steps, cfg.steps))
-        self.scaler = DynamicLossScaler(enabled=cfg.precision == "fp16" and "fp16-no-scaler" not in cfg.faults)
+        self.scaler = DynamicLossScaler(enabled=cfg.precision == "fp16")
         self.corpus = SyntheticCorpus(m.vocab_size, m.seq_len, cfg.seed)
-        self.sampler = DistributedSampler(cfg.corpus_size, cfg.global_batch, grid.dp_rank, grid.dp, cfg.seed,
-                                          duplicate_shards="duplicate-shards" in cfg.faults)
+        self.sampler = DistributedSampler(cfg.corpus_size, cfg.global_batch, grid.dp_rank, grid.dp, cfg.seed)
+        #: the DP gradient reduction: reduce_gradients(params, observe=None), as `all_reduce_gradients`
+        self.reduce_gradients: Callable[..., None] = partial(all_reduce_gradients, grid=grid,
+                                                             bucket_bytes=cfg.bucket_bytes)
+        #: each kind of traffic's group ("tp", "pp", "dp"): this rank's peers in it and the handle it goes over
+        handles = {"tp": grid.tp_group, "pp": grid.pp_group, "dp": grid.dp_group}
+        self.traffic_groups: dict[str, tuple[tuple[int, ...], ProcessGroup]] = {
+            kind: (next(tuple(g) for g in members if grid.rank in g), handles[kind])
+            for kind, members in layout(cfg.tp, cfg.pp, cfg.dp).items()}
         self.step = 0
         self.monitor: Monitor | None = None  # `instrument` attaches one
         self.tokens_per_step = cfg.micro_batch_size * cfg.micro_batches * m.seq_len  # this DP replica's
@@ -171,7 +175,7 @@ class Trainer:
         parameter counts on TP rank 0 only; the shards' sums are added up at once, while the ranks are in
         step for the global norm's all-reduces anyway."""
         if similarity is None:
-            self._all_reduce_gradients()
+            self.reduce_gradients(self.params)
             return
 
         def observe(bucket: list[torch.nn.Parameter], mean: torch.Tensor) -> None:
@@ -183,16 +187,8 @@ class Trainer:
                 similarity.observe(torch.cat([grad_of(p).reshape(-1) for p, k in zip(bucket, kept, strict=True) if k]),
                                    torch.cat([m for m, k in zip(means, kept, strict=True) if k]))
 
-        self._all_reduce_gradients(observe)
+        self.reduce_gradients(self.params, observe=observe)
         similarity.reduce()
-
-    def _all_reduce_gradients(
-        self, observe: Callable[[list[torch.nn.Parameter], torch.Tensor], None] | None = None
-    ) -> None:
-        if self.shared is not None:
-            self.shared.all_reduce_gradients(self.params, observe)
-        else:
-            all_reduce_gradients(self.params, self.grid, self.cfg.bucket_bytes, observe)
 
     def state_dict(self) -> dict:
         state = {
@@ -237,25 +233,20 @@ def instrument(trainer: Trainer, signals: Iterable[str] = SIGNALS) -> Monitor:
     """Attach the hooks to a trainer: a Monitor sending to the node agent, timing the comm layer too.
     Every rank must call it (it agrees on the job id and counts the model's parameters with its peers)."""
     cfg, grid = trainer.cfg, trainer.grid
-    groups = {kind: next(tuple(g) for g in members if grid.rank in g)
-              for kind, members in layout(cfg.tp, cfg.pp, cfg.dp).items()}
-    handles = {"tp": grid.tp_group, "pp": grid.pp_group, "dp": grid.dp_group}
-    if trainer.shared is not None:  # the groups the traffic actually goes over
-        groups |= {"pp": trainer.shared.ranks, "dp": trainer.shared.ranks}
-        handles |= {"pp": trainer.shared.group, "dp": trainer.shared.group}
+    groups = {kind: ranks for kind, (ranks, _) in trainer.traffic_groups.items()}
     place = Layout(
         rank=grid.rank, world_size=cfg.world_size, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         tp_size=grid.tp, pp_size=grid.pp, dp_size=grid.dp,
         tp_rank=grid.tp_rank, pp_stage=grid.pp_rank, dp_rank=grid.dp_rank,
         schedule=cfg.schedule, micro_batches=cfg.micro_batches, precision=cfg.precision, process_groups=groups,
-        backends={kind: dist.get_backend(group) for kind, group in handles.items()},
+        backends={kind: dist.get_backend(handle) for kind, (_, handle) in trainer.traffic_groups.items()},
     )
     monitor = Monitor(
         trainer.model, layout=place, job=cfg.job, device=trainer.device,
         socket_path=cfg.telemetry_socket, run_log=cfg.run_log,
         grad_similarity_every=cfg.grad_similarity_every, checksum_every=cfg.checksum_every,
         flops_per_token=model_flops_per_token(trainer) / (grid.tp * grid.pp),  # this rank's share
-        shard_groups=(grid.tp_group, grid.pp_group), faults=cfg.faults, signals=signals,
+        shard_groups=(grid.tp_group, grid.pp_group), hello={"faults": list(cfg.faults)}, signals=signals,
     )
     trainer.monitor = monitor
     comm.set_timer(monitor.collective)
@@ -268,17 +259,17 @@ def train(device: torch.device, cfg: TrainConfig) -> list[StepResult]:
     Rank 0 of the last stage (tp 0, dp 0) prints each step and writes the JSONL log. With
     `cfg.telemetry` every rank reports every step to the node agent.
     """
-    if cfg.precision == "fp16" and device.type != "cuda" and "fp16-no-scaler" not in cfg.faults:
+    if cfg.needs_cuda and device.type != "cuda":
         raise ConfigError(f"--precision fp16 needs CUDA, and this rank runs on {device.type}; use bf16")
     grid = build_grid(cfg.tp, cfg.pp, cfg.dp)
     trainer = Trainer(cfg, grid, device)
+    faults.apply(trainer)
     reporter = grid.is_last_stage and grid.tp_rank == 0 and grid.dp_rank == 0
     if grid.rank == 0:
         print(
             f"{cfg.world_size} ranks: tp {cfg.tp} × pp {cfg.pp} × dp {cfg.dp} on {device.type} "
             f"({dist.get_backend()}), {cfg.schedule} over {cfg.micro_batches} micro-batches of "
-            f"{cfg.micro_batch_size} sequences, global batch {cfg.global_batch}, {cfg.precision}"
-            + (f"; FAULTS INJECTED: {', '.join(cfg.faults)}" if cfg.faults else ""),
+            f"{cfg.micro_batch_size} sequences, global batch {cfg.global_batch}, {cfg.precision}",
             flush=True,
         )
     # TrainConfig.validate requires a checkpoint_dir with resume

@@ -119,8 +119,8 @@ def _cpus() -> int | None:
         return os.cpu_count()
 
 
-def hello_record(job: str, layout: Layout, device: torch.device, faults: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The rank's `hello` (gpuwatch.protocol.schema): layout, build, GPU, environment, faults."""
+def hello_record(job: str, layout: Layout, device: torch.device) -> dict[str, Any]:
+    """The rank's `hello` (gpuwatch.protocol.schema): layout, build, GPU, environment."""
     record: dict[str, Any] = {
         "v": SCHEMA_VERSION, "kind": "hello", "job": job, "rank": layout.rank, "time": time.time(),
         "local_rank": layout.local_rank, "world_size": layout.world_size,
@@ -133,7 +133,6 @@ def hello_record(job: str, layout: Layout, device: torch.device, faults: tuple[s
         "process_groups": {name: list(members) for name, members in layout.process_groups.items()
                            if len(members) <= MAX_GROUP_MEMBERS},
         "env": captured_environment(),
-        "faults": [label(fault, 64) for fault in faults],
         "backends": _backends(layout),
     }
     return {name: value for name, value in record.items() if value is not None}

@@ -45,7 +45,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
-from gpuwatch.protocol.schema import SCHEMA_VERSION
+from gpuwatch.protocol.schema import SCHEMA_VERSION, RecordRejected, decode, encode
 from gpuwatch.trainer.hooks._safety import Failures, guarded
 from gpuwatch.trainer.hooks.clock import Clock, Mark, WallClock, clock_for
 from gpuwatch.trainer.hooks.collectives import Call, exposed_seconds, histogram, resolve
@@ -108,7 +108,9 @@ class Monitor:
     `checksum_every`: the measuring steps (0: never). `flops_per_token`: this rank's model FLOPs per token
     it processes (`transformer_flops_per_token`, divided by tp·pp), for FLOP/s and MFU. `shard_groups`:
     the groups one data-parallel replica is sharded over (TP, PP), where the gradient similarity's sums
-    are added up. `faults`: injected faults, for the hello. `signals`: a subset of SIGNALS to measure
+    are added up. `hello`: fields added to this rank's hello (gpuwatch.protocol.schema), such as
+    `{"faults": [...]}` for what a chaos test injects on purpose, so no one takes the run for a healthy one;
+    a hello they make invalid is a ValueError here. `signals`: a subset of SIGNALS to measure
     (without "collectives" a DDP model's backward is watched on measuring steps only).
 
     On a measuring step where the user reports no `grad_norm`, the monitor reports the norm of the
@@ -135,7 +137,7 @@ class Monitor:
         flops_per_token: float | None = None,
         peak_flops_per_second: float | None = None,
         shard_groups: Iterable[ProcessGroup] = (),
-        faults: Iterable[str] = (),
+        hello: Mapping[str, Any] | None = None,
         comm_hook: Callable | None = None,
         comm_state: Any = None,
         bucket_hook: bool = False,
@@ -186,7 +188,8 @@ class Monitor:
         self._tail_stage = 0
         self._tail_start: Mark | None = None
         self._tail_step: Step | None = None
-        self._send_hello(tuple(faults))
+        self._hello = _hello_with(hello_record(self.job, self.layout, self.device), hello or {})
+        self._send_hello()
         if ddp is not None and self.bucket_hook:
             self._watch_ddp(ddp, comm_hook, comm_state)
         elif self._ddp is not None and self._times_collectives:
@@ -604,8 +607,8 @@ class Monitor:
             step.measure("grad_norms", gradient_norms(grads))
 
     @guarded
-    def _send_hello(self, faults: tuple[str, ...]) -> None:
-        self.client.send(hello_record(self.job, self.layout, self.device, faults))
+    def _send_hello(self) -> None:
+        self.client.send(self._hello)
 
     @guarded
     def _open_memory(self):
@@ -949,3 +952,17 @@ def _mean(future: Any) -> torch.Tensor:
 
 def _default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _hello_with(record: dict[str, Any], fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The hello with the caller's `fields` added; ValueError, naming the field, when the schema refuses it."""
+    if "kind" in fields or "v" in fields:
+        raise ValueError("Monitor(hello=...) may not set the record's kind or version")
+    merged = {**record, **fields}
+    try:
+        decode(encode(merged))
+    except RecordRejected as error:
+        raise ValueError(f"Monitor(hello=...) makes an invalid hello: {error}") from None
+    except (TypeError, ValueError) as error:  # not JSON
+        raise ValueError(f"Monitor(hello=...) makes an invalid hello: {error}") from None
+    return merged

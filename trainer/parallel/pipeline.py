@@ -79,14 +79,13 @@ class Pipeline:
         activation_shape: tuple[int, ...],
         device: torch.device,
         autocast: Callable[[], AbstractContextManager],
-        pace: Callable[[], AbstractContextManager] = nullcontext,
-        group: ProcessGroup | None = None,
     ) -> None:
-        """`pace` wraps every forward and backward pass (the slow-rank fault stretches them); `group` carries
-        the send/recv, by default the stage's pipeline group (the shared-pp-dp-group fault passes another)."""
         self.stage, self.grid, self.schedule = stage, grid, schedule
-        self.activation_shape, self.device, self.autocast, self.pace = activation_shape, device, autocast, pace
-        self.group = grid.pp_group if group is None else group
+        self.activation_shape, self.device, self.autocast = activation_shape, device, autocast
+        #: what wraps every forward and backward pass, and the group the send/recv go over (the slow-rank and
+        #: shared-pp-dp-group faults replace them: gpuwatch.trainer.faults)
+        self.pace: Callable[[], AbstractContextManager] = nullcontext
+        self.group: ProcessGroup = grid.pp_group
         self.losses: list[torch.Tensor] = []
         self.clock: StageClock = UNTIMED
 

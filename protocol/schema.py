@@ -93,6 +93,28 @@ judged long after the probe exits)::
                         1..MAX_PROBE_RESULTS rows, one per op and message size: the slowest rank's
                         mean time, algbw = bytes / seconds, busbw = algbw × the op's bus factor
 
+``progress`` — what a rank is doing, sent by the hooks' watchdog thread (not the training thread) about once
+a second while a step is overdue, and once when a step raised: silent while steps flow. What diagnosis needs to
+name a hang (who waits in which collective, who never came, what it does instead)::
+
+    step                int          the last step the rank completed (0: none yet)
+    phase               PHASES       what the training thread is in: "data", "compute", "optimizer",
+                                     "collective" (a blocking call or DDP's all-reduce), "step" (inside a
+                                     step, between phases) or "idle" (between steps)
+    stalled_seconds     float ≥ 0    since the training thread last made progress (entered or left a phase,
+                                     a collective or a step), on the rank's own clock
+    overdue_seconds     float ≥ 0    the threshold it passed: a multiple of its median step, with a floor
+    collective?         {op: COLLECTIVE_OPS, group: label, group_size: int ≥ 1, group_rank: int,
+                         seq: int, bytes: int, seconds: float ≥ 0}   the collective in flight: its process
+                                     group (the name in the hello's ``process_groups``), this rank's
+                                     place in it, the per-group sequence number (1 for the first call
+                                     on the group), and how long it has been in it
+    stack?              [{file: text, line: int, function: text}]   the training thread's Python stack,
+                                     outermost first, at most MAX_STACK_FRAMES (the innermost kept), no
+                                     locals; once the rank has stalled for a few seconds
+    error?              {type: label, message: text}   the exception a step raised (the rank may be
+                                     about to die)
+
 Types are strict: an int field takes only JSON integers, a float field integers or floats, never
 strings or booleans. Non-finite numbers are written as ``json.dumps`` writes them by default
 (``NaN``, ``Infinity``, ``-Infinity``) and are rejected everywhere except ``loss`` and
@@ -126,6 +148,11 @@ COLLECTIVE_BUCKETS: tuple[float, ...] = (
 )
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast", "barrier")
 MEMORY_KINDS = ("cuda", "host_rss")
+#: What a rank's training thread can be in, as a progress record says.
+PHASES = ("data", "compute", "optimizer", "collective", "step", "idle")
+#: The innermost frames of a stalled rank's stack that a progress record carries, and a frame's text fields.
+MAX_STACK_FRAMES = 32
+MAX_TEXT_CHARS = 512
 #: Optional memory fields: allocator state on CUDA; host_rss reports only peak_bytes.
 MEMORY_COUNTS = ("allocated_bytes", "reserved_bytes", "inactive_split_bytes", "alloc_retries", "ooms")
 #: Why a client dropped a record instead of sending it.
@@ -265,6 +292,18 @@ def _label(max_chars: int) -> Check:
             raise RecordRejected("bad_type")
         if len(value) > max_chars or not _LABEL.fullmatch(value):
             raise RecordRejected("bad_label")
+        return value
+
+    return check
+
+
+def _text(max_chars: int) -> Check:
+    """A string never made a label (a file path, a message): any characters, bounded."""
+    def check(value: Any) -> str:
+        if type(value) is not str:
+            raise RecordRejected("bad_type")
+        if len(value) > max_chars:
+            raise RecordRejected("out_of_range")
         return value
 
     return check
@@ -507,7 +546,23 @@ _PROBE = _object(
     {"hostnames": _list(_label(255), MAX_PROBE_HOSTNAMES), "dtype": _label(32)},
 )
 
-_KINDS = {"hello": _HELLO, "step": _STEP, "probe": _PROBE}
+_PROGRESS = _object(
+    {
+        **_COMMON, "step": _integer(0, 2**53), "phase": _choice(*PHASES), "stalled_seconds": _SECONDS,
+        "overdue_seconds": _SECONDS,
+    },
+    {
+        "collective": _object({
+            "op": _choice(*COLLECTIVE_OPS), "group": _label(64), "group_size": _SIZE, "group_rank": _RANK,
+            "seq": _integer(1, 2**53), "bytes": _COUNT, "seconds": _SECONDS,
+        }),
+        "stack": _list(_object({"file": _text(MAX_TEXT_CHARS), "line": _integer(0, 2**31),
+                                "function": _text(MAX_TEXT_CHARS)}), MAX_STACK_FRAMES),
+        "error": _object({"type": _label(128), "message": _text(MAX_TEXT_CHARS)}),
+    },
+)
+
+_KINDS = {"hello": _HELLO, "step": _STEP, "probe": _PROBE, "progress": _PROGRESS}
 
 
 def _check_coordinates(body: dict[str, Any]) -> None:

@@ -127,7 +127,7 @@ def test_list_rules_text_and_json():
     result = invoke("--list-rules")
     assert result.exit_code == 0
     rows = [line.split()[0] for line in result.output.splitlines()[1:]]
-    assert rows == [r.code for r in engine.catalogue()] and len(rows) == 26
+    assert rows == [r.code for r in engine.catalogue()] and len(rows) == 30
     assert "PERF001  warning   performance     Pipeline bubble ratio high" in result.output
     listed = json.loads(invoke("--list-rules", "--format", "json", "--select", "HW").output)
     assert [r["code"] for r in listed] == ["HW001", "HW002", "HW003", "HW004", "HW005"]

@@ -30,6 +30,8 @@ CATALOGUE = {
     "CONV003": ("convergence", "critical"), "CONV004": ("convergence", "warning"),
     "CONV005": ("convergence", "info"), "CONV006": ("convergence", "critical"),
     "TOPO001": ("topology", "critical"), "TOPO002": ("topology", "warning"),
+    "HANG001": ("hangs", "critical"), "HANG002": ("hangs", "critical"), "HANG003": ("hangs", "critical"),
+    "HANG004": ("hangs", "critical"),
 }
 
 
@@ -60,7 +62,7 @@ def test_a_code_registers_once():
     (["NCCL"], [], ["NCCL001", "NCCL002", "NCCL003", "NCCL004", "NCCL005"]),
     (["perf001", " MEM "], [], ["PERF001", "MEM001", "MEM002", "MEM003"]),
     (["CONV00"], ["CONV005"], ["CONV001", "CONV002", "CONV003", "CONV004", "CONV006"]),
-    (["ALL"], ["NCCL", "HW", "PERF", "MEM", "CONV"], ["TOPO001", "TOPO002"]),
+    (["ALL"], ["NCCL", "HW", "PERF", "MEM", "CONV", "HANG"], ["TOPO001", "TOPO002"]),
     ([], ["TOPO"], [c for c in CATALOGUE if not c.startswith("TOPO")]),
     (["HW001"], ["HW"], []),
 ])

@@ -33,7 +33,7 @@ def config(**fields) -> TrainConfig:
     (config(faults=("shared-pp-dp-group",), dp=2), "needs both a pipeline and replicas: --pp 2 or more and --dp 2"),
     (config(faults=("shared-pp-dp-group",), pp=2), "needs both a pipeline and replicas"),
     (config(faults=("slow-rank",), pp=2), "--fault slow-rank needs peers doing the same work"),
-    (config(dp=2, fault_rank=1), "--fault-rank picks the slow rank: add --fault slow-rank"),
+    (config(dp=2, fault_rank=1), "--fault-rank picks the rank of --fault slow-rank"),
     (config(faults=("slow-rank",), dp=2, fault_rank=2), r"--fault-rank 2 is not a rank of this job \(0 to 1\)"),
     (config(faults=("slow-rank",), dp=2, fault_rank=-1), "--fault-rank -1 is not a rank"),
     (config(faults=("fp16-no-scaler",)), "--fault fp16-no-scaler trains in fp16 without its loss scaler: add "
@@ -52,14 +52,14 @@ def test_fp16_on_the_cpu_only_for_the_fault_that_shows_it_failing():
 
 
 def test_the_slow_rank_is_the_last_unless_picked():
-    assert config(dp=2, pp=2, faults=("slow-rank",)).slow_rank == 3
-    assert config(dp=2, pp=2, faults=("slow-rank",), fault_rank=1).slow_rank == 1
-    assert config(dp=2).slow_rank is None
+    assert config(dp=2, pp=2, faults=("slow-rank",)).faulty_rank == 3
+    assert config(dp=2, pp=2, faults=("slow-rank",), fault_rank=1).faulty_rank == 1
+    assert config(dp=2).faulty_rank is None
 
 
 def test_cli_refuses_a_fault_rank_without_its_fault_and_lists_every_fault():
     result = CliRunner().invoke(train_cli, ["--fault-rank", "3"])
-    assert result.exit_code == 2 and "--fault-rank picks the slow rank: add --fault slow-rank" in result.output
+    assert result.exit_code == 2 and "--fault-rank picks the rank of --fault slow-rank" in result.output
     assert "Traceback" not in result.output
     help_text = "".join(CliRunner().invoke(train_cli, ["--help"]).output.split())  # wrapped, at hyphens too
     assert all("".join(f"{name}: {what}".split()) in help_text for name, what in FAULTS.items())

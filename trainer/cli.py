@@ -77,7 +77,11 @@ DEFAULTS = TrainConfig()
               "rank's telemetry hello lists it): " + "; ".join(f"{name}: {what}" for name, what in FAULTS.items())
               + ".")
 @click.option("--fault-rank", type=int, metavar="N",
-              help="The rank --fault slow-rank slows down.  [default: the last rank]")
+              help="The rank --fault slow-rank, hang-rank, crash-rank or raise-rank strikes.  [default: the last "
+              "rank]")
+@click.option("--fault-step", type=int, default=TrainConfig.fault_step, show_default=True, metavar="N",
+              help="The step --fault hang-rank, crash-rank or raise-rank strikes at (the steps before give the job "
+              "a rhythm to be overdue against).")
 def train(**options) -> None:
     """Train a small GPT with tensor × pipeline × data parallelism on synthetic data.
 

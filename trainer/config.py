@@ -20,7 +20,14 @@ FAULTS = {
     "lr-explode": "a learning rate of 20: the gradient norm explodes",
     "desync": "the last DP replica starts from perturbed weights",
     "fp16-no-scaler": "fp16 without a loss scaler (needs --precision fp16): the loss overflows to NaN",
+    "hang-rank": "one rank (--fault-rank) blocks for good before the DP all-reduce of step --fault-step",
+    "crash-rank": "one rank (--fault-rank) is killed with SIGKILL at step --fault-step",
+    "raise-rank": "one rank (--fault-rank) raises an exception at step --fault-step and exits",
 }
+#: The faults that pick a rank with --fault-rank (default: the last rank).
+RANK_FAULTS = ("slow-rank", "hang-rank", "crash-rank", "raise-rank")
+#: The faults that strike at a step (--fault-step), after a few healthy ones give the job a rhythm.
+STEP_FAULTS = ("hang-rank", "crash-rank", "raise-rank")
 
 
 class ConfigError(ValueError):
@@ -70,16 +77,17 @@ class TrainConfig:
     grad_similarity_every: int = 10
     checksum_every: int = 10
     faults: tuple[str, ...] = ()
-    fault_rank: int | None = None  # the slow-rank fault's rank; default: the last rank
+    fault_rank: int | None = None  # the rank of RANK_FAULTS; default: the last rank
+    fault_step: int = 5  # the step STEP_FAULTS strike at
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
 
     @property
-    def slow_rank(self) -> int | None:
-        """The rank the slow-rank fault slows down, or None without that fault."""
-        if "slow-rank" not in self.faults:
+    def faulty_rank(self) -> int | None:
+        """The rank a fault of RANK_FAULTS strikes, or None without one."""
+        if not set(self.faults) & set(RANK_FAULTS):
             return None
         return self.world_size - 1 if self.fault_rank is None else self.fault_rank
 
@@ -155,8 +163,12 @@ class TrainConfig:
              "--fault shared-pp-dp-group needs both a pipeline and replicas: --pp 2 or more and --dp 2 or more"),
             (self.tp * self.dp > 1 or "slow-rank" not in faults,
              "--fault slow-rank needs peers doing the same work to be slower than: --tp or --dp 2 or more"),
-            (self.fault_rank is None or "slow-rank" in faults,
-             "--fault-rank picks the slow rank: add --fault slow-rank"),
+            (self.fault_rank is None or bool(faults & set(RANK_FAULTS)),
+             f"--fault-rank picks the rank of --fault {', '.join(RANK_FAULTS)}: add one of them"),
+            (self.fault_step >= 1, "--fault-step must be at least 1"),
+            (len(faults & set(STEP_FAULTS)) <= 1, f"--fault {', '.join(STEP_FAULTS)}: one at a time"),
+            (world > 1 or not faults & set(STEP_FAULTS), "--fault hang-rank, crash-rank and raise-rank need peers "
+             "to leave waiting: 2 ranks or more"),
             (self.fault_rank is None or 0 <= self.fault_rank < world,
              f"--fault-rank {self.fault_rank} is not a rank of this job (0 to {world - 1})"),
             (self.precision == "fp16" or "fp16-no-scaler" not in faults,

@@ -8,6 +8,9 @@ so no one takes a faulty demo for a real run.
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -73,7 +76,7 @@ def slow_rank(trainer: Trainer) -> None:
     power brake), sits on a degraded PCIe link or shares its node with another job does. Every other rank
     waits for it at each collective, so step times come out even; only compute times show the straggler.
     The pipeline wraps each of that rank's forward and backward passes in a `_SlowPass`."""
-    if trainer.grid.rank == trainer.cfg.slow_rank:
+    if trainer.grid.rank == trainer.cfg.faulty_rank:
         trainer.pipeline.pace = partial(_SlowPass, trainer.device)
 
 
@@ -168,6 +171,53 @@ def shared_group(trainer: Trainer) -> None:
     trainer.traffic_groups |= {"pp": (shared.ranks, shared.group), "dp": (shared.ranks, shared.group)}
 
 
+def _hang_before_all_reduce() -> None:
+    """Where the hang-rank fault's rank stops: its stack names this function."""
+    threading.Event().wait()
+
+
+def hang_rank(trainer: Trainer) -> None:
+    """hang-rank: one rank stops before the data-parallel all-reduce of step --fault-step and never comes, as a rank
+    stuck in a deadlocked data-loader worker, a filesystem that stopped answering, or a branch only it took does.
+    Its peers wait in the all-reduce until a watchdog (NCCL's, after 10 minutes by default) kills the job."""
+    _before_reduction(trainer, _hang_before_all_reduce)
+
+
+def crash_rank(trainer: Trainer) -> None:
+    """crash-rank: one rank is killed (SIGKILL) at step --fault-step, as the kernel's OOM killer or a node's failing
+    hardware does: no exception, no exit handler, its peers left waiting for it."""
+    _before_reduction(trainer, lambda: os.kill(os.getpid(), signal.SIGKILL))
+
+
+class InjectedFailure(RuntimeError):
+    """What the raise-rank fault raises."""
+
+
+def _raise() -> None:
+    raise InjectedFailure("raise-rank: the failure --fault raise-rank injects")
+
+
+def raise_rank(trainer: Trainer) -> None:
+    """raise-rank: one rank raises at step --fault-step (a bad sample, a shape error on one shard) and exits, while
+    its peers wait for it in the all-reduce."""
+    _before_reduction(trainer, _raise)
+
+
+def _before_reduction(trainer: Trainer, strike: Callable[[], None]) -> None:
+    """Call `strike` on the fault's rank just before the DP all-reduce of step --fault-step."""
+    cfg = trainer.cfg
+    if trainer.grid.rank != cfg.faulty_rank:
+        return
+    reduce = trainer.reduce_gradients
+
+    def reduce_or_strike(params: list[torch.nn.Parameter], observe: Callable | None = None) -> None:
+        if trainer.step + 1 == cfg.fault_step:
+            strike()
+        reduce(params, observe=observe)
+
+    trainer.reduce_gradients = reduce_or_strike
+
+
 #: Each fault of `gpuwatch.trainer.config.FAULTS` and what injects it, applied in this order (shared-pp-dp-group
 #: first: it is collective, and every rank gets there before any other fault can differ between them).
 INJECTORS: dict[str, Callable[[Trainer], None]] = {
@@ -177,6 +227,9 @@ INJECTORS: dict[str, Callable[[Trainer], None]] = {
     "duplicate-shards": duplicate_shards,
     "slow-rank": slow_rank,
     "lr-explode": explode_learning_rate,
+    "hang-rank": hang_rank,
+    "crash-rank": crash_rank,
+    "raise-rank": raise_rank,
 }
 
 

@@ -161,6 +161,11 @@ WINDOW_MEDIAN = "gpuwatch_train_window_median_seconds"
 WINDOW_TIMINGS = ("step_seconds", "compute_seconds", "dataloader_wait_seconds", "exposed_collective_seconds")
 #: A signal a measuring step could not compute (labels signal and reason).
 UNAVAILABLE = "gpuwatch_train_signal_unavailable"
+#: What an overdue rank is doing, from its latest progress record (``schema`` "progress"): gone once it steps again.
+STALLED = "gpuwatch_train_stalled_seconds"
+PHASE = "gpuwatch_train_phase"
+IN_FLIGHT = "gpuwatch_train_collective_in_flight_seq"
+EXITED = "gpuwatch_train_rank_exited_timestamp_seconds"
 
 
 _RANK_INFO = "gpuwatch_train_rank_info"
@@ -186,6 +191,13 @@ _PER_RANK: tuple[tuple[str, str, str], ...] = (
      "dataloader_wait_seconds, exposed_collective_seconds)."),
     (UNAVAILABLE, "gauge", "A signal the rank's latest measuring step could not compute, and why (reason: "
      "zero_gradient, no_data_parallel_group, ...); value: that step's number."),
+    (STALLED, "gauge", "Seconds since an overdue rank's training thread last made progress, as its latest progress "
+     "record said (sent about every second while a step is overdue); no series while steps flow."),
+    (PHASE, "gauge", "The phase an overdue rank is in (phase: data, compute, optimizer, collective, step, idle); "
+     "value 1."),
+    (IN_FLIGHT, "gauge", "Sequence number, on its process group, of the collective an overdue rank is in (op, "
+     "group: the hello's process-group name)."),
+    (EXITED, "gauge", "When the agent found the rank's process gone (wall clock)."),
     (_LATENCY, "histogram", "Latency of the rank's collective calls."),
     (_VOLUME, "counter", "Bytes the rank's collective calls moved (the rank's buffer size per call)."),
 )
@@ -282,6 +294,16 @@ class _RankLines:
             for timing in WINDOW_TIMINGS:
                 if timing in window.medians:
                     line(lines[WINDOW_MEDIAN], WINDOW_MEDIAN, window.medians[timing], extra=(("timing", timing),))
+        progress = state.progress
+        if progress is not None:
+            line(lines[STALLED], STALLED, progress["stalled_seconds"])
+            line(lines[PHASE], PHASE, 1, extra=(("phase", progress["phase"]),))
+            collective = progress.get("collective")
+            if collective is not None:
+                line(lines[IN_FLIGHT], IN_FLIGHT, collective["seq"],
+                     extra=(("op", collective["op"]), ("group", collective["group"])))
+        if state.exited_time is not None:
+            line(lines[EXITED], EXITED, state.exited_time)
         step = state.last_step
         if step is not None:
             for gauge in STEP_GAUGES:
@@ -382,7 +404,15 @@ def _rank_readings(state: RankState) -> dict[str, Any]:
         "window": state.window.points(),  # StepPoints: written as JSON only when /api/v1/state is asked for
         "sender_pid": state.sender_pid,
         "last_seen": state.last_seen_time,
+        "progress": state.progress,
+        "exited": state.exited_time,
     }
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process with this pid exists in the agent's pid namespace (a zombie still counts: it has not been
+    reaped, so its exit status is not known here either)."""
+    return Path(f"/proc/{pid}").exists()
 
 
 class _Receiver:
@@ -462,6 +492,8 @@ class TelemetryCollector(Collector):
         for state in self.store.expire():
             log.info("telemetry of job %s rank %d expired after %.0fs of silence", state.job, state.rank,
                      self.store.ttl)
+        for state in self.store.note_exits(_alive):
+            log.warning("job %s rank %d: its process (pid %s) is gone", state.job, state.rank, state.sender_pid)
         ranks, records = self.store.snapshot()
         probes = self.store.probes()
         readings = {

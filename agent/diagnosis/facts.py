@@ -236,6 +236,47 @@ class History:
     host_rss_bytes: list[tuple[int, float]] = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass(frozen=True)
+class InFlightFacts:
+    """The collective an overdue rank waits in: op, process group (its hello name and members), this rank's
+    sequence number on that group, bytes, and how long it has been in it."""
+
+    op: str
+    group: str
+    members: tuple[int, ...] | None  # from the rank's hello; None when it does not list the group
+    seq: int
+    bytes: int | None = None
+    seconds: float | None = None
+
+    @property
+    def key(self) -> tuple[str, tuple[int, ...] | None]:
+        """One process group across ranks: two ranks' "dp" groups are one only with the same members."""
+        return self.group, self.members
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgressFacts:
+    """What a rank's latest progress record says (schema "progress"): sent only while it is overdue, or when a
+    step raised."""
+
+    step: int  # the last step completed
+    phase: str
+    stalled_seconds: float
+    overdue_seconds: float
+    collective: InFlightFacts | None = None
+    #: the innermost frames of its training thread, "file:line function", innermost last
+    stack: tuple[str, ...] = ()
+    error: str | None = None  # "Type: message" of the exception a step raised
+
+    @property
+    def stack_top(self) -> str | None:
+        """The innermost frame outside threading and torch (where the rank's own code stands), else the innermost."""
+        for frame in reversed(self.stack):
+            if "/threading.py:" not in frame and "/torch/" not in frame:
+                return frame
+        return self.stack[-1] if self.stack else None
+
+
 @dataclasses.dataclass
 class RankFacts:
     job: str
@@ -267,6 +308,10 @@ class RankFacts:
     param_checksum: Sampled | None = None
     grad_cosine: Sampled | None = None
     history: History | None = None
+    #: while the rank is overdue (or a step raised): its latest progress record
+    progress: ProgressFacts | None = None
+    #: when its process was found gone (wall clock; the agent only); None while alive or unknown
+    exited_at: float | None = None
 
     @property
     def where(self) -> Where:

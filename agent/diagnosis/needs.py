@@ -144,6 +144,7 @@ GPUS = _node_part("gpus", "GPU facts (NVML)")
 NVLINKS = _node_part("nvlinks", "NVLink facts")
 IB_PORTS = _node_part("ib_ports", "InfiniBand/RoCE port facts")
 INTERFACES = _node_part("interfaces", "network interfaces")
+TELEMETRY = _rank_fact("training telemetry", lambda r: True, "no rank has reported")
 LAYOUT = _rank_fact("rank layout", lambda r: r.layout is not None, "no hello record arrived")
 _FEW_STEPS = (f"or fewer than {MIN_WINDOW_STEPS} steps in every rank's window (one step is too noisy a sample "
               "to judge)")

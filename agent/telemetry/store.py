@@ -83,6 +83,10 @@ class RankState:
     samples: int = 0
     #: the client's cumulative drop counters as last reported, to turn them into increments
     client_dropped: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: the latest progress record body, while it is news: a later step record (the rank moved on) clears it
+    progress: dict[str, Any] | None = None
+    #: wall clock when the agent found the rank's process gone (its sender pid no longer exists), else None
+    exited_time: float | None = None
     #: records applied so far: readers that cache what they derive from a rank rebuild it when this moves
     version: int = 0
 
@@ -150,6 +154,8 @@ class TelemetryStore:
             state.version += 1
             if record.kind == "hello":
                 state.hello = record.body
+            elif record.kind == "progress":
+                state.progress = record.body
             else:
                 self._apply_step(state, record.body)
             self._records["accepted", ""] += 1
@@ -176,6 +182,7 @@ class TelemetryStore:
 
     def _apply_step(self, state: RankState, body: dict[str, Any]) -> None:
         state.last_step = body
+        state.progress = None
         state.steps += 1
         state.nonfinite_steps += _nonfinite(body)
         state.tokens += body.get("tokens", 0)
@@ -210,6 +217,19 @@ class TelemetryStore:
                 if not self._ranks_per_job[state.job]:
                     del self._ranks_per_job[state.job]
         return expired
+
+    def note_exits(self, alive: Callable[[int], bool]) -> list[RankState]:
+        """Mark the ranks whose sending process is gone (``alive(pid)`` false) with the time the agent noticed;
+        return the newly exited. A rank that exited is kept until its TTL: who died is what a hang's diagnosis
+        needs most."""
+        now = time.time()
+        with self._lock:
+            gone = [state for state in self._ranks.values()
+                    if state.exited_time is None and state.sender_pid is not None and not alive(state.sender_pid)]
+            for state in gone:
+                state.exited_time = now
+                state.version += 1
+        return gone
 
     def snapshot(self) -> tuple[list[RankState], dict[tuple[str, str], int]]:
         """Copies of every rank's state, sorted by (job, rank), and the record counts."""

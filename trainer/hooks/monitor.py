@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -41,6 +42,7 @@ from functools import partial
 from typing import Any, Literal, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
@@ -62,6 +64,7 @@ from gpuwatch.trainer.hooks.identity import Layout, hello_record, resolve_job
 from gpuwatch.trainer.hooks.memory import memory_for
 from gpuwatch.trainer.hooks.off import OFF, Off
 from gpuwatch.trainer.hooks.pipeline import PipelineClock
+from gpuwatch.trainer.hooks.progress import InFlight, Progress, Watchdog, error_record
 from gpuwatch.trainer.telemetry import TelemetryClient, run_log_file
 
 T = TypeVar("T")
@@ -190,6 +193,13 @@ class Monitor:
         self._tail_step: Step | None = None
         self._hello = _hello_with(hello_record(self.job, self.layout, self.device), hello or {})
         self._send_hello()
+        #: the training thread's place (this thread's: the one that makes the Monitor runs the loop), and the
+        #: watchdog that reports it while a step is overdue; collectives numbered per process group
+        self.progress = Progress()
+        self._sequences: dict[str, int] = {}
+        self._group_names: dict[Any, tuple[str, int, int]] = {}
+        self._watchdog = Watchdog(self.progress, self.client.send, self.job, self.layout.rank, threading.get_ident())
+        self._watchdog.start()
         if ddp is not None and self.bucket_hook:
             self._watch_ddp(ddp, comm_hook, comm_state)
         elif self._ddp is not None and self._times_collectives:
@@ -248,18 +258,45 @@ class Monitor:
                 self._data_wait = None
             yield item
 
-    def collective(self, op: str, nbytes: int) -> _Collective | Off:
-        """A context manager timing one blocking collective call of this step (op: schema.COLLECTIVE_OPS).
+    def collective(self, op: str, nbytes: int, group: Any = None) -> _Collective | Off:
+        """A context manager timing one blocking collective call of this step (op: schema.COLLECTIVE_OPS) on
+        `group` (a ProcessGroup; None: the default group), which is the collective in flight while it lasts.
         The reference trainer routes its comm layer through it (`comm.set_timer(monitor.collective)`)."""
         step = self._current
         if step is None or not self._times_collectives:
             return OFF
-        return _Collective(self, step, op, nbytes)
+        return _Collective(self, step, op, nbytes, self._in_flight(op, nbytes, group))
+
+    def _in_flight(self, op: str, nbytes: int, group: Any) -> InFlight | None:
+        """The collective about to start, numbered on its group: the group's name in the hello (`process_groups`,
+        "default" for the world), its size and this rank's place in it. None when it cannot be told."""
+        try:
+            identity = self._group_names.get(group)
+            if identity is None:
+                identity = self._group_names[group] = self._identify(group)
+            name, size, place = identity
+            seq = self._sequences[name] = self._sequences.get(name, 0) + 1
+            return InFlight(op, name, size, place, seq, nbytes, time.monotonic())
+        except Exception as error:
+            self.failures.record("Monitor._in_flight", error)
+            return None
+
+    def _identify(self, group: Any) -> tuple[str, int, int]:
+        if group is None or group is dist.GroupMember.WORLD or not dist.is_initialized():
+            size = dist.get_world_size() if dist.is_initialized() else 1
+            return "default", size, self.layout.rank
+        ranks = tuple(dist.get_process_group_ranks(group))
+        name = next((name for name, members in self.layout.process_groups.items() if tuple(members) == ranks),
+                    None)
+        if name is None:
+            name = "default" if len(ranks) == self.layout.world_size else f"ranks-{ranks[0]}-{ranks[-1]}"
+        return name, len(ranks), ranks.index(self.layout.rank) if self.layout.rank in ranks else 0
 
     def close(self) -> None:
         """Send the steps still waiting for the device (at most CLOSE_TIMEOUT_S), then close the client, which
         sends every record handed to it, and take the hooks off the model. Not for the training loop: this
         one may wait."""
+        self._watchdog.close()
         self._flush(timeout=CLOSE_TIMEOUT_S)
         self._close_memory()
         self._remove_hooks()
@@ -466,8 +503,16 @@ class Monitor:
                 self._tail_step = self._current
                 self._tail_stage = 2
                 _ENGINE.queue_callback(self._backward_tail)
+                ddp_group = self._ddp.process_group if self._ddp is not None else None
+                progress = self.progress  # the training thread waits in DDP's all-reduce from here
+                progress.collective = self._in_flight("all_reduce", self._gradient_sync_bytes, ddp_group)
+                progress.phase, progress.since = "collective", time.monotonic()
             elif stage == 2:
                 self._tail_stage = 0
+                progress = self.progress
+                progress.collective, progress.since = None, time.monotonic()
+                step_now = self._current
+                progress.phase = (step_now.phase or "step") if step_now is not None else "idle"
                 step = self._tail_step
                 self._tail_step = None
                 if step is not self._current:  # a backward outside any step, or one the step has outlived
@@ -675,6 +720,9 @@ class Step:
                 monitor._reset_memory()
             monitor._current = self
             monitor._tail_stage = 0  # a backward that raised never ran its callbacks
+            progress = monitor.progress
+            progress.phase, progress.since = "step", time.monotonic()
+            progress.step_started = progress.since
         except Exception as error:
             self.failures.record("Step.__enter__", error)
         return self
@@ -687,8 +735,19 @@ class Step:
         if monitor._grad_handles:  # a measuring step whose gradients DDP never averaged (a failed backward)
             monitor._local_grads = {}
             monitor._unwatch_gradients()
-        if exc_type is not None:  # the training loop raised: no record, and no collective of ours to wait in
+        progress = monitor.progress
+        now = time.monotonic()
+        if exc_type is not None:  # the training loop raised: no step record, and no collective of ours to wait in
+            error = exc_info[0]
+            if isinstance(error, BaseException):  # said at once: the rank may be about to die, its peers to wait
+                try:
+                    monitor.client.send(error_record(monitor.job, monitor.layout.rank, progress, error))
+                except Exception as failure:
+                    self.failures.record("Step.__exit__", failure)
             return False
+        if progress.step_started is not None:
+            progress.durations.append(now - progress.step_started)
+        progress.step, progress.phase, progress.since, progress.collective = self.number, "idle", now, None
         try:
             self.end = monitor._mark()
         except Exception as error:
@@ -847,6 +906,8 @@ class _Phase:
         step = self.step  # guarded inline, as Step.__enter__
         try:
             self.outer, step.phase = step.phase, self.name
+            progress = step.monitor.progress
+            progress.phase, progress.since = self.name, time.monotonic()
             self.start = step.monitor._mark()
         except Exception as error:
             self.start = None
@@ -858,6 +919,8 @@ class _Phase:
             if self.start is not None:
                 step.phases.append((self.name, self.start, step.monitor._mark()))
             step.phase = self.outer
+            progress = step.monitor.progress
+            progress.phase, progress.since = self.outer or "step", time.monotonic()
         except Exception as error:
             step.failures.record("_Phase.__exit__", error)
         return False
@@ -870,23 +933,27 @@ class _Collective:
     """One blocking collective call, timed by `Monitor.collective`. On the hot path (a tensor-parallel
     layer makes several calls per micro-batch), so it guards itself inline rather than with `guarded`."""
 
-    __slots__ = ("clock", "failures", "nbytes", "op", "start", "step")
+    __slots__ = ("clock", "failures", "in_flight", "nbytes", "op", "progress", "start", "step")
 
-    def __init__(self, monitor: Monitor, step: Step, op: str, nbytes: int) -> None:
-        self.step, self.clock, self.failures = step, monitor._clock, monitor.failures
-        self.op, self.nbytes, self.start = op, nbytes, None
+    def __init__(self, monitor: Monitor, step: Step, op: str, nbytes: int, in_flight: InFlight | None) -> None:
+        self.step, self.clock, self.failures, self.progress = step, monitor._clock, monitor.failures, monitor.progress
+        self.op, self.nbytes, self.start, self.in_flight = op, nbytes, None, in_flight
 
     def __enter__(self) -> None:
         try:
+            progress = self.progress
+            progress.collective, progress.phase, progress.since = self.in_flight, "collective", time.monotonic()
             self.start = self.clock.mark()
         except Exception as error:
             self.failures.record("_Collective.__enter__", error)
 
     def __exit__(self, *exc_info: object) -> Literal[False]:
         try:
+            step = self.step
             if self.start is not None:
-                step = self.step
                 step.calls.append(Call(self.op, self.nbytes, self.start, True, step.phase, self.clock.mark()))
+            progress = self.progress
+            progress.collective, progress.phase, progress.since = None, step.phase or "step", time.monotonic()
         except Exception as error:
             self.failures.record("_Collective.__exit__", error)
         return False

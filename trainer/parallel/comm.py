@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-#: timer(op, nbytes) -> a context manager around one call; op is a telemetry schema op name.
-Timer = Callable[[str, int], AbstractContextManager]
+#: timer(op, nbytes, group) -> a context manager around one call on `group` (None: the default group); op is a
+#: telemetry schema op name.
+Timer = Callable[[str, int, ProcessGroup | None], AbstractContextManager]
 _UNTIMED = nullcontext()
 _timer: Timer | None = None
 
@@ -25,17 +26,17 @@ def set_timer(timer: Timer | None) -> None:
     _timer = timer
 
 
-def _timed(op: str, tensors: Sequence[torch.Tensor]) -> AbstractContextManager:
+def _timed(op: str, tensors: Sequence[torch.Tensor], group: ProcessGroup | None) -> AbstractContextManager:
     if _timer is None:
         return _UNTIMED
-    return _timer(op, sum(t.nbytes for t in tensors))
+    return _timer(op, sum(t.nbytes for t in tensors), group)
 
 
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup,
                op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
     """Reduce `tensor` in place across `group` and return it."""
     if dist.get_world_size(group) > 1:
-        with _timed("all_reduce", (tensor,)):
+        with _timed("all_reduce", (tensor,), group):
             dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
@@ -56,7 +57,7 @@ def exchange(
     ops = [dist.P2POp(dist.isend, tensor, peer, group) for tensor, peer in send]
     ops += [dist.P2POp(dist.irecv, tensor, peer, group) for tensor, peer in recv]
     if ops:
-        with _timed("recv" if recv else "send", [tensor for tensor, _ in (*send, *recv)]):
+        with _timed("recv" if recv else "send", [tensor for tensor, _ in (*send, *recv)], group):
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
 
@@ -64,5 +65,5 @@ def exchange(
 def barrier(group: ProcessGroup | None = None) -> None:
     """Wait until every rank of `group` (default: all ranks) gets here."""
     if dist.get_world_size(group) > 1:
-        with _timed("barrier", ()):
+        with _timed("barrier", (), group):
             dist.barrier(group=group)

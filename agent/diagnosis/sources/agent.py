@@ -56,6 +56,7 @@ def facts_from_state(state: Any, location: str) -> Facts:
                                       last_step=raw.get("last_step"), counters=raw.get("counters") or {},
                                       collectives=raw.get("collectives") or {}, sampled=sampled,
                                       unavailable=unavailable,
-                                      window=[StepPoint.from_dict(point) for point in raw.get("window") or ()]))
+                                      window=[StepPoint.from_dict(point) for point in raw.get("window") or ()],
+                                      progress_body=raw.get("progress"), exited_at=raw.get("exited")))
     facts.bandwidth = bandwidth(collected.get("telemetry", {}).get("probes", ()), name)
     return facts

@@ -82,7 +82,7 @@ def read(path: Path) -> Facts:
             counters=state.counters(),
             collectives={op: dataclasses.asdict(totals) for op, totals in state.collectives.items()},
             sampled=state.sampled, unavailable=state.unavailable, window=state.window.points(),
-            history=series[state.job, state.rank].history()))
+            history=series[state.job, state.rank].history(), progress_body=state.progress))
     facts.bandwidth = bandwidth(store.probes(), None)
     return facts
 

@@ -11,7 +11,9 @@ from gpuwatch.agent.diagnosis.facts import (
     BandwidthMeasurement,
     CollectiveFacts,
     History,
+    InFlightFacts,
     Layout,
+    ProgressFacts,
     RankFacts,
     Sampled,
     StepFacts,
@@ -75,6 +77,24 @@ def step(body: Mapping[str, Any]) -> StepFacts:
         inactive_split_bytes=memory.get("inactive_split_bytes"))
 
 
+def progress(body: Mapping[str, Any], groups: Mapping[str, Sequence[int]] | None) -> ProgressFacts:
+    """A progress record body; the in-flight collective's group members from the rank's hello (`groups`), or the
+    whole world for "default"."""
+    collective = body.get("collective")
+    in_flight = None
+    if collective is not None:
+        members = (groups or {}).get(collective["group"])
+        in_flight = InFlightFacts(op=collective["op"], group=collective["group"],
+                                  members=tuple(members) if members is not None else None, seq=collective["seq"],
+                                  bytes=collective.get("bytes"), seconds=collective.get("seconds"))
+    error = body.get("error")
+    return ProgressFacts(
+        step=body["step"], phase=body["phase"], stalled_seconds=body["stalled_seconds"],
+        overdue_seconds=body["overdue_seconds"], collective=in_flight,
+        stack=tuple(f"{frame['file']}:{frame['line']} {frame['function']}" for frame in body.get("stack") or ()),
+        error=f"{error['type']}: {error['message']}" if error else None)
+
+
 def rank_facts(
     job: str,
     rank: int,
@@ -88,6 +108,8 @@ def rank_facts(
     unavailable: Mapping[str, tuple[int, str]],
     window: Sequence[StepPoint],
     history: History | None = None,
+    progress_body: Mapping[str, Any] | None = None,
+    exited_at: float | None = None,
 ) -> RankFacts:
     """One rank. Counters and collectives are totals since the agent (or the log) first saw the rank; the
     window is its latest steps; ``unavailable`` maps a signal to the step and reason it last could not be
@@ -112,7 +134,17 @@ def rank_facts(
         collectives={op: collective(op, totals) for op, totals in collectives.items()},
         param_checksum=sampled_facts.get("param_checksum"), grad_cosine=sampled_facts.get("grad_cosine_similarity"),
         history=history,
+        progress=progress(progress_body, _groups_with_world(hello)) if progress_body else None,
+        exited_at=exited_at,
     )
+
+
+def _groups_with_world(hello: Mapping[str, Any]) -> dict[str, Sequence[int]]:
+    """The hello's process groups, and "default": every rank of the job."""
+    groups: dict[str, Sequence[int]] = dict(hello.get("process_groups") or {})
+    if "world_size" in hello:
+        groups.setdefault("default", range(hello["world_size"]))
+    return groups
 
 
 def bandwidth(probes: Sequence[Mapping[str, Any]], node: str | None) -> list[BandwidthMeasurement] | None:

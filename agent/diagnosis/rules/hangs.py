@@ -1,0 +1,253 @@
+"""Hangs: ranks stuck in a collective, who they wait for and what that rank does instead; mismatched collectives;
+a transport that stopped; ranks that died.
+
+Every rule reads the ranks' progress records (schema "progress"), which the hooks send only while a rank is overdue:
+it has made no progress (no phase, collective or step began or ended) for longer than its own rhythm allows, a
+multiple of its median step with a floor (gpuwatch.trainer.hooks.progress). A rank counts as stuck here once it has
+also been still for at least `stall_seconds`. For each stuck rank in a collective the members of that collective's
+process group (from the hello) say who it waits for: the members not in the same collective, with the same
+sequence number on that group. Following those waits from rank to rank leads to the ranks that wait for no one:
+the cause. This is the "who is missing" question PyTorch's Flight Recorder answers from its dumps after the
+watchdog's timeout (PyTorch docs, "Flight Recorder for Debugging Stuck Jobs"), asked live of every rank's state.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+
+from gpuwatch.agent.diagnosis import needs
+from gpuwatch.agent.diagnosis.facts import Facts, InFlightFacts, RankFacts, describe_ranks, rank_list
+from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
+from gpuwatch.agent.diagnosis.rules.common import capped
+
+FAMILY = "hangs"
+
+_STALL = {"stall_seconds": Threshold(5.0, "chosen: at least a few heartbeats (1 s) past the hooks' own overdue mark "
+                                           "(5x the median step, 3 s at least), far below NCCL's 10-minute watchdog")}
+
+
+def _stuck(rank: RankFacts, t: types.SimpleNamespace) -> bool:
+    progress = rank.progress
+    return progress is not None and progress.error is None and progress.stalled_seconds >= max(
+        t.stall_seconds, progress.overdue_seconds)
+
+
+def _dead(rank: RankFacts) -> bool:
+    return rank.exited_at is not None or (rank.progress is not None and rank.progress.error is not None)
+
+
+def _collective_text(collective: InFlightFacts) -> str:
+    members = f" [{rank_list(collective.members)}]" if collective.members is not None else ""
+    return f"{collective.op} #{collective.seq} on {collective.group}{members}"
+
+
+def _doing(rank: RankFacts, t: types.SimpleNamespace) -> str:
+    """What a rank does instead of joining, in words."""
+    if rank.exited_at is not None:
+        return "its process is gone"
+    progress = rank.progress
+    if progress is not None and progress.error is not None:
+        return f"it raised {progress.error}"
+    if progress is None:
+        last = rank.last.step if rank.last is not None else 0
+        return f"it sends nothing: its last record is step {last} (it died without a trace, or stopped reporting)"
+    where = f", at {progress.stack_top}" if progress.stack_top else ""
+    if progress.collective is not None:
+        return f"it waits in {_collective_text(progress.collective)} for {progress.stalled_seconds:.0f} s{where}"
+    data = " (the data loader)" if progress.phase == "data" else ""
+    return (f"it is in phase {progress.phase}{data} for {progress.stalled_seconds:.0f} s after step "
+            f"{progress.step}{where}")
+
+
+def _in_same(rank: RankFacts | None, collective: InFlightFacts, t: types.SimpleNamespace) -> bool:
+    other = rank.progress.collective if rank is not None and rank.progress is not None and _stuck(rank, t) else None
+    return other is not None and other.key == collective.key and other.seq == collective.seq
+
+
+def _waits(ranks: dict[int, RankFacts], t: types.SimpleNamespace) -> dict[int, set[int]]:
+    """For each stuck rank in a collective whose members are known: the members not in it with it."""
+    waits = {}
+    for rank in ranks.values():
+        if not _stuck(rank, t) or rank.progress is None or rank.progress.collective is None:
+            continue
+        collective = rank.progress.collective
+        if collective.members is None:
+            continue
+        waits[rank.rank] = {m for m in collective.members
+                            if m != rank.rank and not _in_same(ranks.get(m), collective, t)}
+    return waits
+
+
+def _in_flight(rank: RankFacts) -> InFlightFacts:
+    """The collective of a rank `_waits` found waiting (it has one)."""
+    assert rank.progress is not None and rank.progress.collective is not None
+    return rank.progress.collective
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_list(ranks)}"
+
+
+def _mismatched(rank: RankFacts | None, collective: InFlightFacts, t: types.SimpleNamespace) -> bool:
+    """A stuck rank in another collective on the same group (another sequence number or op): HANG002's."""
+    other = rank.progress.collective if rank is not None and rank.progress is not None and _stuck(rank, t) else None
+    return other is not None and other.key == collective.key and (other.seq, other.op) != (collective.seq,
+                                                                                        collective.op)
+
+
+@rule("HANG001", family=FAMILY, severity=Severity.CRITICAL, title="Ranks missing at a collective",
+      needs=(needs.TELEMETRY,),
+      thresholds=_STALL)
+def missing_at_collective(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
+    """Ranks wait in a collective that some member of its process group never entered. The waiting ranks are
+    not the problem: each waits for the last member to arrive, and a rank waiting elsewhere passes the wait on.
+    Following who waits for whom leads to the ranks that wait for no one, which this names with what each does
+    instead: its phase, the innermost frame of its own code, or its silence (a rank that died without a trace
+    leaves its log at its last step). One finding per job. Ranks that died or raised are HANG004's."""
+    for job, members in facts.jobs().items():
+        ranks = {r.rank: r for r in members}
+        waits = _waits(ranks, t)
+        if not waits:
+            continue
+        waited_for = set().union(*waits.values())
+        roots = sorted(m for m in waited_for if m not in waits and not (m in ranks and _dead(ranks[m]))
+                       and not any(_mismatched(ranks.get(m), _in_flight(ranks[w]), t) for w in waits if m in waits[w]))
+        if not roots:
+            continue
+        evidence = []
+        for root in roots:
+            direct = sorted(w for w, missing in waits.items() if root in missing)
+            collective = _in_flight(ranks[direct[0]])
+            rank = ranks.get(root)
+            doing = _doing(rank, t) if rank is not None else "the agent knows nothing of it (no record reached it)"
+            evidence.append(Evidence(
+                f"rank {root} never entered {_collective_text(collective)}, where {_ranks_text(direct)} wait(s) "
+                f"for it: {doing}",
+                rank.where if rank is not None else ranks[direct[0]].where,
+                {"rank": root, "op": collective.op, "group": collective.group, "seq": collective.seq,
+                 "waiting": direct, "phase": rank.progress.phase if rank and rank.progress else None,
+                 "stack_top": rank.progress.stack_top if rank and rank.progress else None}))
+        chained = sorted(set(waits) - {w for w, missing in waits.items() if missing & set(roots)})
+        if chained:
+            evidence.append(Evidence(f"{describe_ranks(ranks[w] for w in chained)} wait(s) on ranks that wait in turn"
+                                     " (the hang spreads along the pipeline and the other groups)",
+                                     values={"waiting": chained}))
+        yield Issue(
+            title=f"job {job} hangs: {_ranks_text(roots)} missing at a collective that {len(waits)} rank(s) wait in",
+            evidence=capped(evidence, what="ranks"),
+            fix="look at what the named rank does instead (its stack above): a data loader or a filesystem that "
+                "stopped answering, a branch only that rank takes (a condition on rank, data or time that skips a "
+                "collective), or an exception swallowed in a background thread; py-spy dump --pid PID shows every "
+                "thread; until fixed, set a process-group timeout (init_process_group(timeout=...)) so the job fails "
+                "instead of idling",
+            reason="a collective completes only when every member of its group has entered it: one rank that never "
+                   "comes holds every GPU of the job idle until a watchdog kills it (NCCL's after 10 minutes by "
+                   "default)")
+
+
+@rule("HANG002", family=FAMILY, severity=Severity.CRITICAL, title="Collective mismatch", needs=(needs.TELEMETRY,),
+      thresholds=_STALL)
+def collective_mismatch(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
+    """Ranks of one process group stuck in different collectives on it: another sequence number (a rank
+    skipped or added a call, so its count drifted from its peers') or another op at the same number. Each side
+    waits for a call the other never makes. This is the desync PyTorch's Flight Recorder analyser reports from
+    its dumps after the timeout; here it comes from each rank's own count of the calls it made on the group."""
+    for job, members in facts.jobs().items():
+        by_group: dict[tuple[str, tuple[int, ...] | None], dict[tuple[int, str], list[RankFacts]]] = {}
+        for rank in members:
+            if _stuck(rank, t) and rank.progress is not None and rank.progress.collective is not None:
+                collective = rank.progress.collective
+                by_group.setdefault(collective.key, {}).setdefault((collective.seq, collective.op), []).append(rank)
+        for (group, ranks_of_group), calls in sorted(by_group.items(), key=lambda item: str(item[0])):
+            if len(calls) < 2:
+                continue
+            sides = sorted(calls.items())
+            text = "; ".join(f"{describe_ranks(side)} in {op} #{seq}" for (seq, op), side in sides)
+            members_text = f" [{rank_list(ranks_of_group)}]" if ranks_of_group is not None else ""
+            yield Issue(
+                title=f"job {job}: collective mismatch on {group}{members_text}: {text}",
+                evidence=tuple(Evidence(f"{describe_ranks(side)}: {op} #{seq} on {group}{members_text}, stuck for "
+                                        f"{max(r.progress.stalled_seconds for r in side if r.progress):.0f} s",
+                                        side[0].where, {"op": op, "seq": seq, "group": group,
+                                                        "ranks": [r.rank for r in side]})
+                               for (seq, op), side in sides),
+                fix="make every rank of the group issue the same collectives in the same order: look for a collective "
+                    "inside a condition that differs between ranks (rank, data, an early exit or a skipped step on "
+                    "one rank, an unused parameter under DDP without find_unused_parameters); TORCH_DISTRIBUTED_DEBUG="
+                    "DETAIL checks the calls' order and shapes on every collective",
+                reason="collectives match by order on a group, not by name: after one rank skips a call, every later "
+                       "call pairs with the wrong one and the group hangs or exchanges the wrong tensors")
+
+
+@rule("HANG003", family=FAMILY, severity=Severity.CRITICAL, title="A collective that every rank entered does not end",
+      needs=(needs.TELEMETRY,),
+      thresholds=_STALL)
+def collective_stalled(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
+    """Every member of a process group is in the same collective, with the same sequence number, and none
+    has made progress: no rank is missing, so the program is not at fault but the transport (a link down,
+    an InfiniBand port that fell back or erred, a NCCL communicator stuck). The interconnect findings of the
+    nodes involved (HW003, NCCL001-005) say more."""
+    for job, members in facts.jobs().items():
+        ranks = {r.rank: r for r in members}
+        seen: set[tuple[str, tuple[int, ...] | None, int]] = set()
+        for rank in members:
+            if not _stuck(rank, t) or rank.progress is None or rank.progress.collective is None:
+                continue
+            collective = rank.progress.collective
+            key = (*collective.key, collective.seq)
+            if key in seen or collective.members is None or len(collective.members) < 2:
+                continue
+            seen.add(key)
+            if not all(_in_same(ranks.get(m), collective, t) for m in collective.members):
+                continue
+            involved = [ranks[m] for m in collective.members]
+            nodes = sorted({r.host for r in involved if r.host})
+            yield Issue(
+                title=f"job {job}: {_collective_text(collective)} does not end, with every member in it",
+                evidence=(Evidence(f"{describe_ranks(involved)} in {_collective_text(collective)} for "
+                                   f"{min(r.progress.stalled_seconds for r in involved if r.progress):.0f} s or more; "
+                                   f"nodes {', '.join(nodes) or 'unknown'}", rank.where,
+                                   {"op": collective.op, "group": collective.group, "seq": collective.seq,
+                                    "ranks": [r.rank for r in involved]}),),
+                fix="check the interconnect of the nodes named (gpuwatch diagnose --agent on each: HW003 ports, "
+                    "NCCL00x settings), NCCL_DEBUG=INFO for the communicator's transport, and the NCCL watchdog's "
+                    "own report (TORCH_NCCL_DUMP_ON_TIMEOUT=1 writes a Flight Recorder dump)",
+                reason="with every member inside the call, nothing in the program is missing: the bytes are not "
+                       "moving")
+
+
+@rule("HANG004", family=FAMILY, severity=Severity.CRITICAL, title="A rank died", needs=(needs.TELEMETRY,),
+      thresholds=_STALL)
+def rank_died(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
+    """A rank's process is gone (the agent found its pid missing) or one of its steps raised: which rank, when,
+    how, and the ranks left waiting for it. A process killed by a signal (the OOM killer's SIGKILL, a node's
+    failing hardware) leaves no exception: only its absence tells. Its peers wait in their next collective
+    until a watchdog ends the job."""
+    for job, members in facts.jobs().items():
+        ranks = {r.rank: r for r in members}
+        dead = [r for r in members if _dead(r)]
+        if not dead:
+            continue
+        waits = _waits(ranks, t)
+        evidence = []
+        for rank in dead:
+            progress = rank.progress
+            how = (f"raised {progress.error}" if progress is not None and progress.error is not None
+                   else "its process is gone without an exception (killed by a signal: the OOM killer's SIGKILL, "
+                        "a crash in native code)")
+            after = rank.last.step if rank.last is not None else (progress.step if progress else 0)
+            waiting = sorted(w for w, missing in waits.items() if rank.rank in missing)
+            evidence.append(Evidence(
+                f"rank {rank.rank} {how}, after step {after}"
+                + (f"; {_ranks_text(waiting)} wait(s) for it in {_collective_text(_in_flight(ranks[waiting[0]]))}"
+                   if waiting else ""),
+                rank.where, {"rank": rank.rank, "step": after, "exited_at": rank.exited_at,
+                             "error": progress.error if progress is not None else None, "waiting": waiting}))
+        yield Issue(
+            title=f"job {job}: {describe_ranks(dead)} died",
+            evidence=capped(evidence, what="ranks"),
+            fix="read the rank's own output for the exception or the signal (dmesg for the OOM killer, the "
+                "launcher's exit status: -9 is SIGKILL); make the launcher end the whole job when one rank dies "
+                "(torchrun does; a process-group timeout bounds the wait) and resume from the last checkpoint",
+            reason="the job cannot go on without the rank: its peers wait for it in every collective it belongs to")

@@ -47,6 +47,7 @@ from gpuwatch.agent.collectors.base import (
 )
 from gpuwatch.agent.exposition import TextFamily, format_value, series_prefix
 from gpuwatch.agent.telemetry import listener
+from gpuwatch.agent.telemetry.exits import ExitWatcher
 from gpuwatch.agent.telemetry.store import RankState, TelemetryStore, probe_peaks
 from gpuwatch.agent.telemetry.window import WINDOW_SECONDS, WINDOW_STEPS, summarize
 from gpuwatch.protocol.paths import default_socket_path
@@ -465,6 +466,7 @@ class TelemetryCollector(Collector):
         self.store = TelemetryStore(ttl=context.telemetry_ttl, max_ranks=context.telemetry_max_ranks,
                                     max_jobs=context.telemetry_max_jobs)
         self._per_rank = RankSeries()
+        self._exits = ExitWatcher(self.store.mark_exited)
         self._queue_limit = listener.queue_limit()
         self._receiver: _Receiver | None = None
         self._error: str | None = None
@@ -492,9 +494,11 @@ class TelemetryCollector(Collector):
         for state in self.store.expire():
             log.info("telemetry of job %s rank %d expired after %.0fs of silence", state.job, state.rank,
                      self.store.ttl)
-        for state in self.store.note_exits(_alive):
-            log.warning("job %s rank %d: its process (pid %s) is gone", state.job, state.rank, state.sender_pid)
+        if not self._exits.available:  # else the watcher's thread marks them as they exit
+            for state in self.store.note_exits(_alive):
+                log.warning("job %s rank %d: its process (pid %s) is gone", state.job, state.rank, state.sender_pid)
         ranks, records = self.store.snapshot()
+        self._exits.watch(s.sender_pid for s in ranks if s.sender_pid is not None and s.exited_time is None)
         probes = self.store.probes()
         readings = {
             "socket": str(self.path),
@@ -516,6 +520,7 @@ class TelemetryCollector(Collector):
                                                 + probe_families(probes)), readings)
 
     def close(self) -> None:
+        self._exits.close()
         if self._receiver is not None:
             self._receiver.close()
             self._receiver = None

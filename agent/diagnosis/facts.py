@@ -267,6 +267,7 @@ class ProgressFacts:
     #: the innermost frames of its training thread, "file:line function", innermost last
     stack: tuple[str, ...] = ()
     error: str | None = None  # "Type: message" of the exception a step raised
+    time: float | None = None  # the rank's wall clock when it sent the record
 
     @property
     def stack_top(self) -> str | None:
@@ -316,6 +317,14 @@ class RankFacts:
     @property
     def where(self) -> Where:
         return Where(node=self.node, job=self.job, rank=self.rank)
+
+    @property
+    def died_at(self) -> float | None:
+        """When the rank died: the earlier of its error (a step raised) and its process's exit; None if alive."""
+        times = [self.exited_at] if self.exited_at is not None else []
+        if self.progress is not None and self.progress.error is not None and self.progress.time is not None:
+            times.append(self.progress.time)
+        return min(times) if times else None
 
     @property
     def host(self) -> str | None:

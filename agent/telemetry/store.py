@@ -218,6 +218,14 @@ class TelemetryStore:
                     del self._ranks_per_job[state.job]
         return expired
 
+    def mark_exited(self, pid: int, when: float) -> None:
+        """The process `pid` exited at `when` (wall clock): every rank it sent for (``exits.ExitWatcher``)."""
+        with self._lock:
+            for state in self._ranks.values():
+                if state.sender_pid == pid and state.exited_time is None:
+                    state.exited_time = when
+                    state.version += 1
+
     def note_exits(self, alive: Callable[[int], bool]) -> list[RankState]:
         """Mark the ranks whose sending process is gone (``alive(pid)`` false) with the time the agent noticed;
         return the newly exited. A rank that exited is kept until its TTL: who died is what a hang's diagnosis

@@ -13,11 +13,15 @@ hooks are added the way the README shows them; those lines are marked ``# gpuwat
   every rank trains on the whole dataset, so all ranks compute the same gradients.
 * ``bad-loss-shape``: ``cross_entropy`` over the model's single logit where binary cross-entropy was meant.
   A softmax over one class is always 1, so the loss is 0, every gradient is 0 and the model never learns.
+* ``stuck-rank``: at step 5 one rank (``--fault-rank``) waits for good on a lock nobody releases before its
+  backward, as a rank stuck on a filesystem or in a deadlocked helper thread: the others wait for it in DDP's
+  all-reduce until someone stops the job.
 """
 
 from __future__ import annotations
 
 import argparse
+import threading
 import time
 
 import torch
@@ -40,12 +44,20 @@ def random_dataset(size: int, seed: int = 0) -> TensorDataset:
     return TensorDataset(inputs, (inputs @ hyperplane > 0).float())
 
 
+def wait_for_a_lock_nobody_releases() -> None:
+    lock = threading.Lock()
+    lock.acquire()
+    lock.acquire()  # held already, by this very thread: waits for good
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--fault", choices=("none", "sleep-rank", "same-data", "bad-loss-shape"), default="none")
-    parser.add_argument("--fault-rank", type=int, default=None, help="the sleeping rank (default: the last)")
+    parser.add_argument("--fault", choices=("none", "sleep-rank", "same-data", "bad-loss-shape", "stuck-rank"),
+                        default="none")
+    parser.add_argument("--fault-rank", type=int, default=None,
+                        help="the sleeping or stuck rank (default: the last)")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -73,6 +85,8 @@ def main() -> None:
                     logits = model(inputs)
                     if args.fault == "sleep-rank" and rank == slow_rank:
                         time.sleep(0.3)  # a slow GPU
+                    if args.fault == "stuck-rank" and rank == slow_rank and step == 4:
+                        wait_for_a_lock_nobody_releases()
                     if args.fault == "bad-loss-shape":
                         loss = F.cross_entropy(logits, labels)  # the bug: a softmax over one logit
                     else:

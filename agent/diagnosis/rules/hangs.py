@@ -13,6 +13,7 @@ watchdog's timeout (PyTorch docs, "Flight Recorder for Debugging Stuck Jobs"), a
 
 from __future__ import annotations
 
+import re
 import types
 from collections.abc import Iterator
 
@@ -25,6 +26,16 @@ FAMILY = "hangs"
 
 _STALL = {"stall_seconds": Threshold(5.0, "chosen: at least a few heartbeats (1 s) past the hooks' own overdue mark "
                                            "(5x the median step, 3 s at least), far below NCCL's 10-minute watchdog")}
+
+
+#: Errors a rank raises because a peer went away (gloo: "Connection reset by peer", "Connection closed by peer";
+#: NCCL: "remote process exited"): consequences of another rank's death, not a cause.
+_PEER_GONE = re.compile(r"connection (reset|closed)|by peer|remote (process|worker|peer)", re.IGNORECASE)
+
+
+def _peer_gone(rank: RankFacts) -> bool:
+    progress = rank.progress
+    return progress is not None and progress.error is not None and bool(_PEER_GONE.search(progress.error))
 
 
 def _stuck(rank: RankFacts, t: types.SimpleNamespace) -> bool:
@@ -118,15 +129,19 @@ def missing_at_collective(facts: Facts, t: types.SimpleNamespace) -> Iterator[Is
         evidence = []
         for root in roots:
             direct = sorted(w for w, missing in waits.items() if root in missing)
-            collective = _in_flight(ranks[direct[0]])
+            calls: dict[str, list[int]] = {}
+            for waiter in direct:
+                calls.setdefault(_collective_text(_in_flight(ranks[waiter])), []).append(waiter)
             rank = ranks.get(root)
             doing = _doing(rank, t) if rank is not None else "the agent knows nothing of it (no record reached it)"
+            first = _in_flight(ranks[direct[0]])
             evidence.append(Evidence(
-                f"rank {root} never entered {_collective_text(collective)}, where {_ranks_text(direct)} wait(s) "
-                f"for it: {doing}",
+                f"rank {root} never entered "
+                + " nor ".join(f"{call} ({_ranks_text(waiters)} wait(s) there)" for call, waiters in calls.items())
+                + f": {doing}",
                 rank.where if rank is not None else ranks[direct[0]].where,
-                {"rank": root, "op": collective.op, "group": collective.group, "seq": collective.seq,
-                 "waiting": direct, "phase": rank.progress.phase if rank and rank.progress else None,
+                {"rank": root, "op": first.op, "group": first.group, "seq": first.seq, "waiting": direct,
+                 "phase": rank.progress.phase if rank and rank.progress else None,
                  "stack_top": rank.progress.stack_top if rank and rank.progress else None}))
         chained = sorted(set(waits) - {w for w, missing in waits.items() if missing & set(roots)})
         if chained:
@@ -218,34 +233,51 @@ def collective_stalled(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue
 
 
 @rule("HANG004", family=FAMILY, severity=Severity.CRITICAL, title="A rank died", needs=(needs.TELEMETRY,),
-      thresholds=_STALL)
+      thresholds={**_STALL, "followed_within_seconds": Threshold(
+          0.01, "chosen: ranks whose deaths lie this close (error records, pidfd exit times) died together; the "
+                "peers of a dead rank fail milliseconds after it (gloo: connection reset) or are stopped by the "
+                "launcher")})
 def rank_died(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """A rank's process is gone (the agent found its pid missing) or one of its steps raised: which rank, when,
-    how, and the ranks left waiting for it. A process killed by a signal (the OOM killer's SIGKILL, a node's
-    failing hardware) leaves no exception: only its absence tells. Its peers wait in their next collective
-    until a watchdog ends the job."""
+    how, and the ranks left waiting for it. The cause is the first to die that did not die of a peer's death (an
+    error about a connection reset or closed by a peer is a consequence); the rest follow it. A process killed by
+    a signal (the OOM killer's SIGKILL, a node's failing hardware) leaves no exception: only its absence tells.
+    Its peers wait in their next collective until a watchdog ends the job."""
     for job, members in facts.jobs().items():
         ranks = {r.rank: r for r in members}
         dead = [r for r in members if _dead(r)]
         if not dead:
             continue
+        # First to die first: a launcher ends the others within moments of the first death. A rank that raised
+        # counts from its error; one without an exit time (a run log) last.
+        dead.sort(key=lambda r: (_peer_gone(r), r.died_at is None, r.died_at or 0.0, r.rank))
+        first_at = dead[0].died_at
+        first = [r for r in dead if _peer_gone(r) == _peer_gone(dead[0]) and (
+            r.died_at is None or first_at is None or abs(r.died_at - first_at) <= t.followed_within_seconds)]
+        followers = [r for r in dead if r not in first]
         waits = _waits(ranks, t)
         evidence = []
-        for rank in dead:
+        for rank in first:
             progress = rank.progress
-            how = (f"raised {progress.error}" if progress is not None and progress.error is not None
+            how = (f"it raised {progress.error}" if progress is not None and progress.error is not None
                    else "its process is gone without an exception (killed by a signal: the OOM killer's SIGKILL, "
                         "a crash in native code)")
             after = rank.last.step if rank.last is not None else (progress.step if progress else 0)
             waiting = sorted(w for w, missing in waits.items() if rank.rank in missing)
             evidence.append(Evidence(
-                f"rank {rank.rank} {how}, after step {after}"
+                f"rank {rank.rank}: {how}; its last step record: {after}"
                 + (f"; {_ranks_text(waiting)} wait(s) for it in {_collective_text(_in_flight(ranks[waiting[0]]))}"
                    if waiting else ""),
                 rank.where, {"rank": rank.rank, "step": after, "exited_at": rank.exited_at,
                              "error": progress.error if progress is not None else None, "waiting": waiting}))
+        if followers and first_at is not None:
+            lag = max(abs((r.died_at or first_at) - first_at) for r in followers)
+            evidence.append(Evidence(f"{describe_ranks(followers)} ended within {lag:.3f} s of it, their "
+                                     "connections to it broken or stopped by the launcher: consequences",
+                                     values={"ranks": [r.rank for r in followers]}))
+        dead = first
         yield Issue(
-            title=f"job {job}: {describe_ranks(dead)} died",
+            title=f"job {job}: {describe_ranks(dead)} died" + (f", then {len(followers)} more" if followers else ""),
             evidence=capped(evidence, what="ranks"),
             fix="read the rank's own output for the exception or the signal (dmesg for the OOM killer, the "
                 "launcher's exit status: -9 is SIGKILL); make the launcher end the whole job when one rank dies "

@@ -92,7 +92,7 @@ def progress(body: Mapping[str, Any], groups: Mapping[str, Sequence[int]] | None
         step=body["step"], phase=body["phase"], stalled_seconds=body["stalled_seconds"],
         overdue_seconds=body["overdue_seconds"], collective=in_flight,
         stack=tuple(f"{frame['file']}:{frame['line']} {frame['function']}" for frame in body.get("stack") or ()),
-        error=f"{error['type']}: {error['message']}" if error else None)
+        error=f"{error['type']}: {error['message']}" if error else None, time=body.get("time"))
 
 
 def rank_facts(

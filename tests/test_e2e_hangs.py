@@ -1,0 +1,116 @@
+"""End to end: jobs that hang or lose a rank, for real (forked gloo ranks of `gpuwatch train`, and a user's DDP script
+under torchrun), reporting to a real agent, then `gpuwatch diagnose` names the rank that is missing or died, the
+collective the others wait in and, for a hang, where the missing rank stands (a stack line in the fault's code);
+live through the agent, and after the job was killed from its run log. Healthy runs raising none of these findings
+is held by the healthy tests of test_e2e_faults.py and test_foreign_workloads.py, which allow no warning at all.
+
+No timing assertion: a test waits (with a generous deadline) until diagnose says what it must, then checks what.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from foreign import Workload, launched, simulated_agent
+from test_e2e_faults import by_rank, findings, serious
+
+from gpuwatch.trainer.cli import train
+
+from conftest import AgentProcess, wait_until
+
+#: Long enough for the hooks' watchdog (3 s floor, 5 × the median step) plus the rules' 5 s and a few rounds.
+FOUND_TIMEOUT_S = 90.0
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory):
+    agent = AgentProcess("--simulate", "dgx-h100", "--interval", "0.5",
+                         telemetry_socket=tmp_path_factory.mktemp("agent") / "telemetry.sock")
+    yield agent
+    agent.stop()
+
+
+def _train(agent: AgentProcess, job: str, run_log: Path, *args: str) -> subprocess.Popen:
+    """`gpuwatch train` in the background, in a session of its own (so that its ranks can be stopped together)."""
+    command = [sys.executable, "-m", "gpuwatch.cli.main", "train", "--steps", "1000", "--job", job,
+               "--telemetry-socket", str(agent.telemetry_socket), "--run-log", str(run_log), *args]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(30)
+
+
+def _found(job: str, code: str, *source: str) -> dict | None:
+    found = serious(findings(job, *source)).get(code)
+    return found[0] if found else None
+
+
+@pytest.mark.parametrize(("shape", "world"), [
+    (("--tp", "1", "--pp", "2", "--dp", "2"), 4),
+    (("--tp", "2", "--pp", "2", "--dp", "2"), 8),
+], ids=["pp2-dp2", "tp2-pp2-dp2"])
+def test_a_hanging_rank_is_named_with_the_collective_its_peers_wait_in_and_its_stack(agent, tmp_path, shape, world):
+    job, culprit = f"hang-{world}", world - 1
+    run_log = tmp_path / "log"
+    process = _train(agent, job, run_log, *shape, "--fault", "hang-rank", "--fault-step", "4")
+    try:
+        finding = wait_until(lambda: _found(job, "HANG001", "--agent", agent.url), timeout=FOUND_TIMEOUT_S,
+                             what=f"HANG001 for job {job}")
+        assert set(serious(findings(job, "--agent", agent.url))) == {"HANG001"}
+        named = by_rank(finding)
+        assert set(named) == {culprit}, finding
+        evidence = named[culprit]
+        assert evidence["phase"] == "step" and evidence["op"] == "all_reduce"
+        assert evidence["stack_top"].split(":")[0].endswith("trainer/faults.py")
+        assert evidence["stack_top"].endswith(" _hang_before_all_reduce")
+        # the collective named is the one a waiting rank is in, by the agent's own state
+        ranks = {r["rank"]: r for r in agent.state()["facts"]["telemetry"]["ranks"] if r["job"] == job}
+        waiting = ranks[evidence["waiting"][0]]["progress"]["collective"]
+        assert (waiting["op"], waiting["group"], waiting["seq"]) == (evidence["op"], evidence["group"], evidence["seq"])
+        assert culprit in ranks[evidence["waiting"][0]]["hello"]["process_groups"][evidence["group"]]
+    finally:
+        _stop(process)
+    # post-mortem: the job was killed; its run log still says who was waiting for whom
+    post_mortem = _found(job, "HANG001", "--run-log", str(run_log))
+    assert post_mortem is not None and set(by_rank(post_mortem)) == {culprit}
+
+
+@pytest.mark.parametrize(("fault", "error"), [("crash-rank", None), ("raise-rank", "InjectedFailure")])
+def test_a_rank_that_dies_is_named_first_and_its_peers_as_consequences(agent, tmp_path, fault, error):
+    job, culprit = f"{fault}-4", 3
+    result = CliRunner().invoke(train, ["--tp", "1", "--pp", "2", "--dp", "2", "--micro-batches", "2", "--steps",
+                                        "20", "--job", job, "--telemetry-socket", str(agent.telemetry_socket),
+                                        "--fault", fault, "--fault-step", "4"])
+    assert result.exit_code == 1 and "rank 3 failed" in result.output
+    finding = wait_until(lambda: _found(job, "HANG004", "--agent", agent.url), timeout=FOUND_TIMEOUT_S,
+                         what=f"HANG004 for job {job}")
+    assert set(by_rank(finding)) == {culprit}, finding
+    died = by_rank(finding)[culprit]
+    if error is None:
+        assert died["error"] is None and died["exited_at"] is not None  # a signal: only its absence tells
+    else:
+        assert died["error"].startswith(error)
+    assert finding["title"].startswith(f"job {job}: rank {culprit} died")
+
+
+def test_a_users_ddp_script_with_a_stuck_rank_is_named_live_and_post_mortem(tmp_path):
+    workload = Workload("ddp_tutorial", nproc=2, steps=1000, fault="stuck-rank", fault_rank=1)
+    with simulated_agent(tmp_path) as agent, launched(workload, agent, tmp_path) as (_, run_log):
+        finding = wait_until(lambda: _found(workload.job, "HANG001", "--agent", agent.url),
+                             timeout=FOUND_TIMEOUT_S, what="HANG001 for the DDP script")
+        evidence = by_rank(finding)[1]
+        assert (evidence["op"], evidence["group"], evidence["waiting"]) == ("all_reduce", "default", [0])
+        assert evidence["phase"] == "compute"  # the script's own compute phase, where it stands
+        assert evidence["stack_top"].split(":")[0].endswith("workloads/ddp_tutorial.py")
+        assert evidence["stack_top"].endswith(" wait_for_a_lock_nobody_releases")
+    post_mortem = _found(workload.job, "HANG001", "--run-log", str(run_log))
+    assert post_mortem is not None and set(by_rank(post_mortem)) == {1}

@@ -87,8 +87,9 @@ def test_a_hanging_rank_is_named_with_the_collective_its_peers_wait_in_and_its_s
 @pytest.mark.parametrize(("fault", "error"), [("crash-rank", None), ("raise-rank", "InjectedFailure")])
 def test_a_rank_that_dies_is_named_first_and_its_peers_as_consequences(agent, tmp_path, fault, error):
     job, culprit = f"{fault}-4", 3
-    result = CliRunner().invoke(train, ["--tp", "1", "--pp", "2", "--dp", "2", "--micro-batches", "2", "--steps",
-                                        "20", "--job", job, "--telemetry-socket", str(agent.telemetry_socket),
+    run_log = tmp_path / "log"
+    result = CliRunner().invoke(train, ["--tp", "1", "--pp", "2", "--dp", "2", "--steps", "20", "--job", job,
+                                        "--telemetry-socket", str(agent.telemetry_socket), "--run-log", str(run_log),
                                         "--fault", fault, "--fault-step", "4"])
     assert result.exit_code == 1 and "rank 3 failed" in result.output
     finding = wait_until(lambda: _found(job, "HANG004", "--agent", agent.url), timeout=FOUND_TIMEOUT_S,
@@ -100,6 +101,8 @@ def test_a_rank_that_dies_is_named_first_and_its_peers_as_consequences(agent, tm
     else:
         assert died["error"].startswith(error)
     assert finding["title"].startswith(f"job {job}: rank {culprit} died")
+    post_mortem = _found(job, "HANG004", "--run-log", str(run_log))  # no exit times there: errors and silence
+    assert post_mortem is not None and set(by_rank(post_mortem)) == {culprit}, post_mortem
 
 
 def test_a_users_ddp_script_with_a_stuck_rank_is_named_live_and_post_mortem(tmp_path):

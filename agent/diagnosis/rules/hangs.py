@@ -248,6 +248,8 @@ def rank_died(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
         dead = [r for r in members if _dead(r)]
         if not dead:
             continue
+        if all(_peer_gone(r) for r in dead):  # a run log knows no exits: the silent rank is the one they lost
+            dead = [r for r in members if not _dead(r) and r.progress is None] + dead
         # First to die first: a launcher ends the others within moments of the first death. A rank that raised
         # counts from its error; one without an exit time (a run log) last.
         dead.sort(key=lambda r: (_peer_gone(r), r.died_at is None, r.died_at or 0.0, r.rank))
@@ -259,9 +261,14 @@ def rank_died(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
         evidence = []
         for rank in first:
             progress = rank.progress
-            how = (f"it raised {progress.error}" if progress is not None and progress.error is not None
-                   else "its process is gone without an exception (killed by a signal: the OOM killer's SIGKILL, "
-                        "a crash in native code)")
+            if progress is not None and progress.error is not None:
+                how = f"it raised {progress.error}"
+            elif rank.exited_at is not None:
+                how = ("its process is gone without an exception (killed by a signal: the OOM killer's SIGKILL, a "
+                       "crash in native code)")
+            else:
+                how = ("it went silent without an exception while its peers lost their connections to it (killed by "
+                       "a signal?)")
             after = rank.last.step if rank.last is not None else (progress.step if progress else 0)
             waiting = sorted(w for w, missing in waits.items() if rank.rank in missing)
             evidence.append(Evidence(

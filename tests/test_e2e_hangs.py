@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from foreign import Workload, launched, simulated_agent
+from foreign import Workload, diagnose, launched, simulated_agent
 from test_e2e_faults import by_rank, findings, serious
 
 from gpuwatch.trainer.cli import train
@@ -49,8 +49,11 @@ def _stop(process: subprocess.Popen) -> None:
     process.wait(30)
 
 
-def _found(job: str, code: str, *source: str) -> dict | None:
-    found = serious(findings(job, *source)).get(code)
+def _found(job: str, code: str, option: str, location: str) -> dict | None:
+    """The first `code` finding about `job` from `gpuwatch diagnose OPTION LOCATION`; None before there is one (or
+    while the source cannot be read yet: a Prometheus server before its first scrape)."""
+    source = {"--agent": "agent", "--run-log": "run_log", "--prometheus": "prometheus"}[option]
+    found = diagnose(job, source, location).serious().get(code)
     return found[0] if found else None
 
 
@@ -105,9 +108,26 @@ def test_a_rank_that_dies_is_named_first_and_its_peers_as_consequences(agent, tm
     assert post_mortem is not None and set(by_rank(post_mortem)) == {culprit}, post_mortem
 
 
-def test_a_users_ddp_script_with_a_stuck_rank_is_named_live_and_post_mortem(tmp_path):
+def test_a_hanging_rank_is_named_through_prometheus(agent, tmp_path, prometheus_server):
+    """Prometheus has no hello groups but the default one: the rank stuck outside any collective while the others
+    wait is the one named."""
+    server = prometheus_server([f"127.0.0.1:{agent.port}"])
+    job = "hang-prometheus"
+    process = _train(agent, job, tmp_path / "log", "--tp", "1", "--pp", "2", "--dp", "2", "--fault", "hang-rank",
+                     "--fault-step", "4")
+    try:
+        finding = wait_until(lambda: _found(job, "HANG001", "--prometheus", server.url), timeout=FOUND_TIMEOUT_S,
+                             what=f"HANG001 for job {job} through Prometheus")
+        assert set(by_rank(finding)) == {3}
+        assert sorted(by_rank(finding)[3]["waiting"]) == [0, 1, 2]
+    finally:
+        _stop(process)
+
+
+def test_a_users_ddp_script_with_a_stuck_rank_is_named_live_and_post_mortem(tmp_path, prometheus_server):
     workload = Workload("ddp_tutorial", nproc=2, steps=1000, fault="stuck-rank", fault_rank=1)
     with simulated_agent(tmp_path) as agent, launched(workload, agent, tmp_path) as (_, run_log):
+        server = prometheus_server([f"127.0.0.1:{agent.port}"])
         finding = wait_until(lambda: _found(workload.job, "HANG001", "--agent", agent.url),
                              timeout=FOUND_TIMEOUT_S, what="HANG001 for the DDP script")
         evidence = by_rank(finding)[1]
@@ -115,5 +135,8 @@ def test_a_users_ddp_script_with_a_stuck_rank_is_named_live_and_post_mortem(tmp_
         assert evidence["phase"] == "compute"  # the script's own compute phase, where it stands
         assert evidence["stack_top"].split(":")[0].endswith("workloads/ddp_tutorial.py")
         assert evidence["stack_top"].endswith(" wait_for_a_lock_nobody_releases")
+        through_prometheus = wait_until(lambda: _found(workload.job, "HANG001", "--prometheus", server.url),
+                                        timeout=FOUND_TIMEOUT_S, what="HANG001 for the DDP script via Prometheus")
+        assert by_rank(through_prometheus)[1]["waiting"] == [0]
     post_mortem = _found(workload.job, "HANG001", "--run-log", str(run_log))
     assert post_mortem is not None and set(by_rank(post_mortem)) == {1}

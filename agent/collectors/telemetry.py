@@ -165,7 +165,7 @@ UNAVAILABLE = "gpuwatch_train_signal_unavailable"
 #: What an overdue rank is doing, from its latest progress record (``schema`` "progress"): gone once it steps again.
 STALLED = "gpuwatch_train_stalled_seconds"
 PHASE = "gpuwatch_train_phase"
-IN_FLIGHT = "gpuwatch_train_collective_in_flight_seq"
+IN_FLIGHT = "gpuwatch_train_in_flight_collective_seq"
 EXITED = "gpuwatch_train_rank_exited_timestamp_seconds"
 
 

@@ -90,6 +90,15 @@ def _waits(ranks: dict[int, RankFacts], t: types.SimpleNamespace) -> dict[int, s
     return waits
 
 
+def _waits_without_members(ranks: dict[int, RankFacts], t: types.SimpleNamespace) -> dict[int, set[int]]:
+    """Where no group's members are known (Prometheus exports the hello's groups for the default group only):
+    every stuck rank in a collective waits for the job's stuck ranks outside any collective."""
+    outside = {r.rank for r in ranks.values() if _stuck(r, t) and r.progress is not None
+               and r.progress.collective is None}
+    return {r.rank: set(outside) for r in ranks.values()
+            if outside and _stuck(r, t) and r.progress is not None and r.progress.collective is not None}
+
+
 def _in_flight(rank: RankFacts) -> InFlightFacts:
     """The collective of a rank `_waits` found waiting (it has one)."""
     assert rank.progress is not None and rank.progress.collective is not None
@@ -119,6 +128,8 @@ def missing_at_collective(facts: Facts, t: types.SimpleNamespace) -> Iterator[Is
     for job, members in facts.jobs().items():
         ranks = {r.rank: r for r in members}
         waits = _waits(ranks, t)
+        if not waits:
+            waits = _waits_without_members(ranks, t)
         if not waits:
             continue
         waited_for = set().union(*waits.values())

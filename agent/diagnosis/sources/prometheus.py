@@ -23,8 +23,12 @@ from gpuwatch.agent.collectors.host import CPUS
 from gpuwatch.agent.collectors.infiniband import PHYS_STATES, PORT_STATES
 from gpuwatch.agent.collectors.telemetry import (
     COUNTERS,
+    EXITED,
+    IN_FLIGHT,
     LAST_STEP,
     MEMORY_GAUGES,
+    PHASE,
+    STALLED,
     STEP_GAUGES,
     UNAVAILABLE,
     WINDOW_GAUGES,
@@ -37,9 +41,11 @@ from gpuwatch.agent.diagnosis.facts import (
     GpuFacts,
     History,
     IbPortFacts,
+    InFlightFacts,
     Layout,
     NodeFacts,
     NvlinkFacts,
+    ProgressFacts,
     RankFacts,
     Sampled,
     SourceInfo,
@@ -70,7 +76,8 @@ _RANK_COUNTERS = {spec.name: spec.field for spec in read_by(COUNTERS, RankFacts)
 _RANK_SERIES = "|".join(["gpuwatch_train_rank_info", "gpuwatch_train_env_info", LAST_STEP.name,
                          "gpuwatch_train_param_checksum", "gpuwatch_train_grad_cosine_similarity",
                          "gpuwatch_train_collective_seconds_count", "gpuwatch_train_collective_seconds_sum",
-                         "gpuwatch_train_collective_bytes_total", WINDOW_MEDIAN, UNAVAILABLE,
+                         "gpuwatch_train_collective_bytes_total", WINDOW_MEDIAN, UNAVAILABLE, STALLED, PHASE,
+                         IN_FLIGHT, EXITED,
                          *(spec.name for spec in WINDOW_GAUGES), *_STEP_GAUGES, *_RANK_COUNTERS])
 _RANK_KEY = "instance, job, exported_job, rank"
 
@@ -283,6 +290,10 @@ class _Reader:
                 series[key].setdefault("window_medians", {})[labels["timing"]] = _value(sample)
             elif name == UNAVAILABLE:
                 series[key].setdefault("unavailable", {})[labels["signal"]] = labels["reason"]
+            elif name == PHASE:
+                series[key]["phase"] = labels["phase"]
+            elif name == IN_FLIGHT:
+                series[key]["in_flight"] = (labels["op"], labels["group"], int(_value(sample)))
             else:
                 series[key][name] = _value(sample)
                 if name in _MEMORY_SERIES:
@@ -368,7 +379,24 @@ class _Reader:
             faults=tuple(filter(None, labels.get("faults", "").split(","))), last=last,
             window=_window(values), unavailable=values.get("unavailable"),
             collectives=collectives or None, param_checksum=sampled("gpuwatch_train_param_checksum"),
-            grad_cosine=sampled("gpuwatch_train_grad_cosine_similarity"), history=history, **counters)
+            grad_cosine=sampled("gpuwatch_train_grad_cosine_similarity"), history=history,
+            progress=_progress(values, layout, last), exited_at=values.get(EXITED), **counters)
+
+
+def _progress(values: dict[str, Any], layout: Layout, last: StepFacts | None) -> ProgressFacts | None:
+    """An overdue rank's progress as its agent exports it: no stack and no overdue mark (the rules' own stall
+    threshold decides), and group members for the default group only (the world; the hello's other groups are
+    not exported, so the rules fall back to who is stuck outside any collective)."""
+    stalled = values.get(STALLED)
+    if stalled is None or "phase" not in values:
+        return None
+    in_flight = None
+    if "in_flight" in values:
+        op, group, seq = values["in_flight"]
+        members = tuple(range(layout.world_size)) if group == "default" else None
+        in_flight = InFlightFacts(op=op, group=group, members=members, seq=seq, seconds=stalled)
+    return ProgressFacts(step=last.step if last is not None else 0, phase=values["phase"], stalled_seconds=stalled,
+                         overdue_seconds=0.0, collective=in_flight)
 
 
 def _window(values: dict[str, Any]) -> WindowSummary | None:

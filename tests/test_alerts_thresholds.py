@@ -67,6 +67,10 @@ PARITY = [
      _threshold("HW005", "min_load")),
     ("GpuThermalThrottling", "HW005's slowdown reasons", _classes(r'reason=~"([^"]+)"'), frozenset(SLOWDOWN_REASONS)),
     ("GpuXidError", "HW004's application Xids (not paged)", _classes(r'xid!~"([^"]+)"'), APPLICATION_XIDS),
+    ("TrainingRankMissingAtCollective", "HANG001 stall_seconds", _number(r"gpuwatch_train_stalled_seconds >= ([\d.]+)"),
+     _threshold("HANG001", "stall_seconds")),
+    ("TrainingCollectiveStalled", "HANG003 stall_seconds", _number(r"gpuwatch_train_stalled_seconds >= ([\d.]+)"),
+     _threshold("HANG003", "stall_seconds")),
 ]
 
 

@@ -22,6 +22,7 @@ from gpuwatch.dashboards.panels import (
     node_variable,
     rank_variable,
     red_above,
+    state_timeline,
     thresholds,
     timeseries,
 )
@@ -119,6 +120,29 @@ def _timing() -> list[PanelBuilder]:
     ]
 
 
+#: The phases of a progress record (gpuwatch.protocol.schema.PHASES), as the state timeline numbers them.
+_PHASES = {"data": (1, "data", YELLOW), "compute": (2, "compute", "blue"), "optimizer": (3, "optimizer", "purple"),
+           "collective": (4, "collective", RED), "step": (5, "step", "orange"), "idle": (6, "idle", "green")}
+
+
+def _progress() -> list[PanelBuilder]:
+    phase = " or ".join(f'(gpuwatch_train_phase{{{RANKS}, phase="{name}"}} * {number})'
+                        for name, (number, _, _) in _PHASES.items())
+    return [
+        state_timeline("Phase of overdue ranks", "What each rank that has stopped making progress is in (its "
+                       "hooks report it about every second once a step is overdue; nothing while steps flow): ranks "
+                       "in a collective wait, the rank in another phase is the one they wait for (HANG001).",
+                       Query(f"max by (job, rank) ({phase})", PER_RANK),
+                       {number: (text, colour) for number, text, colour in _PHASES.values()}, width=12),
+        timeseries("In-flight collective", NONE, "Sequence number, on its process group, of the collective each "
+                   "overdue rank waits in: ranks of one group at different numbers are a mismatch (HANG002).",
+                   Query(f"gpuwatch_train_in_flight_collective_seq{{{RANKS}}}",
+                         "{{job}} rank {{rank}} {{op}} on {{group}}"), width=6),
+        timeseries("Stalled for", SECONDS, "Seconds since each overdue rank last made progress (HANG001-003 from "
+                   "5 s).", _per_rank("gpuwatch_train_stalled_seconds"), width=6, limits=red_above(5)),
+    ]
+
+
 def build() -> Dashboard:
     """The Training health dashboard."""
     return dashboard(
@@ -130,5 +154,6 @@ def build() -> Dashboard:
             ("Pipeline, collectives and input", _parallelism()),
             ("Memory", _memory()),
             ("Per-rank timing", _timing()),
+            ("Progress of stalled ranks (hangs)", _progress()),
         ],
     )

@@ -93,3 +93,16 @@ def coordinates(rank: int, **extra: str) -> frozenset:
     labels = {"job": JOB, "rank": str(rank), "local_rank": str(rank % 4), "tp_rank": str(rank % 2),
               "dp_rank": str(rank // 2 % 2), "pp_stage": str(rank // 4), **extra}
     return frozenset(labels.items())
+
+
+def progress(rank: int = 0, job: str = JOB, stalled: float = 10.0, collective: dict[str, Any] | None = None,
+             **fields: Any) -> dict[str, Any]:
+    """An overdue rank's progress record: in `collective` (op, group, seq ...) if given, else in its compute."""
+    record: dict[str, Any] = {
+        "v": SCHEMA_VERSION, "kind": "progress", "job": job, "rank": rank, "time": time.time(), "step": 3,
+        "phase": "collective" if collective else "compute", "stalled_seconds": stalled, "overdue_seconds": 3.0}
+    if collective is not None:
+        record["collective"] = {"op": "all_reduce", "group": "dp", "group_size": 2, "group_rank": 0, "seq": 7,
+                                "bytes": 1024, "seconds": stalled, **collective}
+    record.update(fields)
+    return record

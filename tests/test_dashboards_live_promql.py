@@ -33,7 +33,7 @@ from conftest import http_get, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "alerts" / "gpuwatch.rules.yml"
-GPU_JOB, GLOO_JOB = "gpu-job", "gloo-run"
+GPU_JOB, GLOO_JOB, HUNG_JOB, DEAD_JOB = "gpu-job", "gloo-run", "hung-job", "dead-job"
 #: Grafana's variables as "All" selects them; rate windows hold several 1 s scrapes.
 VARIABLES = {"node": ".*", "job": ".*", "rank": ".*", "gpu": ".*", "__rate_interval": "10s"}
 #: Training health panels a CPU (gloo) run must fill on its own.
@@ -145,6 +145,34 @@ def _gpu_job(agent, stop: threading.Event) -> None:
             stop.wait(0.2)
 
 
+def _hung_job(agent, stop: threading.Event) -> None:
+    """Two ranks of a hung job, as their watchdogs report them every second: rank 0 waits in an all-reduce, rank 1
+    is stuck in its compute."""
+    with TelemetryClient(agent.telemetry_socket, heartbeat_interval=0) as client:
+        for rank in range(2):
+            client.send(records.hello(rank, job=HUNG_JOB))
+        stalled = 10.0
+        while not stop.is_set():
+            client.send(records.progress(0, job=HUNG_JOB, stalled=stalled, collective={}))
+            client.send(records.progress(1, job=HUNG_JOB, stalled=stalled))
+            stalled += 0.2
+            stop.wait(0.2)
+
+
+def _dead_rank(agent) -> None:
+    """A rank whose process sends its hello and a step, waits a few of the agent's rounds (so the agent watches its
+    pid), then exits: the agent finds it gone."""
+    code = "\n".join([
+        f"import sys, time; sys.path.insert(0, {str(Path(__file__).parent)!r})",
+        "import telemetry_records as records",
+        "from gpuwatch.trainer.telemetry import TelemetryClient",
+        f"with TelemetryClient({str(agent.telemetry_socket)!r}, heartbeat_interval=0) as client:",
+        f"    client.send(records.hello(0, job={DEAD_JOB!r}))",
+        f"    client.send(records.step(0, 1, job={DEAD_JOB!r}))",
+        "    time.sleep(3)"])
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
 def _still_missing(missing: Callable[[], list[str]], timeout: float = 60.0) -> list[str]:
     """`missing()` polled until it lists nothing, for at most `timeout` seconds, and its last list. Polled, not
     slept on: the rate windows fill as scrapes come, later on a loaded machine."""
@@ -162,6 +190,9 @@ def test_every_dashboard_and_rule_expression_returns_data(start_agent, prometheu
     stop = threading.Event()
     sender = threading.Thread(target=_gpu_job, args=(agent, stop), daemon=True)
     sender.start()
+    hung = threading.Thread(target=_hung_job, args=(agent, stop), daemon=True)
+    hung.start()
+    _dead_rank(agent)
     try:
         run = subprocess.run(
             [sys.executable, "-m", "gpuwatch.cli.main", "train", "--steps", "6", "--tp", "1", "--pp", "2",
@@ -190,6 +221,7 @@ def test_every_dashboard_and_rule_expression_returns_data(start_agent, prometheu
     finally:
         stop.set()
         sender.join(5)
+        hung.join(5)
 
     # Prometheus loaded every rule and evaluates it without error.
     status, body, _ = http_get(prometheus.url + "/api/v1/rules")

@@ -34,7 +34,13 @@ from gpuwatch.trainer.config import FAULTS, gpus_present
 EXPECTED_RULE = {
     "slow-rank": "PERF002", "duplicate-shards": "CONV004", "shared-pp-dp-group": "TOPO001",
     "lr-explode": "CONV002", "desync": "CONV003", "fp16-no-scaler": "CONV001",
+    "hang-rank": "HANG001", "crash-rank": "HANG004", "raise-rank": "HANG004",
 }
+#: Faults whose job never ends by itself (the demo stops it once the agent's diagnosis names the hang), and
+#: faults whose job fails, as it should.
+HANGS, FAILS = ("hang-rank",), ("crash-rank", "raise-rank")
+#: How long the demo waits for diagnose to name a hang (the hooks report after 3 s overdue, the rules from 5 s).
+_HANG_TIMEOUT = 120.0
 JOB = "gpuwatch-demo"
 _STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+)\b")
 _STARTUP_TIMEOUT = 30.0
@@ -118,16 +124,38 @@ class _Demo:
     def _agent_log(self) -> str:
         return "\n".join((self.workdir / "agent.log").read_text().splitlines()[-20:])
 
-    def train(self, options: list[str], steps: int) -> None:
-        """Run the job, a progress bar fed by its ``step N/M`` lines; its output is kept for a failure report."""
+    def _start_training(self, options: list[str], steps: int, **output) -> subprocess.Popen:
         command = [sys.executable, "-m", "gpuwatch.cli.main", "train", "--job", JOB, "--steps", str(steps),
                    "--telemetry-socket", str(self.socket), *options]
-        self.trainer = self._spawn(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True, bufsize=1)
-        assert self.trainer.stdout is not None, "spawned with stdout=PIPE"
-        tail = _follow(self.trainer.stdout, steps)
-        if self.trainer.wait() != 0:
-            raise DemoError(f"the training job failed with status {self.trainer.returncode}:\n" + "".join(tail))
+        self.trainer = self._spawn(command, stdin=subprocess.DEVNULL, **output)
+        return self.trainer
+
+    def train(self, options: list[str], steps: int, *, fails: bool = False) -> None:
+        """Run the job, a progress bar fed by its ``step N/M`` lines; its output is kept for a failure report.
+        With `fails`, the job is meant to fail (a rank dies on purpose), and one that does not is the error."""
+        trainer = self._start_training(options, steps, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                       bufsize=1)
+        assert trainer.stdout is not None, "spawned with stdout=PIPE"
+        tail = _follow(trainer.stdout, steps)
+        if (trainer.wait() != 0) != fails:
+            raise DemoError(f"the training job {'ended' if fails else 'failed'} with status {trainer.returncode}:\n"
+                            + "".join(tail))
+
+    def train_until(self, options: list[str], steps: int, code: str) -> None:
+        """Run a job that hangs on purpose until `gpuwatch diagnose` finds `code` in it, then stop it."""
+        trainer = self._start_training(options, steps, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + _HANG_TIMEOUT
+        while time.monotonic() < deadline:
+            if trainer.poll() is not None:
+                raise DemoError(f"the training job ended with status {trainer.returncode} instead of hanging")
+            with contextlib.suppress(OSError, ValueError, subprocess.SubprocessError):
+                report = json.loads(subprocess.run(
+                    [sys.executable, "-m", "gpuwatch.cli.main", "diagnose", "--agent", self.url, "--select", code,
+                     "--format", "json", "--fail-on", "never"], capture_output=True, text=True, timeout=60).stdout)
+                if any(finding["code"] == code for finding in report["findings"]):
+                    return
+            time.sleep(1.0)
+        raise DemoError(f"gpuwatch diagnose did not find {code} within {_HANG_TIMEOUT:.0f} s")
 
     def wait_for_ranks(self, world_size: int, steps: int) -> None:
         """Until the agent's state has every rank's last step: records and the sampling round take a moment."""
@@ -255,8 +283,15 @@ def demo(fault: str, steps: int, port: int | None, keep_agent: bool, tp: int, pp
             demo_run.start_agent(simulate)
             planted = "no fault (healthy)" if fault == "none" else f"fault {fault}: expect {EXPECTED_RULE[fault]}"
             click.echo(f"training: tp {tp} × pp {pp} × dp {dp}, {steps} steps, {planted}")
-            demo_run.train(_trainer_options(fault, tp, pp, dp), steps)
-            demo_run.wait_for_ranks(tp * pp * dp, steps)
+            options = _trainer_options(fault, tp, pp, dp)
+            if fault in HANGS:
+                demo_run.train_until(options, steps, EXPECTED_RULE[fault])  # the diagnosis while it hangs
+            elif fault in FAILS:
+                demo_run.train(options, steps, fails=True)
+                time.sleep(1.0)  # a round of the agent's, which notices the exits
+            else:
+                demo_run.train(options, steps)
+                demo_run.wait_for_ranks(tp * pp * dp, steps)
             click.echo(f"\n$ gpuwatch diagnose --agent {demo_run.url}")
             _diagnose(demo_run.url)
             succeeded = True

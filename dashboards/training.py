@@ -122,7 +122,8 @@ def _timing() -> list[PanelBuilder]:
 
 #: The phases of a progress record (gpuwatch.protocol.schema.PHASES), as the state timeline numbers them.
 _PHASES = {"data": (1, "data", YELLOW), "compute": (2, "compute", "blue"), "optimizer": (3, "optimizer", "purple"),
-           "collective": (4, "collective", RED), "step": (5, "step", "orange"), "idle": (6, "idle", "green")}
+           "collective": (4, "collective", RED), "step": (5, "step", "orange"), "idle": (6, "idle", "green"),
+           "closed": (7, "closed (ended)", "text")}
 
 
 def _progress() -> list[PanelBuilder]:

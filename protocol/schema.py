@@ -95,12 +95,14 @@ judged long after the probe exits)::
 
 ``progress`` — what a rank is doing, sent by the hooks' watchdog thread (not the training thread) about once
 a second while a step is overdue, and once when a step raised: silent while steps flow. What diagnosis needs to
-name a hang (who waits in which collective, who never came, what it does instead)::
+name a hang (who waits in which collective, who never came, what it does instead); and once when the hooks are
+closed (phase "closed"), so that a rank's exit after it is a normal end, not a death::
 
     step                int          the last step the rank completed (0: none yet)
     phase               PHASES       what the training thread is in: "data", "compute", "optimizer",
                                      "collective" (a blocking call or DDP's all-reduce), "step" (inside a
-                                     step, between phases) or "idle" (between steps)
+                                     step, between phases), "idle" (between steps) or "closed" (the hooks were
+                                     closed: the rank ended its training, and its process may exit)
     stalled_seconds     float ≥ 0    since the training thread last made progress (entered or left a phase,
                                      a collective or a step), on the rank's own clock
     overdue_seconds     float ≥ 0    the threshold it passed: a multiple of its median step, with a floor
@@ -149,7 +151,7 @@ COLLECTIVE_BUCKETS: tuple[float, ...] = (
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast", "barrier")
 MEMORY_KINDS = ("cuda", "host_rss")
 #: What a rank's training thread can be in, as a progress record says.
-PHASES = ("data", "compute", "optimizer", "collective", "step", "idle")
+PHASES = ("data", "compute", "optimizer", "collective", "step", "idle", "closed")
 #: The innermost frames of a stalled rank's stack that a progress record carries, and a frame's text fields.
 MAX_STACK_FRAMES = 32
 MAX_TEXT_CHARS = 512

@@ -83,6 +83,16 @@ def test_planted_fault_is_named_by_its_rule():
     assert f"{EXPECTED_RULE['duplicate-shards']}  duplicated data shards in job gpuwatch-demo" in report
 
 
+def test_a_planted_hang_is_named_while_the_job_hangs_and_the_job_is_stopped():
+    port = free_port()
+    result = demo("--fault", "hang-rank", "--port", str(port), timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = result.stdout.split("$ gpuwatch diagnose", 1)[1]
+    assert "HANG001  job gpuwatch-demo hangs: rank 7 missing at a collective" in report
+    assert "_hang_before_all_reduce" in report  # where the missing rank stands
+    assert port_free(port)
+
+
 @pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_interrupt_stops_every_process_it_started(signum, status):
     port = free_port()

@@ -82,3 +82,16 @@ def test_hang004_from_a_run_log_the_silent_rank_is_the_one_its_peers_lost():
         error="RuntimeError: Connection reset by peer")) for n in (0, 1, 2)]
     (finding,) = fired("HANG004", facts(ranks=[*reset, rank(3, dp=4)]))
     assert finding.evidence[0].where.rank == 3 and "went silent" in finding.evidence[0].text
+
+
+def test_a_rank_that_closed_its_hooks_and_exited_ended_normally():
+    ended = [rank(n, dp=4, exited_at=1000.0 + n, progress=ProgressFacts(
+        step=100, phase="closed", stalled_seconds=0, overdue_seconds=0)) for n in DP]
+    silent("HANG004", facts(ranks=ended))
+    silent("HANG001", facts(ranks=ended))
+
+
+def test_a_rank_just_joining_the_wait_is_not_taken_for_the_missing_one():
+    """Rank 1 entered the all-reduce a moment ago (below the stall threshold): it waits too; rank 3 is missing."""
+    (finding,) = fired("HANG001", facts(ranks=[waiting(0), waiting(1, stalled=1.0), waiting(2), elsewhere(3)]))
+    assert [e.where.rank for e in finding.evidence if e.where.rank is not None] == [3]

@@ -83,7 +83,8 @@ def test_a_step_record_times_each_phase_and_takes_collective_waits_out_of_comput
     monitor.close()
 
     assert records.closed
-    hello, record = records.sent
+    hello, record, closed = records.sent
+    assert closed["kind"] == "progress" and closed["phase"] == "closed"
     assert hello["kind"] == "hello" and hello["job"] == record["job"] == "unit"
     assert "backends" not in hello  # torch.distributed is not initialised here
     assert record["dataloader_wait_seconds"] == pytest.approx(0.01)
@@ -230,8 +231,9 @@ def test_run_log_keeps_every_record_in_a_file_per_rank_or_in_one_file(tmp_path, 
     log = path / "rank-00000.jsonl" if path.suffix != ".jsonl" else path
     logged = [decode(line).body for line in log.read_bytes().splitlines()]
     assert [(r["kind"], r.get("step"), r.get("samples")) for r in logged] == [
-        ("hello", None, None), ("step", 1, 2), ("step", 2, 2), ("step", 3, 2)]
-    assert monitor.client.drops["no_agent"] == 4
+        ("hello", None, None), ("step", 1, 2), ("step", 2, 2), ("step", 3, 2), ("progress", 3, None)]
+    assert logged[-1]["phase"] == "closed"  # the rank ended its training: its exit is no death
+    assert monitor.client.drops["no_agent"] == 5
 
 
 def test_a_client_of_ones_own_takes_no_run_log_or_socket_from_the_monitor(records, tmp_path):

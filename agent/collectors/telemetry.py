@@ -194,8 +194,8 @@ _PER_RANK: tuple[tuple[str, str, str], ...] = (
      "zero_gradient, no_data_parallel_group, ...); value: that step's number."),
     (STALLED, "gauge", "Seconds since an overdue rank's training thread last made progress, as its latest progress "
      "record said (sent about every second while a step is overdue); no series while steps flow."),
-    (PHASE, "gauge", "The phase an overdue rank is in (phase: data, compute, optimizer, collective, step, idle); "
-     "value 1."),
+    (PHASE, "gauge", "The phase an overdue rank is in (phase: data, compute, optimizer, collective, step, idle), "
+     "or closed once its hooks were closed (a normal end); value 1."),
     (IN_FLIGHT, "gauge", "Sequence number, on its process group, of the collective an overdue rank is in (op, "
      "group: the hello's process-group name)."),
     (EXITED, "gauge", "When the agent found the rank's process gone (wall clock)."),

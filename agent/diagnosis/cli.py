@@ -8,6 +8,7 @@ usage, config and source errors (unreachable URL, not an agent, unreadable log).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Callable
@@ -46,13 +47,13 @@ def _local_with_agent_ranks(sysfs_root: Path) -> Facts:
     return facts
 
 
-def _gather(agent_url: str | None, run_log_path: Path | None, prometheus_url: str | None, preflight: bool,
+def _gather(agent_urls: tuple[str, ...], run_log_path: Path | None, prometheus_url: str | None, preflight: bool,
             sysfs_root: Path) -> Facts:
     loaders: list[Callable[[], Facts]] = []
     if preflight:
         loaders.append(lambda: local.collect(sysfs_root, env=os.environ))
-    if agent_url:
-        loaders.append(lambda: agent.fetch(agent_url))
+    for url in agent_urls:  # one per node: a job's ranks across the nodes, judged together
+        loaders.append(functools.partial(agent.fetch, url))
     if prometheus_url:
         loaders.append(lambda: prometheus.fetch(prometheus_url))
     if run_log_path:
@@ -71,8 +72,9 @@ def _fail(message: str) -> NoReturn:
 
 
 @click.command()
-@click.option("--agent", "agent_url", metavar="URL",
-              help="Read a node agent's /api/v1/state (its node, and the ranks reporting to it).")
+@click.option("--agent", "agent_urls", metavar="URL", multiple=True,
+              help="Read a node agent's /api/v1/state (its node, and the ranks reporting to it); repeat it for the "
+              "agents of every node a job runs on, so that its ranks are judged together.")
 @click.option("--run-log", "run_log_path", type=click.Path(path_type=Path), metavar="PATH",
               help="Read a run log (JSONL telemetry records written by the hooks), for a post-mortem: a file, or a "
               "directory of them (gpuwatch train --run-log DIR).")
@@ -92,7 +94,7 @@ def _fail(message: str) -> NoReturn:
               help="Exit with status 1 when a finding at this severity or worse exists.")
 @click.option("--list-rules", is_flag=True, help="Print the rule catalogue and exit.")
 @click.option("--explain", metavar="CODE", help="Print one rule's reasoning, thresholds and needs, and exit.")
-def diagnose(agent_url: str | None, run_log_path: Path | None, prometheus_url: str | None, preflight: bool,
+def diagnose(agent_urls: tuple[str, ...], run_log_path: Path | None, prometheus_url: str | None, preflight: bool,
              select: str | None, ignore: str | None, sysfs_root: Path, config_path: Path | None,
              output_format: str, fail_on: str, list_rules: bool, explain: str | None) -> None:
     """Find what slows, hangs or derails training, with the evidence and the fix.
@@ -118,7 +120,7 @@ def diagnose(agent_url: str | None, run_log_path: Path | None, prometheus_url: s
             click.echo(report.render_rules(rules), nl=False)
         return
     try:
-        facts = _gather(agent_url, run_log_path, prometheus_url, preflight, sysfs_root)
+        facts = _gather(agent_urls, run_log_path, prometheus_url, preflight, sysfs_root)
     except SourceError as exc:
         _fail(str(exc))
     result = engine.run(facts, rules, overrides)

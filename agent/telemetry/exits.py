@@ -59,8 +59,10 @@ class ExitWatcher:
             os.write(self._wake_write, b"x")
 
     def _run(self) -> None:
-        while not self._closed:
+        while True:
             events = self._poll.poll()
+            if self._closed:
+                return
             now = time.time()
             for fd, _ in events:
                 if fd == self._wake_read:
@@ -74,6 +76,8 @@ class ExitWatcher:
                     self._on_exit(pid, now)
 
     def close(self) -> None:
+        if self._closed:
+            return
         self._closed = True
         os.write(self._wake_write, b"x")
         self._thread.join(2)

@@ -32,6 +32,7 @@ through untouched.
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import threading
@@ -64,7 +65,7 @@ from gpuwatch.trainer.hooks.identity import Layout, hello_record, resolve_job
 from gpuwatch.trainer.hooks.memory import memory_for
 from gpuwatch.trainer.hooks.off import OFF, Off
 from gpuwatch.trainer.hooks.pipeline import PipelineClock
-from gpuwatch.trainer.hooks.progress import InFlight, Progress, Watchdog, error_record
+from gpuwatch.trainer.hooks.progress import InFlight, Progress, Watchdog, closed_record, error_record
 from gpuwatch.trainer.telemetry import TelemetryClient, run_log_file
 
 T = TypeVar("T")
@@ -200,6 +201,9 @@ class Monitor:
         self._group_names: dict[Any, tuple[str, int, int]] = {}
         self._watchdog = Watchdog(self.progress, self.client.send, self.job, self.layout.rank, threading.get_ident())
         self._watchdog.start()
+        self._closed = False
+        self._raised = False  # a step raised: its error record stands, no "closed" follows it
+        atexit.register(self.close)  # a script that never closes the monitor still ends normally
         if ddp is not None and self.bucket_hook:
             self._watch_ddp(ddp, comm_hook, comm_state)
         elif self._ddp is not None and self._times_collectives:
@@ -296,10 +300,15 @@ class Monitor:
         """Send the steps still waiting for the device (at most CLOSE_TIMEOUT_S), then close the client, which
         sends every record handed to it, and take the hooks off the model. Not for the training loop: this
         one may wait."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
         self._watchdog.close()
         self._flush(timeout=CLOSE_TIMEOUT_S)
         self._close_memory()
         self._remove_hooks()
+        self._send_closed()
         self.client.close()
 
     def __enter__(self) -> Monitor:
@@ -652,6 +661,13 @@ class Monitor:
             step.measure("grad_norms", gradient_norms(grads))
 
     @guarded
+    def _send_closed(self) -> None:
+        """Handed over like a step, so that it goes out after the last steps (a step record after it would read
+        as the rank going on)."""
+        if not self._raised:
+            self.client.submit(partial(closed_record, self.job, self.layout.rank, self.progress))
+
+    @guarded
     def _send_hello(self) -> None:
         self.client.send(self._hello)
 
@@ -741,6 +757,7 @@ class Step:
             error = exc_info[0]
             if isinstance(error, BaseException):  # said at once: the rank may be about to die, its peers to wait
                 try:
+                    monitor._raised = True
                     monitor.client.send(error_record(monitor.job, monitor.layout.rank, progress, error))
                 except Exception as failure:
                     self.failures.record("Step.__exit__", failure)
@@ -748,6 +765,7 @@ class Step:
         if progress.step_started is not None:
             progress.durations.append(now - progress.step_started)
         progress.step, progress.phase, progress.since, progress.collective = self.number, "idle", now, None
+        monitor._raised = False  # a step that raised was caught, and training went on
         try:
             self.end = monitor._mark()
         except Exception as error:

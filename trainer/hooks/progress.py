@@ -144,6 +144,14 @@ def thread_stack(thread_id: int) -> list[dict[str, Any]]:
              "function": entry.name[:MAX_TEXT_CHARS]} for entry in frames]
 
 
+def closed_record(job: str, rank: int, progress: Progress) -> dict[str, Any]:
+    """The progress record of hooks being closed: the rank ended its training; its process's exit is no death."""
+    return {
+        "v": SCHEMA_VERSION, "kind": "progress", "job": job, "rank": rank, "time": time.time(),
+        "step": progress.step, "phase": "closed", "stalled_seconds": 0.0, "overdue_seconds": 0.0,
+    }
+
+
 def error_record(job: str, rank: int, progress: Progress, error: BaseException) -> dict[str, Any]:
     """The progress record of a step that raised `error`: the rank may be about to die, and its peers to wait."""
     name = type(error).__name__

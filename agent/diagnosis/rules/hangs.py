@@ -44,8 +44,14 @@ def _stuck(rank: RankFacts, t: types.SimpleNamespace) -> bool:
         t.stall_seconds, progress.overdue_seconds)
 
 
+def _closed(rank: RankFacts) -> bool:
+    """The rank's hooks were closed: it ended its training, and its process's exit is a normal end."""
+    return rank.progress is not None and rank.progress.phase == "closed"
+
+
 def _dead(rank: RankFacts) -> bool:
-    return rank.exited_at is not None or (rank.progress is not None and rank.progress.error is not None)
+    return ((rank.exited_at is not None and not _closed(rank))
+            or (rank.progress is not None and rank.progress.error is not None))
 
 
 def _collective_text(collective: InFlightFacts) -> str:
@@ -72,15 +78,17 @@ def _doing(rank: RankFacts, t: types.SimpleNamespace) -> str:
 
 
 def _in_same(rank: RankFacts | None, collective: InFlightFacts, t: types.SimpleNamespace) -> bool:
-    other = rank.progress.collective if rank is not None and rank.progress is not None and _stuck(rank, t) else None
+    other = rank.progress.collective if rank is not None and rank.progress is not None else None
     return other is not None and other.key == collective.key and other.seq == collective.seq
 
 
 def _waits(ranks: dict[int, RankFacts], t: types.SimpleNamespace) -> dict[int, set[int]]:
-    """For each stuck rank in a collective whose members are known: the members not in it with it."""
+    """For each overdue rank in a collective whose members are known: the members not in it with it. Ranks not yet
+    past the stall threshold count too (a rank that joined the wait a moment ago waits all the same); whether
+    the job is hung is judged by the ranks that are (`_stuck`)."""
     waits = {}
     for rank in ranks.values():
-        if not _stuck(rank, t) or rank.progress is None or rank.progress.collective is None:
+        if rank.progress is None or rank.progress.error is not None or rank.progress.collective is None:
             continue
         collective = rank.progress.collective
         if collective.members is None:
@@ -127,10 +135,8 @@ def missing_at_collective(facts: Facts, t: types.SimpleNamespace) -> Iterator[Is
     leaves its log at its last step). One finding per job. Ranks that died or raised are HANG004's."""
     for job, members in facts.jobs().items():
         ranks = {r.rank: r for r in members}
-        waits = _waits(ranks, t)
-        if not waits:
-            waits = _waits_without_members(ranks, t)
-        if not waits:
+        waits = _waits(ranks, t) or _waits_without_members(ranks, t)
+        if not any(_stuck(ranks[w], t) for w in waits):
             continue
         waited_for = set().union(*waits.values())
         roots = sorted(m for m in waited_for if m not in waits and not (m in ranks and _dead(ranks[m]))
@@ -225,7 +231,7 @@ def collective_stalled(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue
             if key in seen or collective.members is None or len(collective.members) < 2:
                 continue
             seen.add(key)
-            if not all(_in_same(ranks.get(m), collective, t) for m in collective.members):
+            if not all(_in_same(ranks.get(m), collective, t) and _stuck(ranks[m], t) for m in collective.members):
                 continue
             involved = [ranks[m] for m in collective.members]
             nodes = sorted({r.host for r in involved if r.host})

@@ -5,7 +5,7 @@ killed, from its run logs (the post-mortem: how long diagnose takes there, and w
 A 2-node-style layout on this machine: two `gpuwatch agent --simulate dgx-h100` processes, each with its own
 telemetry socket and node name, and the reference trainer (tp 1 × pp 2 × dp 2, 4 ranks, gloo on the CPU) started as
 two torchrun "nodes" of 2 ranks each (`--nnodes 2 --node-rank 0|1`, one rendezvous), each node's ranks reporting to
-its own agent. The last rank (on node 1) is the culprit: `hang-rank` blocks before the DP all-reduce of step 4,
+its own agent. The last rank is the culprit: `hang-rank` blocks before the DP all-reduce of step 4,
 `crash-rank` is killed with SIGKILL there. Onset, on this machine's clock: for a hang, the culprit's progress
 record's time less the seconds it says it has been stalled; for a crash, the moment the agent's pidfd saw its
 process exit. Each finding source is polled every 0.25 s; each fault runs `--repeat` times and the latencies are
@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -47,9 +47,10 @@ def _diagnose(*source: str) -> dict | None:
     return json.loads(result.stdout) if result.returncode == 0 else None
 
 
-def _names_culprit(report: dict | None, code: str) -> bool:
+def _names_culprit(report: dict | None, code: str, job: str) -> bool:
     return report is not None and any(
-        finding["code"] == code and any(e["where"].get("rank") == CULPRIT for e in finding["evidence"])
+        finding["code"] == code and any(e["where"].get("rank") == CULPRIT and e["where"].get("job") == job
+                                        for e in finding["evidence"])
         for finding in report["findings"])
 
 
@@ -92,8 +93,10 @@ def _culprit_state(url: str, job: str) -> dict | None:
                  if r["job"] == job and r["rank"] == CULPRIT), None)
 
 
-def _onset(fault: str, url: str, job: str) -> float | None:
-    rank = _culprit_state(url, job)
+def _onset(fault: str, urls: list[str], job: str) -> float | None:
+    """The fault's onset, from the agent the culprit reports to (c10d's rendezvous, not --node-rank, decides which
+    "node" its ranks are)."""
+    rank = next((state for url in urls if (state := _culprit_state(url, job)) is not None), None)
     if rank is None:
         return None
     if fault == "crash-rank":
@@ -102,9 +105,10 @@ def _onset(fault: str, url: str, job: str) -> float | None:
     return progress["time"] - progress["stalled_seconds"] if progress else None
 
 
-def _first(found: Callable[[], bool], deadline: float) -> float | None:
+def _first(source: list[str], code: str, job: str, deadline: float) -> float | None:
+    """When `gpuwatch diagnose SOURCE` first names the culprit of `job` under `code` (wall clock), else None."""
     while time.time() < deadline:
-        if found():
+        if _names_culprit(_diagnose(*source), code, job):
             return time.time()
         time.sleep(POLL_SECONDS)
     return None
@@ -122,10 +126,9 @@ def measure(fault: str, repeat: int, workdir: Path) -> dict[str, list[float]]:
                 job, run_log = f"{fault}-{attempt}", workdir / f"{fault}-{attempt}"
                 with _job(fault, job, agents, run_log):
                     deadline = time.time() + 120
-                    by_agent = _first(lambda: _names_culprit(_diagnose(*agent_sources), code), deadline)
-                    by_prometheus = _first(lambda: _names_culprit(_diagnose("--prometheus", prometheus.url), code),
-                                           deadline)
-                    onset = _onset(fault, urls[1], job)
+                    by_agent = _first(agent_sources, code, job, deadline)
+                    by_prometheus = _first(["--prometheus", prometheus.url], code, job, deadline)
+                    onset = _onset(fault, urls, job)
                 if onset is None or by_agent is None or by_prometheus is None:
                     print(f"  {fault} run {attempt}: not found (onset {onset}, agent {by_agent}, "
                           f"prometheus {by_prometheus})", flush=True)
@@ -133,7 +136,7 @@ def measure(fault: str, repeat: int, workdir: Path) -> dict[str, list[float]]:
                 results["agent"].append(by_agent - onset)
                 results["prometheus"].append(by_prometheus - onset)
                 started = time.monotonic()
-                if _names_culprit(_diagnose("--run-log", str(run_log)), code):
+                if _names_culprit(_diagnose("--run-log", str(run_log)), code, job):
                     results["post-mortem (diagnose time)"].append(time.monotonic() - started)
                 print(f"  {fault} run {attempt}: agent {by_agent - onset:.1f} s, prometheus "
                       f"{by_prometheus - onset:.1f} s after onset", flush=True)
@@ -148,7 +151,7 @@ def main() -> None:
     args = parser.parse_args()
     print(f"machine: {machine()}; load average before {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     print(f"layout: 2 agents (node-0, node-1), tp 1 x pp 2 x dp 2 as 2 torchrun nodes x 2 ranks; culprit rank "
-          f"{CULPRIT} (node-1), fault at step {FAULT_STEP}; {args.repeat} run(s) per fault", flush=True)
+          f"{CULPRIT}, fault at step {FAULT_STEP}; {args.repeat} run(s) per fault", flush=True)
     table = []
     with tempfile.TemporaryDirectory(prefix="gpuwatch-hangs-") as workdir:
         for fault in EXPECTED:

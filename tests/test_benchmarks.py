@@ -19,6 +19,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import cluster_diagnosis  # noqa: E402
+import hang_latency  # noqa: E402
 import telemetry_ingest  # noqa: E402
 
 from gpuwatch.agent.telemetry.store import TelemetryStore  # noqa: E402
@@ -131,3 +132,13 @@ def test_agent_cost_runs_and_counts_every_rank():
     assert "64 ranks reporting" in result.stdout and "rejected 0" in result.stdout
     assert "agent CPU" in result.stdout and "/metrics       p50" in result.stdout
     assert "of which simulation" in result.stdout and "/metrics every 1 s p50" in result.stdout
+
+
+def test_hang_latency_names_the_culprit_through_every_source(tmp_path):
+    """benchmarks/hang_latency.py, one run per fault: the agents, Prometheus and the run log all name the rank
+    (how fast is the benchmark's to say, not this test's)."""
+    require_tool("prometheus")
+    for fault in hang_latency.EXPECTED:
+        results = hang_latency.measure(fault, 1, tmp_path / fault)
+        assert {source: len(values) for source, values in results.items()} == dict.fromkeys(results, 1), fault
+        assert all(value >= 0 for values in results.values() for value in values)

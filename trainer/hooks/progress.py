@@ -19,7 +19,6 @@ collective of the next, which the next second's record corrects.
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import sys
 import threading
@@ -27,7 +26,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpuwatch.protocol.schema import MAX_STACK_FRAMES, MAX_TEXT_CHARS, SCHEMA_VERSION
 
@@ -45,10 +44,10 @@ STACK_AFTER_SECONDS = 3.0
 RECENT_STEPS = 16
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class InFlight:
+class InFlight(NamedTuple):
     """A collective the training thread is in: op, process group (its name in the hello, its size, this rank's
-    place in it), the per-group sequence number (1 for the group's first call), bytes, and since when."""
+    place in it), the per-group sequence number (1 for the group's first call), bytes, and since when. A named
+    tuple: made on every collective call, and a tuple is the cheapest immutable record to make."""
 
     op: str
     group: str

@@ -152,9 +152,12 @@ def _child(
 
 
 def _collect(processes: list, readers: list, timeout: float | None) -> list:
-    """Results by rank; on failure, the rank that failed first (its peers' connection errors follow)."""
+    """Results by rank; on failure, the rank that failed first (its peers' connection errors follow). A rank killed
+    before it could report (a signal) counts as first: its peers' errors about the broken connection may reach the
+    parent before the parent sees the dead rank's end."""
     results: list = [None] * len(processes)
     failures: dict[int, tuple[float, str]] = {}  # rank -> (time.monotonic() of the failure, details)
+    silent: set[int] = set()  # ranks that ended without reporting
     pending = set(range(len(processes)))
     deadline = None if timeout is None else time.monotonic() + timeout
     while pending:
@@ -173,13 +176,14 @@ def _collect(processes: list, readers: list, timeout: float | None) -> list:
             except EOFError:
                 processes[rank].join()
                 status, payload = "error", (time.monotonic(), _silent_exit(processes[rank].exitcode))
+                silent.add(rank)
             if status == "error":
                 failures[rank] = payload
             else:
                 results[rank] = payload
             pending.discard(rank)
     if failures:
-        first = min(failures, key=lambda rank: failures[rank][0])
+        first = min(failures, key=lambda rank: (rank not in silent, failures[rank][0]))
         raise RankFailed(first, failures[first][1])
     if pending:
         raise TimeoutError(f"ranks {sorted(pending)} still running after {timeout} s")

@@ -513,15 +513,12 @@ class Monitor:
                 self._tail_stage = 2
                 _ENGINE.queue_callback(self._backward_tail)
                 ddp_group = self._ddp.process_group if self._ddp is not None else None
-                progress = self.progress  # the training thread waits in DDP's all-reduce from here
-                progress.collective = self._in_flight("all_reduce", self._gradient_sync_bytes, ddp_group)
-                progress.phase, progress.since = "collective", time.monotonic()
+                # the training thread waits in DDP's all-reduce from here
+                self.progress.at("collective", self._in_flight("all_reduce", self._gradient_sync_bytes, ddp_group))
             elif stage == 2:
                 self._tail_stage = 0
-                progress = self.progress
-                progress.collective, progress.since = None, time.monotonic()
                 step_now = self._current
-                progress.phase = (step_now.phase or "step") if step_now is not None else "idle"
+                self.progress.at((step_now.phase or "step") if step_now is not None else "idle")
                 step = self._tail_step
                 self._tail_step = None
                 if step is not self._current:  # a backward outside any step, or one the step has outlived
@@ -737,7 +734,7 @@ class Step:
             monitor._current = self
             monitor._tail_stage = 0  # a backward that raised never ran its callbacks
             progress = monitor.progress
-            progress.phase, progress.since = "step", time.monotonic()
+            progress.at("step")
             progress.step_started = progress.since
         except Exception as error:
             self.failures.record("Step.__enter__", error)
@@ -752,7 +749,6 @@ class Step:
             monitor._local_grads = {}
             monitor._unwatch_gradients()
         progress = monitor.progress
-        now = time.monotonic()
         if exc_type is not None:  # the training loop raised: no step record, and no collective of ours to wait in
             error = exc_info[0]
             if isinstance(error, BaseException):  # said at once: the rank may be about to die, its peers to wait
@@ -762,9 +758,10 @@ class Step:
                 except Exception as failure:
                     self.failures.record("Step.__exit__", failure)
             return False
+        progress.step = self.number
+        progress.at("idle")
         if progress.step_started is not None:
-            progress.durations.append(now - progress.step_started)
-        progress.step, progress.phase, progress.since, progress.collective = self.number, "idle", now, None
+            progress.durations.append(progress.since - progress.step_started)
         monitor._raised = False  # a step that raised was caught, and training went on
         try:
             self.end = monitor._mark()
@@ -924,8 +921,7 @@ class _Phase:
         step = self.step  # guarded inline, as Step.__enter__
         try:
             self.outer, step.phase = step.phase, self.name
-            progress = step.monitor.progress
-            progress.phase, progress.since = self.name, time.monotonic()
+            step.monitor.progress.at(self.name)
             self.start = step.monitor._mark()
         except Exception as error:
             self.start = None
@@ -937,8 +933,7 @@ class _Phase:
             if self.start is not None:
                 step.phases.append((self.name, self.start, step.monitor._mark()))
             step.phase = self.outer
-            progress = step.monitor.progress
-            progress.phase, progress.since = self.outer or "step", time.monotonic()
+            step.monitor.progress.at(self.outer or "step")
         except Exception as error:
             step.failures.record("_Phase.__exit__", error)
         return False
@@ -959,8 +954,7 @@ class _Collective:
 
     def __enter__(self) -> None:
         try:
-            progress = self.progress
-            progress.collective, progress.phase, progress.since = self.in_flight, "collective", time.monotonic()
+            self.progress.at("collective", self.in_flight)
             self.start = self.clock.mark()
         except Exception as error:
             self.failures.record("_Collective.__enter__", error)
@@ -970,8 +964,7 @@ class _Collective:
             step = self.step
             if self.start is not None:
                 step.calls.append(Call(self.op, self.nbytes, self.start, True, step.phase, self.clock.mark()))
-            progress = self.progress
-            progress.collective, progress.phase, progress.since = None, step.phase or "step", time.monotonic()
+            self.progress.at(step.phase or "step")
         except Exception as error:
             self.failures.record("_Collective.__exit__", error)
         return False

@@ -71,6 +71,10 @@ class Progress:
         self.collective: InFlight | None = None
         self.durations: deque[float] = deque(maxlen=RECENT_STEPS)
 
+    def at(self, phase: str, collective: InFlight | None = None) -> None:
+        """The training thread moved: it is now in `phase` (and `collective`), as of now."""
+        self.phase, self.collective, self.since = phase, collective, time.monotonic()
+
 
 class Watchdog:
     """Sends ``progress`` records (gpuwatch.protocol.schema) while the training thread is overdue; `check` is the

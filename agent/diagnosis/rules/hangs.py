@@ -54,12 +54,18 @@ def _dead(rank: RankFacts) -> bool:
             or (rank.progress is not None and rank.progress.error is not None))
 
 
+def _collective_of(rank: RankFacts | None) -> InFlightFacts | None:
+    """The collective a rank's latest progress record has it in (None: none, or the record is a step's error)."""
+    progress = rank.progress if rank is not None else None
+    return progress.collective if progress is not None and progress.error is None else None
+
+
 def _collective_text(collective: InFlightFacts) -> str:
     members = f" [{rank_list(collective.members)}]" if collective.members is not None else ""
     return f"{collective.op} #{collective.seq} on {collective.group}{members}"
 
 
-def _doing(rank: RankFacts, t: types.SimpleNamespace) -> str:
+def _doing(rank: RankFacts) -> str:
     """What a rank does instead of joining, in words."""
     if rank.exited_at is not None:
         return "its process is gone"
@@ -77,40 +83,37 @@ def _doing(rank: RankFacts, t: types.SimpleNamespace) -> str:
             f"{progress.step}{where}")
 
 
-def _in_same(rank: RankFacts | None, collective: InFlightFacts, t: types.SimpleNamespace) -> bool:
-    other = rank.progress.collective if rank is not None and rank.progress is not None else None
+def _in_same(rank: RankFacts | None, collective: InFlightFacts) -> bool:
+    other = _collective_of(rank)
     return other is not None and other.key == collective.key and other.seq == collective.seq
 
 
-def _waits(ranks: dict[int, RankFacts], t: types.SimpleNamespace) -> dict[int, set[int]]:
+def _waits(ranks: dict[int, RankFacts]) -> dict[int, set[int]]:
     """For each overdue rank in a collective whose members are known: the members not in it with it. Ranks not yet
     past the stall threshold count too (a rank that joined the wait a moment ago waits all the same); whether
     the job is hung is judged by the ranks that are (`_stuck`)."""
     waits = {}
     for rank in ranks.values():
-        if rank.progress is None or rank.progress.error is not None or rank.progress.collective is None:
-            continue
-        collective = rank.progress.collective
-        if collective.members is None:
-            continue
-        waits[rank.rank] = {m for m in collective.members
-                            if m != rank.rank and not _in_same(ranks.get(m), collective, t)}
+        collective = _collective_of(rank)
+        if collective is not None and collective.members is not None:
+            waits[rank.rank] = {m for m in collective.members
+                                if m != rank.rank and not _in_same(ranks.get(m), collective)}
     return waits
 
 
 def _waits_without_members(ranks: dict[int, RankFacts], t: types.SimpleNamespace) -> dict[int, set[int]]:
     """Where no group's members are known (Prometheus exports the hello's groups for the default group only):
     every stuck rank in a collective waits for the job's stuck ranks outside any collective."""
-    outside = {r.rank for r in ranks.values() if _stuck(r, t) and r.progress is not None
-               and r.progress.collective is None}
+    outside = {r.rank for r in ranks.values() if _stuck(r, t) and _collective_of(r) is None}
     return {r.rank: set(outside) for r in ranks.values()
-            if outside and _stuck(r, t) and r.progress is not None and r.progress.collective is not None}
+            if outside and _stuck(r, t) and _collective_of(r) is not None}
 
 
 def _in_flight(rank: RankFacts) -> InFlightFacts:
     """The collective of a rank `_waits` found waiting (it has one)."""
-    assert rank.progress is not None and rank.progress.collective is not None
-    return rank.progress.collective
+    collective = _collective_of(rank)
+    assert collective is not None
+    return collective
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -119,7 +122,7 @@ def _ranks_text(ranks: list[int]) -> str:
 
 def _mismatched(rank: RankFacts | None, collective: InFlightFacts, t: types.SimpleNamespace) -> bool:
     """A stuck rank in another collective on the same group (another sequence number or op): HANG002's."""
-    other = rank.progress.collective if rank is not None and rank.progress is not None and _stuck(rank, t) else None
+    other = _collective_of(rank) if rank is not None and _stuck(rank, t) else None
     return other is not None and other.key == collective.key and (other.seq, other.op) != (collective.seq,
                                                                                         collective.op)
 
@@ -135,7 +138,7 @@ def missing_at_collective(facts: Facts, t: types.SimpleNamespace) -> Iterator[Is
     leaves its log at its last step). One finding per job. Ranks that died or raised are HANG004's."""
     for job, members in facts.jobs().items():
         ranks = {r.rank: r for r in members}
-        waits = _waits(ranks, t) or _waits_without_members(ranks, t)
+        waits = _waits(ranks) or _waits_without_members(ranks, t)
         if not any(_stuck(ranks[w], t) for w in waits):
             continue
         waited_for = set().union(*waits.values())
@@ -150,7 +153,7 @@ def missing_at_collective(facts: Facts, t: types.SimpleNamespace) -> Iterator[Is
             for waiter in direct:
                 calls.setdefault(_collective_text(_in_flight(ranks[waiter])), []).append(waiter)
             rank = ranks.get(root)
-            doing = _doing(rank, t) if rank is not None else "the agent knows nothing of it (no record reached it)"
+            doing = _doing(rank) if rank is not None else "the agent knows nothing of it (no record reached it)"
             first = _in_flight(ranks[direct[0]])
             evidence.append(Evidence(
                 f"rank {root} never entered "
@@ -188,8 +191,8 @@ def collective_mismatch(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issu
     for job, members in facts.jobs().items():
         by_group: dict[tuple[str, tuple[int, ...] | None], dict[tuple[int, str], list[RankFacts]]] = {}
         for rank in members:
-            if _stuck(rank, t) and rank.progress is not None and rank.progress.collective is not None:
-                collective = rank.progress.collective
+            collective = _collective_of(rank)
+            if collective is not None and _stuck(rank, t):
                 by_group.setdefault(collective.key, {}).setdefault((collective.seq, collective.op), []).append(rank)
         for (group, ranks_of_group), calls in sorted(by_group.items(), key=lambda item: str(item[0])):
             if len(calls) < 2:
@@ -224,14 +227,14 @@ def collective_stalled(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue
         ranks = {r.rank: r for r in members}
         seen: set[tuple[str, tuple[int, ...] | None, int]] = set()
         for rank in members:
-            if not _stuck(rank, t) or rank.progress is None or rank.progress.collective is None:
+            collective = _collective_of(rank)
+            if collective is None or not _stuck(rank, t):
                 continue
-            collective = rank.progress.collective
             key = (*collective.key, collective.seq)
             if key in seen or collective.members is None or len(collective.members) < 2:
                 continue
             seen.add(key)
-            if not all(_in_same(ranks.get(m), collective, t) and _stuck(ranks[m], t) for m in collective.members):
+            if not all(_in_same(ranks.get(m), collective) and _stuck(ranks[m], t) for m in collective.members):
                 continue
             involved = [ranks[m] for m in collective.members]
             nodes = sorted({r.host for r in involved if r.host})
@@ -250,7 +253,7 @@ def collective_stalled(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue
 
 
 @rule("HANG004", family=FAMILY, severity=Severity.CRITICAL, title="A rank died", needs=(needs.TELEMETRY,),
-      thresholds={**_STALL, "followed_within_seconds": Threshold(
+      thresholds={"followed_within_seconds": Threshold(
           0.01, "chosen: ranks whose deaths lie this close (error records, pidfd exit times) died together; the "
                 "peers of a dead rank fail milliseconds after it (gloo: connection reset) or are stopped by the "
                 "launcher")})
@@ -274,7 +277,7 @@ def rank_died(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
         first = [r for r in dead if _peer_gone(r) == _peer_gone(dead[0]) and (
             r.died_at is None or first_at is None or abs(r.died_at - first_at) <= t.followed_within_seconds)]
         followers = [r for r in dead if r not in first]
-        waits = _waits(ranks, t)
+        waits = _waits(ranks)
         evidence = []
         for rank in first:
             progress = rank.progress
@@ -299,9 +302,8 @@ def rank_died(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
             evidence.append(Evidence(f"{describe_ranks(followers)} ended within {lag:.3f} s of it, their "
                                      "connections to it broken or stopped by the launcher: consequences",
                                      values={"ranks": [r.rank for r in followers]}))
-        dead = first
         yield Issue(
-            title=f"job {job}: {describe_ranks(dead)} died" + (f", then {len(followers)} more" if followers else ""),
+            title=f"job {job}: {describe_ranks(first)} died" + (f", then {len(followers)} more" if followers else ""),
             evidence=capped(evidence, what="ranks"),
             fix="read the rank's own output for the exception or the signal (dmesg for the OOM killer, the "
                 "launcher's exit status: -9 is SIGKILL); make the launcher end the whole job when one rank dies "

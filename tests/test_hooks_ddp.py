@@ -88,18 +88,19 @@ def test_a_plain_ddp_script_reports_the_core_signals_of_every_rank(start_agent, 
 
 
 def _ddp_steps(device, steps: int, run_log: Path, zero_gradient: bool, bucket_hook: bool,
-               micro_batches: int = 1) -> dict:
+               micro_batches: int = 1, bucket_view: bool = False, signals=hooks.SIGNALS) -> dict:
     """A DDP linear model, a few SGD steps reporting the loss only, each over `micro_batches` (all but the last
     under `no_sync`, as gradient accumulation does). Per step, as the script sees them itself: the norm of the
     averaged gradient DDP left in .grad, and the cosine between this rank's own gradient (taken beside DDP, with
     `torch.autograd.grad` on the bare module) and that average; then the communication hooks DDP was given.
-    With `zero_gradient`, cross-entropy over a single logit: the loss and every gradient are zero."""
+    With `zero_gradient`, cross-entropy over a single logit: the loss and every gradient are zero. `bucket_view`:
+    DDP's `gradient_as_bucket_view` (the gradients are views of the buckets it averages in place)."""
     torch.manual_seed(0)
     classes = 1 if zero_gradient else 3
-    model = DistributedDataParallel(torch.nn.Linear(4, classes))
+    model = DistributedDataParallel(torch.nn.Linear(4, classes), gradient_as_bucket_view=bucket_view)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     monitor = hooks.Monitor(model, job="ddp-gradients", run_log=run_log, grad_similarity_every=2, checksum_every=2,
-                            bucket_hook=bucket_hook)
+                            bucket_hook=bucket_hook, signals=signals)
     rank = torch.distributed.get_rank()
     inputs = torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))  # each rank its own data
     targets = torch.randint(classes, (8,), generator=torch.Generator().manual_seed(rank))
@@ -130,11 +131,11 @@ def _ddp_steps(device, steps: int, run_log: Path, zero_gradient: bool, bucket_ho
     return {"norms": norms, "cosines": cosines, "comm_hooks": comm_hooks, "failures": dict(monitor.failures.counts)}
 
 
-@pytest.mark.parametrize("micro_batches", [1, 2])
+@pytest.mark.parametrize(("micro_batches", "bucket_view"), [(1, False), (2, False), (1, True), (2, True)])
 def test_by_default_ddp_gets_no_communication_hook_the_wait_for_its_all_reduce_is_timed_and_the_cosine_taken(
-        tmp_path, monkeypatch, micro_batches):
+        tmp_path, monkeypatch, micro_batches, bucket_view):
     monkeypatch.setenv("GPUWATCH_SOCKET", str(tmp_path / "no-agent.sock"))
-    ranks = launch(_ddp_steps, 2, 4, tmp_path, False, False, micro_batches, device="cpu", timeout=120)
+    ranks = launch(_ddp_steps, 2, 4, tmp_path, False, False, micro_batches, bucket_view, device="cpu", timeout=120)
     assert [result["comm_hooks"] for result in ranks] == [[], []]  # DDP's C++ all-reduce, untouched
     assert [result["failures"] for result in ranks] == [{}, {}]
     n_params = 4 * 3 + 3
@@ -157,6 +158,20 @@ def test_by_default_ddp_gets_no_communication_hook_the_wait_for_its_all_reduce_i
             assert record["grad_cosine_similarity"] == pytest.approx(cosine, abs=1e-6) and cosine < 0.999
             assert "unavailable" not in record
         assert ["param_checksum" in r for r in steps] == [False, True] * 2
+
+
+def test_without_the_collectives_signal_the_cosine_is_still_taken_on_measuring_steps_and_no_tail_is_timed(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUWATCH_SOCKET", str(tmp_path / "no-agent.sock"))
+    ranks = launch(_ddp_steps, 2, 4, tmp_path, False, False, 2, False, hooks.SIGNALS - {"collectives"},
+                   device="cpu", timeout=120)
+    assert [result["failures"] for result in ranks] == [{}, {}]
+    for rank, records in read_run_log(tmp_path).items():
+        steps = records[1:]
+        assert not any("exposed_collective_seconds" in r or "gradient_sync_bytes" in r for r in steps)
+        assert ["grad_cosine_similarity" in r for r in steps] == [False, True] * 2
+        for record, cosine in zip(steps[1::2], ranks[rank]["cosines"][1::2], strict=True):
+            assert record["grad_cosine_similarity"] == pytest.approx(cosine, abs=1e-6) and cosine < 0.999
 
 
 def test_the_bucket_hook_times_every_bucket_and_measures_the_cosine_and_gradient_norm(tmp_path, monkeypatch):

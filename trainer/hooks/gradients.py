@@ -16,7 +16,9 @@ is the squared global gradient norm the optimizer sees, for free.
   flat copy of each bucket while .grad keeps the local values, and concatenates those (leaving out
   replicated parameters on all but TP rank 0, which adds a copy of their mean); DDP reduces its
   buckets in place, so each is copied from its launch to its completion (at most one gradient
-  copy when all are in flight);
+  copy when all are in flight); without a communication hook the monitor copies every gradient once the
+  backward has computed them all and compares them with DDP's averages when those are back
+  (`observe_each`: per-parameter norms, no flat copy), so one gradient copy as well;
 * communication: none under plain DDP; one all-reduce of 3 fp64 numbers per TP and per PP group
   when the replica is sharded;
 * accuracy: exact up to rounding. Each norm is accurate to about fp32's epsilon however large the
@@ -72,9 +74,20 @@ class GradientSimilarity:
     def observe(self, local: torch.Tensor, mean: torch.Tensor) -> None:
         """One bucket (or tensor): this rank's gradient values and their DP mean, any shape, same numel."""
         local, mean = local.detach().reshape(-1), mean.detach().reshape(-1)
-        # Three norms (`_squares`); g·ḡ = (|g|² + |ḡ|² - |g - ḡ|²) / 2 in fp64, the count as a device tensor too
-        # (one made from a Python number would sync).
-        local_squared, mean_squared, apart_squared = _squares(local, mean, local - mean)
+        self._add(*_squares(local, mean, local - mean))
+
+    @guarded
+    def observe_each(self, locals_: list[torch.Tensor], means: list[torch.Tensor]) -> None:
+        """Many tensors at once (one parameter's gradient each, in pairs of equal shape): the same sums from
+        each tensor's norm (`_sum_of_squares`), with no flat copy of either. `locals_` must be the caller's own
+        copies: they are overwritten with the differences g_i - ḡ."""
+        local_squared, mean_squared = _sum_of_squares(locals_), _sum_of_squares(means)
+        torch._foreach_sub_(locals_, means)
+        self._add(local_squared, mean_squared, _sum_of_squares(locals_))
+
+    def _add(self, local_squared: torch.Tensor, mean_squared: torch.Tensor, apart_squared: torch.Tensor) -> None:
+        """One piece's sums from its three squared norms (fp64 device tensors): g·ḡ = (|g|² + |ḡ|² - |g - ḡ|²) / 2,
+        the count a device tensor too (one made from a Python number would sync)."""
         dot = (local_squared + mean_squared - apart_squared) / 2
         part = torch.stack([dot, local_squared, mean_squared, torch.ones_like(dot)])
         if self._consumer is not None and part.is_cuda:
@@ -110,6 +123,12 @@ def _squares(*vectors: torch.Tensor) -> torch.Tensor:
     (one pass each; its sum runs in fp64 on the CPU and as a tree on CUDA, so the error stays near the dtype's
     epsilon however long the vector), squared in fp64."""
     return torch.stack([torch.linalg.vector_norm(vector) for vector in vectors]).double().square()
+
+
+def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Σ |t|² over `tensors`, in fp64, as a device tensor: each tensor's norm as `_squares` takes it (one
+    `torch._foreach_norm` for them all), squared and summed in fp64."""
+    return torch.stack(torch._foreach_norm(tensors)).double().square().sum()
 
 
 def cosine(dot: float, local_squared: float, mean_squared: float) -> float | None:

@@ -65,9 +65,11 @@ class HostMemory:
     kernel folded in (the peak of the process that exec'd it, a launcher say, or of a thread that exited).
     The floor cannot be read by itself, only bounded: a reading above `_floor_bound` is the peak itself;
     one at or below it is checked against status once, which tells either that the reading is the floor
-    (status shows a lower peak: the bound stays) or that the floor lies below it (the bound drops). So
-    the bound soon sits under the smallest peak the loop reaches, and status is read on the few steps
-    whose peak is a new low.
+    (status shows a lower peak: the bound stays) or that the floor lies below it (the bound drops). Where
+    the floor lies below the loop's peaks (a GPU rank, or any rank larger than its launcher) the bound soon
+    sits under the smallest peak the loop reaches, and status is read on the few steps whose peak is a new
+    low; where a rank's peaks stay under the floor (a tiny model in a rank forked from a Python process as
+    large as itself), on most steps (benchmarks/README.md, "Training hooks").
     """
 
     kind = "host_rss"

@@ -13,9 +13,12 @@ backward, which marks the end of the backward's computation (every gradient comp
 launched) and queues a second one behind DDP's own final callback, which waits for the buckets; between
 the two marks is the tail the training thread waited for (`exposed_collective_seconds`, every step). Three
 Python calls per backward against ~50 µs per bucket for a Python communication hook, which DDP calls on
-the training thread for every bucket on the CPU. On measuring steps only, a hook after each parameter's
-gradient accumulation copies this rank's gradient before DDP's own hook there averages it, and the second
-callback compares the copies with DDP's averages (the gradient cosine similarity). `Monitor(bucket_hook=True)`
+the training thread for every bucket on the CPU. On measuring steps only, the first callback copies this rank's
+gradients (DDP copied them into its buckets and averages those; `.grad` keeps the local values until DDP's own
+callback copies the averages back), and the second compares the copies with DDP's averages (the gradient cosine
+similarity). A DDP model whose gradients are views of its buckets (`gradient_as_bucket_view=True`) averages
+them in place as the buckets complete: there a hook after each parameter's gradient accumulation copies it
+first. `Monitor(bucket_hook=True)`
 adds a communication hook (DDP's all-reduce with a callback per bucket) for what only it sees: each bucket's
 latency (the record's `collectives`).
 
@@ -78,9 +81,6 @@ MAX_PENDING = 16
 CLOSE_TIMEOUT_S = 5.0
 #: On the CPU, parameters up to this size are copied for the checksum, which the client's thread then takes.
 COPY_CHECKSUM_BYTES = 32 << 20
-#: Gradient elements compared with DDP's average at a time on a measuring step (`Monitor._compare_gradients`):
-#: DDP's default bucket size in fp32 (25 MiB), so the flat copies of a chunk cost what a bucket does.
-COMPARE_CHUNK_ELEMENTS = 25 * 2**20 // 4
 #: Where records are also appended when `Monitor(run_log=...)` is not given: a directory or a .jsonl file.
 RUN_LOG_VARIABLE = "GPUWATCH_RUN_LOG"
 #: Autograd's engine, whose final callbacks (`queue_callback`) run once a backward's graph is done, in the order
@@ -185,6 +185,8 @@ class Monitor:
         self._grad_params = [p for p in self._ddp.parameters() if p.requires_grad] if self._ddp is not None else []
         self._gradient_sync_bytes = sum(p.numel() * p.element_size() for p in self._grad_params)
         self._local_grads: dict[int, torch.Tensor] = {}
+        #: a measuring step's: copy the gradients at the backward's first callback (`_keep_local_gradients`)
+        self._keep_at_tail = False
         self._handles: list[Any] = []  # the hooks on the model, removed by close()
         self._grad_handles: list[Any] = []  # a measuring step's hooks on every gradient, removed when it is taken
         # The backward whose tail is being timed (`_backward_tail`): 0 none, 1 its callback queued, 2 the
@@ -207,7 +209,7 @@ class Monitor:
         if ddp is not None and self.bucket_hook:
             self._watch_ddp(ddp, comm_hook, comm_state)
         elif self._ddp is not None and self._times_collectives:
-            self._watch_backward(self._ddp)
+            self._watch_backward()
 
     # -- the training loop's side ------------------------------------------------------------------
 
@@ -483,15 +485,20 @@ class Monitor:
 
     # -- data parallelism: DDP's all-reduce tail, every step ----------------------------------------
 
-    def _watch_backward(self, model: DistributedDataParallel) -> None:
-        """Hook the gradient of one parameter: every one gets a gradient in every backward unless DDP is told to
-        find unused ones, and then the first and the last (one of them is used, in any model that has an
-        input and an output layer). A hook on a tensor runs before the hooks on its gradient's accumulation,
-        DDP's among them, so the callback it queues comes before the one DDP queues with its last bucket."""
-        params = [p for p in model.parameters() if p.requires_grad]
-        hooked = params[:1] + params[-1:] if model.find_unused_parameters else params[-1:]
-        for param in {id(p): p for p in hooked}.values():
-            self._handles.append(param.register_hook(self._backward_tail))
+    def _watch_backward(self) -> None:
+        """Time DDP's all-reduce tail on every step (`_backward_tail`, queued from `_tail_params`' hooks)."""
+        self._handles += [param.register_hook(self._backward_tail) for param in self._tail_params()]
+
+    def _tail_params(self) -> list[torch.Tensor]:
+        """The parameters whose gradient hook queues `_backward_tail`: one, since every one gets a gradient in every
+        backward unless DDP is told to find unused ones, and then the first and the last (one of them is used,
+        in any model that has an input and an output layer). A hook on a tensor runs before the hooks on its
+        gradient's accumulation, DDP's among them, so the callback it queues comes before the one DDP queues
+        with its last bucket."""
+        assert self._ddp is not None
+        params = self._grad_params
+        hooked = params[:1] + params[-1:] if self._ddp.find_unused_parameters else params[-1:]
+        return list({id(p): p for p in hooked}.values())
 
     def _backward_tail(self, grad: torch.Tensor | None = None) -> None:
         """One method in three roles, one code object for a training loop to keep warm (three cost ~5 µs more
@@ -512,6 +519,8 @@ class Monitor:
                 self._tail_step = self._current
                 self._tail_stage = 2
                 _ENGINE.queue_callback(self._backward_tail)
+                if self._keep_at_tail:
+                    self._keep_local_gradients()
                 ddp_group = self._ddp.process_group if self._ddp is not None else None
                 # the training thread waits in DDP's all-reduce from here
                 self.progress.at("collective", self._in_flight("all_reduce", self._gradient_sync_bytes, ddp_group))
@@ -537,13 +546,44 @@ class Monitor:
 
     @guarded
     def _watch_gradients(self) -> None:
-        """For one measuring step, a hook after each parameter's gradient accumulation: it runs before DDP's
-        own hook there copies the gradient into its bucket to be averaged, so `.grad` still holds this rank's
-        gradient (summed over the step's micro-batches). Registered and removed per measuring step: a Python
-        call per parameter and backward is a cost the other steps do not pay."""
-        keep = self._keep_local_gradient
-        self._grad_handles = [param.register_post_accumulate_grad_hook(partial(keep, index))
-                              for index, param in enumerate(self._grad_params)]
+        """For one measuring step, keep this rank's own gradients until DDP has averaged them. Where `.grad` is
+        DDP's own (the default), copy them all at the first callback of the backward that accumulates them
+        (`_keep_local_gradients`), armed by a hook after the accumulation of the parameter(s) the tail is
+        queued from: a backward that only computes gradients (`torch.autograd.grad`) accumulates none. Where
+        `.grad` is a view of a bucket, a hook after each parameter's gradient accumulation, which runs before
+        DDP's own hook there adds the gradient to its bucket to be averaged in place. Registered and removed
+        per measuring step: a Python call per parameter and backward is a cost the other steps do not pay
+        (~60 µs a measuring step for 4 parameters on a 2-core EPYC VM, against one copy of them all)."""
+        assert self._ddp is not None
+        if self._ddp.gradient_as_bucket_view:
+            keep = self._keep_local_gradient
+            self._grad_handles = [param.register_post_accumulate_grad_hook(partial(keep, index))
+                                  for index, param in enumerate(self._grad_params)]
+        else:
+            self._grad_handles = [param.register_post_accumulate_grad_hook(self._arm_local_copy)
+                                  for param in self._tail_params()]
+
+    def _arm_local_copy(self, param: torch.Tensor) -> None:
+        """Copy the gradients at the first callback of this backward, and queue it. Never raises into autograd."""
+        try:
+            self._keep_at_tail = True
+            self._backward_tail(param.grad)
+        except Exception as error:
+            self.failures.record("Monitor._arm_local_copy", error)
+
+    def _keep_local_gradients(self) -> None:
+        """Copy every gradient of this rank, in a backward DDP reduces (not under `no_sync`, where the step's
+        gradient is still being summed): at the first callback every one is computed and in DDP's buckets,
+        and `.grad` holds the local values until DDP's callback copies the averages back. One
+        `torch._foreach_add` for them all."""
+        self._keep_at_tail = False
+        ddp = self._ddp
+        if ddp is None or not ddp.require_backward_grad_sync:
+            return
+        kept = [(index, param.grad) for index, param in enumerate(self._grad_params) if param.grad is not None]
+        if kept:
+            copies = torch._foreach_add([grad.detach() for _, grad in kept], 0)
+            self._local_grads = {index: copy for (index, _), copy in zip(kept, copies, strict=True)}
 
     def _keep_local_gradient(self, index: int, param: torch.Tensor) -> None:
         """Copy this rank's gradient of one parameter, in a backward DDP reduces (not under `no_sync`, where the
@@ -558,24 +598,21 @@ class Monitor:
             self.failures.record("Monitor._keep_local_gradient", error)
 
     def _compare_gradients(self, step: Step | None) -> None:
-        """Feed the step's GradientSimilarity each kept gradient and DDP's average of it, now in `.grad`, in
-        chunks of up to COMPARE_CHUNK_ELEMENTS (one flat pair per chunk: a few operations per chunk rather than
-        per parameter), then drop the copies and the hooks."""
+        """Feed the step's GradientSimilarity each kept gradient and DDP's average of it, now in `.grad` (a few
+        `torch._foreach_*` calls for them all), then drop the copies and the hooks."""
         kept, self._local_grads = self._local_grads, {}
         self._unwatch_gradients()
         similarity = step.similarity if step is not None else None
         if similarity is None:
             return
-        pairs = [(local, mean) for index, local in sorted(kept.items())
-                 if (mean := self._grad_params[index].grad) is not None]
-        start, size = 0, 0
-        for end, (local, _) in enumerate(pairs, 1):
-            size += local.numel()
-            if size >= COMPARE_CHUNK_ELEMENTS or end == len(pairs):
-                chunk = pairs[start:end]
-                similarity.observe(torch.cat([local.reshape(-1) for local, _ in chunk]),
-                                   torch.cat([mean.reshape(-1) for _, mean in chunk]))
-                start, size = end, 0
+        locals_, means = [], []
+        for index, local in kept.items():
+            mean = self._grad_params[index].grad
+            if mean is not None:
+                locals_.append(local)
+                means.append(mean.detach())
+        if locals_:
+            similarity.observe_each(locals_, means)
 
     @guarded
     def _unwatch_gradients(self) -> None:
@@ -745,8 +782,8 @@ class Step:
         nothing here waits for the device. Guarded inline, in parts (the hot path, as `__enter__`)."""
         monitor = self.monitor
         monitor._current = None
-        if monitor._grad_handles:  # a measuring step whose gradients DDP never averaged (a failed backward)
-            monitor._local_grads = {}
+        if monitor._grad_handles or monitor._keep_at_tail:  # a measuring step DDP never averaged (a failed backward)
+            monitor._local_grads, monitor._keep_at_tail = {}, False
             monitor._unwatch_gradients()
         progress = monitor.progress
         if exc_type is not None:  # the training loop raised: no step record, and no collective of ours to wait in

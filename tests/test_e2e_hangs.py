@@ -124,6 +124,26 @@ def test_a_hanging_rank_is_named_through_prometheus(agent, tmp_path, prometheus_
         _stop(process)
 
 
+@pytest.mark.parametrize(("fault", "error"), [("crash-rank", None), ("raise-rank", "InjectedFailure")])
+def test_a_rank_that_dies_is_named_through_prometheus(agent, tmp_path, prometheus_server, fault, error):
+    """Through Prometheus as through the agent: each rank's exit time and the error of a step that raised
+    (`gpuwatch_train_step_raised_timestamp_seconds{type,message}`) tell the rank that died first from its peers,
+    whose errors say they lost their connection to it."""
+    server = prometheus_server([f"127.0.0.1:{agent.port}"])
+    job, culprit = f"{fault}-prometheus", 3
+    result = CliRunner().invoke(train, ["--tp", "1", "--pp", "2", "--dp", "2", "--steps", "20", "--job", job,
+                                        "--telemetry-socket", str(agent.telemetry_socket), "--fault", fault,
+                                        "--fault-step", "4"])
+    assert result.exit_code == 1 and f"rank {culprit} failed" in result.output
+    finding = wait_until(lambda: _found(job, "HANG004", "--prometheus", server.url), timeout=FOUND_TIMEOUT_S,
+                         what=f"HANG004 for job {job} through Prometheus")
+    assert set(by_rank(finding)) == {culprit}, finding
+    died = by_rank(finding)[culprit]
+    assert died["exited_at"] is not None
+    assert died["error"] is None if error is None else died["error"].startswith(error)
+    assert finding["title"].startswith(f"job {job}: rank {culprit} died")
+
+
 def test_a_users_ddp_script_with_a_stuck_rank_is_named_live_and_post_mortem(tmp_path, prometheus_server):
     workload = Workload("ddp_tutorial", nproc=2, steps=1000, fault="stuck-rank", fault_rank=1)
     with simulated_agent(tmp_path) as agent, launched(workload, agent, tmp_path) as (_, run_log):

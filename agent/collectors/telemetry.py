@@ -167,6 +167,8 @@ STALLED = "gpuwatch_train_stalled_seconds"
 PHASE = "gpuwatch_train_phase"
 IN_FLIGHT = "gpuwatch_train_in_flight_collective_seq"
 EXITED = "gpuwatch_train_rank_exited_timestamp_seconds"
+#: A step that raised, from the rank's latest progress record (labels type and message: one series per rank at most)
+RAISED = "gpuwatch_train_step_raised_timestamp_seconds"
 
 
 _RANK_INFO = "gpuwatch_train_rank_info"
@@ -199,6 +201,8 @@ _PER_RANK: tuple[tuple[str, str, str], ...] = (
     (IN_FLIGHT, "gauge", "Sequence number, on its process group, of the collective an overdue rank is in (op, "
      "group: the hello's process-group name)."),
     (EXITED, "gauge", "When the agent found the rank's process gone (wall clock)."),
+    (RAISED, "gauge", "When a step of the rank raised (the rank's wall clock), with the exception's type and message; "
+     "gone once the rank steps again."),
     (_LATENCY, "histogram", "Latency of the rank's collective calls."),
     (_VOLUME, "counter", "Bytes the rank's collective calls moved (the rank's buffer size per call)."),
 )
@@ -303,6 +307,10 @@ class _RankLines:
             if collective is not None:
                 line(lines[IN_FLIGHT], IN_FLIGHT, collective["seq"],
                      extra=(("op", collective["op"]), ("group", collective["group"])))
+            error = progress.get("error")
+            if error is not None:
+                line(lines[RAISED], RAISED, progress["time"],
+                     extra=(("type", error["type"]), ("message", error["message"])))
         if state.exited_time is not None:
             line(lines[EXITED], EXITED, state.exited_time)
         step = state.last_step

@@ -28,6 +28,7 @@ from gpuwatch.agent.collectors.telemetry import (
     LAST_STEP,
     MEMORY_GAUGES,
     PHASE,
+    RAISED,
     STALLED,
     STEP_GAUGES,
     UNAVAILABLE,
@@ -77,7 +78,7 @@ _RANK_SERIES = "|".join(["gpuwatch_train_rank_info", "gpuwatch_train_env_info", 
                          "gpuwatch_train_param_checksum", "gpuwatch_train_grad_cosine_similarity",
                          "gpuwatch_train_collective_seconds_count", "gpuwatch_train_collective_seconds_sum",
                          "gpuwatch_train_collective_bytes_total", WINDOW_MEDIAN, UNAVAILABLE, STALLED, PHASE,
-                         IN_FLIGHT, EXITED,
+                         IN_FLIGHT, EXITED, RAISED,
                          *(spec.name for spec in WINDOW_GAUGES), *_STEP_GAUGES, *_RANK_COUNTERS])
 _RANK_KEY = "instance, job, exported_job, rank"
 
@@ -294,6 +295,8 @@ class _Reader:
                 series[key]["phase"] = labels["phase"]
             elif name == IN_FLIGHT:
                 series[key]["in_flight"] = (labels["op"], labels["group"], int(_value(sample)))
+            elif name == RAISED:
+                series[key]["raised"] = (f"{labels['type']}: {labels['message']}", _value(sample))
             else:
                 series[key][name] = _value(sample)
                 if name in _MEMORY_SERIES:
@@ -385,8 +388,9 @@ class _Reader:
 
 def _progress(values: dict[str, Any], layout: Layout, last: StepFacts | None) -> ProgressFacts | None:
     """An overdue rank's progress as its agent exports it: no stack and no overdue mark (the rules' own stall
-    threshold decides), and group members for the default group only (the world; the hello's other groups are
-    not exported, so the rules fall back to who is stuck outside any collective)."""
+    threshold decides), the error of a step that raised with the time it was sent, and group members for the
+    default group only (the world; the hello's other groups are not exported, so the rules fall back to who is
+    stuck outside any collective)."""
     stalled = values.get(STALLED)
     if stalled is None or "phase" not in values:
         return None
@@ -395,8 +399,9 @@ def _progress(values: dict[str, Any], layout: Layout, last: StepFacts | None) ->
         op, group, seq = values["in_flight"]
         members = tuple(range(layout.world_size)) if group == "default" else None
         in_flight = InFlightFacts(op=op, group=group, members=members, seq=seq, seconds=stalled)
+    error, raised_at = values.get("raised", (None, None))
     return ProgressFacts(step=last.step if last is not None else 0, phase=values["phase"], stalled_seconds=stalled,
-                         overdue_seconds=0.0, collective=in_flight)
+                         overdue_seconds=0.0, collective=in_flight, error=error, time=raised_at)
 
 
 def _window(values: dict[str, Any]) -> WindowSummary | None:

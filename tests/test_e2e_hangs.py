@@ -108,18 +108,22 @@ def test_a_rank_that_dies_is_named_first_and_its_peers_as_consequences(agent, tm
     assert post_mortem is not None and set(by_rank(post_mortem)) == {culprit}, post_mortem
 
 
-def test_a_hanging_rank_is_named_through_prometheus(agent, tmp_path, prometheus_server):
+@pytest.mark.parametrize(("shape", "world"), [
+    (("--tp", "1", "--pp", "2", "--dp", "2"), 4),
+    (("--tp", "2", "--pp", "2", "--dp", "2"), 8),
+], ids=["pp2-dp2", "tp2-pp2-dp2"])
+def test_a_hanging_rank_is_named_through_prometheus(agent, tmp_path, prometheus_server, shape, world):
     """Prometheus has no hello groups but the default one: the rank stuck outside any collective while the others
-    wait is the one named."""
+    wait (in its DP group, at a pipeline neighbour's send/recv, in their TP group) is the one named."""
     server = prometheus_server([f"127.0.0.1:{agent.port}"])
-    job = "hang-prometheus"
-    process = _train(agent, job, tmp_path / "log", "--tp", "1", "--pp", "2", "--dp", "2", "--fault", "hang-rank",
-                     "--fault-step", "4")
+    job, culprit = f"hang-prometheus-{world}", world - 1
+    process = _train(agent, job, tmp_path / "log", *shape, "--fault", "hang-rank", "--fault-step", "4")
     try:
         finding = wait_until(lambda: _found(job, "HANG001", "--prometheus", server.url), timeout=FOUND_TIMEOUT_S,
                              what=f"HANG001 for job {job} through Prometheus")
-        assert set(by_rank(finding)) == {3}
-        assert sorted(by_rank(finding)[3]["waiting"]) == [0, 1, 2]
+        assert set(by_rank(finding)) == {culprit}
+        waiting = set(by_rank(finding)[culprit]["waiting"])  # the others, as each passes the stall threshold
+        assert waiting and waiting <= set(range(world)) - {culprit}
     finally:
         _stop(process)
 

@@ -6,8 +6,9 @@ A 2-node-style layout on this machine: two `gpuwatch agent --simulate dgx-h100` 
 telemetry socket and node name, and the reference trainer (tp 1 × pp 2 × dp 2, 4 ranks, gloo on the CPU) started as
 two torchrun "nodes" of 2 ranks each (`--nnodes 2 --node-rank 0|1`, one rendezvous), each node's ranks reporting to
 its own agent. The last rank is the culprit: `hang-rank` blocks before the DP all-reduce of step 4,
-`crash-rank` is killed with SIGKILL there. Onset, on this machine's clock: for a hang, the culprit's progress
-record's time less the seconds it says it has been stalled; for a crash, the moment the agent's pidfd saw its
+`skip-collective` leaves out its DP all-reduces of step 4 (the ranks soon wait on each other in a circle), `crash-rank`
+is killed with SIGKILL there. Onset, on this machine's clock: for a hang, the culprit's progress record's time less
+the seconds it says it has been stalled; for a crash, the moment the agent's pidfd saw its
 process exit. Each finding source is polled every 0.25 s; each fault runs `--repeat` times and the latencies are
 printed as min / median / max. Target: ≤ 10 s, against 10 minutes for NCCL's watchdog.
 
@@ -37,7 +38,7 @@ from conftest import PrometheusServer
 
 CULPRIT = 3
 FAULT_STEP = 4
-EXPECTED = {"hang-rank": "HANG001", "crash-rank": "HANG004"}
+EXPECTED = {"hang-rank": "HANG001", "skip-collective": "HANG002", "crash-rank": "HANG004"}
 POLL_SECONDS = 0.25
 
 
@@ -48,9 +49,11 @@ def _diagnose(*source: str) -> dict | None:
 
 
 def _names_culprit(report: dict | None, code: str, job: str) -> bool:
+    """Whether a `code` finding about `job` names the culprit (where HANG002 lists every member of the group, as the
+    odd one out)."""
     return report is not None and any(
         finding["code"] == code and any(e["where"].get("rank") == CULPRIT and e["where"].get("job") == job
-                                        for e in finding["evidence"])
+                                        and e["values"].get("odd", True) for e in finding["evidence"])
         for finding in report["findings"])
 
 
@@ -157,11 +160,11 @@ def main() -> None:
         for fault in EXPECTED:
             for source, values in measure(fault, args.repeat, Path(workdir) / fault).items():
                 table.append((fault, source, values))
-    print(f"\n{'fault':12} {'source':28} {'named':>6}   {'seconds: min  median    max':>28}")
+    print(f"\n{'fault':15} {'source':28} {'named':>6}   {'seconds: min  median    max':>28}")
     for fault, source, values in table:
         spread = (f"{min(values):7.1f} {statistics.median(values):7.1f} {max(values):7.1f}" if values
                   else "      -       -       -")
-        print(f"{fault:12} {source:28} {len(values):>3}/{args.repeat}   {spread:>28}")
+        print(f"{fault:15} {source:28} {len(values):>3}/{args.repeat}   {spread:>28}")
     print(f"load average after {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

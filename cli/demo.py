@@ -34,11 +34,11 @@ from gpuwatch.trainer.config import FAULTS, gpus_present
 EXPECTED_RULE = {
     "slow-rank": "PERF002", "duplicate-shards": "CONV004", "shared-pp-dp-group": "TOPO001",
     "lr-explode": "CONV002", "desync": "CONV003", "fp16-no-scaler": "CONV001",
-    "hang-rank": "HANG001", "crash-rank": "HANG004", "raise-rank": "HANG004",
+    "hang-rank": "HANG001", "crash-rank": "HANG004", "raise-rank": "HANG004", "skip-collective": "HANG002",
 }
 #: Faults whose job never ends by itself (the demo stops it once the agent's diagnosis names the hang), and
 #: faults whose job fails, as it should.
-HANGS, FAILS = ("hang-rank",), ("crash-rank", "raise-rank")
+HANGS, FAILS = ("hang-rank", "skip-collective"), ("crash-rank", "raise-rank")
 #: How long the demo waits for diagnose to name a hang (the hooks report after 3 s overdue, the rules from 5 s).
 _HANG_TIMEOUT = 120.0
 JOB = "gpuwatch-demo"

@@ -53,6 +53,10 @@ that restarted learns the rank's layout and a hung-but-alive rank does not expir
                         (``bucket_index``) keeps a datagram small whatever the call rate.
     gradient_sync_bytes?  int        bytes DDP all-reduces in a step (every gradient), where no hook
                                      times its calls (no ``collectives`` for them); the step's volume
+    collective_calls?   {group: int}  collective calls (not send/recv) the rank made on each process
+                                     group (hello names, "default" the world) since its hooks began, as of
+                                     the step's end: every member of a group counts the same at the same
+                                     step, unless one skipped or added a call
     loss?               float        NaN/±Infinity allowed: a diverging run is data, not an error
     grad_norm?          float ≥ 0    NaN/Infinity allowed, as for loss
     nonfinite?          bool         a non-finite loss or gradient was seen this step
@@ -110,7 +114,8 @@ closed (phase "closed"), so that a rank's exit after it is a normal end, not a d
                          seq: int, bytes: int, seconds: float ≥ 0}   the collective in flight: its process
                                      group (the name in the hello's ``process_groups``), this rank's
                                      place in it, the per-group sequence number (1 for the first call
-                                     on the group), and how long it has been in it
+                                     on the group; send/recv numbered apart from the collectives, as
+                                     ``collective_calls`` counts these), and how long it has been in it
     stack?              [{file: text, line: int, function: text}]   the training thread's Python stack,
                                      outermost first, at most MAX_STACK_FRAMES (the innermost kept), no
                                      locals; once the rank has stalled for a few seconds
@@ -149,6 +154,8 @@ COLLECTIVE_BUCKETS: tuple[float, ...] = (
     0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
 )
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast", "barrier")
+#: The point-to-point ops among them: pairs of ranks, not the whole group, take part (not in ``collective_calls``).
+P2P_OPS = frozenset({"send", "recv"})
 MEMORY_KINDS = ("cuda", "host_rss")
 #: What a rank's training thread can be in, as a progress record says.
 PHASES = ("data", "compute", "optimizer", "collective", "step", "idle", "closed")
@@ -513,6 +520,7 @@ _STEP = _object(
         ),
         "collectives": _object({}, dict.fromkeys(COLLECTIVE_OPS, _histogram)),
         "gradient_sync_bytes": _COUNT,
+        "collective_calls": _mapping(_label(64), _COUNT, 17),
         "loss": _number(-math.inf, math.inf, nonfinite_ok=True),
         "grad_norm": _number(nonfinite_ok=True),
         "nonfinite": _boolean,

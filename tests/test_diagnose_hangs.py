@@ -4,7 +4,7 @@ ranks all moved on)."""
 
 from __future__ import annotations
 
-from diagnose_facts import facts, rank
+from diagnose_facts import facts, rank, step
 from test_diagnose_rules import fired, silent
 
 from gpuwatch.agent.diagnosis.facts import InFlightFacts, ProgressFacts
@@ -58,6 +58,71 @@ def test_hang002_a_rank_a_call_ahead_of_its_group_is_a_mismatch_not_a_missing_ra
     (finding,) = fired("HANG002", facts(ranks=ranks))
     assert {e.values["seq"]: e.values["ranks"] for e in finding.evidence} == {7: [0, 1, 2], 8: [3]}
     silent("HANG001", facts(ranks=ranks))
+
+
+def counted(number: int, calls: int, at_step: int = 100, groups=None, **fields):
+    """A rank whose step `at_step` ended with `calls` calls on its dp group (members: its hello's, or the world's)."""
+    return rank(number, dp=4, last=step(step=at_step, collective_calls={"dp": calls, "tp": 5 * at_step}),
+                process_groups=groups if groups is not None else {"dp": list(DP)}, **fields)
+
+
+def test_hang002_a_rank_whose_count_of_calls_on_a_group_fell_behind_its_peers_at_the_same_step():
+    """The job still runs: a skipped all-reduce paired with the next one of the same size."""
+    (finding,) = fired("HANG002", facts(ranks=[counted(0, 201), counted(1, 201), counted(2, 200), counted(3, 201)]))
+    assert finding.title == ("job job-1: collective mismatch on dp [0-3]: rank 2 out of step with ranks 0-1,3 by "
+                             "step 100, a collective skipped or added")
+    assert {e.where.rank: (e.values["calls"], e.values["odd"]) for e in finding.evidence} == {
+        0: (201, False), 1: (201, False), 2: (200, True), 3: (201, False)}
+
+
+def test_hang002_with_two_ranks_the_one_behind_is_named():
+    pair = {"dp": [0, 1]}
+    (finding,) = fired("HANG002", facts(ranks=[counted(0, 9, groups=pair), counted(1, 8, groups=pair)]))
+    assert [e.where.rank for e in finding.evidence if e.values["odd"]] == [1]
+
+
+def test_hang002_a_peer_still_in_the_step_already_past_a_ranks_count_at_its_end():
+    """The skipper finished the step; its peer, still in it, is in a call past the skipper's whole count: a
+    circle of waits across groups, where no rank is missing (HANG001 stays quiet) and only the counts tell."""
+    pair = {"dp": [2, 3]}
+    ahead = rank(2, dp=4, last=step(step=3, collective_calls={"dp": 6}), process_groups=pair,
+                 progress=ProgressFacts(step=3, phase="collective", stalled_seconds=30, overdue_seconds=3,
+                                        collective=InFlightFacts("all_reduce", "dp", (2, 3), 8)))
+    behind = rank(3, dp=4, last=step(step=4, collective_calls={"dp": 6}), process_groups=pair,
+                  progress=ProgressFacts(step=4, phase="collective", stalled_seconds=30, overdue_seconds=3,
+                                         collective=InFlightFacts("all_reduce", "pp", (1, 3), 50)))
+    (finding,) = fired("HANG002", facts(ranks=[ahead, behind]))
+    assert finding.evidence[0].where.rank == 3 and finding.evidence[0].values["odd"]
+    assert (finding.evidence[1].where.rank, finding.evidence[1].values["in_call"]) == (2, 8)
+
+
+def test_the_drift_rule_stays_quiet_on_a_healthy_job_and_where_it_cannot_compare():
+    silent("HANG002", facts(ranks=[counted(n, 201) for n in DP]))
+    # ranks a step apart, as a running job's often are: counts at different steps are not compared
+    silent("HANG002", facts(ranks=[counted(0, 201), counted(1, 203, at_step=101), counted(2, 201), counted(3, 201)]))
+    # a group whose members are unknown (no hello lists it) is not compared
+    silent("HANG002", facts(ranks=[counted(n, 200 + n, groups={}) for n in DP]))
+    # the dp groups of two pipeline stages share a name, not members: each is compared within itself
+    stages = [counted(n, 10 if n < 2 else 20, groups={"dp": [0, 1] if n < 2 else [2, 3]}) for n in DP]
+    silent("HANG002", facts(ranks=stages))
+    # a peer in a call the rank's count covers is no disagreement
+    in_time = rank(1, dp=4, last=step(step=99, collective_calls={"dp": 199}), process_groups={"dp": [0, 1]},
+                   progress=ProgressFacts(step=99, phase="collective", stalled_seconds=30, overdue_seconds=3,
+                                          collective=InFlightFacts("all_reduce", "dp", (0, 1), 200)))
+    silent("HANG002", facts(ranks=[counted(0, 200, groups={"dp": [0, 1]}), in_time]))
+
+
+def test_hang001_leaves_a_rank_behind_in_its_count_to_hang002():
+    """At the end of a job whose rank skipped a call: its peers wait in a call it never makes, and it has ended."""
+    pair = {"default": [0, 1]}
+    waiting_peer = rank(0, dp=2, last=step(step=9, collective_calls={"default": 9}), process_groups=pair,
+                        progress=ProgressFacts(step=9, phase="collective", stalled_seconds=30, overdue_seconds=3,
+                                               collective=InFlightFacts("all_reduce", "default", (0, 1), 10)))
+    finished = rank(1, dp=2, last=step(step=10, collective_calls={"default": 9}), process_groups=pair,
+                    progress=ProgressFacts(step=10, phase="closed", stalled_seconds=0, overdue_seconds=0))
+    (finding,) = fired("HANG002", facts(ranks=[waiting_peer, finished]))
+    assert [e.where.rank for e in finding.evidence if e.values["odd"]] == [1]
+    silent("HANG001", facts(ranks=[waiting_peer, finished]))
 
 
 def test_hang003_every_member_inside_the_same_call_points_at_the_transport():

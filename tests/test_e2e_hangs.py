@@ -87,6 +87,37 @@ def test_a_hanging_rank_is_named_with_the_collective_its_peers_wait_in_and_its_s
     assert post_mortem is not None and set(by_rank(post_mortem)) == {culprit}
 
 
+@pytest.mark.parametrize(("shape", "world"), [
+    (("--tp", "1", "--pp", "2", "--dp", "2"), 4),
+    (("--tp", "2", "--pp", "2", "--dp", "2"), 8),
+], ids=["pp2-dp2", "tp2-pp2-dp2"])
+def test_a_rank_that_skipped_its_collectives_is_named_by_its_count_of_calls(agent, tmp_path, prometheus_server, shape,
+                                                                            world):
+    """skip-collective: the last rank leaves out its DP all-reduces of step 4. Its next ones pair with its DP peer's
+    of step 4, the drift meets the pipeline's traffic, and the ranks wait on each other in a circle: nobody is
+    missing (no HANG001), and only the counts of calls on the DP group say who skipped. Live through the agent and
+    Prometheus, and from the run log once the job is killed."""
+    server = prometheus_server([f"127.0.0.1:{agent.port}"])
+    job, culprit, run_log = f"skip-{world}", world - 1, tmp_path / "log"
+    process = _train(agent, job, run_log, *shape, "--fault", "skip-collective", "--fault-step", "4")
+
+    def named(option: str, location: str) -> dict:
+        finding = wait_until(lambda: _found(job, "HANG002", option, location), timeout=FOUND_TIMEOUT_S,
+                             what=f"HANG002 for job {job} through {option}")
+        odd = [e for e in finding["evidence"] if e["values"]["odd"]]
+        assert [e["where"]["rank"] for e in odd] == [culprit], finding
+        assert (odd[0]["values"]["group"], odd[0]["values"]["step"]) == ("dp", 4)
+        return finding
+
+    try:
+        named("--agent", agent.url)
+        named("--prometheus", server.url)
+        assert "HANG001" not in serious(findings(job, "--agent", agent.url))
+    finally:
+        _stop(process)
+    named("--run-log", str(run_log))
+
+
 @pytest.mark.parametrize(("fault", "error"), [("crash-rank", None), ("raise-rank", "InjectedFailure")])
 def test_a_rank_that_dies_is_named_first_and_its_peers_as_consequences(agent, tmp_path, fault, error):
     job, culprit = f"{fault}-4", 3

@@ -23,11 +23,12 @@ FAULTS = {
     "hang-rank": "one rank (--fault-rank) blocks for good before the DP all-reduce of step --fault-step",
     "crash-rank": "one rank (--fault-rank) is killed with SIGKILL at step --fault-step",
     "raise-rank": "one rank (--fault-rank) raises an exception at step --fault-step and exits",
+    "skip-collective": "one rank (--fault-rank) leaves out its DP all-reduces of step --fault-step",
 }
 #: The faults that pick a rank with --fault-rank (default: the last rank).
-RANK_FAULTS = ("slow-rank", "hang-rank", "crash-rank", "raise-rank")
+RANK_FAULTS = ("slow-rank", "hang-rank", "crash-rank", "raise-rank", "skip-collective")
 #: The faults that strike at a step (--fault-step), after a few healthy ones give the job a rhythm.
-STEP_FAULTS = ("hang-rank", "crash-rank", "raise-rank")
+STEP_FAULTS = ("hang-rank", "crash-rank", "raise-rank", "skip-collective")
 
 
 class ConfigError(ValueError):
@@ -167,8 +168,8 @@ class TrainConfig:
              f"--fault-rank picks the rank of --fault {', '.join(RANK_FAULTS)}: add one of them"),
             (self.fault_step >= 1, "--fault-step must be at least 1"),
             (len(faults & set(STEP_FAULTS)) <= 1, f"--fault {', '.join(STEP_FAULTS)}: one at a time"),
-            (world > 1 or not faults & set(STEP_FAULTS), "--fault hang-rank, crash-rank and raise-rank need peers "
-             "to leave waiting: 2 ranks or more"),
+            (world > 1 or not faults & set(STEP_FAULTS), f"--fault {', '.join(STEP_FAULTS)} need peers to leave "
+             "waiting: 2 ranks or more"),
             (self.fault_rank is None or 0 <= self.fault_rank < world,
              f"--fault-rank {self.fault_rank} is not a rank of this job (0 to {world - 1})"),
             (self.precision == "fp16" or "fp16-no-scaler" not in faults,

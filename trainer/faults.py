@@ -203,6 +203,27 @@ def raise_rank(trainer: Trainer) -> None:
     _before_reduction(trainer, _raise)
 
 
+def skip_collective(trainer: Trainer) -> None:
+    """skip-collective: one rank leaves out its data-parallel all-reduces of step --fault-step (the gradients' and the
+    loss's), as a rank does that skips a step on a condition only it sees (a non-finite loss of its own, a batch it
+    filters out). Collectives pair by their order on a group, not by step: its next all-reduces meet its peers' of
+    the step it skipped, the job runs on with that rank's gradients a step apart from its peers', and its calls on
+    the group stay one step's worth behind theirs until its peers wait at the end in an all-reduce it never makes."""
+    cfg = trainer.cfg
+    if trainer.grid.rank != cfg.faulty_rank:
+        return
+    reduce_gradients, reduce_loss = trainer.reduce_gradients, trainer.reduce_loss
+
+    def gradients_unless_skipped(params: list[torch.nn.Parameter], observe: Callable | None = None) -> None:
+        if trainer.step + 1 != cfg.fault_step:
+            reduce_gradients(params, observe=observe)
+
+    def loss_unless_skipped(loss: torch.Tensor) -> torch.Tensor:  # after the step's count went up
+        return loss if trainer.step == cfg.fault_step else reduce_loss(loss)
+
+    trainer.reduce_gradients, trainer.reduce_loss = gradients_unless_skipped, loss_unless_skipped
+
+
 def _before_reduction(trainer: Trainer, strike: Callable[[], None]) -> None:
     """Call `strike` on the fault's rank just before the DP all-reduce of step --fault-step."""
     cfg = trainer.cfg
@@ -230,6 +251,7 @@ INJECTORS: dict[str, Callable[[Trainer], None]] = {
     "hang-rank": hang_rank,
     "crash-rank": crash_rank,
     "raise-rank": raise_rank,
+    "skip-collective": skip_collective,
 }
 
 

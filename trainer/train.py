@@ -106,6 +106,8 @@ class Trainer:
         #: the DP gradient reduction: reduce_gradients(params, observe=None), as `all_reduce_gradients`
         self.reduce_gradients: Callable[..., None] = partial(all_reduce_gradients, grid=grid,
                                                              bucket_bytes=cfg.bucket_bytes)
+        #: the DP sum of the last stage's loss, for the global batch's: reduce_loss(tensor) -> tensor
+        self.reduce_loss: Callable[[torch.Tensor], torch.Tensor] = partial(comm.all_reduce, group=grid.dp_group)
         #: each kind of traffic's group ("tp", "pp", "dp"): this rank's peers in it and the handle it goes over
         handles = {"tp": grid.tp_group, "pp": grid.pp_group, "dp": grid.dp_group}
         self.traffic_groups: dict[str, tuple[tuple[int, ...], ProcessGroup]] = {
@@ -161,7 +163,7 @@ class Trainer:
         """The mean of the micro-batch losses over the DP replicas (last stage only)."""
         if not self.grid.is_last_stage:
             return None
-        loss = comm.all_reduce(torch.stack(losses).mean(), self.grid.dp_group)
+        loss = self.reduce_loss(torch.stack(losses).mean())
         return loss.item() / self.grid.dp
 
     def _measured_step(self) -> Step | Off:

@@ -51,6 +51,7 @@ from gpuwatch.agent.telemetry.exits import ExitWatcher
 from gpuwatch.agent.telemetry.store import RankState, TelemetryStore, probe_peaks
 from gpuwatch.agent.telemetry.window import WINDOW_SECONDS, WINDOW_STEPS, summarize
 from gpuwatch.protocol.paths import default_socket_path
+from gpuwatch.protocol.ranks import members_text
 from gpuwatch.protocol.schema import COLLECTIVE_BUCKETS, EXPORTED_ENV, MAX_EXPORTED_ENV_VALUE_CHARS
 
 log = logging.getLogger(__name__)
@@ -167,12 +168,16 @@ STALLED = "gpuwatch_train_stalled_seconds"
 PHASE = "gpuwatch_train_phase"
 IN_FLIGHT = "gpuwatch_train_in_flight_collective_seq"
 EXITED = "gpuwatch_train_rank_exited_timestamp_seconds"
+#: The latest step's collective calls per process group (label group: the hello's name, "default" the world)
+CALLS = "gpuwatch_train_collective_calls"
 #: A step that raised, from the rank's latest progress record (labels type and message: one series per rank at most)
 RAISED = "gpuwatch_train_step_raised_timestamp_seconds"
 
 
 _RANK_INFO = "gpuwatch_train_rank_info"
 _ENV_INFO = "gpuwatch_train_env_info"
+#: The hello's process groups (labels group and members, ``protocol.ranks.members_text``)
+GROUP_INFO = "gpuwatch_train_process_group_info"
 _GPU_JOB = "gpuwatch_gpu_job_info"
 _COSINE = "gpuwatch_train_grad_cosine_similarity"
 _CHECKSUM = "gpuwatch_train_param_checksum"
@@ -184,6 +189,8 @@ _PER_RANK: tuple[tuple[str, str, str], ...] = (
     (_ENV_INFO, "gauge", "A variable of the rank's environment that diagnosis reads (NCCL_IB_DISABLE, "
      "NCCL_SOCKET_IFNAME, ...), from its hello; value 1, one series per variable set."),
     (_GPU_JOB, "gauge", "Which job and rank run on which GPU; join it on uuid (or gpu) to label GPU series by job."),
+    (GROUP_INFO, "gauge", "A process group of the rank, from its hello (group: its name; members: its ranks as runs, "
+     "first-last/stride); value 1."),
     *((gauge.name, "gauge", gauge.help) for gauge in (*STEP_GAUGES, *MEMORY_GAUGES)),
     *((counter.name.removesuffix("_total"), "counter", counter.help) for counter in COUNTERS),
     (_COSINE, "gauge", "Cosine between this data-parallel rank's local gradient and the DP-mean gradient, latest "
@@ -201,6 +208,8 @@ _PER_RANK: tuple[tuple[str, str, str], ...] = (
     (IN_FLIGHT, "gauge", "Sequence number, on its process group, of the collective an overdue rank is in (op, "
      "group: the hello's process-group name)."),
     (EXITED, "gauge", "When the agent found the rank's process gone (wall clock)."),
+    (CALLS, "gauge", "Collective calls (not send/recv) the rank had made on a process group by the end of its latest "
+     "step (group: the hello's name, default the world); every member of a group counts the same at the same step."),
     (RAISED, "gauge", "When a step of the rank raised (the rank's wall clock), with the exception's type and message; "
      "gone once the rank steps again."),
     (_LATENCY, "histogram", "Latency of the rank's collective calls."),
@@ -238,6 +247,9 @@ class _RankLines:
             f"{self._prefix(_ENV_INFO, (('name', name), ('value', environment[name])))}1.0\n"
             for name in EXPORTED_ENV
             if name in environment and len(environment[name]) <= MAX_EXPORTED_ENV_VALUE_CHARS)
+        groups = {name: members_text(ranks) for name, ranks in hello.get("process_groups", {}).items()}
+        lines[GROUP_INFO] = "".join(f"{self._prefix(GROUP_INFO, (('group', name), ('members', text)))}1.0\n"
+                                    for name, text in sorted(groups.items()) if text is not None)
         if "gpu" in hello:  # labelled by GPU, job and rank only
             gpu = {"gpu": str(hello["gpu"]["index"]), "uuid": hello["gpu"]["uuid"], "job": hello["job"],
                    "rank": self._labels["rank"]}
@@ -319,6 +331,8 @@ class _RankLines:
                 value = gauge.latest(step)
                 if value is not None:
                     line(lines[gauge.name], gauge.name, value)
+            for group, calls in sorted(step.get("collective_calls", {}).items()):
+                line(lines[CALLS], CALLS, calls, extra=(("group", group),))
             kind = step.get("memory", {}).get("kind")
             for gauge in MEMORY_GAUGES:
                 value = gauge.latest(step)

@@ -186,6 +186,8 @@ class StepFacts:
     dataloader_wait_seconds: float | None = None
     exposed_collective_seconds: float | None = None
     gradient_sync_bytes: float | None = None  # DDP's all-reduce volume, where its calls are not timed
+    #: collective calls (not send/recv) made on each process group (hello names) by the step's end
+    collective_calls: dict[str, int] | None = None
     bubble_ratio: float | None = None
     bubble_ratio_theoretical: float | None = None
     loss: float | None = None

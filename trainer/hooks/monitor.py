@@ -8,9 +8,10 @@ thread (`TelemetryClient.submit`), which builds its record, encodes and sends it
 thread only takes the marks and the few values that would change under it.
 
 Under DistributedDataParallel the time the training thread waits for DDP's gradient all-reduce is taken
-without a communication hook: a hook on one parameter's gradient queues an autograd final callback once per
-backward, which marks the end of the backward's computation (every gradient computed, every bucket
-launched) and queues a second one behind DDP's own final callback, which waits for the buckets; between
+without a communication hook: a hook after one parameter's gradient accumulation queues an autograd final
+callback once per backward DDP reduces, which marks the end of the backward's computation (every gradient
+computed, every bucket launched) and queues a second one behind DDP's own final callback, which waits for
+the buckets; between
 the two marks is the tail the training thread waited for (`exposed_collective_seconds`, every step). Three
 Python calls per backward against ~50 µs per bucket for a Python communication hook, which DDP calls on
 the training thread for every bucket on the CPU. On measuring steps only, the first callback copies this rank's
@@ -51,7 +52,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
-from gpuwatch.protocol.schema import SCHEMA_VERSION, RecordRejected, decode, encode
+from gpuwatch.protocol.schema import P2P_OPS, SCHEMA_VERSION, RecordRejected, decode, encode
 from gpuwatch.trainer.hooks._safety import Failures, guarded
 from gpuwatch.trainer.hooks.clock import Clock, Mark, WallClock, clock_for
 from gpuwatch.trainer.hooks.collectives import Call, exposed_seconds, histogram, resolve
@@ -199,7 +200,12 @@ class Monitor:
         #: the training thread's place (this thread's: the one that makes the Monitor runs the loop), and the
         #: watchdog that reports it while a step is overdue; collectives numbered per process group
         self.progress = Progress()
+        #: collectives (not send/recv) numbered per group: every member of a group counts the same at the end of
+        #: the same step, unless one skipped or added a call (the step record's `collective_calls`); send/recv
+        #: are numbered apart, as pairs of ranks, not the whole group, take part in them (a pipeline's middle
+        #: stages make twice as many as its ends)
         self._sequences: dict[str, int] = {}
+        self._p2p_sequences: dict[str, int] = {}
         self._group_names: dict[Any, tuple[str, int, int]] = {}
         self._watchdog = Watchdog(self.progress, self.client.send, self.job, self.layout.rank, threading.get_ident())
         self._watchdog.start()
@@ -224,7 +230,7 @@ class Monitor:
         step.monitor, step.failures, step.number = self, self.failures, number
         step.tokens, step.samples = tokens, samples
         step.start = step.end = step.phase = step.pipeline = step.memory = step.scalars = step.host = None
-        step.measured = step.similarity = step.reported = None
+        step.measured = step.similarity = step.reported = step.collective_calls = None
         step.phases, step.calls, step.waits, step.values, step.time = [], [], [], {}, 0.0
         every = self._checksum_every
         step.checksum_due = every > 0 and number % every == 0
@@ -281,7 +287,8 @@ class Monitor:
             if identity is None:
                 identity = self._group_names[group] = self._identify(group)
             name, size, place = identity
-            seq = self._sequences[name] = self._sequences.get(name, 0) + 1
+            sequences = self._p2p_sequences if op in P2P_OPS else self._sequences
+            seq = sequences[name] = sequences.get(name, 0) + 1
             return InFlight(op, name, size, place, seq, nbytes, time.monotonic())
         except Exception as error:
             self.failures.record("Monitor._in_flight", error)
@@ -393,6 +400,8 @@ class Monitor:
             record["exposed_collective_seconds"] = sum(exposed.values())
         if step.waits and self._ddp is not None:  # DDP's all-reduce, whose calls no hook sees: its volume
             record["gradient_sync_bytes"] = self._gradient_sync_bytes
+        if step.collective_calls:
+            record["collective_calls"] = step.collective_calls
         assert step.scalars is not None  # set when the step ended; only ended steps are recorded
         values: dict[str, Any] = dict(step.scalars)
         if step.reported is not None:
@@ -486,44 +495,50 @@ class Monitor:
     # -- data parallelism: DDP's all-reduce tail, every step ----------------------------------------
 
     def _watch_backward(self) -> None:
-        """Time DDP's all-reduce tail on every step (`_backward_tail`, queued from `_tail_params`' hooks)."""
-        self._handles += [param.register_hook(self._backward_tail) for param in self._tail_params()]
+        """Time DDP's all-reduce tail on every step (`_backward_tail`, queued from `_tail_hooks`)."""
+        self._handles += self._tail_hooks()
 
-    def _tail_params(self) -> list[torch.Tensor]:
-        """The parameters whose gradient hook queues `_backward_tail`: one, since every one gets a gradient in every
-        backward unless DDP is told to find unused ones, and then the first and the last (one of them is used,
-        in any model that has an input and an output layer). A hook on a tensor runs before the hooks on its
-        gradient's accumulation, DDP's among them, so the callback it queues comes before the one DDP queues
-        with its last bucket."""
+    def _tail_hooks(self) -> list[Any]:
+        """Hooks that queue `_backward_tail` in every backward that accumulates gradients (not in
+        `torch.autograd.grad`, which DDP does not reduce): after the accumulation of one parameter's gradient,
+        since every one gets a gradient in every backward unless DDP is told to find unused ones, and then of the
+        first and the last (one of them is used, in any model that has an input and an output layer). Such a
+        hook runs before DDP's own hook there, so the callback it queues comes before the one DDP queues with
+        its last bucket."""
         assert self._ddp is not None
         params = self._grad_params
         hooked = params[:1] + params[-1:] if self._ddp.find_unused_parameters else params[-1:]
-        return list({id(p): p for p in hooked}.values())
+        return [param.register_post_accumulate_grad_hook(self._backward_tail)
+                for param in {id(p): p for p in hooked}.values()]
 
-    def _backward_tail(self, grad: torch.Tensor | None = None) -> None:
+    def _backward_tail(self, param: torch.Tensor | None = None) -> None:
         """One method in three roles, one code object for a training loop to keep warm (three cost ~5 µs more
-        per step there). As the hook on a parameter's gradient (`grad` given), inside the backward: queue itself
-        as a final callback, once per backward. As that callback: every gradient is computed and every bucket
-        launched; mark it, and queue itself again, now behind DDP's callback, which waits for the buckets. As
+        per step there). As the hook after a parameter's gradient accumulation (`param` given), inside the
+        backward: queue itself as a final callback, once per backward. As that callback: every gradient is
+        computed and, unless under `no_sync`, every bucket launched; mark it (and on a measuring step copy this
+        rank's gradients), and queue itself again, now behind DDP's callback, which waits for the buckets. As
         that second callback: DDP's all-reduce is done, and the time since the mark is what the training thread
-        waited for it, counted in the step and phase the backward ran in. Returns None: the gradient stays as it
-        is. Never raises into autograd."""
+        waited for it, counted in the step and phase the backward ran in. Never raises into autograd."""
         try:
             stage = self._tail_stage
-            if grad is not None:
+            if param is not None:
                 if stage == 0:
                     _ENGINE.queue_callback(self._backward_tail)
                     self._tail_stage = 1
             elif stage == 1:
+                ddp = self._ddp
+                if ddp is None or not ddp.require_backward_grad_sync:  # under no_sync DDP reduces nothing
+                    self._tail_stage = 0
+                    return
                 self._tail_start = self._mark()
                 self._tail_step = self._current
                 self._tail_stage = 2
                 _ENGINE.queue_callback(self._backward_tail)
                 if self._keep_at_tail:
                     self._keep_local_gradients()
-                ddp_group = self._ddp.process_group if self._ddp is not None else None
                 # the training thread waits in DDP's all-reduce from here
-                self.progress.at("collective", self._in_flight("all_reduce", self._gradient_sync_bytes, ddp_group))
+                self.progress.at("collective", self._in_flight("all_reduce", self._gradient_sync_bytes,
+                                                               ddp.process_group))
             elif stage == 2:
                 self._tail_stage = 0
                 step_now = self._current
@@ -547,39 +562,27 @@ class Monitor:
     @guarded
     def _watch_gradients(self) -> None:
         """For one measuring step, keep this rank's own gradients until DDP has averaged them. Where `.grad` is
-        DDP's own (the default), copy them all at the first callback of the backward that accumulates them
-        (`_keep_local_gradients`), armed by a hook after the accumulation of the parameter(s) the tail is
-        queued from: a backward that only computes gradients (`torch.autograd.grad`) accumulates none. Where
-        `.grad` is a view of a bucket, a hook after each parameter's gradient accumulation, which runs before
-        DDP's own hook there adds the gradient to its bucket to be averaged in place. Registered and removed
-        per measuring step: a Python call per parameter and backward is a cost the other steps do not pay
-        (~60 µs a measuring step for 4 parameters on a 2-core EPYC VM, against one copy of them all)."""
+        DDP's own (the default), copy them all at the first callback of the backward DDP reduces
+        (`_keep_local_gradients`; with the tail's hooks for this step if the tail is not timed on every step).
+        Where `.grad` is a view of a bucket, a hook after each parameter's gradient accumulation, which runs
+        before DDP's own hook there adds the gradient to its bucket to be averaged in place. Registered and
+        removed per measuring step: a Python call per parameter and backward is a cost the other steps do not
+        pay (~60 µs a measuring step for 4 parameters on a 2-core EPYC VM, against one copy of them all)."""
         assert self._ddp is not None
         if self._ddp.gradient_as_bucket_view:
             keep = self._keep_local_gradient
             self._grad_handles = [param.register_post_accumulate_grad_hook(partial(keep, index))
                                   for index, param in enumerate(self._grad_params)]
-        else:
-            self._grad_handles = [param.register_post_accumulate_grad_hook(self._arm_local_copy)
-                                  for param in self._tail_params()]
-
-    def _arm_local_copy(self, param: torch.Tensor) -> None:
-        """Copy the gradients at the first callback of this backward, and queue it. Never raises into autograd."""
-        try:
-            self._keep_at_tail = True
-            self._backward_tail(param.grad)
-        except Exception as error:
-            self.failures.record("Monitor._arm_local_copy", error)
+            return
+        self._keep_at_tail = True
+        if not self._times_collectives:
+            self._grad_handles = self._tail_hooks()
 
     def _keep_local_gradients(self) -> None:
-        """Copy every gradient of this rank, in a backward DDP reduces (not under `no_sync`, where the step's
-        gradient is still being summed): at the first callback every one is computed and in DDP's buckets,
-        and `.grad` holds the local values until DDP's callback copies the averages back. One
-        `torch._foreach_add` for them all."""
+        """Copy every gradient of this rank, at the first callback of a backward DDP reduces: every one is
+        computed and in DDP's buckets, and `.grad` holds the local values (summed over the step's micro-batches)
+        until DDP's callback copies the averages back. One `torch._foreach_add` for them all."""
         self._keep_at_tail = False
-        ddp = self._ddp
-        if ddp is None or not ddp.require_backward_grad_sync:
-            return
         kept = [(index, param.grad) for index, param in enumerate(self._grad_params) if param.grad is not None]
         if kept:
             copies = torch._foreach_add([grad.detach() for _, grad in kept], 0)
@@ -593,7 +596,7 @@ class Monitor:
             ddp = self._ddp
             if ddp is not None and ddp.require_backward_grad_sync and param.grad is not None:
                 self._local_grads[index] = param.grad.detach().clone()
-                self._backward_tail(param.grad)
+                self._backward_tail(param)
         except Exception as error:
             self.failures.record("Monitor._keep_local_gradient", error)
 
@@ -725,9 +728,9 @@ class Step:
     """One training step: a context manager around it, with phases inside (`data`, `compute`,
     `optimizer`) and the values only the training loop knows (`report`)."""
 
-    __slots__ = ("_measures_grads", "calls", "checksum_due", "end", "failures", "host", "measured", "memory", "monitor",
-                 "number", "phase", "phases", "pipeline", "reported", "samples", "scalars", "similarity",
-                 "similarity_due", "start", "time", "tokens", "values", "waits")
+    __slots__ = ("_measures_grads", "calls", "checksum_due", "collective_calls", "end", "failures", "host", "measured",
+                 "memory", "monitor", "number", "phase", "phases", "pipeline", "reported", "samples", "scalars",
+                 "similarity", "similarity_due", "start", "time", "tokens", "values", "waits")
 
     # Made by Monitor.step (no __init__: a Python frame fewer on the hot path). What each slot holds:
     monitor: Monitor
@@ -740,6 +743,7 @@ class Step:
     phase: str | None  # the phase open now, which collective calls are attributed to
     phases: list[tuple[str, Mark, Mark]]  # (name, start, end) of each interval, in order
     calls: list[Call]  # timed collective calls (the comm layer's, the bucket hook's)
+    collective_calls: dict[str, int] | None  # the monitor's count per group as the step ended
     waits: list[tuple[str | None, Mark, Mark]]  # DDP's all-reduce tails: (phase, start, end)
     values: dict[str, float | torch.Tensor]  # what the user reported
     #: tensors the monitor made on a measuring step (a tensor, or one per parameter), read with the record
@@ -804,6 +808,8 @@ class Step:
             self.end = monitor._mark()
         except Exception as error:
             self.failures.record("Clock.mark", error)
+        if monitor._sequences:
+            self.collective_calls = monitor._sequences.copy()
         if self.similarity is not None:
             # A collective over the shard groups unless the training loop made it already: every rank
             # makes it on every measuring step, whatever else fails here, or its peers would wait forever.

@@ -13,6 +13,8 @@ watchdog's timeout (PyTorch docs, "Flight Recorder for Debugging Stuck Jobs"), a
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import re
 import types
 from collections.abc import Iterator
@@ -21,6 +23,7 @@ from gpuwatch.agent.diagnosis import needs
 from gpuwatch.agent.diagnosis.facts import Facts, InFlightFacts, RankFacts, describe_ranks, rank_list
 from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
 from gpuwatch.agent.diagnosis.rules.common import capped
+from gpuwatch.protocol.schema import P2P_OPS
 
 FAMILY = "hangs"
 
@@ -127,6 +130,62 @@ def _mismatched(rank: RankFacts | None, collective: InFlightFacts, t: types.Simp
                                                                                         collective.op)
 
 
+def _group_members(rank: RankFacts, group: str) -> tuple[int, ...] | None:
+    """The members of a rank's process group by its hello name ("default": the world); None when unknown."""
+    if rank.process_groups is not None and group in rank.process_groups:
+        return tuple(rank.process_groups[group])
+    if group == "default" and rank.layout is not None:
+        return tuple(range(rank.layout.world_size))
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Drift:
+    """Members of one process group that disagree on how many collectives they made on it by the end of `step`."""
+
+    group: str
+    members: tuple[int, ...]
+    step: int
+    counts: dict[int, int]  # rank -> calls on the group by the end of `step`, from its step record
+    in_call: dict[int, int]  # rank still in `step` -> the call on the group it is in: it makes at least that many
+    named: tuple[int, ...]  # the odd ones out: fewer calls than the rest, or off a clear majority's count
+
+
+def _drifts(ranks: dict[int, RankFacts]) -> list[_Drift]:
+    """Every member of a group makes the same collectives on it in the same order, so by the end of a step each
+    has made as many as the others: the step records' `collective_calls`, compared between ranks at the same
+    step. A rank still in that step that is already in a later call than another member's count at its end
+    disagrees too (the count only grows). Send/recv are left out: pairs of ranks, not the group, make them."""
+    counted: dict[tuple[str, tuple[int, ...], int], dict[int, int]] = {}
+    for rank in ranks.values():
+        if rank.last is None or not rank.last.collective_calls:
+            continue
+        for group, calls in rank.last.collective_calls.items():
+            members = _group_members(rank, group)
+            if members is not None and rank.rank in members:
+                counted.setdefault((group, members, rank.last.step), {})[rank.rank] = calls
+    drifts = []
+    for (group, members, step), counts in sorted(counted.items()):
+        in_call = {}
+        for member in members:
+            collective, other = _collective_of(ranks.get(member)), ranks.get(member)
+            if (member not in counts and other is not None and other.progress is not None
+                    and other.progress.step == step - 1 and collective is not None
+                    and collective.key == (group, members) and collective.op not in P2P_OPS):
+                in_call[member] = collective.seq
+        low = min(counts.values())
+        if len(set(counts.values())) == 1 and all(seq <= low for seq in in_call.values()):
+            continue
+        usual, agreeing = collections.Counter(counts.values()).most_common(1)[0]
+        if len(counts) >= 3 and 2 * agreeing > len(counts):  # a clear majority: the others are odd
+            named = [r for r, calls in counts.items() if calls != usual] + [r for r, seq in in_call.items()
+                                                                            if seq > usual]
+        else:  # two sides, or no majority: the ranks behind (a skipped call is the usual bug)
+            named = [r for r, calls in counts.items() if calls == low]
+        drifts.append(_Drift(group, members, step, counts, in_call, tuple(sorted(named))))
+    return drifts
+
+
 @rule("HANG001", family=FAMILY, severity=Severity.CRITICAL, title="Ranks missing at a collective",
       needs=(needs.TELEMETRY,),
       thresholds=_STALL)
@@ -142,7 +201,8 @@ def missing_at_collective(facts: Facts, t: types.SimpleNamespace) -> Iterator[Is
         if not any(_stuck(ranks[w], t) for w in waits):
             continue
         waited_for = set().union(*waits.values())
-        roots = sorted(m for m in waited_for if m not in waits and not (m in ranks and _dead(ranks[m]))
+        drifted = {r for drift in _drifts(ranks) for r in drift.named}  # HANG002's: they skipped a call
+        roots = sorted(m for m in waited_for - drifted if m not in waits and not (m in ranks and _dead(ranks[m]))
                        and not any(_mismatched(ranks.get(m), _in_flight(ranks[w]), t) for w in waits if m in waits[w]))
         if not roots:
             continue
@@ -181,14 +241,28 @@ def missing_at_collective(facts: Facts, t: types.SimpleNamespace) -> Iterator[Is
                    "default)")
 
 
+_MISMATCH_FIX = ("make every rank of the group issue the same collectives in the same order: look for a collective "
+                 "inside a condition that differs between ranks (rank, data, an early exit or a skipped step on one "
+                 "rank, an unused parameter under DDP without find_unused_parameters); TORCH_DISTRIBUTED_DEBUG=DETAIL "
+                 "checks the calls' order and shapes on every collective")
+_MISMATCH_REASON = ("collectives match by order on a group, not by name: after one rank skips a call, every later call "
+                    "pairs with the wrong one and the group hangs or exchanges the wrong tensors")
+
+
 @rule("HANG002", family=FAMILY, severity=Severity.CRITICAL, title="Collective mismatch", needs=(needs.TELEMETRY,),
       thresholds=_STALL)
 def collective_mismatch(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """Ranks of one process group stuck in different collectives on it: another sequence number (a rank
     skipped or added a call, so its count drifted from its peers') or another op at the same number. Each side
     waits for a call the other never makes. This is the desync PyTorch's Flight Recorder analyser reports from
-    its dumps after the timeout; here it comes from each rank's own count of the calls it made on the group."""
+    its dumps after the timeout; here it comes from each rank's own count of the calls it made on the group.
+    The counts tell it before any rank is stuck, too: members of a group that made different numbers of calls on
+    it by the end of the same step (`_drifts`). A skipped all-reduce whose successor has the same size pairs with
+    it silently, and the job runs on with that rank a call behind until its peers wait at the end for a call it
+    never makes; in a hybrid-parallel job the drift soon meets another group's traffic and the ranks wait on
+    each other in a circle, where no rank is missing and only the counts tell which one skipped."""
     for job, members in facts.jobs().items():
+        stuck_groups = set()
         by_group: dict[tuple[str, tuple[int, ...] | None], dict[tuple[int, str], list[RankFacts]]] = {}
         for rank in members:
             collective = _collective_of(rank)
@@ -197,6 +271,7 @@ def collective_mismatch(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issu
         for (group, ranks_of_group), calls in sorted(by_group.items(), key=lambda item: str(item[0])):
             if len(calls) < 2:
                 continue
+            stuck_groups.add((group, ranks_of_group))
             sides = sorted(calls.items())
             text = "; ".join(f"{describe_ranks(side)} in {op} #{seq}" for (seq, op), side in sides)
             members_text = f" [{rank_list(ranks_of_group)}]" if ranks_of_group is not None else ""
@@ -207,12 +282,28 @@ def collective_mismatch(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issu
                                         side[0].where, {"op": op, "seq": seq, "group": group,
                                                         "ranks": [r.rank for r in side]})
                                for (seq, op), side in sides),
-                fix="make every rank of the group issue the same collectives in the same order: look for a collective "
-                    "inside a condition that differs between ranks (rank, data, an early exit or a skipped step on "
-                    "one rank, an unused parameter under DDP without find_unused_parameters); TORCH_DISTRIBUTED_DEBUG="
-                    "DETAIL checks the calls' order and shapes on every collective",
-                reason="collectives match by order on a group, not by name: after one rank skips a call, every later "
-                       "call pairs with the wrong one and the group hangs or exchanges the wrong tensors")
+                fix=_MISMATCH_FIX,
+                reason=_MISMATCH_REASON)
+        ranks = {r.rank: r for r in members}
+        for drift in _drifts(ranks):
+            if (drift.group, drift.members) in stuck_groups:
+                continue
+            where = f"{drift.group} [{rank_list(drift.members)}]"
+            others = sorted((set(drift.counts) | set(drift.in_call)) - set(drift.named))
+            evidence = [Evidence(f"rank {r}: {calls} collective call(s) on {where} by the end of step {drift.step}",
+                                 ranks[r].where, {"rank": r, "group": drift.group, "step": drift.step, "calls": calls,
+                                                  "odd": r in drift.named})
+                        for r, calls in sorted(drift.counts.items())]
+            evidence += [Evidence(f"rank {r}: still in step {drift.step}, already in call #{seq} on {where}",
+                                  ranks[r].where, {"rank": r, "group": drift.group, "step": drift.step,
+                                                   "in_call": seq, "odd": r in drift.named})
+                         for r, seq in sorted(drift.in_call.items())]
+            yield Issue(
+                title=f"job {job}: collective mismatch on {where}: {_ranks_text(list(drift.named))} out of step with "
+                      f"{_ranks_text(others)} by step {drift.step}, a collective skipped or added",
+                evidence=capped(evidence, what="ranks"),
+                fix=_MISMATCH_FIX,
+                reason=_MISMATCH_REASON)
 
 
 @rule("HANG003", family=FAMILY, severity=Severity.CRITICAL, title="A collective that every rank entered does not end",

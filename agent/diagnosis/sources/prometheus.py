@@ -6,8 +6,9 @@ per node), so the cost stays flat from 1 node to 1,024. Nodes are named by ``gpu
 label, which Prometheus renames ``exported_job`` unless the scrape honours labels.
 
 A rank's environment is the part of it that rules read (``gpuwatch_train_env_info``, one series per variable
-set; ``schema.EXPORTED_ENV``). What Prometheus does not carry stays unknown (None): ranks' process groups,
-network interfaces, and the environment of a rank that set none of the exported variables. Error counters
+set; ``schema.EXPORTED_ENV``), and its process groups as runs of ranks (``gpuwatch_train_process_group_info``).
+What Prometheus does not carry stays unknown (None): a group too large to export, network interfaces, and the
+environment of a rank that set none of the exported variables. Error counters
 become increases over ``WINDOW``, which a single agent snapshot cannot give.
 """
 
@@ -22,8 +23,10 @@ from typing import Any
 from gpuwatch.agent.collectors.host import CPUS
 from gpuwatch.agent.collectors.infiniband import PHYS_STATES, PORT_STATES
 from gpuwatch.agent.collectors.telemetry import (
+    CALLS,
     COUNTERS,
     EXITED,
+    GROUP_INFO,
     IN_FLIGHT,
     LAST_STEP,
     MEMORY_GAUGES,
@@ -55,6 +58,7 @@ from gpuwatch.agent.diagnosis.facts import (
 from gpuwatch.agent.diagnosis.sources import HTTP_TIMEOUT, SourceError, http_json
 from gpuwatch.agent.diagnosis.sources.collectors import GPU_GAUGES_READ, PARTS, hca_model, read_by
 from gpuwatch.agent.telemetry.window import WindowSummary
+from gpuwatch.protocol.ranks import parse_members
 
 #: Window of the error-counter increases.
 WINDOW = "10m"
@@ -78,7 +82,7 @@ _RANK_SERIES = "|".join(["gpuwatch_train_rank_info", "gpuwatch_train_env_info", 
                          "gpuwatch_train_param_checksum", "gpuwatch_train_grad_cosine_similarity",
                          "gpuwatch_train_collective_seconds_count", "gpuwatch_train_collective_seconds_sum",
                          "gpuwatch_train_collective_bytes_total", WINDOW_MEDIAN, UNAVAILABLE, STALLED, PHASE,
-                         IN_FLIGHT, EXITED, RAISED,
+                         IN_FLIGHT, EXITED, RAISED, CALLS, GROUP_INFO,
                          *(spec.name for spec in WINDOW_GAUGES), *_STEP_GAUGES, *_RANK_COUNTERS])
 _RANK_KEY = "instance, job, exported_job, rank"
 
@@ -285,6 +289,8 @@ class _Reader:
                 labels_of[key] = (node, labels)
             elif name == "gpuwatch_train_env_info":
                 series[key].setdefault("env", {})[labels["name"]] = labels.get("value", "")
+            elif name == CALLS:  # before the collective_ families, whose series carry an op
+                series[key].setdefault("collective_calls", {})[labels["group"]] = int(_value(sample))
             elif name.startswith("gpuwatch_train_collective_"):
                 series[key].setdefault("collectives", {}).setdefault(labels["op"], {})[name] = _value(sample)
             elif name == WINDOW_MEDIAN:
@@ -295,6 +301,8 @@ class _Reader:
                 series[key]["phase"] = labels["phase"]
             elif name == IN_FLIGHT:
                 series[key]["in_flight"] = (labels["op"], labels["group"], int(_value(sample)))
+            elif name == GROUP_INFO:
+                series[key].setdefault("process_groups", {})[labels["group"]] = list(parse_members(labels["members"]))
             elif name == RAISED:
                 series[key]["raised"] = (f"{labels['type']}: {labels['message']}", _value(sample))
             else:
@@ -359,6 +367,7 @@ class _Reader:
         last = None
         if last_step is not None:
             last = StepFacts(step=int(last_step), memory_kind=values.get("memory_kind"),
+                             collective_calls=values.get("collective_calls"),
                              **{field: values.get(name) for name, field in _STEP_GAUGES.items()})
         collectives = {
             op: CollectiveFacts(op=op, count=int(stats.get("gpuwatch_train_collective_seconds_count", 0)),
@@ -378,7 +387,8 @@ class _Reader:
         counters: dict[str, Any] = {field: _int_or_none(values.get(name)) for name, field in _RANK_COUNTERS.items()}
         return RankFacts(
             job=job, rank=rank, node=node.name, layout=layout, gpu_index=gpu_index, gpu_uuid=gpu_uuid,
-            env=values.get("env"), backends={"default": backend} if backend else None,
+            env=values.get("env"), process_groups=values.get("process_groups"),
+            backends={"default": backend} if backend else None,
             faults=tuple(filter(None, labels.get("faults", "").split(","))), last=last,
             window=_window(values), unavailable=values.get("unavailable"),
             collectives=collectives or None, param_checksum=sampled("gpuwatch_train_param_checksum"),
@@ -388,17 +398,21 @@ class _Reader:
 
 def _progress(values: dict[str, Any], layout: Layout, last: StepFacts | None) -> ProgressFacts | None:
     """An overdue rank's progress as its agent exports it: no stack and no overdue mark (the rules' own stall
-    threshold decides), the error of a step that raised with the time it was sent, and group members for the
-    default group only (the world; the hello's other groups are not exported, so the rules fall back to who is
-    stuck outside any collective)."""
+    threshold decides), the error of a step that raised with the time it was sent, and the in-flight group's
+    members from the exported process groups (`gpuwatch_train_process_group_info`; "default" the world). A group
+    whose members were too many to export has none, and the rules fall back to who is stuck outside any
+    collective."""
     stalled = values.get(STALLED)
     if stalled is None or "phase" not in values:
         return None
     in_flight = None
     if "in_flight" in values:
         op, group, seq = values["in_flight"]
-        members = tuple(range(layout.world_size)) if group == "default" else None
-        in_flight = InFlightFacts(op=op, group=group, members=members, seq=seq, seconds=stalled)
+        members = values.get("process_groups", {}).get(group)
+        if members is None and group == "default":
+            members = range(layout.world_size)
+        in_flight = InFlightFacts(op=op, group=group, members=tuple(members) if members is not None else None,
+                                  seq=seq, seconds=stalled)
     error, raised_at = values.get("raised", (None, None))
     return ProgressFacts(step=last.step if last is not None else 0, phase=values["phase"], stalled_seconds=stalled,
                          overdue_seconds=0.0, collective=in_flight, error=error, time=raised_at)

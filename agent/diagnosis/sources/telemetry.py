@@ -69,6 +69,7 @@ def step(body: Mapping[str, Any]) -> StepFacts:
         dataloader_wait_seconds=body.get("dataloader_wait_seconds"),
         exposed_collective_seconds=body.get("exposed_collective_seconds"),
         gradient_sync_bytes=body.get("gradient_sync_bytes"),
+        collective_calls=dict(body["collective_calls"]) if "collective_calls" in body else None,
         bubble_ratio=pipeline.get("bubble_ratio"), bubble_ratio_theoretical=pipeline.get("bubble_ratio_theoretical"),
         loss=_maybe_nonfinite(body.get("loss")), grad_norm=_maybe_nonfinite(body.get("grad_norm")),
         loss_scale=body.get("loss_scale"),

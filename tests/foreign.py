@@ -40,7 +40,9 @@ from conftest import AgentProcess, PrometheusServer, wait_until
 
 WORKLOADS = Path(__file__).resolve().parent / "workloads"
 #: The user-style scripts, each runnable as ``torchrun ... X.py [--steps S] [--fault F] [--fault-rank R]``.
-SCRIPTS = ("ddp_tutorial", "grad_accumulation", "tiny_lm")
+SCRIPTS = ("ddp_tutorial", "grad_accumulation", "tiny_lm", "plain_ddp")
+#: The command a workload runs under to be measured from outside (``plain_ddp`` imports nothing of gpuwatch).
+GPUWATCH_RUN = (sys.executable, "-m", "gpuwatch.cli.main", "run", "--")
 #: A finding at these severities on a healthy run is a false alarm.
 SERIOUS = ("warning", "critical")
 #: The node the user's agent ran on: a simulated DGX H100 (8 GPUs, NVLink, 8 active InfiniBand ports).
@@ -158,6 +160,8 @@ class Workload:
     fault_rank: int | None = None
     env: dict[str, str] = field(default_factory=dict)  # added to the ranks' environment (e.g. NCCL_IB_DISABLE)
     job: str = ""
+    args: tuple[str, ...] = ()  # more of the script's own arguments
+    wrapper: tuple[str, ...] = ()  # what torchrun runs under, e.g. GPUWATCH_RUN
 
     def __post_init__(self) -> None:
         if self.script not in SCRIPTS:
@@ -172,8 +176,8 @@ class Workload:
         return self.nproc - 1 if self.fault_rank is None else self.fault_rank
 
     def command(self) -> list[str]:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                   str(self.nproc), str(WORKLOADS / f"{self.script}.py"), "--steps", str(self.steps)]
+        command = [*self.wrapper, sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                   str(self.nproc), str(WORKLOADS / f"{self.script}.py"), "--steps", str(self.steps), *self.args]
         if self.fault != "none":
             command += ["--fault", self.fault]
         if self.fault_rank is not None:
@@ -233,8 +237,8 @@ def launched(workload: Workload, agent: AgentProcess, workdir: Path) -> Iterator
 
 
 def _stop(torchrun: subprocess.Popen) -> None:
-    """SIGTERM to torchrun, which passes it on to its workers; SIGKILL after a grace period; then any worker
-    still alive, by its pid (torchrun starts each in a session of its own, so no group signal reaches them)."""
+    """SIGTERM to torchrun (or the wrapper it runs under), which passes it on to its workers; SIGKILL after a grace
+    period; then any worker still alive, by its pid (torchrun starts each in a session of its own, so no group signal reaches them)."""
     if torchrun.poll() is not None:
         return
     try:

@@ -238,7 +238,8 @@ def launched(workload: Workload, agent: AgentProcess, workdir: Path) -> Iterator
 
 def _stop(torchrun: subprocess.Popen) -> None:
     """SIGTERM to torchrun (or the wrapper it runs under), which passes it on to its workers; SIGKILL after a grace
-    period; then any worker still alive, by its pid (torchrun starts each in a session of its own, so no group signal reaches them)."""
+    period; then any worker still alive, by its pid (torchrun starts each in a session of its own, so no group signal
+    reaches them)."""
     if torchrun.poll() is not None:
         return
     try:

@@ -246,3 +246,18 @@ def test_the_hidden_sitecustomize_still_runs_and_no_torch_is_imported(tmp_path):
     result = subprocess.run([*GPUWATCH_RUN, sys.executable, "-c", probe], capture_output=True, text=True, env=env,
                             timeout=60)
     assert result.stdout.split() == ["ran", "False", "True"], result.stderr
+
+
+def test_a_rule_short_of_what_gpuwatch_run_cannot_see_says_so():
+    """NCCL005 needs per-call collective timings; ranks measured from outside have DDP's all-reduce only as a tail per
+    backward, and their hello says so: the reason it did not run names that, not a generic gap."""
+    from diagnose_facts import facts, rank
+
+    from gpuwatch.agent.diagnosis import needs
+
+    outside = facts(ranks=[rank(r, dp=2, unavailable_from_outside=("ddp_bucket_latency",)) for r in (0, 1)])
+    reason = needs.COLLECTIVES.available(outside)
+    assert reason is not None and "ranks 0-1 of job job-1 measured from outside (gpuwatch run)" in reason
+    assert UNAVAILABLE_FROM_OUTSIDE["ddp_bucket_latency"] in reason
+    inside = needs.COLLECTIVES.available(facts(ranks=[rank(r, dp=2) for r in (0, 1)]))
+    assert inside is not None and "gpuwatch run" not in inside

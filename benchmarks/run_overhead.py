@@ -27,6 +27,9 @@ from pathlib import Path
 #: name → (hidden width, batch, steps measured, warm-up steps): a ~2 ms step and a ≥ 50 ms one on 2 CPU cores.
 SIZES = {"small": (512, 64, 400, 50), "large": (16384, 256, 40, 5)}
 ARMS = ("off", "on", "floor")
+#: A run that fails is run again, this many times: gloo on the CPU now and then aborts a rank as it shuts down
+#: ("terminate called without an active exception"), with or without gpuwatch; the failure is printed.
+RETRIES = 2
 GPUWATCH_RUN = (sys.executable, "-m", "gpuwatch.cli.main", "run", "--")
 
 
@@ -54,6 +57,7 @@ def worker(width: int, batch: int, steps: int, warmup: int, out: Path) -> None:
     thread, wall = time.thread_time() - thread, time.perf_counter() - wall
     if dist.get_rank() == 0:
         out.write_text(json.dumps({"thread_us": thread / steps * 1e6, "wall_us": wall / steps * 1e6}))
+    dist.barrier()  # both ranks done before gloo is torn down
     dist.destroy_process_group()
 
 
@@ -65,10 +69,13 @@ def _arm(arm: str, size: str, steps: int, scratch: Path) -> dict[str, float]:
                "--steps", str(steps or default_steps), "--warmup", str(warmup)]
     env = {name: value for name, value in os.environ.items() if not name.startswith("GPUWATCH_")}
     env["GPUWATCH_SOCKET"] = str(scratch / "nobody-listens.sock")
-    result = subprocess.run(command, env=env, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"the {arm} run of {size} exited {result.returncode}:\n{result.stderr[-3000:]}")
-    return json.loads(out.read_text())
+    for attempt in range(RETRIES + 1):
+        result = subprocess.run(command, env=env, capture_output=True, text=True)
+        if result.returncode == 0:
+            return json.loads(out.read_text())
+        print(f"  ({arm} run of {size}, attempt {attempt + 1}, exited {result.returncode}: "
+              f"{result.stderr.strip().splitlines()[-1] if result.stderr.strip() else 'no output'})", flush=True)
+    raise RuntimeError(f"the {arm} run of {size} failed {RETRIES + 1} times:\n{result.stderr[-3000:]}")
 
 
 def _spread(values: list[float]) -> str:

@@ -261,3 +261,36 @@ def test_a_rule_short_of_what_gpuwatch_run_cannot_see_says_so():
     assert UNAVAILABLE_FROM_OUTSIDE["ddp_bucket_latency"] in reason
     inside = needs.COLLECTIVES.available(facts(ranks=[rank(r, dp=2) for r in (0, 1)]))
     assert inside is not None and "gpuwatch run" not in inside
+
+
+def _train(run_log: Path | None, steps: int) -> tuple[list[str], dict[int, list[dict]]]:
+    """`gpuwatch train --no-telemetry` (pp=2: two forked ranks, the last stage computing the loss), under `gpuwatch
+    run --run-log run_log` unless None: its printed steps without their timings, and the step records by rank."""
+    train = [sys.executable, "-m", "gpuwatch.cli.main", "train", "--tp", "1", "--pp", "2", "--dp", "1", "--steps",
+             str(steps), "--no-telemetry"]
+    command = [*GPUWATCH_RUN[:-1], "--run-log", str(run_log), "--", *train] if run_log is not None else train
+    result = subprocess.run(command, capture_output=True, text=True, timeout=foreign.RUN_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-4000:]
+    printed = [line.rsplit(" lr ", 1)[0] for line in result.stdout.splitlines() if line.startswith("step ")]
+    records: dict[int, list[dict]] = {}
+    for path in sorted(run_log.glob("*.jsonl")) if run_log is not None else ():
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if record["kind"] == "step":
+                records.setdefault(record["rank"], []).append(record)
+    return printed, records
+
+
+def test_the_reference_trainer_without_its_telemetry_is_measured_from_outside_and_unchanged(tmp_path):
+    """The reference trainer's own launcher forks its ranks and ends each in os._exit: every step still arrives (the
+    Monitor is closed as the process group is destroyed), the last stage's loss is the one it prints, and what it
+    prints (loss, gradient norm) is the same with and without gpuwatch run."""
+    steps = 6
+    measured, records = _train(tmp_path / "log", steps)
+    unmeasured, _ = _train(None, steps)
+    assert len(measured) == steps and measured == unmeasured
+    assert sorted(records) == [0, 1]
+    assert all([r["step"] for r in records[rank]] == list(range(1, steps + 1)) for rank in (0, 1))
+    assert all("loss" not in r for r in records[0])  # the first stage's backward starts from activations
+    printed_losses = [line.split(" loss ")[1].split()[0] for line in measured]
+    assert [f"{r['loss']:.4f}" for r in records[1]] == printed_losses

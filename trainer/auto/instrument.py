@@ -14,7 +14,8 @@ the gradient cosine and norm on measuring steps). From then on one step per opti
   https://pytorch.org/docs/stable/generated/torch.nn.modules.module.register_module_forward_pre_hook.html),
   registered for one call a step so that the model's own modules run their forwards without it; compute from there
   to the optimizer step, optimizer the step itself;
-* its loss is the sum of the one-element tensors `backward()` was called on in it (`Tensor.backward`, wrapped):
+* its loss is the sum of the one-element tensors `backward()` was called on in it (`torch.autograd.backward`,
+  wrapped, which `Tensor.backward` calls):
   the loss itself with one backward a step, the step's mean loss where each micro-batch's loss is divided by the
   micro-batches, as gradient accumulation does. Read as the Monitor reads a reported tensor: on the CPU with the
   record, on a GPU copied without a sync and read a step or two later;
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import multiprocessing.util
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -98,9 +100,10 @@ class AutoMonitor:
     def install(self) -> None:
         register_optimizer_step_pre_hook(self._before_optimizer_step)
         register_optimizer_step_post_hook(self._after_optimizer_step)
-        torch.Tensor.backward = self._wrap_backward(torch.Tensor.backward)  # type: ignore[method-assign]
+        torch.autograd.backward = self._wrap_backward(torch.autograd.backward)  # Tensor.backward calls it too
         if dist.is_available():
             self._patch(dist.distributed_c10d, "init_process_group", self._wrap_init_process_group)
+            self._patch(dist.distributed_c10d, "destroy_process_group", self._wrap_destroy_process_group)
             for name, op in COLLECTIVES.items():
                 self._patch(dist.distributed_c10d, name, functools.partial(self._wrap_collective, op))
 
@@ -126,6 +129,30 @@ class AutoMonitor:
 
         return wrapper
 
+    def _wrap_destroy_process_group(self, destroy_process_group: Callable) -> Callable:
+        @functools.wraps(destroy_process_group)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not args and kwargs.get("group") is None:  # the default group: training is over
+                self._close()
+            return destroy_process_group(*args, **kwargs)
+
+        return wrapper
+
+    def _close(self) -> None:
+        """Send the last steps and close the Monitor while the process still runs: a launcher's rank may end in
+        os._exit right after (the reference trainer's does), past atexit and multiprocessing's finalizers."""
+        try:
+            monitor, self.monitor = self.monitor, None
+            self.step = None
+            self._close_phase()
+            if self._first_forward is not None:
+                self._first_forward.remove()
+                self._first_forward = None
+            if monitor is not None:
+                monitor.close()
+        except Exception as error:
+            self.failures.record("AutoMonitor._close", error)
+
     def _await_forward(self) -> None:
         """Have the next module forward call `_on_first_forward`."""
         try:
@@ -144,6 +171,9 @@ class AutoMonitor:
             if self.monitor is None:
                 self.monitor = Monitor(module, hello={"framework": detect_framework(),
                                                       "unavailable_from_outside": list(UNAVAILABLE_FROM_OUTSIDE)})
+                # A multiprocessing child (a launcher's forked or spawned rank) ends in os._exit, past atexit: its
+                # last steps would be lost without closing at multiprocessing's own exit
+                multiprocessing.util.Finalize(self.monitor, self.monitor.close, exitpriority=0)
                 self._open_step()
             if self.step is not None:
                 self._enter(self.step.compute())
@@ -200,14 +230,19 @@ class AutoMonitor:
             self.failures.record("AutoMonitor._after_optimizer_step", error)
 
     def _wrap_backward(self, backward: Callable) -> Callable:
+        """`torch.autograd.backward`, keeping a loss: the one one-element tensor a backward starts from with the
+        implicit gradient 1 (`loss.backward()`, or a pipeline's last stage calling autograd itself); a backward
+        from activations and their gradients (a pipeline's other stages) is no loss."""
         @functools.wraps(backward)
-        def wrapper(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        def wrapper(tensors: Any, grad_tensors: Any = None, *args: Any, **kwargs: Any) -> Any:
             try:
-                if self.step is not None and tensor.numel() == 1:
-                    self.losses.append(tensor.detach())
+                if self.step is not None and grad_tensors is None:
+                    loss = tensors[0] if isinstance(tensors, (list, tuple)) and len(tensors) == 1 else tensors
+                    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+                        self.losses.append(loss.detach())
             except Exception as error:
                 self.failures.record("AutoMonitor.backward", error)
-            return backward(tensor, *args, **kwargs)
+            return backward(tensors, grad_tensors, *args, **kwargs)
 
         return wrapper
 

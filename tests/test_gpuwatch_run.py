@@ -294,3 +294,16 @@ def test_the_reference_trainer_without_its_telemetry_is_measured_from_outside_an
     assert all("loss" not in r for r in records[0])  # the first stage's backward starts from activations
     printed_losses = [line.split(" loss ")[1].split()[0] for line in measured]
     assert [f"{r['loss']:.4f}" for r in records[1]] == printed_losses
+
+
+def test_the_overhead_benchmark_runs_every_arm():
+    """benchmarks/run_overhead.py at a tiny size: it prints the machine, and off, on and the floor for the step."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "run_overhead.py"
+    result = subprocess.run([sys.executable, str(script), "--rounds", "1", "--steps", "5", "--only", "small"],
+                            capture_output=True, text=True, timeout=foreign.RUN_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = result.stdout.splitlines()
+    assert lines[1].startswith("machine: ") and lines[2].startswith("load average before: ")
+    assert any(line.startswith("MLP 128-512-16, batch 64, 5 steps a run") for line in lines), result.stdout
+    assert sum(line.strip().startswith(("on - off", "floor - off")) for line in lines) == 2, result.stdout
+    assert lines[-1].startswith("load average after: ")

@@ -33,7 +33,8 @@ class LazyGroup(click.Group):
     lazy={"agent": ("gpuwatch.agent.cli", "agent"), "train": ("gpuwatch.trainer.cli", "train"),
           "diagnose": ("gpuwatch.agent.diagnosis.cli", "diagnose"), "probe": ("gpuwatch.trainer.probe", "probe"),
           "alerts": ("gpuwatch.alerts.cli", "alerts"),
-          "dashboards": ("gpuwatch.dashboards.cli", "dashboards"), "demo": ("gpuwatch.cli.demo", "demo")},
+          "dashboards": ("gpuwatch.dashboards.cli", "dashboards"), "demo": ("gpuwatch.cli.demo", "demo"),
+          "run": ("gpuwatch.cli.run", "run")},
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
 @click.version_option(__version__, prog_name="gpuwatch")

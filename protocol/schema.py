@@ -32,6 +32,12 @@ that restarted learns the rank's layout and a hung-but-alive rank does not expir
     backends?           {name: label}  the backend ("nccl", "gloo", ...) of each process group the rank
                                      uses, by the names of ``process_groups``, plus "default" for the
                                      default (world) group: NCCL rules judge only jobs that use NCCL
+    framework?          label        the training framework loaded, as ``gpuwatch run`` tells it
+                                     (``FRAMEWORKS``: torchtitan, megatron, lightning, transformers,
+                                     accelerate, plain)
+    unavailable_from_outside?  [signal]  what a rank instrumented from outside (``gpuwatch run``) cannot
+                                     measure, signals of ``UNAVAILABLE_FROM_OUTSIDE``: the rules that need
+                                     them say so instead of judging
 
 ``step`` — one per reported step. Count-like fields (collectives, tokens, alloc_retries, ooms) are
 *this step's* increments; the agent accumulates them into counters::
@@ -182,6 +188,19 @@ UNAVAILABLE_REASONS: Mapping[str, str] = {
     "no_gradient_seen": "no gradient reached the hooks this step (no backward, or no DDP bucket was reduced)",
     "no_data_parallel_group": "the rank has no data-parallel peers (data-parallel size 1)",
     "no_parameters": "the Monitor was given no model, so it has no parameters to read",
+}
+#: The frameworks ``gpuwatch run`` tells apart (a hello's ``framework``), "plain" for a loop of the user's own.
+FRAMEWORKS = ("torchtitan", "megatron", "lightning", "transformers", "accelerate", "plain")
+#: What a rank instrumented from outside (``gpuwatch run``, no code of the user's calling gpuwatch) cannot measure,
+#: and why: its hello lists them (``unavailable_from_outside``).
+UNAVAILABLE_FROM_OUTSIDE: Mapping[str, str] = {
+    "tokens": "the tokens a step processes are known to the training loop only",
+    "samples": "the samples a step processes are known to the training loop only",
+    "mfu": "model FLOP/s and MFU need the tokens per step and the model's FLOPs per token",
+    "loss_scale": "an AMP grad scaler's scale is not seen from outside (and the loss reported is the tensor "
+                  "backward() was called on: a scaled one under a scaler)",
+    "pipeline": "a pipeline schedule's busy and idle time needs the schedule's own marks",
+    "ddp_bucket_latency": "DDP's C++ all-reduce is timed as one tail per backward, not per bucket",
 }
 #: What ``gpuwatch probe`` measures, and how it names the path its traffic took.
 PROBE_OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -506,6 +525,8 @@ _HELLO = _object(
         "env": _environment,
         "faults": _list(_label(64), 32),
         "backends": _mapping(_label(64), _label(32), 17),
+        "framework": _choice(*FRAMEWORKS),
+        "unavailable_from_outside": _list(_choice(*UNAVAILABLE_FROM_OUTSIDE), len(UNAVAILABLE_FROM_OUTSIDE)),
     },
 )
 

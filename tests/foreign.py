@@ -41,6 +41,10 @@ from conftest import AgentProcess, PrometheusServer, wait_until
 WORKLOADS = Path(__file__).resolve().parent / "workloads"
 #: The user-style scripts, each runnable as ``torchrun ... X.py [--steps S] [--fault F] [--fault-rank R]``.
 SCRIPTS = ("ddp_tutorial", "grad_accumulation", "tiny_lm")
+#: Scripts with no gpuwatch import, measured only from outside (run under GPUWATCH_RUN), same options.
+UNMODIFIED_SCRIPTS = ("plain_ddp",)
+#: The command a workload runs under to be measured from outside.
+GPUWATCH_RUN = (sys.executable, "-m", "gpuwatch.cli.main", "run", "--")
 #: A finding at these severities on a healthy run is a false alarm.
 SERIOUS = ("warning", "critical")
 #: The node the user's agent ran on: a simulated DGX H100 (8 GPUs, NVLink, 8 active InfiniBand ports).
@@ -158,10 +162,12 @@ class Workload:
     fault_rank: int | None = None
     env: dict[str, str] = field(default_factory=dict)  # added to the ranks' environment (e.g. NCCL_IB_DISABLE)
     job: str = ""
+    args: tuple[str, ...] = ()  # more of the script's own arguments
+    wrapper: tuple[str, ...] = ()  # what torchrun runs under, e.g. GPUWATCH_RUN
 
     def __post_init__(self) -> None:
-        if self.script not in SCRIPTS:
-            raise ValueError(f"unknown workload {self.script!r}; known: {', '.join(SCRIPTS)}")
+        if self.script not in SCRIPTS + UNMODIFIED_SCRIPTS:
+            raise ValueError(f"unknown workload {self.script!r}; known: {', '.join(SCRIPTS + UNMODIFIED_SCRIPTS)}")
         self.job = self.job or f"{self.script}-{self.nproc}r-{self.fault}-{uuid.uuid4().hex[:6]}"
 
     @property
@@ -172,8 +178,8 @@ class Workload:
         return self.nproc - 1 if self.fault_rank is None else self.fault_rank
 
     def command(self) -> list[str]:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                   str(self.nproc), str(WORKLOADS / f"{self.script}.py"), "--steps", str(self.steps)]
+        command = [*self.wrapper, sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                   str(self.nproc), str(WORKLOADS / f"{self.script}.py"), "--steps", str(self.steps), *self.args]
         if self.fault != "none":
             command += ["--fault", self.fault]
         if self.fault_rank is not None:
@@ -233,8 +239,9 @@ def launched(workload: Workload, agent: AgentProcess, workdir: Path) -> Iterator
 
 
 def _stop(torchrun: subprocess.Popen) -> None:
-    """SIGTERM to torchrun, which passes it on to its workers; SIGKILL after a grace period; then any worker
-    still alive, by its pid (torchrun starts each in a session of its own, so no group signal reaches them)."""
+    """SIGTERM to torchrun (or the wrapper it runs under), which passes it on to its workers; SIGKILL after a grace
+    period; then any worker still alive, by its pid (torchrun starts each in a session of its own, so no group signal
+    reaches them)."""
     if torchrun.poll() is not None:
         return
     try:

@@ -29,6 +29,7 @@ import errno
 import json
 import logging
 import os
+import secrets
 import socket
 import sys
 import threading
@@ -92,6 +93,11 @@ def captured_environment(environ: Mapping[str, str] = os.environ) -> dict[str, s
             if len(kept) == MAX_ENV_VARS:
                 break
     return kept
+
+
+def new_job_id() -> str:
+    """A job id for a job that has none from its launcher: the time it started and 6 random hex digits."""
+    return f"gpuwatch-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
 def run_log_file(path: str | os.PathLike[str], rank: int) -> Path:

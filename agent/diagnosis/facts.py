@@ -297,6 +297,8 @@ class RankFacts:
     #: The backend of each process group ("default": the world group's), from the hello; None when unknown.
     backends: dict[str, str] | None = None
     faults: tuple[str, ...] = ()
+    #: What the rank, measured from outside (`gpuwatch run`), could not measure (``schema.UNAVAILABLE_FROM_OUTSIDE``).
+    unavailable_from_outside: tuple[str, ...] = ()
     last: StepFacts | None = None
     #: Robust figures over the rank's recent steps (``telemetry.window``): what the timing rules judge.
     window: WindowSummary | None = None

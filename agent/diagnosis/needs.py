@@ -8,7 +8,7 @@ from collections.abc import Callable
 from gpuwatch.agent.diagnosis.facts import RATED_BY, Facts, RankFacts, describe_ranks, group_by, may_use_nccl
 from gpuwatch.agent.diagnosis.registry import Need
 from gpuwatch.agent.telemetry.window import MIN_WINDOW_STEPS
-from gpuwatch.protocol.schema import UNAVAILABLE_REASONS
+from gpuwatch.protocol.schema import UNAVAILABLE_FROM_OUTSIDE, UNAVAILABLE_REASONS
 
 
 def _node_part(part: str, what: str) -> Need:
@@ -26,9 +26,11 @@ def _node_part(part: str, what: str) -> Need:
     return Need(what, available)
 
 
-def _rank_fact(what: str, present: Callable[[RankFacts], bool], hint: str, signal: str | None = None) -> Need:
+def _rank_fact(what: str, present: Callable[[RankFacts], bool], hint: str, signal: str | None = None,
+               outside: str | None = None) -> Need:
     """A per-rank fact present on at least one rank. For a ``signal`` the ranks may report unavailable
-    (``schema.UNAVAILABLE_SIGNALS``), the reason they gave is the reason the rule could not run."""
+    (``schema.UNAVAILABLE_SIGNALS``), the reason they gave is the reason the rule could not run; for one a rank
+    measured from outside cannot see (``outside``, in ``schema.UNAVAILABLE_FROM_OUTSIDE``), the hello said so."""
 
     def available(facts: Facts) -> str | None:
         if not facts.ranks:
@@ -41,6 +43,10 @@ def _rank_fact(what: str, present: Callable[[RankFacts], bool], hint: str, signa
                 f"{describe_ranks(ranks)} of job {job} reported it unavailable: "
                 f"{UNAVAILABLE_REASONS.get(reason, reason)}"
                 for (job, reason), ranks in group_by(said, lambda r: (r.job, r.unavailable[signal])))
+        if outside is not None and (blind := [r for r in facts.ranks if outside in r.unavailable_from_outside]):
+            return f"no {what}: " + "; ".join(
+                f"{describe_ranks(ranks)} of job {job} measured from outside (gpuwatch run), where "
+                f"{UNAVAILABLE_FROM_OUTSIDE[outside]}" for job, ranks in group_by(blind, lambda r: r.job))
         return f"no {what}: {hint}"
 
     return Need(what, available)
@@ -156,7 +162,8 @@ EXPOSED_COLLECTIVES = _rank_fact("exposed collective time over a window",
                                  _windowed("exposed_collective_seconds"),
                                  f"step records lack exposed_collective_seconds, {_FEW_STEPS}")
 PIPELINE = Need("pipeline bubble or micro-batches", _pipeline_available)
-COLLECTIVES = _rank_fact("collective timings", lambda r: bool(r.collectives), "step records lack collectives")
+COLLECTIVES = _rank_fact("collective timings", lambda r: bool(r.collectives), "step records lack collectives",
+                         outside="ddp_bucket_latency")
 CUDA_MEMORY = _rank_fact("CUDA allocator figures", _has_cuda_memory,
                          "step records carry no CUDA memory (CPU ranks report host RSS only)")
 GPU_CAPACITY = Need("GPU memory capacity", _capacity_available)

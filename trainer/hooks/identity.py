@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 import socket
 import time
 from collections.abc import Mapping
@@ -15,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from gpuwatch.protocol.schema import SCHEMA_VERSION
-from gpuwatch.trainer.telemetry import captured_environment
+from gpuwatch.trainer.telemetry import captured_environment, new_job_id
 
 #: Where the job id comes from when none is given, in order. torchrun's run id is "none" unless set.
 JOB_VARIABLES = ("GPUWATCH_JOB", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
@@ -72,7 +71,7 @@ def resolve_job(explicit: str | None = None, environ: Mapping[str, str] = os.env
     for candidate in (explicit, *(environ.get(name) for name in JOB_VARIABLES)):
         if candidate and candidate != "none":
             return label(candidate)
-    job = [f"gpuwatch-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"]
+    job = [new_job_id()]
     if _distributed() and dist.get_world_size() > 1:
         dist.broadcast_object_list(job, src=0)
     return job[0]

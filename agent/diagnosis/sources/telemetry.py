@@ -127,6 +127,7 @@ def rank_facts(
         if "process_groups" in hello else None,
         cpus=hello.get("cpus"), backends=dict(hello["backends"]) if "backends" in hello else None,
         faults=tuple(hello.get("faults", ())),
+        unavailable_from_outside=tuple(hello.get("unavailable_from_outside", ())),
         last=step(last_step) if last_step else None,
         window=summarize(window),
         unavailable=missing or None,

@@ -1,0 +1,309 @@
+"""``gpuwatch run -- COMMAND…``: a user's script with no gpuwatch import (tests/workloads/plain_ddp.py), measured from
+outside, under torchrun with gloo on the CPU, reporting to a real simulated agent and a run log (tests/foreign.py).
+
+What must hold: every rank reports one step record per optimizer step (gradient accumulation included), with the loss
+the script computed and its learning rate; the script's losses are bit for bit those of a run without gpuwatch; the
+diagnosis names a planted straggler, duplicated shards and a stuck rank as it does for an instrumented script; an
+exception inside the injected code never reaches training; the wrapper passes signals on and exits with the
+command's status; the injected sitecustomize imports no torch of its own and still runs the one it hides. No test
+looks at a timing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import foreign
+import pytest
+from foreign import GPUWATCH_RUN, Run, Workload, launched, ranks_named, simulated_agent
+from test_e2e_faults import by_rank
+
+from gpuwatch.protocol.schema import UNAVAILABLE_FROM_OUTSIDE
+from gpuwatch.trainer.auto import SITE_DIRECTORY, instrumented_environment
+
+from conftest import wait_until
+
+pytestmark = pytest.mark.integration
+
+#: Three gradient-similarity samples (every 10 steps) and an LR drop (StepLR every 10 steps) in a run.
+STEPS = 30
+#: A sleeping rank costs 0.3 s a step: 20 steps show it plainly.
+SLOW_STEPS = 20
+#: Long enough for the watchdog (3 s floor, 5 × the median step) plus the rules' 5 s and a few rounds.
+FOUND_TIMEOUT_S = 90.0
+#: Plants an exception in the injected code, then runs the script given as its first argument as __main__; at exit
+#: writes what the instrumentation counted to $FAILURES_DIR/rank-R.json.
+RAISING_DRIVER = '''
+import atexit, json, os, runpy, sys
+import torch
+from gpuwatch.trainer.auto import instrument
+
+def planted(losses):
+    raise RuntimeError("planted in the injected code")
+
+instrument._total = planted
+counts = instrument.active.failures.counts
+out = os.path.join(os.environ["FAILURES_DIR"], "rank-" + os.environ["RANK"] + ".json")
+atexit.register(lambda: open(out, "w").write(json.dumps(dict(counts))))
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+
+def _plain(steps: int = STEPS, fault: str = "none", fault_rank: int | None = None, *args: str,
+           wrapped: bool = True) -> Workload:
+    return Workload("plain_ddp", 2, steps, fault, fault_rank, args=args, wrapper=GPUWATCH_RUN if wrapped else ())
+
+
+def _losses(directory: Path) -> dict[int, list[float]]:
+    """{rank: the losses the script computed, exactly}, from its --losses directory."""
+    return {int(path.stem.split("-")[1]): [float.fromhex(text) for text in json.loads(path.read_text())]
+            for path in sorted(directory.glob("rank-*.json"))}
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory):
+    with simulated_agent(tmp_path_factory.mktemp("agent")) as agent:
+        yield agent
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="module")
+def runs(agent, workdir) -> Callable[..., Run]:
+    """``runs(workload_key, workload)``: the finished run, made on first use and shared by the tests."""
+    made: dict[str, Run] = {}
+
+    def get(key: str, workload: Workload) -> Run:
+        if key not in made:
+            made[key] = foreign.run(workload, agent, workdir)
+        return made[key]
+
+    return get
+
+
+def _with_losses(workdir: Path, name: str, steps: int = STEPS, *args: str, wrapped: bool = True) -> Workload:
+    return _plain(steps, "none", None, "--losses", str(workdir / name), *args, wrapped=wrapped)
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_every_rank_reports_each_optimizer_step_with_the_scripts_loss(runs, workdir, accumulate):
+    run = runs(f"healthy-{accumulate}", _with_losses(workdir, f"losses-{accumulate}", STEPS, "--accumulate",
+                                                     str(accumulate)))
+    assert [r["rank"] for r in run.ranks] == [0, 1]
+    for rank in run.ranks:  # the agent took the hello's new fields
+        assert rank["hello"]["framework"] == "plain"
+        assert set(rank["hello"]["unavailable_from_outside"]) == set(UNAVAILABLE_FROM_OUTSIDE)
+    computed = _losses(workdir / f"losses-{accumulate}")
+    steps = run.run_log_steps()
+    assert sorted(steps) == [0, 1]
+    for rank, records in steps.items():
+        assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # one per optimizer step
+        reported = [r["loss"] for r in records]
+        if accumulate == 1:  # the tensor backward() was called on, as the script read it
+            assert reported == computed[rank]
+        else:  # the sum of the micro-batches' divided losses: in float32 here, in float64 in the script
+            assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(reported, computed[rank], strict=True))
+        assert [r["lr"] for r in records] == [0.1] * 10 + [0.05] * 10 + [0.025] * 10  # StepLR, read in the hook
+        # DDP's all-reduce watched every step; the script's logging all_reduce timed, after each optimizer step
+        assert all(r["gradient_sync_bytes"] > 0 and "compute_seconds" in r for r in records)
+        assert [r.get("collectives", {}).get("all_reduce", {}).get("count") for r in records] == \
+            [None] + [1] * (STEPS - 1)
+        assert all("dataloader_wait_seconds" in r for r in records[1:])
+        assert [r["step"] for r in records if "grad_cosine_similarity" in r] == [10, 20, 30]
+        assert [r["step"] for r in records if "grad_norm" in r] == [10, 20, 30]
+
+
+def test_losses_are_bit_identical_with_and_without_gpuwatch_run(runs, agent, workdir):
+    runs("healthy-1", _with_losses(workdir, "losses-1", STEPS, "--accumulate", "1"))
+    bare = _with_losses(workdir, "losses-bare", STEPS, wrapped=False)
+    with launched(bare, agent, workdir) as (process, _):
+        assert process.wait(foreign.RUN_TIMEOUT_S) == 0
+    measured, unmeasured = _losses(workdir / "losses-1"), _losses(workdir / "losses-bare")
+    assert sorted(unmeasured) == [0, 1] and len(unmeasured[0]) == STEPS
+    assert [[x.hex() for x in measured[r]] for r in (0, 1)] == [[x.hex() for x in unmeasured[r]] for r in (0, 1)]
+
+
+def test_an_exception_inside_the_injected_code_is_counted_and_never_reaches_training(runs, agent, workdir):
+    runs("healthy-1", _with_losses(workdir, "losses-1", STEPS, "--accumulate", "1"))
+    driver, failures = workdir / "raising_driver.py", workdir / "failures"
+    driver.write_text(RAISING_DRIVER)
+    failures.mkdir()
+    script = str(foreign.WORKLOADS / "plain_ddp.py")
+    command = [*GPUWATCH_RUN, sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(driver), script, "--steps", str(STEPS), "--losses", str(workdir / "losses-raising")]
+    result = subprocess.run(command, env={**os.environ, "FAILURES_DIR": str(failures)}, capture_output=True,
+                            text=True, timeout=foreign.RUN_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert _losses(workdir / "losses-raising") == _losses(workdir / "losses-1")
+    for rank in (0, 1):
+        counts = json.loads((failures / f"rank-{rank}.json").read_text())
+        assert counts == {"AutoMonitor._after_optimizer_step": STEPS}
+    assert result.stderr.count("RuntimeError: planted in the injected code") == 2  # once per rank, not per step
+
+
+def test_a_sleeping_rank_is_named_as_the_straggler(runs):
+    run = runs("sleep", _plain(SLOW_STEPS, "sleep-rank", 0))
+    for source in ("agent", "run_log"):
+        diagnosis = run.diagnosis(source)
+        (straggler,) = diagnosis.serious().get("PERF002", [None])
+        assert straggler is not None, diagnosis.describe()
+        assert ranks_named(straggler) == {0}, straggler
+
+
+def test_duplicated_shards_are_named_on_every_rank(runs):
+    run = runs("same-data", _plain(STEPS, "same-data"))
+    for source in ("agent", "run_log"):
+        diagnosis = run.diagnosis(source)
+        found = diagnosis.serious().get("CONV004", [])
+        assert found, diagnosis.describe()
+        assert set().union(*map(ranks_named, found)) == {0, 1}, found
+
+
+def test_a_stuck_rank_is_named_live_and_post_mortem(tmp_path):
+    workload = _plain(1000, "stuck-rank", 1)
+    with simulated_agent(tmp_path) as agent, launched(workload, agent, tmp_path) as (_, run_log):
+        def found() -> dict | None:
+            findings = foreign.diagnose(workload.job, "agent", agent.url).serious().get("HANG001")
+            return findings[0] if findings else None
+
+        finding = wait_until(found, timeout=FOUND_TIMEOUT_S, what="HANG001 for the unmodified DDP script")
+        evidence = by_rank(finding)[1]
+        assert (evidence["op"], evidence["group"], evidence["waiting"]) == ("all_reduce", "default", [0])
+        assert evidence["phase"] == "compute"
+        assert evidence["stack_top"].split(":")[0].endswith("workloads/plain_ddp.py")
+        assert evidence["stack_top"].endswith(" wait_for_a_lock_nobody_releases")
+    post_mortem = foreign.diagnose(workload.job, "run_log", run_log).serious().get("HANG001")
+    assert post_mortem and set(by_rank(post_mortem[0])) == {1}
+
+
+# -- the wrapper ------------------------------------------------------------------------------------------------
+
+#: A command that says it is ready once its SIGTERM handler (exit 7) is in place, or, with "default", without one.
+WAITER = ("import signal, sys, time\n"
+          "if sys.argv[1] == 'handle': signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))\n"
+          "print('ready', flush=True)\n"
+          "time.sleep(120)\n")
+
+
+@pytest.mark.parametrize(("disposition", "status"), [("handle", 7), ("default", 128 + signal.SIGTERM)])
+def test_sigterm_reaches_the_command_and_its_status_is_the_wrappers(disposition, status):
+    wrapper = subprocess.Popen([*GPUWATCH_RUN, sys.executable, "-c", WAITER, disposition], stdout=subprocess.PIPE,
+                               text=True)
+    try:
+        assert wrapper.stdout is not None and wrapper.stdout.readline() == "ready\n"
+        wrapper.send_signal(signal.SIGTERM)
+        assert wrapper.wait(60) == status
+    finally:
+        if wrapper.poll() is None:
+            wrapper.kill()
+            wrapper.wait()
+
+
+def test_the_commands_own_exit_status_is_returned():
+    assert subprocess.run([*GPUWATCH_RUN, sys.executable, "-c", "raise SystemExit(3)"], timeout=60).returncode == 3
+
+
+@pytest.mark.parametrize(("command", "status", "message"), [
+    ((), 2, "gpuwatch run: no command given"),
+    (("/nonexistent/train",), 127, "gpuwatch run: cannot start /nonexistent/train"),
+])
+def test_bad_input_is_one_line_and_a_nonzero_exit(command, status, message):
+    result = subprocess.run([*GPUWATCH_RUN[:-1], *(("--", *command) if command else ())], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == status
+    assert result.stderr.startswith(message) and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_the_environment_puts_the_site_first_and_keeps_the_rest():
+    env = instrumented_environment({"PYTHONPATH": "/a:/b", "SLURM_JOB_ID": "42"}, socket_path="/s.sock",
+                                   run_log="/runs", new_job="made")
+    assert env["PYTHONPATH"] == f"{SITE_DIRECTORY}:/a:/b"
+    assert (env["GPUWATCH_AUTO"], env["GPUWATCH_SOCKET"], env["GPUWATCH_RUN_LOG"]) == ("1", "/s.sock", "/runs")
+    assert "GPUWATCH_JOB" not in env  # Slurm's job id stands
+    assert instrumented_environment({}, new_job="made")["GPUWATCH_JOB"] == "made"
+    assert instrumented_environment({}, job="mine", new_job="made")["GPUWATCH_JOB"] == "mine"
+
+
+def test_the_hidden_sitecustomize_still_runs_and_no_torch_is_imported(tmp_path):
+    """A user's own sitecustomize further down PYTHONPATH runs; a process that never imports torch gets none."""
+    (tmp_path / "sitecustomize.py").write_text("import os\nos.environ['USER_SITECUSTOMIZE'] = 'ran'\n")
+    probe = ("import os, sys\n"
+             "from gpuwatch.trainer import auto\n"
+             "print(os.environ.get('USER_SITECUSTOMIZE'), 'torch' in sys.modules,"
+             " any(type(f).__name__ == '_AfterTorchImport' for f in sys.meta_path))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([*GPUWATCH_RUN, sys.executable, "-c", probe], capture_output=True, text=True, env=env,
+                            timeout=60)
+    assert result.stdout.split() == ["ran", "False", "True"], result.stderr
+
+
+def test_a_rule_short_of_what_gpuwatch_run_cannot_see_says_so():
+    """NCCL005 needs per-call collective timings; ranks measured from outside have DDP's all-reduce only as a tail per
+    backward, and their hello says so: the reason it did not run names that, not a generic gap."""
+    from diagnose_facts import facts, rank
+
+    from gpuwatch.agent.diagnosis import needs
+
+    outside = facts(ranks=[rank(r, dp=2, unavailable_from_outside=("ddp_bucket_latency",)) for r in (0, 1)])
+    reason = needs.COLLECTIVES.available(outside)
+    assert reason is not None and "ranks 0-1 of job job-1 measured from outside (gpuwatch run)" in reason
+    assert UNAVAILABLE_FROM_OUTSIDE["ddp_bucket_latency"] in reason
+    inside = needs.COLLECTIVES.available(facts(ranks=[rank(r, dp=2) for r in (0, 1)]))
+    assert inside is not None and "gpuwatch run" not in inside
+
+
+def _train(run_log: Path | None, steps: int) -> tuple[list[str], dict[int, list[dict]]]:
+    """`gpuwatch train --no-telemetry` (pp=2: two forked ranks, the last stage computing the loss), under `gpuwatch
+    run --run-log run_log` unless None: its printed steps without their timings, and the step records by rank."""
+    train = [sys.executable, "-m", "gpuwatch.cli.main", "train", "--tp", "1", "--pp", "2", "--dp", "1", "--steps",
+             str(steps), "--no-telemetry"]
+    command = [*GPUWATCH_RUN[:-1], "--run-log", str(run_log), "--", *train] if run_log is not None else train
+    result = subprocess.run(command, capture_output=True, text=True, timeout=foreign.RUN_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-4000:]
+    printed = [line.rsplit(" lr ", 1)[0] for line in result.stdout.splitlines() if line.startswith("step ")]
+    records: dict[int, list[dict]] = {}
+    for path in sorted(run_log.glob("*.jsonl")) if run_log is not None else ():
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if record["kind"] == "step":
+                records.setdefault(record["rank"], []).append(record)
+    return printed, records
+
+
+def test_the_reference_trainer_without_its_telemetry_is_measured_from_outside_and_unchanged(tmp_path):
+    """The reference trainer's own launcher forks its ranks and ends each in os._exit: every step still arrives (the
+    Monitor is closed as the process group is destroyed), the last stage's loss is the one it prints, and what it
+    prints (loss, gradient norm) is the same with and without gpuwatch run."""
+    steps = 6
+    measured, records = _train(tmp_path / "log", steps)
+    unmeasured, _ = _train(None, steps)
+    assert len(measured) == steps and measured == unmeasured
+    assert sorted(records) == [0, 1]
+    assert all([r["step"] for r in records[rank]] == list(range(1, steps + 1)) for rank in (0, 1))
+    assert all("loss" not in r for r in records[0])  # the first stage's backward starts from activations
+    printed_losses = [line.split(" loss ")[1].split()[0] for line in measured]
+    assert [f"{r['loss']:.4f}" for r in records[1]] == printed_losses
+
+
+def test_the_overhead_benchmark_runs_every_arm():
+    """benchmarks/run_overhead.py at a tiny size: it prints the machine, and off, on and the floor for the step."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "run_overhead.py"
+    result = subprocess.run([sys.executable, str(script), "--rounds", "1", "--steps", "5", "--only", "small"],
+                            capture_output=True, text=True, timeout=foreign.RUN_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = result.stdout.splitlines()
+    assert lines[1].startswith("machine: ") and lines[2].startswith("load average before: ")
+    assert any(line.startswith("MLP 128-512-16, batch 64, 5 steps a run") for line in lines), result.stdout
+    assert sum(line.strip().startswith(("on - off", "floor - off")) for line in lines) == 2, result.stdout
+    assert lines[-1].startswith("load average after: ")

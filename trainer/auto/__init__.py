@@ -1,0 +1,97 @@
+"""Zero-code instrumentation: `gpuwatch run -- COMMAND…` measures a training job nobody edited.
+
+How it gets into the ranks: `gpuwatch run` prepends SITE_DIRECTORY, which holds a single `sitecustomize.py`, to
+PYTHONPATH and sets ENABLE_VARIABLE; every Python process the command starts inherits both (torchrun's ranks, an
+`srun`'s tasks), and Python's `site` module imports that sitecustomize at start-up. It calls `install`, which puts a
+finder at the front of `sys.meta_path` that waits for `import torch` and imports nothing itself: a process that never
+imports torch pays one string comparison per import, and nothing else. Once torch has been imported, the finder's
+loader hands over to `gpuwatch.trainer.auto.instrument`, which hooks what PyTorch exposes globally (optimizer step
+hooks, module forward pre-hooks, `Tensor.backward`, the `torch.distributed` collectives) and stays idle until the
+process initialises a process group.
+
+This module is imported at every Python start under `gpuwatch run`, so it imports nothing but the standard library
+(no torch, nothing else of gpuwatch).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import ModuleType
+
+#: "1" turns the injected sitecustomize on; without it the sitecustomize only hands over to the next one.
+ENABLE_VARIABLE = "GPUWATCH_AUTO"
+#: The directory `gpuwatch run` puts first on PYTHONPATH: it holds sitecustomize.py and nothing else.
+SITE_DIRECTORY = Path(__file__).resolve().parent / "site"
+#: The variables the Monitor reads for the agent's socket, the job id and the run log (see hooks.Monitor).
+SOCKET_VARIABLE, JOB_VARIABLE, RUN_LOG_VARIABLE = "GPUWATCH_SOCKET", "GPUWATCH_JOB", "GPUWATCH_RUN_LOG"
+#: Where a launcher's job id comes from when the job has none of gpuwatch's (hooks.identity.JOB_VARIABLES).
+LAUNCHER_JOB_VARIABLES = ("SLURM_JOB_ID",)
+
+log = logging.getLogger("gpuwatch.trainer.auto")
+
+
+def instrumented_environment(environ: Mapping[str, str], *, socket_path: str | None = None, job: str | None = None,
+                             run_log: str | None = None, new_job: str) -> dict[str, str]:
+    """The command's environment under `gpuwatch run`: `environ` with SITE_DIRECTORY first on PYTHONPATH (the
+    existing entries kept after it), ENABLE_VARIABLE set, and the Monitor's variables for what was given. A job with
+    no id of its own (GPUWATCH_JOB, a Slurm job id) gets `new_job`, the same on every rank: without it each rank
+    would have to agree on one by a collective at start-up, and a rank's first forward is no place for that."""
+    env = dict(environ)
+    path = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = os.pathsep.join([str(SITE_DIRECTORY), *([path] if path else [])])
+    env[ENABLE_VARIABLE] = "1"
+    for name, value in ((SOCKET_VARIABLE, socket_path), (JOB_VARIABLE, job), (RUN_LOG_VARIABLE, run_log)):
+        if value is not None:
+            env[name] = value
+    if not any(env.get(name) for name in (JOB_VARIABLE, *LAUNCHER_JOB_VARIABLES)):
+        env[JOB_VARIABLE] = new_job
+    return env
+
+
+def install() -> None:
+    """Instrument this process once torch is imported (at once if it already is)."""
+    if "torch" in sys.modules:
+        _instrument()
+    elif not any(isinstance(finder, _AfterTorchImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterTorchImport())
+
+
+def _instrument() -> None:
+    """Hook torch's global entry points; a failure is logged and leaves the process as it was."""
+    try:
+        from gpuwatch.trainer.auto import instrument
+
+        instrument.install()
+    except Exception:
+        log.warning("gpuwatch run: could not instrument this process (it runs on, unmeasured)", exc_info=True)
+
+
+class _AfterTorchImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for `torch`, it asks the other finders and has the loader they give run `_instrument`
+    once torch's own module code has run, then takes itself off `sys.meta_path`."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "torch":
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        loader = spec.loader if spec is not None else None
+        if spec is None or loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        load = loader.exec_module
+
+        def exec_then_instrument(module: ModuleType) -> None:
+            load(module)
+            _instrument()
+
+        loader.exec_module = exec_then_instrument  # type: ignore[method-assign]
+        return spec

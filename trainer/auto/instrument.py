@@ -1,0 +1,312 @@
+"""What `gpuwatch run` injects into a rank, once torch is imported: a `hooks.Monitor` fed from PyTorch's global hooks
+instead of the training loop's own calls, so the records, the DDP watching, the progress and the watchdog are the
+Monitor's, and every rule judges both alike.
+
+Idle until the process has a process group (`torch.distributed.init_process_group` returns, or an optimizer step
+finds one that came another way, as from `init_device_mesh`); then the first forward of a module makes the Monitor
+with that module (a DistributedDataParallel model gets the Monitor's DDP watching: the all-reduce tail every step,
+the gradient cosine and norm on measuring steps). From then on one step per optimizer step:
+
+* the step runs from the end of one `optimizer.step()` to the end of the next (`register_optimizer_step_pre_hook`,
+  `register_optimizer_step_post_hook`, global: https://pytorch.org/docs/stable/optim.html); with several optimizers,
+  the first one that steps sets the steps. Gradient accumulation is one step per optimizer step;
+* its data wait runs from the start to the first module forward (`register_module_forward_pre_hook`, global:
+  https://pytorch.org/docs/stable/generated/torch.nn.modules.module.register_module_forward_pre_hook.html),
+  registered for one call a step so that the model's own modules run their forwards without it; compute from there
+  to the optimizer step, optimizer the step itself;
+* its loss is the sum of the one-element tensors `backward()` was called on in it (`torch.autograd.backward`,
+  wrapped, which `Tensor.backward` calls):
+  the loss itself with one backward a step, the step's mean loss where each micro-batch's loss is divided by the
+  micro-batches, as gradient accumulation does. Read as the Monitor reads a reported tensor: on the CPU with the
+  record, on a GPU copied without a sync and read a step or two later;
+* its learning rate is the optimizer's first parameter group's `lr`;
+* blocking collectives called through `torch.distributed` (`all_reduce`, `broadcast`, `all_gather`,
+  `reduce_scatter`, `barrier`, `send`, `recv` and their tensor variants) are timed as `Monitor.collective` times
+  them, which also makes each the collective in flight on its group, numbered, for the hang diagnosis. Calls with
+  `async_op=True` return before the transfer and are left alone, as are the calls one collective makes inside another.
+
+What this cannot see is listed in the hello (`unavailable_from_outside`, UNAVAILABLE_FROM_OUTSIDE). Every hook is
+guarded: an exception inside it is counted in `failures` and logged once, and training goes on untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import multiprocessing.util
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+from gpuwatch.protocol.schema import UNAVAILABLE_FROM_OUTSIDE
+from gpuwatch.trainer.hooks._safety import Failures
+from gpuwatch.trainer.hooks.monitor import Monitor, Step, _Collective, _Phase
+
+#: The torch.distributed functions timed, and the op (schema.COLLECTIVE_OPS) each counts as.
+COLLECTIVES: Mapping[str, str] = {
+    "all_reduce": "all_reduce", "broadcast": "broadcast", "all_gather": "all_gather",
+    "all_gather_into_tensor": "all_gather", "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter", "barrier": "barrier", "send": "send", "recv": "recv",
+}
+#: The module a framework is known by, in the order they are told apart (Hugging Face's Trainer imports accelerate,
+#: Lightning may import transformers): the hello's `framework`, "plain" when none is loaded.
+FRAMEWORK_MODULES = (("torchtitan", "torchtitan"), ("megatron", "megatron"), ("lightning", "lightning"),
+                     ("pytorch_lightning", "lightning"), ("transformers", "transformers"),
+                     ("accelerate", "accelerate"))
+
+#: The one instrumentation of this process, made by `install`.
+active: AutoMonitor | None = None
+
+
+def install() -> AutoMonitor:
+    """Hook torch's global entry points in this process, once."""
+    global active
+    if active is None:
+        active = AutoMonitor()
+        active.install()
+    return active
+
+
+def detect_framework(modules: Mapping[str, object] = sys.modules) -> str:
+    """The training framework loaded in this process, by the modules imported."""
+    return next((name for module, name in FRAMEWORK_MODULES if module in modules), "plain")
+
+
+class AutoMonitor:
+    """Drives a Monitor's step, phases and report from torch's global hooks (see the module's docstring).
+
+    Its state moves with the training thread: `step` is the step open now (None until the first forward after a
+    process group exists), `phase` its phase open now; `losses` the tensors backward() was called on in it."""
+
+    def __init__(self) -> None:
+        self.failures = Failures()
+        self.monitor: Monitor | None = None
+        self.step: Step | None = None
+        self.phase: _Phase | None = None
+        self.losses: list[torch.Tensor] = []
+        #: the optimizer whose steps are the steps (the first to step), and how many it has made
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizer_steps = 0
+        self._first_forward: RemovableHandle | None = None  # registered while the next forward is awaited
+        self._in_collective = False  # inside a timed collective: the collectives it calls are its own
+
+    def install(self) -> None:
+        register_optimizer_step_pre_hook(self._before_optimizer_step)
+        register_optimizer_step_post_hook(self._after_optimizer_step)
+        torch.autograd.backward = self._wrap_backward(torch.autograd.backward)  # Tensor.backward calls it too
+        if dist.is_available():
+            self._patch(dist.distributed_c10d, "init_process_group", self._wrap_init_process_group)
+            self._patch(dist.distributed_c10d, "destroy_process_group", self._wrap_destroy_process_group)
+            for name, op in COLLECTIVES.items():
+                self._patch(dist.distributed_c10d, name, functools.partial(self._wrap_collective, op))
+
+    @staticmethod
+    def _patch(module: Any, name: str, wrap: Callable[[Callable], Callable]) -> None:
+        """Replace `module.name` with its wrapped self, and torch.distributed's name for it too."""
+        original = getattr(module, name, None)
+        if original is None:
+            return
+        wrapped = wrap(original)
+        setattr(module, name, wrapped)
+        if getattr(dist, name, None) is original:
+            setattr(dist, name, wrapped)
+
+    # -- process group and first forward -----------------------------------------------------------
+
+    def _wrap_init_process_group(self, init_process_group: Callable) -> Callable:
+        @functools.wraps(init_process_group)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            result = init_process_group(*args, **kwargs)
+            self._await_forward()
+            return result
+
+        return wrapper
+
+    def _wrap_destroy_process_group(self, destroy_process_group: Callable) -> Callable:
+        @functools.wraps(destroy_process_group)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not args and kwargs.get("group") is None:  # the default group: training is over
+                self._close()
+            return destroy_process_group(*args, **kwargs)
+
+        return wrapper
+
+    def _close(self) -> None:
+        """Send the last steps and close the Monitor while the process still runs: a launcher's rank may end in
+        os._exit right after (the reference trainer's does), past atexit and multiprocessing's finalizers."""
+        try:
+            monitor, self.monitor = self.monitor, None
+            self.step = None
+            self._close_phase()
+            if self._first_forward is not None:
+                self._first_forward.remove()
+                self._first_forward = None
+            if monitor is not None:
+                monitor.close()
+        except Exception as error:
+            self.failures.record("AutoMonitor._close", error)
+
+    def _await_forward(self) -> None:
+        """Have the next module forward call `_on_first_forward`."""
+        try:
+            if self._first_forward is None:
+                self._first_forward = register_module_forward_pre_hook(self._on_first_forward)
+        except Exception as error:
+            self.failures.record("AutoMonitor._await_forward", error)
+
+    def _on_first_forward(self, module: nn.Module, inputs: Any) -> None:
+        """The step's first forward: the data wait ends and compute begins. The very first makes the Monitor, with
+        the module called (the outermost: a DDP model where there is one), and opens the first step."""
+        try:
+            if self._first_forward is not None:
+                self._first_forward.remove()
+                self._first_forward = None
+            if self.monitor is None:
+                self.monitor = Monitor(module, hello={"framework": detect_framework(),
+                                                      "unavailable_from_outside": list(UNAVAILABLE_FROM_OUTSIDE)})
+                # A multiprocessing child (a launcher's forked or spawned rank) ends in os._exit, past atexit: its
+                # last steps would be lost without closing at multiprocessing's own exit
+                multiprocessing.util.Finalize(self.monitor, self.monitor.close, exitpriority=0)
+                self._open_step()
+            if self.step is not None:
+                self._enter(self.step.compute())
+        except Exception as error:
+            self.failures.record("AutoMonitor._on_first_forward", error)
+
+    # -- steps ---------------------------------------------------------------------------------------
+
+    def _open_step(self) -> Step:
+        assert self.monitor is not None
+        self.step = self.monitor.step(number=self.optimizer_steps + 1).__enter__()
+        return self.step
+
+    def _enter(self, phase: _Phase) -> None:
+        """Close the phase open now and open `phase`."""
+        self._close_phase()
+        phase.__enter__()
+        self.phase = phase
+
+    def _close_phase(self) -> None:
+        phase, self.phase = self.phase, None
+        if phase is not None:
+            phase.__exit__(None, None, None)
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        try:
+            if self.optimizer is None:
+                self.optimizer = optimizer
+            if optimizer is self.optimizer and self.step is not None:
+                self._enter(self.step.optimizer())
+        except Exception as error:
+            self.failures.record("AutoMonitor._before_optimizer_step", error)
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """The step ends: its loss and learning rate reported, its record handed over; the next step opens, waiting
+        for data until its first forward."""
+        try:
+            if optimizer is not self.optimizer:
+                return
+            self.optimizer_steps += 1
+            step = self.step
+            if step is None:  # no Monitor yet: a process group made without init_process_group starts it
+                if dist.is_available() and dist.is_initialized():
+                    self._await_forward()
+                return
+            self._close_phase()
+            losses, self.losses = self.losses, []
+            step.report(loss=_total(losses), lr=_learning_rate(optimizer))
+            self.step = None
+            step.__exit__(None, None, None)
+            self._enter(self._open_step().data())
+            self._await_forward()
+        except Exception as error:
+            self.failures.record("AutoMonitor._after_optimizer_step", error)
+
+    def _wrap_backward(self, backward: Callable) -> Callable:
+        """`torch.autograd.backward`, keeping a loss: the one one-element tensor a backward starts from with the
+        implicit gradient 1 (`loss.backward()`, or a pipeline's last stage calling autograd itself); a backward
+        from activations and their gradients (a pipeline's other stages) is no loss."""
+        @functools.wraps(backward)
+        def wrapper(tensors: Any, grad_tensors: Any = None, *args: Any, **kwargs: Any) -> Any:
+            try:
+                if self.step is not None and grad_tensors is None:
+                    loss = tensors[0] if isinstance(tensors, (list, tuple)) and len(tensors) == 1 else tensors
+                    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+                        self.losses.append(loss.detach())
+            except Exception as error:
+                self.failures.record("AutoMonitor.backward", error)
+            return backward(tensors, grad_tensors, *args, **kwargs)
+
+        return wrapper
+
+    # -- collectives ---------------------------------------------------------------------------------
+
+    def _wrap_collective(self, op: str, collective: Callable) -> Callable:
+        place = {name: index for index, name in enumerate(inspect.signature(collective).parameters)}
+
+        @functools.wraps(collective)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            timer = self._timer(op, place, args, kwargs)
+            if timer is None:
+                return collective(*args, **kwargs)
+            self._in_collective = True
+            try:
+                with timer:
+                    return collective(*args, **kwargs)
+            finally:
+                self._in_collective = False
+
+        return wrapper
+
+    def _timer(self, op: str, place: Mapping[str, int], args: tuple, kwargs: Mapping[str, Any]) -> _Collective | None:
+        """The Monitor's timer for this call, or None for a call left alone (no step open, an async call, a call
+        inside a timed one)."""
+        try:
+            if self.step is None or self._in_collective or _argument("async_op", place, args, kwargs):
+                return None
+            assert self.monitor is not None
+            first = args[0] if args else next(iter(kwargs.values()), None)
+            timer = self.monitor.collective(op, _nbytes(first), _argument("group", place, args, kwargs))
+            return timer if isinstance(timer, _Collective) else None
+        except Exception as error:
+            self.failures.record("AutoMonitor._timer", error)
+            return None
+
+
+def _argument(name: str, place: Mapping[str, int], args: tuple, kwargs: Mapping[str, Any]) -> Any:
+    """The argument `name` of a call, given by keyword or by position (`place`); None when not given."""
+    if name in kwargs:
+        return kwargs[name]
+    index = place.get(name)
+    return args[index] if index is not None and index < len(args) else None
+
+
+def _nbytes(value: Any) -> int:
+    """The bytes of a call's first argument: a tensor, or a list of them (all_gather's outputs); 0 for anything else
+    (barrier's group)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(t.numel() * t.element_size() for t in value if isinstance(t, torch.Tensor))
+    return 0
+
+
+def _total(losses: list[torch.Tensor]) -> torch.Tensor | None:
+    """The step's loss: the one backward()'s tensor, or the sum of several (one op, no sync)."""
+    if not losses:
+        return None
+    if len(losses) == 1:
+        return losses[0]
+    return torch.stack([loss.reshape(()) for loss in losses]).sum()
+
+
+def _learning_rate(optimizer: torch.optim.Optimizer) -> float | None:
+    lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+    return float(lr) if isinstance(lr, (int, float)) else None

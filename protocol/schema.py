@@ -201,6 +201,9 @@ UNAVAILABLE_FROM_OUTSIDE: Mapping[str, str] = {
                   "backward() was called on: a scaled one under a scaler)",
     "pipeline": "a pipeline schedule's busy and idle time needs the schedule's own marks",
     "ddp_bucket_latency": "DDP's C++ all-reduce is timed as one tail per backward, not per bucket",
+    "layout": "which ranks are data-parallel replicas doing the same work is known only where a DDP model spans "
+              "every rank (tensor or pipeline parallelism, FSDP and a framework's own data parallelism are not seen "
+              "from outside), so ranks are not compared as peers",
 }
 #: What ``gpuwatch probe`` measures, and how it names the path its traffic took.
 PROBE_OPS = ("all_reduce", "all_gather", "reduce_scatter")

@@ -802,3 +802,13 @@ def test_medians_of_others_match_the_median_of_each_rank_s_peers(values):
     plain definition, ties included."""
     expected = [statistics.median(values[:i] + values[i + 1:]) for i in range(len(values))]
     assert medians_of_others(values) == pytest.approx(expected)
+
+
+def test_ranks_measured_from_outside_without_a_known_layout_are_not_compared_as_peers_and_say_why():
+    """`gpuwatch run` on a job without a DDP model over every rank: its ranks' layout is not the job's (a pipeline's
+    stages would read as replicas), so the rules that compare peers do not run, and say so."""
+    slow = step(compute_seconds=3.0, step_seconds=3.5)
+    outside = [rank(r, dp=2, layout=None, unavailable_from_outside=("layout",),
+                    param_checksum=Sampled(float(r), step=10), **({"last": slow} if r == 1 else {})) for r in (0, 1)]
+    for code in ("PERF002", "CONV003"):
+        not_run(code, facts(ranks=outside), "measured from outside (gpuwatch run)")

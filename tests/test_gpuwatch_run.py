@@ -103,7 +103,8 @@ def test_every_rank_reports_each_optimizer_step_with_the_scripts_loss(runs, work
     assert [r["rank"] for r in run.ranks] == [0, 1]
     for rank in run.ranks:  # the agent took the hello's new fields
         assert rank["hello"]["framework"] == "plain"
-        assert set(rank["hello"]["unavailable_from_outside"]) == set(UNAVAILABLE_FROM_OUTSIDE)
+        # a DDP model over every rank: the layout is plain data parallelism, the Monitor's own
+        assert set(rank["hello"]["unavailable_from_outside"]) == set(UNAVAILABLE_FROM_OUTSIDE) - {"layout"}
     computed = _losses(workdir / f"losses-{accumulate}")
     steps = run.run_log_steps()
     assert sorted(steps) == [0, 1]
@@ -285,7 +286,7 @@ def test_the_reference_trainer_without_its_telemetry_is_measured_from_outside_an
     """The reference trainer's own launcher forks its ranks and ends each in os._exit: every step still arrives (the
     Monitor is closed as the process group is destroyed), the last stage's loss is the one it prints, and what it
     prints (loss, gradient norm) is the same with and without gpuwatch run."""
-    steps = 6
+    steps = 10  # the first measuring step (checksum) is the 10th
     measured, records = _train(tmp_path / "log", steps)
     unmeasured, _ = _train(None, steps)
     assert len(measured) == steps and measured == unmeasured
@@ -294,6 +295,14 @@ def test_the_reference_trainer_without_its_telemetry_is_measured_from_outside_an
     assert all("loss" not in r for r in records[0])  # the first stage's backward starts from activations
     printed_losses = [line.split(" loss ")[1].split()[0] for line in measured]
     assert [f"{r['loss']:.4f}" for r in records[1]] == printed_losses
+    # No DDP model spans the ranks, so their layout is not known from outside: the two pipeline stages hold
+    # different weights and do different work, and are not compared as replicas or peers (no CONV003, no PERF002)
+    report = json.loads(subprocess.run(
+        [sys.executable, "-m", "gpuwatch.cli.main", "diagnose", "--run-log", str(tmp_path / "log"), "--format", "json",
+         "--fail-on", "never"], capture_output=True, text=True, timeout=120, check=True).stdout)
+    assert [f["code"] for f in report["findings"] if f["severity"] in ("warning", "critical")] == []
+    not_run = {entry["code"]: entry["reason"] for entry in report["not_run"]}
+    assert all("gpuwatch run" in not_run[code] and "layout" in not_run[code] for code in ("CONV003", "PERF002"))
 
 
 def test_the_overhead_benchmark_runs_every_arm():

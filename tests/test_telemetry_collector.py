@@ -178,8 +178,8 @@ def test_collector_serves_every_rank_with_its_coordinates_and_passes_promtool(so
     collector = open_collector(socket_path)
     client = TelemetryClient(socket_path, heartbeat_interval=0)
     for rank in range(8):
-        client.send(hello(rank))
-        client.send(step(rank, 1, compute_seconds=0.1 * (rank + 1)))
+        client.send(hello(rank, process_groups={"dp": [rank % 4, rank % 4 + 4], "tp": list(range(8))}))
+        client.send(step(rank, 1, compute_seconds=0.1 * (rank + 1), collective_calls={"dp": 3, "tp": 40 + rank}))
     client.send(step(7, 2, memory={"kind": "host_rss", "peak_bytes": 123}, param_checksum="00ff"))
     wait_until(lambda: collector.store.snapshot()[1]["accepted", ""] == 17, timeout=5, what="records")
     result = collector.collect()
@@ -202,7 +202,13 @@ def test_collector_serves_every_rank_with_its_coordinates_and_passes_promtool(so
     info = samples(text, "gpuwatch_train_rank_info")
     assert info[coordinates(0, faults="slow_rank", schedule="1f1b", micro_batches="4", precision="bf16",
                             world_size="8", tp_size="2", pp_size="2", dp_size="2", torch_version="2.13.0+cpu",
-                            nccl_version="2.21.5", backend="")] == 1
+                            nccl_version="2.21.5", backend="", unavailable_from_outside="")] == 1
+    # the hello's groups as runs of ranks, and the latest step's count of calls on each
+    assert {labels for labels in samples(text, "gpuwatch_train_process_group_info") if ("rank", "5") in labels} == {
+        coordinates(5, group="dp", members="1,5"), coordinates(5, group="tp", members="0-7")}
+    calls = samples(text, "gpuwatch_train_collective_calls")
+    assert (calls[coordinates(5, group="tp")], calls[coordinates(5, group="dp")]) == (45, 3)
+    assert coordinates(7, group="tp") not in calls  # its latest step (2) counted none
     assert samples(text, "gpuwatch_telemetry_records_total")[frozenset({"result": "accepted", "reason": ""}.items())] \
         == 17
     # Rank 7's latest step is a CPU step: host RSS only, no allocator series; a hex checksum stays in /api/v1/state.

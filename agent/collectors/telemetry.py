@@ -240,7 +240,8 @@ class _RankLines:
         hello = self.hello
         info = (*((name, str(hello.get(name, ""))) for name in _INFO_FIELDS),
                 ("backend", hello.get("backends", {}).get("default", "")),
-                ("faults", ",".join(hello.get("faults", ()))))
+                ("faults", ",".join(hello.get("faults", ()))),
+                ("unavailable_from_outside", ",".join(hello.get("unavailable_from_outside", ()))))
         lines = {_RANK_INFO: f"{self._prefix(_RANK_INFO, info)}1.0\n"}
         environment = hello.get("env", {})
         lines[_ENV_INFO] = "".join(

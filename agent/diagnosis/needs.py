@@ -151,7 +151,8 @@ NVLINKS = _node_part("nvlinks", "NVLink facts")
 IB_PORTS = _node_part("ib_ports", "InfiniBand/RoCE port facts")
 INTERFACES = _node_part("interfaces", "network interfaces")
 TELEMETRY = _rank_fact("training telemetry", lambda r: True, "no rank has reported")
-LAYOUT = _rank_fact("rank layout", lambda r: r.layout is not None, "no hello record arrived")
+LAYOUT = _rank_fact("parallel layout (which ranks are peers doing the same work)", lambda r: r.layout is not None,
+                    "no rank's hello reached the source", outside="layout")
 _FEW_STEPS = (f"or fewer than {MIN_WINDOW_STEPS} steps in every rank's window (one step is too noisy a sample "
               "to judge)")
 COMPUTE = _rank_fact("compute time over a window", _windowed("compute_seconds"),
@@ -186,7 +187,8 @@ COSINE = _rank_fact("gradient cosine similarity", lambda r: r.grad_cosine is not
                     "step records lack grad_cosine_similarity", signal="grad_cosine_similarity")
 PROCESS_GROUPS = _rank_fact("process-group membership",
                             lambda r: r.process_groups is not None and {"pp", "dp"} <= r.process_groups.keys(),
-                            "hellos lack process_groups with 'pp' and 'dp' members (Prometheus does not carry them)")
+                            "hellos lack process_groups with 'pp' and 'dp' members (Prometheus has none of a group "
+                            "too large to export)")
 HOSTS = _rank_fact("rank placement", lambda r: r.layout is not None and r.host is not None,
                    "hellos lack the rank's hostname")
 BANDWIDTH = Need("interconnect bandwidth measurement", _bandwidth_available)

@@ -25,7 +25,10 @@ the gradient cosine and norm on measuring steps). From then on one step per opti
   them, which also makes each the collective in flight on its group, numbered, for the hang diagnosis. Calls with
   `async_op=True` return before the transfer and are left alone, as are the calls one collective makes inside another.
 
-What this cannot see is listed in the hello (`unavailable_from_outside`, UNAVAILABLE_FROM_OUTSIDE). Every hook is
+What this cannot see is listed in the hello (`unavailable_from_outside`, UNAVAILABLE_FROM_OUTSIDE), the job's
+parallel layout among it unless a DDP model spans every rank: the Monitor's default layout (every rank a
+data-parallel replica of the others) is then the job's, and otherwise it is not, so diagnosis compares no ranks as
+peers (a pipeline's stages differ in work, tensor-parallel ranks see the same data). Every hook is
 guarded: an exception inside it is counted in `failures` and logged once, and training goes on untouched.
 """
 
@@ -73,6 +76,15 @@ def install() -> AutoMonitor:
         active.install()
     return active
 
+
+
+def unavailable_from_outside(model: nn.Module) -> list[str]:
+    """The hello's `unavailable_from_outside` for a job whose first forward ran `model`: every entry of
+    UNAVAILABLE_FROM_OUTSIDE, but "layout" where `model` is DDP over every rank (plain data parallelism, which the
+    Monitor's default layout describes)."""
+    spans_world = (isinstance(model, nn.parallel.DistributedDataParallel)
+                   and dist.get_world_size(model.process_group) == dist.get_world_size())
+    return [signal for signal in UNAVAILABLE_FROM_OUTSIDE if not (signal == "layout" and spans_world)]
 
 def detect_framework(modules: Mapping[str, object] = sys.modules) -> str:
     """The training framework loaded in this process, by the modules imported."""
@@ -170,7 +182,7 @@ class AutoMonitor:
                 self._first_forward = None
             if self.monitor is None:
                 self.monitor = Monitor(module, hello={"framework": detect_framework(),
-                                                      "unavailable_from_outside": list(UNAVAILABLE_FROM_OUTSIDE)})
+                                                      "unavailable_from_outside": unavailable_from_outside(module)})
                 # A multiprocessing child (a launcher's forked or spawned rank) ends in os._exit, past atexit: its
                 # last steps would be lost without closing at multiprocessing's own exit
                 multiprocessing.util.Finalize(self.monitor, self.monitor.close, exitpriority=0)

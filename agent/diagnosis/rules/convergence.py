@@ -147,7 +147,7 @@ def _differs(value: float | str, reference: float | str, tolerance: float) -> bo
 
 
 @rule("CONV003", family=FAMILY, severity=Severity.CRITICAL, title="Data-parallel replicas out of sync",
-      needs=(needs.CHECKSUM,),
+      needs=(needs.CHECKSUM, needs.LAYOUT),
       thresholds={"relative_tolerance": Threshold(
           1e-5, "a practitioners' consistency check: after a restore, every rank's gradient norm agrees to 1e-5")})
 def replicas_out_of_sync(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
@@ -185,7 +185,7 @@ def replicas_out_of_sync(facts: Facts, t: types.SimpleNamespace) -> Iterator[Iss
 
 
 @rule("CONV004", family=FAMILY, severity=Severity.WARNING, title="Duplicated data shards across DP ranks",
-      needs=(needs.COSINE,),
+      needs=(needs.COSINE, needs.LAYOUT),
       thresholds={"min_cosine": Threshold(
           0.99999, "identical batches give cos = 1 up to rounding (exactly 1 in the reference "
                    "trainer); different data agree less, even exploding gradients, which the weights dominate "
@@ -220,7 +220,7 @@ def duplicated_shards(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]
 
 
 @rule("CONV005", family=FAMILY, severity=Severity.INFO, title="Gradient agreement out of band (tuning hint)",
-      needs=(needs.COSINE,),
+      needs=(needs.COSINE, needs.LAYOUT),
       thresholds={
           "low_cosine": Threshold(0.85, "one team's reported heuristic: a mean below 0.85 means data skewed across "
                                         "ranks"),

@@ -133,7 +133,7 @@ def _waiting(ranks: list[RankFacts]) -> tuple[float, RankFacts, dict[int, float]
 
 
 @rule("PERF002", family=FAMILY, severity=Severity.WARNING, title="Straggler rank or node",
-      needs=(needs.COMPUTE,),
+      needs=(needs.COMPUTE, needs.LAYOUT),
       thresholds={
           "straggler_ratio": Threshold(
               1.25, "a rank computing 25 % longer than the median of its peers holds every synchronous step back "
@@ -159,9 +159,12 @@ def straggler(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     disks, or a slow GPU, sets the pace of the whole job. The other ranks' waiting for it in collectives
     (their exposed collective time beyond the straggler's) is its evidence, not a network problem. Ranks that
     compute on CPUs (no GPU: a test, a demo, a CPU job) share the host's cores, so their compute times include
-    waiting for one, and only a larger gap (shared_cpu_ratio) tells a straggler from that noise."""
+    waiting for one, and only a larger gap (shared_cpu_ratio) tells a straggler from that noise. Ranks whose layout
+    is unknown (measured by `gpuwatch run` without a DDP model over every rank) have no known peers and are not
+    compared."""
     for job, ranks in facts.jobs().items():
-        computes = {r.rank: c for r in ranks if (c := windowed(r, "compute_seconds")) is not None and c > 0}
+        computes = {r.rank: c for r in ranks  # peers only where the layout says which ranks do the same work
+                    if r.layout is not None and (c := windowed(r, "compute_seconds")) is not None and c > 0}
         timed = [r for r in ranks if r.rank in computes]
         step_times = [s for r in timed if (s := windowed(r, "step_seconds")) is not None]
         if not step_times:
@@ -175,7 +178,7 @@ def straggler(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
                                 {"cpu_ranks": len(timed)})]
         threshold = max(t.straggler_ratio, t.shared_cpu_ratio) if sharing else t.straggler_ratio
         slow: list[tuple[float, RankFacts, float]] = []
-        for _, peers in group_by(timed, lambda r: r.layout.pp_stage if r.layout is not None else 0):
+        for _, peers in group_by(timed, lambda r: r.layout.pp_stage):
             if len(peers) < 2:
                 continue
             seconds = [computes[r.rank] for r in peers]

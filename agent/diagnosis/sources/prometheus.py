@@ -357,7 +357,8 @@ class _Reader:
     def _rank(self, node: NodeFacts, labels: dict[str, str], values: dict[str, Any],
               history: History | None) -> RankFacts:
         job, rank = _job(labels), int(labels["rank"])
-        layout = Layout(
+        outside = tuple(filter(None, labels.get("unavailable_from_outside", "").split(",")))
+        layout = None if "layout" in outside else Layout(
             world_size=int(labels["world_size"]), tp_size=int(labels["tp_size"]), pp_size=int(labels["pp_size"]),
             dp_size=int(labels["dp_size"]), tp_rank=int(labels["tp_rank"]), pp_stage=int(labels["pp_stage"]),
             dp_rank=int(labels["dp_rank"]), local_rank=_int(labels.get("local_rank")),
@@ -389,14 +390,15 @@ class _Reader:
             job=job, rank=rank, node=node.name, layout=layout, gpu_index=gpu_index, gpu_uuid=gpu_uuid,
             env=values.get("env"), process_groups=values.get("process_groups"),
             backends={"default": backend} if backend else None,
-            faults=tuple(filter(None, labels.get("faults", "").split(","))), last=last,
+            faults=tuple(filter(None, labels.get("faults", "").split(","))), unavailable_from_outside=outside,
+            last=last,
             window=_window(values), unavailable=values.get("unavailable"),
             collectives=collectives or None, param_checksum=sampled("gpuwatch_train_param_checksum"),
             grad_cosine=sampled("gpuwatch_train_grad_cosine_similarity"), history=history,
-            progress=_progress(values, layout, last), exited_at=values.get(EXITED), **counters)
+            progress=_progress(values, int(labels["world_size"]), last), exited_at=values.get(EXITED), **counters)
 
 
-def _progress(values: dict[str, Any], layout: Layout, last: StepFacts | None) -> ProgressFacts | None:
+def _progress(values: dict[str, Any], world_size: int, last: StepFacts | None) -> ProgressFacts | None:
     """An overdue rank's progress as its agent exports it: no stack and no overdue mark (the rules' own stall
     threshold decides), the error of a step that raised with the time it was sent, and the in-flight group's
     members from the exported process groups (`gpuwatch_train_process_group_info`; "default" the world). A group
@@ -410,7 +412,7 @@ def _progress(values: dict[str, Any], layout: Layout, last: StepFacts | None) ->
         op, group, seq = values["in_flight"]
         members = values.get("process_groups", {}).get(group)
         if members is None and group == "default":
-            members = range(layout.world_size)
+            members = range(world_size)
         in_flight = InFlightFacts(op=op, group=group, members=tuple(members) if members is not None else None,
                                   seq=seq, seconds=stalled)
     error, raised_at = values.get("raised", (None, None))

@@ -121,7 +121,8 @@ def rank_facts(
     missing = {signal: reason for signal, (at, reason) in unavailable.items() if at >= sampled.get(signal, (-1,))[0]}
     return RankFacts(
         job=job, rank=rank, node=node or hello.get("hostname"), hostname=hello.get("hostname"),
-        layout=layout(hello) if hello else None, gpu_index=gpu.get("index"), gpu_uuid=gpu.get("uuid"),
+        layout=layout(hello) if hello and "layout" not in hello.get("unavailable_from_outside", ()) else None,
+        gpu_index=gpu.get("index"), gpu_uuid=gpu.get("uuid"),
         env=dict(hello["env"]) if "env" in hello else None,
         process_groups={name: list(members) for name, members in hello["process_groups"].items()}
         if "process_groups" in hello else None,

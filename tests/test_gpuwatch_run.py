@@ -264,11 +264,12 @@ def test_a_rule_short_of_what_gpuwatch_run_cannot_see_says_so():
     assert inside is not None and "gpuwatch run" not in inside
 
 
-def _train(run_log: Path | None, steps: int) -> tuple[list[str], dict[int, list[dict]]]:
+def _train(run_log: Path | None, steps: int, losses: Path) -> tuple[list[str], dict[int, list[dict]]]:
     """`gpuwatch train --no-telemetry` (pp=2: two forked ranks, the last stage computing the loss), under `gpuwatch
-    run --run-log run_log` unless None: its printed steps without their timings, and the step records by rank."""
+    run --run-log run_log` unless None, its per-step results written to `losses` (`--log-jsonl`): its printed steps
+    without their timings, and the step records by rank."""
     train = [sys.executable, "-m", "gpuwatch.cli.main", "train", "--tp", "1", "--pp", "2", "--dp", "1", "--steps",
-             str(steps), "--no-telemetry"]
+             str(steps), "--no-telemetry", "--log-jsonl", str(losses)]
     command = [*GPUWATCH_RUN[:-1], "--run-log", str(run_log), "--", *train] if run_log is not None else train
     result = subprocess.run(command, capture_output=True, text=True, timeout=foreign.RUN_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -284,12 +285,18 @@ def _train(run_log: Path | None, steps: int) -> tuple[list[str], dict[int, list[
 
 def test_the_reference_trainer_without_its_telemetry_is_measured_from_outside_and_unchanged(tmp_path):
     """The reference trainer's own launcher forks its ranks and ends each in os._exit: every step still arrives (the
-    Monitor is closed as the process group is destroyed), the last stage's loss is the one it prints, and what it
-    prints (loss, gradient norm) is the same with and without gpuwatch run."""
+    Monitor is closed as the process group is destroyed), the last stage's loss is the one it prints, and its losses
+    and gradient norms are bit-identical with and without gpuwatch run."""
     steps = 10  # the first measuring step (checksum) is the 10th
-    measured, records = _train(tmp_path / "log", steps)
-    unmeasured, _ = _train(None, steps)
+    measured, records = _train(tmp_path / "log", steps, tmp_path / "measured.jsonl")
+    unmeasured, _ = _train(None, steps, tmp_path / "unmeasured.jsonl")
     assert len(measured) == steps and measured == unmeasured
+
+    def exact(path: Path) -> list[tuple[str, str]]:  # each step's loss and gradient norm, every bit
+        return [(float(r["loss"]).hex(), float(r["grad_norm"]).hex())
+                for r in map(json.loads, path.read_text().splitlines())]
+
+    assert exact(tmp_path / "measured.jsonl") == exact(tmp_path / "unmeasured.jsonl")
     assert sorted(records) == [0, 1]
     assert all([r["step"] for r in records[rank]] == list(range(1, steps + 1)) for rank in (0, 1))
     assert all("loss" not in r for r in records[0])  # the first stage's backward starts from activations

@@ -49,6 +49,29 @@ def test_silent_while_steps_flow_then_a_valid_record_once_overdue_by_the_jobs_ow
         for frame in body["stack"])
 
 
+def test_on_a_gpu_a_collective_the_host_has_left_is_in_flight_until_the_device_passes_its_mark():
+    """NCCL queues a collective and the host goes on; if the device hangs in it, the host stops later, elsewhere
+    (here in the data phase): the watchdog still names the collective, asking the device without waiting."""
+    clock = Clock()
+    progress = Progress(clock)
+    passed: set[str] = set()
+    progress.device_done = lambda mark: mark in passed  # as CudaClock.ready: an event's query()
+    watchdog = _watchdog(progress, clock)
+    progress.durations.extend([1.0] * 3)
+    all_reduce = InFlight("all_reduce", "dp", 4, 1, 12, 4096, clock.now)
+    progress.on_device = (all_reduce, "event after the all-reduce")
+    progress.phase, progress.collective, progress.since = "data", None, clock.now  # the host left the collective
+    clock.now += 30
+    record = watchdog.check()
+    assert record is not None and record["phase"] == "data"
+    assert (record["collective"]["op"], record["collective"]["seq"]) == ("all_reduce", 12)
+    passed.add("event after the all-reduce")  # the device finished it: the host is stuck elsewhere
+    assert "collective" not in watchdog.check()
+    progress.device_done = lambda mark: 1 / 0  # a device that cannot be asked tells nothing
+    passed.clear()
+    assert "collective" not in watchdog.check()
+
+
 def test_the_floor_keeps_a_fast_job_from_being_overdue_at_once():
     clock = Clock()
     progress = Progress(clock)

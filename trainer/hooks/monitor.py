@@ -194,12 +194,15 @@ class Monitor:
         # computation's end marked (`_tail_start`, in `_tail_step`) and the second callback queued.
         self._tail_stage = 0
         self._tail_start: Mark | None = None
+        self._tail_in_flight: InFlight | None = None
         self._tail_step: Step | None = None
         self._hello = _hello_with(hello_record(self.job, self.layout, self.device), hello or {})
         self._send_hello()
         #: the training thread's place (this thread's: the one that makes the Monitor runs the loop), and the
         #: watchdog that reports it while a step is overdue; collectives numbered per process group
         self.progress = Progress()
+        if not self._on_host:  # a collective the host has left may still run on the device
+            self.progress.device_done = self._clock.ready
         #: collectives (not send/recv) numbered per group: every member of a group counts the same at the end of
         #: the same step, unless one skipped or added a call (the step record's `collective_calls`); send/recv
         #: are numbered apart, as pairs of ranks, not the whole group, take part in them (a pipeline's middle
@@ -357,7 +360,9 @@ class Monitor:
             return self._record(step)
         finally:
             if not self._on_host:
-                self._clock.release(step.marks())
+                pending = self.progress.on_device
+                kept = pending[1] if pending is not None else None  # the watchdog may still ask about it
+                self._clock.release([mark for mark in step.marks() if mark is not kept])
 
     def _record(self, step: Step) -> dict[str, Any] | None:
         """The step record (gpuwatch.protocol.schema) of a resolved step. On the client's thread, beside the training
@@ -537,8 +542,8 @@ class Monitor:
                 if self._keep_at_tail:
                     self._keep_local_gradients()
                 # the training thread waits in DDP's all-reduce from here
-                self.progress.at("collective", self._in_flight("all_reduce", self._gradient_sync_bytes,
-                                                               ddp.process_group))
+                self._tail_in_flight = self._in_flight("all_reduce", self._gradient_sync_bytes, ddp.process_group)
+                self.progress.at("collective", self._tail_in_flight)
             elif stage == 2:
                 self._tail_stage = 0
                 step_now = self._current
@@ -548,7 +553,10 @@ class Monitor:
                 if step is not self._current:  # a backward outside any step, or one the step has outlived
                     step = None
                 if step is not None and self._times_collectives:
-                    step.waits.append((step.phase, self._tail_start, self._mark()))
+                    end = self._mark()
+                    step.waits.append((step.phase, self._tail_start, end))
+                    if self.progress.device_done is not None and self._tail_in_flight is not None:
+                        self.progress.on_device = (self._tail_in_flight, end)  # done once the device passes it
                 elif not self._on_host:
                     self._clock.release([self._tail_start])
                 if self._local_grads:
@@ -1006,7 +1014,10 @@ class _Collective:
         try:
             step = self.step
             if self.start is not None:
-                step.calls.append(Call(self.op, self.nbytes, self.start, True, step.phase, self.clock.mark()))
+                end = self.clock.mark()
+                step.calls.append(Call(self.op, self.nbytes, self.start, True, step.phase, end))
+                if self.progress.device_done is not None and self.in_flight is not None:
+                    self.progress.on_device = (self.in_flight, end)  # done once the device passes it
             self.progress.at(step.phase or "step")
         except Exception as error:
             self.failures.record("_Collective.__exit__", error)

@@ -12,6 +12,12 @@ Python stack with it (`sys._current_frames`: file, line and function, no locals)
 timeouts are needed to find out: those fire after minutes (NCCL's watchdog after 10 by default, PyTorch
 `init_process_group(timeout=...)`).
 
+On a GPU a collective's host call returns before the device has run it (NCCL queues it on its stream), so the host
+may move on while the device is still in it, and a hang there stops the host only later, at whatever next waits for
+the device. The hooks therefore also keep the last collective the host has left (`on_device`) with the mark
+recorded after it on the device, and while the device has not passed that mark (`device_done`, which asks without
+waiting) the watchdog reports it as the collective in flight.
+
 The watchdog reads what the training thread writes without a lock: each attribute is one reference, replaced
 whole, so a read sees an old or a new value, never a torn one; a record may mix the phase of one moment with the
 collective of the next, which the next second's record corrects.
@@ -61,7 +67,7 @@ class InFlight(NamedTuple):
 class Progress:
     """The training thread's place, written by the hooks as it moves (see the module's docstring)."""
 
-    __slots__ = ("collective", "durations", "phase", "since", "step", "step_started")
+    __slots__ = ("collective", "device_done", "durations", "on_device", "phase", "since", "step", "step_started")
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.phase = "idle"
@@ -70,6 +76,10 @@ class Progress:
         self.step_started: float | None = None
         self.collective: InFlight | None = None
         self.durations: deque[float] = deque(maxlen=RECENT_STEPS)
+        #: on a GPU: the last collective the host has left, and the mark recorded after it on the device
+        self.on_device: tuple[InFlight, Any] | None = None
+        #: whether the device has passed a mark, without waiting (`Clock.ready`); None where marks are ready at once
+        self.device_done: Callable[[Any], bool] | None = None
 
     def at(self, phase: str, collective: InFlight | None = None) -> None:
         """The training thread moved: it is now in `phase` (and `collective`), as of now."""
@@ -105,11 +115,11 @@ class Watchdog:
         overdue = self.overdue_seconds()
         if stalled < overdue:
             return None
+        collective = progress.collective or self._still_on_device()
         record: dict[str, Any] = {
             "v": SCHEMA_VERSION, "kind": "progress", "job": self.job, "rank": self.rank, "time": self._wall(),
             "step": progress.step, "phase": progress.phase, "stalled_seconds": stalled, "overdue_seconds": overdue,
         }
-        collective = progress.collective
         if collective is not None:
             record["collective"] = {
                 "op": collective.op, "group": collective.group, "group_size": collective.group_size,
@@ -120,6 +130,17 @@ class Watchdog:
             if stack:
                 record["stack"] = stack
         return record
+
+    def _still_on_device(self) -> InFlight | None:
+        """The collective the host has left and the device has not finished, if any."""
+        progress = self.progress
+        pending, done = progress.on_device, progress.device_done
+        if pending is None or done is None:
+            return None
+        try:
+            return None if done(pending[1]) else pending[0]
+        except Exception:  # a mark that cannot be asked about (its device gone) tells nothing
+            return None
 
     def _run(self) -> None:
         while not self._closed.wait(self.interval):

@@ -603,9 +603,8 @@ CHECKS_BY_NAME = {check.name: check for check in CHECKS}
 RESULT_FILE = "result.json"
 
 
-def run_in_this_process(name: str, raw: Path, dry_run: bool) -> None:
+def run_in_this_process(name: str, raw: Path, work: Path, dry_run: bool) -> None:
     """One check, in the subprocess the orchestrator started for it: its result goes to raw/result.json."""
-    work = Path(tempfile.mkdtemp(prefix="gpuwatch-acc-"))  # short: a Unix socket path holds at most 107 bytes
     result: dict[str, Any]
     try:
         outcome = CHECKS_BY_NAME[name].run(Context(dry_run, raw, work))
@@ -617,8 +616,6 @@ def run_in_this_process(name: str, raw: Path, dry_run: bool) -> None:
     except Exception as error:  # a bug or an unexpected answer: its traceback goes to the check's log
         traceback.print_exc()
         result = {"status": "error", "reason": f"{type(error).__name__}: {error}"}
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     (raw / RESULT_FILE).write_text(json.dumps(result, indent=1, default=str))
 
 
@@ -627,7 +624,11 @@ def run_check(check: Check, raw_root: Path, dry_run: bool, timeout: float) -> di
     passed: one hanging driver call costs this check only."""
     raw = raw_root / check.name
     raw.mkdir(parents=True)
-    command = [sys.executable, __file__, "--run-check", check.name, "--raw", str(raw), *["--dry-run"] * dry_run]
+    # Scratch (sockets, sinks) made and removed here, as a check killed on its timeout cannot: short, since a Unix
+    # socket path holds at most 107 bytes.
+    work = tempfile.mkdtemp(prefix="gpuwatch-acc-")
+    command = [sys.executable, __file__, "--run-check", check.name, "--raw", str(raw), "--work", work,
+               *["--dry-run"] * dry_run]
     started = time.monotonic()
     with (raw / "check.log").open("w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -639,6 +640,7 @@ def run_check(check: Check, raw_root: Path, dry_run: bool, timeout: float) -> di
         with contextlib.suppress(ProcessLookupError):  # what it started and left behind, or all of it on a timeout
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    shutil.rmtree(work, ignore_errors=True)
     result: dict[str, Any] = {"name": check.name, "seconds": round(time.monotonic() - started, 2),
                               "timeout_seconds": timeout}
     result_file = raw / RESULT_FILE
@@ -657,6 +659,7 @@ def run_all(checks: list[Check], out: Path, dry_run: bool, timeouts: dict[str, f
     """Every check within `budget` seconds; summary.json and raw.tar.gz in `out`."""
     started, started_at = time.monotonic(), time.strftime("%Y-%m-%dT%H:%M:%S%z")
     raw_root = out / "raw"
+    raw_root.mkdir()
     results = []
     for check in checks:
         left = budget - (time.monotonic() - started)
@@ -698,7 +701,7 @@ def parse_timeouts(values: list[str]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="report directory, new or empty [default: gpu-acceptance-TIME]")
     parser.add_argument("--dry-run", action="store_true", help="a simulated node and the CPU instead of the GPUs")
     parser.add_argument("--only", action="append", choices=list(CHECKS_BY_NAME), metavar="CHECK",
@@ -709,9 +712,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds for the whole run: checks not started by then are reported as timeouts")
     parser.add_argument("--run-check", choices=list(CHECKS_BY_NAME), help=argparse.SUPPRESS)
     parser.add_argument("--raw", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.run_check:
-        run_in_this_process(args.run_check, args.raw, args.dry_run)
+        run_in_this_process(args.run_check, args.raw, args.work, args.dry_run)
         return 0
     try:
         timeouts = parse_timeouts(args.timeout)

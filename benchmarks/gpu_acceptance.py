@@ -188,15 +188,14 @@ def train(ctx: Context, name: str, *args: str, device: str | None = None, agent:
     return [json.loads(line) for line in log_jsonl.read_text().splitlines()]
 
 
-def job_reported(agent: Agent, job: str, world: int = 1) -> list[dict[str, Any]]:
-    """The job's ranks in the agent's state, once every one of them has reported its last step."""
+def job_reported(agent: Agent, job: str) -> None:
+    """Wait until the agent has the last step of `job`, a 1-rank job: diagnose judges what the agent holds."""
 
-    def ranks() -> list[dict[str, Any]]:
-        found = [r for r in agent.state()["facts"].get("telemetry", {}).get("ranks", ()) if r["job"] == job]
-        done = len(found) == world and all((r.get("last_step") or {}).get("step") == STEPS for r in found)
-        return found if done else []
+    def last_step_in() -> bool:
+        ranks = [r for r in agent.state()["facts"].get("telemetry", {}).get("ranks", ()) if r["job"] == job]
+        return len(ranks) == 1 and (ranks[0].get("last_step") or {}).get("step") == STEPS
 
-    return wait_until(ranks, f"the agent to have job {job}'s last step", 20)
+    wait_until(last_step_in, f"the agent to have job {job}'s last step", 20)
 
 
 def diagnose(ctx: Context, agent: Agent, job: str) -> dict[str, list[dict[str, Any]]]:

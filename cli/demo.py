@@ -35,6 +35,7 @@ EXPECTED_RULE = {
     "slow-rank": "PERF002", "duplicate-shards": "CONV004", "shared-pp-dp-group": "TOPO001",
     "lr-explode": "CONV002", "desync": "CONV003", "fp16-no-scaler": "CONV001",
     "hang-rank": "HANG001", "crash-rank": "HANG004", "raise-rank": "HANG004", "skip-collective": "HANG002",
+    "fragment-memory": "MEM001",
 }
 #: Faults whose job never ends by itself (the demo stops it once the agent's diagnosis names the hang), and
 #: faults whose job fails, as it should.
@@ -273,6 +274,8 @@ def demo(fault: str, steps: int, port: int | None, keep_agent: bool, tp: int, pp
     Ctrl-C and 143 on SIGTERM, after stopping every process it started.
     """
     simulate = not gpus_present()
+    if simulate and fault == "fragment-memory":
+        raise click.UsageError("--fault fragment-memory fragments the CUDA caching allocator: it needs a GPU")
     port = _port(port)  # before the temporary directory, which only _Demo.close removes
     demo_run = _Demo(Path(tempfile.mkdtemp(prefix="gpuwatch-demo-")), port, keep_agent)
     succeeded = False

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from click.testing import CliRunner
 
+from gpuwatch.cli import demo as demo_module
 from gpuwatch.cli.demo import EXPECTED_RULE
 from gpuwatch.trainer.config import FAULTS
 
@@ -41,6 +43,14 @@ def port_free(port: int) -> bool:
 
 def test_every_fault_names_the_rule_that_catches_it():
     assert set(EXPECTED_RULE) == set(FAULTS)
+
+
+def test_a_fault_that_needs_a_gpu_is_refused_in_one_line_on_a_simulated_node(monkeypatch):
+    monkeypatch.setattr(demo_module, "gpus_present", lambda: False)  # as on a machine without GPUs
+    result = CliRunner().invoke(demo_module.demo, ["--fault", "fragment-memory"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines()[-1] == ("Error: --fault fragment-memory fragments the CUDA caching "
+                                                      "allocator: it needs a GPU")
 
 
 def test_healthy_run_has_no_warning_and_stops_its_agent():

@@ -39,6 +39,8 @@ def config(**fields) -> TrainConfig:
     (config(faults=("fp16-no-scaler",)), "--fault fp16-no-scaler trains in fp16 without its loss scaler: add "
                                          "--precision fp16"),
     (config(faults=("bit-flip",)), "--fault must be one of duplicate-shards, slow-rank"),
+    (config(faults=("fragment-memory",), device="cpu"), "--fault fragment-memory fragments the CUDA caching "
+                                                        "allocator: it needs a GPU"),
 ])
 def test_faults_are_refused_where_they_cannot_show(cfg, message):
     with pytest.raises(ConfigError, match=message):
@@ -125,6 +127,22 @@ def test_on_a_gpu_the_slow_rank_stretches_its_passes_by_their_wall_time_once_the
     _two_passes(slow)
     assert scripted.slept == [(faults.SLOWDOWN - 1) * 0.125, (faults.SLOWDOWN - 1) * 0.25]
     assert scripted.log == ["synchronize", "perf_counter", "synchronize", "perf_counter", "sleep"] * 2
+
+
+def test_fragment_memory_is_refused_on_the_cpu_in_one_line():
+    """The CLI refuses it before any rank starts (`auto` lands on the CPU here, or is told to); a rank whose device
+    turned out to be the CPU refuses it too, and its gradient reduction is left alone."""
+    for device in (["--device", "cpu"], [] if not torch.cuda.is_available() else ["--device", "cpu"]):
+        result = CliRunner().invoke(train_cli, ["--tp", "1", "--pp", "1", "--dp", "1", "--fault", "fragment-memory",
+                                                *device])
+        assert result.exit_code == 2, result.output
+        assert "--fault fragment-memory fragments the CUDA caching allocator: it needs a GPU" in result.output
+        assert "Traceback" not in result.output
+    reduce = object()
+    trainer = SimpleNamespace(device=torch.device("cpu"), reduce_gradients=reduce)
+    with pytest.raises(ConfigError, match="this rank runs on cpu: it needs a GPU"):
+        faults.fragment_memory(trainer)
+    assert trainer.reduce_gradients is reduce
 
 
 def test_duplicate_shards_give_every_replica_the_first_slice():

@@ -20,6 +20,7 @@ FAULTS = {
     "lr-explode": "a learning rate of 20: the gradient norm explodes",
     "desync": "the last DP replica starts from perturbed weights",
     "fp16-no-scaler": "fp16 without a loss scaler (needs --precision fp16): the loss overflows to NaN",
+    "fragment-memory": "odd-sized blocks freed out of order fragment the CUDA allocator (needs a GPU)",
     "hang-rank": "one rank (--fault-rank) blocks for good before the DP all-reduce of step --fault-step",
     "crash-rank": "one rank (--fault-rank) is killed with SIGKILL at step --fault-step",
     "raise-rank": "one rank (--fault-rank) raises an exception at step --fault-step and exits",
@@ -174,6 +175,8 @@ class TrainConfig:
              f"--fault-rank {self.fault_rank} is not a rank of this job (0 to {world - 1})"),
             (self.precision == "fp16" or "fp16-no-scaler" not in faults,
              "--fault fp16-no-scaler trains in fp16 without its loss scaler: add --precision fp16"),
+            (self.device != "cpu" or "fragment-memory" not in faults,
+             "--fault fragment-memory fragments the CUDA caching allocator: it needs a GPU (--device cuda or auto)"),
         ]
 
 

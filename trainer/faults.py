@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from gpuwatch.trainer.config import ConfigError
 from gpuwatch.trainer.parallel import comm
 from gpuwatch.trainer.parallel.data import grad_of
 from gpuwatch.trainer.parallel.groups import Grid
@@ -37,6 +38,13 @@ EXPLODING_LR = 20.0
 DESYNC_NOISE = 1e-3
 #: fp16-no-scaler: the factor that takes the logits past fp16's largest value, 65504 (any above 1/256 overflows).
 FP16_OVERFLOW = 2.0**24
+#: fragment-memory: what the odd-sized blocks add up to, and the free room left under the allocator's cap. The blocks
+#: are 1-10 MiB, the sizes the caching allocator carves out of shared 20 MiB segments (PyTorch's CUDA memory notes),
+#: so a freed block leaves a hole in a segment that a live neighbour keeps from being released.
+FRAGMENTS_BYTES = 256 * 2**20
+CAP_HEADROOM_BYTES = 32 * 2**20
+#: fragment-memory: a cached block freed whole, that only a flush of the cache gives back to the request after it.
+SPARE_BYTES = 64 * 2**20
 
 
 def explode_learning_rate(trainer: Trainer) -> None:
@@ -106,6 +114,63 @@ def overflow_fp16(trainer: Trainer) -> None:
     head = getattr(trainer.model, "head", None)
     if head is not None:
         head.register_forward_hook(lambda module, inputs, logits: (logits * FP16_OVERFLOW).half())
+
+
+class Fragmenter:
+    """fragment-memory: the CUDA caching allocator left holding memory it cannot use, as a long run does whose
+    tensors change size from step to step (variable sequence lengths, odd-sized buffers freed out of order): freed
+    blocks sit in segments that live neighbours keep from being released, reserved memory grows far past what is
+    allocated, and a request larger than any hole only succeeds after the allocator has flushed its cache and
+    retried (`num_alloc_retries`; PyTorch's CUDA memory notes, torch.cuda.memory_stats).
+
+    On the first gradient reduction, inside the step whose record reports it: odd-sized blocks (FRAGMENTS_BYTES in
+    all, 1-10 MiB each) with every other one freed and the rest kept for the run; a SPARE_BYTES block allocated and
+    freed whole; the allocator capped (set_per_process_memory_fraction) CAP_HEADROOM_BYTES above what it reserves;
+    then one block larger than the headroom and than any cached block, which the cap refuses until the cache is
+    flushed (one alloc retry). The cap is lifted again, so the rest of the run trains as it would."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.kept: list[torch.Tensor] = []  # the live neighbours that pin the holes, for the whole run
+
+    def fragment(self) -> None:
+        device = self.device
+        blocks = []
+        total, size = 0, 2**20 + 4099  # odd sizes: not multiples of the allocator's 512-byte rounding
+        while total < FRAGMENTS_BYTES:
+            blocks.append(torch.empty(size, dtype=torch.uint8, device=device))
+            total += size
+            size = 2**20 + (size * 7919) % (9 * 2**20)
+        self.kept = blocks[::2]
+        del blocks
+        spare = torch.empty(SPARE_BYTES, dtype=torch.uint8, device=device)
+        del spare
+        capacity = torch.cuda.get_device_properties(device).total_memory
+        cap = torch.cuda.memory_reserved(device) + CAP_HEADROOM_BYTES
+        torch.cuda.set_per_process_memory_fraction(min(cap / capacity, 1.0), device)
+        try:
+            retried = torch.empty(SPARE_BYTES + CAP_HEADROOM_BYTES // 2, dtype=torch.uint8, device=device)
+            del retried
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+def fragment_memory(trainer: Trainer) -> None:
+    """fragment-memory (Fragmenter): every rank fragments its GPU's caching allocator during its first step.
+    The CUDA allocator is what it breaks, so a rank on the CPU refuses it (TrainConfig refuses --device cpu
+    before any rank starts; this covers `auto` resolved inside a rank)."""
+    if trainer.device.type != "cuda":
+        raise ConfigError(f"--fault fragment-memory fragments the CUDA caching allocator, and this rank runs on "
+                          f"{trainer.device.type}: it needs a GPU")
+    fragmenter = Fragmenter(trainer.device)
+    reduce = trainer.reduce_gradients
+
+    def fragment_then_reduce(params: list[torch.nn.Parameter], observe: Callable | None = None) -> None:
+        if not fragmenter.kept:
+            fragmenter.fragment()
+        reduce(params, observe=observe)
+
+    trainer.reduce_gradients = fragment_then_reduce
 
 
 def duplicate_shards(trainer: Trainer) -> None:
@@ -245,6 +310,7 @@ INJECTORS: dict[str, Callable[[Trainer], None]] = {
     "shared-pp-dp-group": shared_group,
     "desync": desync,
     "fp16-no-scaler": overflow_fp16,
+    "fragment-memory": fragment_memory,
     "duplicate-shards": duplicate_shards,
     "slow-rank": slow_rank,
     "lr-explode": explode_learning_rate,

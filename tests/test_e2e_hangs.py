@@ -118,11 +118,16 @@ def test_a_rank_that_skipped_its_collectives_is_named_by_its_count_of_calls(agen
     named("--run-log", str(run_log))
 
 
-@pytest.mark.parametrize(("fault", "error"), [("crash-rank", None), ("raise-rank", "InjectedFailure")])
-def test_a_rank_that_dies_is_named_first_and_its_peers_as_consequences(agent, tmp_path, fault, error):
-    job, culprit = f"{fault}-4", 3
+@pytest.mark.parametrize(("fault", "error", "shape"), [
+    ("crash-rank", None, ("--tp", "1", "--pp", "2", "--dp", "2")),
+    ("raise-rank", "InjectedFailure", ("--tp", "1", "--pp", "2", "--dp", "2")),
+    ("crash-rank", None, ("--tp", "2", "--pp", "2", "--dp", "2")),
+], ids=["crash-pp2-dp2", "raise-pp2-dp2", "crash-tp2-pp2-dp2"])
+def test_a_rank_that_dies_is_named_first_and_its_peers_as_consequences(agent, tmp_path, fault, error, shape):
+    world = 2 * 2 * int(shape[1])
+    job, culprit = f"{fault}-{world}", world - 1
     run_log = tmp_path / "log"
-    result = CliRunner().invoke(train, ["--tp", "1", "--pp", "2", "--dp", "2", "--steps", "20", "--job", job,
+    result = CliRunner().invoke(train, [*shape, "--steps", "20", "--job", job,
                                         "--telemetry-socket", str(agent.telemetry_socket), "--run-log", str(run_log),
                                         "--fault", fault, "--fault-step", "4"])
     assert result.exit_code == 1 and f"rank {culprit} failed" in result.output  # the launcher names it too

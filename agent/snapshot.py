@@ -47,6 +47,8 @@ class CollectorStatus:
     last_error: str | None = None
     partial_errors: tuple[str, ...] = ()
     last_success_timestamp: float | None = None
+    #: Seconds from the snapshot's timestamp until a failing collector, backing off, runs again.
+    next_attempt_seconds: float | None = None
 
 
 class ScrapeClock:

@@ -1,15 +1,23 @@
 """Sampler: one failing or hung collector never takes the others down; snapshots are whole."""
 
+import concurrent.futures
 import gzip
+import itertools
 import json
 import threading
 
 from prometheus_client.core import GaugeMetricFamily
 
 from gpuwatch.agent import sampler as sampler_module
-from gpuwatch.agent.collectors.base import Collector, CollectorContext, CollectorResult, DeferredFamilies
+from gpuwatch.agent.collectors.base import (
+    Collector,
+    CollectorContext,
+    CollectorError,
+    CollectorResult,
+    DeferredFamilies,
+)
 from gpuwatch.agent.sampler import Sampler
-from gpuwatch.agent.snapshot import ScrapeClock
+from gpuwatch.agent.snapshot import CollectorStatus, ScrapeClock
 
 from conftest import wait_until
 
@@ -185,3 +193,70 @@ def test_the_round_a_regular_scraper_will_read_is_rendered_before_it_asks(monkey
     assert collector.builds == builds + 1
     clock.now += 10  # the scraper went away: rounds are no longer rendered ahead
     assert "_gzip" not in vars(sampler.sample_once())
+
+
+class _Absent(Collector):
+    """A source that is not there (no driver) until ``present`` is set; notes when it runs, by the scripted clock."""
+
+    name = "absent"
+
+    def __init__(self, context, clock):
+        super().__init__(context)
+        self.clock = clock
+        self.present = False
+        self.runs = []
+
+    def collect(self):
+        self.runs.append(self.clock.now)
+        if not self.present:
+            raise CollectorError("no driver")
+        return CollectorResult([GaugeMetricFamily("gpuwatch_absent_value", "Absent.", value=1)])
+
+
+def _backing_off():
+    clock = _Clock()
+    absent = _Absent(CollectorContext(), clock)
+    return clock, absent, Sampler([absent], interval=1.0, deadline=10.0, node="n1", mode="real", clock=clock)
+
+
+def test_a_failing_collector_backs_off_until_it_succeeds_then_starts_over():
+    """1,000 rounds of 1 s without the source: it runs after 2 s, 4, 8 … then every 5 minutes, and every round reports
+    it down with the reason and when it runs next; once the source is there it is up at the next attempt, and a new
+    failure backs off from 2 s again."""
+    clock, absent, sampler = _backing_off()
+    snapshots = []
+    for _ in range(1000):
+        snapshots.append(sampler.sample_once())
+        clock.now += 1.0
+    assert [b - a for a, b in itertools.pairwise(absent.runs)] == [2, 4, 8, 16, 32, 64, 128, 256, 300]
+    assert snapshots[0].collectors["absent"] == CollectorStatus(False, 0.0, "CollectorError: no driver",
+                                                                next_attempt_seconds=2.0)
+    # at 105 s: failed at 102 s for the second time, runs again at 106 s
+    assert snapshots[5].collectors["absent"] == CollectorStatus(False, 0.0, "CollectorError: no driver",
+                                                                next_attempt_seconds=1.0)
+    assert 'gpuwatch_collector_up{collector="absent"} 0.0' in snapshots[5].metrics_text.decode()
+    state = json.loads(snapshots[5].state_json)["collectors"]["absent"]
+    assert state["last_error"] == "CollectorError: no driver" and state["next_attempt_seconds"] == 1.0
+
+    absent.present = True  # the driver finished loading
+    clock.now = absent.runs[-1] + 300
+    assert sampler.sample_once().collectors["absent"].up
+    absent.present = False
+    clock.now += 1.0
+    assert sampler.sample_once().collectors["absent"].next_attempt_seconds == 2.0
+
+
+def test_a_round_with_no_collector_due_runs_nothing_and_builds_nothing(monkeypatch):
+    """While its only collector backs off, a round submits no work, waits for none, and builds no families: its
+    cost is the snapshot's bookkeeping (the statuses, published again)."""
+    clock, absent, sampler = _backing_off()
+    sampler.sample_once()  # fails: backs off for 2 s
+    submitted, waited = [], []
+    monkeypatch.setattr(sampler._executors["absent"], "submit", lambda *args: submitted.append(args))
+    monkeypatch.setattr(concurrent.futures, "wait", lambda *args, **kwargs: waited.append(args))
+    clock.now += 1.0
+    empty = sampler.sample_once()
+    assert absent.runs == [100.0] and submitted == [] and waited == []
+    assert empty.readings == {} and len(empty.families) == 1  # the agent's own families only
+    assert "_families" not in vars(empty.families[0]) and "_text" not in vars(empty)  # deferred, unbuilt
+    assert empty.collectors["absent"].last_error == "CollectorError: no driver"

@@ -54,6 +54,15 @@ class _Failing:
         return _Failing(error, wait, now + wait)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Unchanged:
+    """A collector's last result, served again until ``until`` (on the sampler's clock) without running it."""
+
+    until: float
+    status: CollectorStatus
+    result: CollectorResult
+
+
 class Sampler:
     def __init__(
         self,
@@ -82,6 +91,7 @@ class Sampler:
         self._pending: dict[str, concurrent.futures.Future[tuple[CollectorResult, float]]] = {}
         self._last_success: dict[str, float] = {}
         self._failing: dict[str, _Failing] = {}
+        self._unchanged: dict[str, _Unchanged] = {}
         self._stop = threading.Event()
         self.snapshot = Snapshot(timestamp=0.0, families=(), collectors={}, readings={}, agent=self.agent_info,
                                  renderer=self._renderer, scrapes=self._scrapes)
@@ -89,20 +99,18 @@ class Sampler:
     def sample_once(self) -> Snapshot:
         """Run every collector that is due once (each under the deadline) and publish the new snapshot.
 
-        A collector still stuck in an earlier call, or backing off after a failure, is not run: a round in which
-        no collector is due only publishes their statuses again."""
+        A collector still stuck in an earlier call, backing off after a failure, or whose last result holds for a
+        while yet (``CollectorResult.unchanged_for_seconds``) is not run: a round in which no collector is due runs
+        nothing and publishes their last statuses and results again."""
         if self._before_round is not None:
             self._before_round()
         started = self._clock()
-        futures = {}
-        for collector in self.collectors:
-            pending = self._pending.get(collector.name)
-            if pending is not None and not pending.done():
-                continue  # still stuck in last round's call: do not pile up threads behind it
-            failing = self._failing.get(collector.name)
-            if failing is not None and started < failing.retry_at:
-                continue
-            futures[collector.name] = (self._executors[collector.name].submit(self._timed, collector))
+        due = [collector for collector in self.collectors if self._due(collector.name, started)]
+        futures = {collector.name: self._executors[collector.name].submit(self._timed, collector)
+                   for collector in due if collector.may_block}
+        for collector in due:
+            if not collector.may_block:
+                futures[collector.name] = self._run_here(collector)
         if futures:
             concurrent.futures.wait(futures.values(), timeout=self.deadline)
 
@@ -111,7 +119,12 @@ class Sampler:
         statuses: dict[str, CollectorStatus] = {}
         now = time.time()
         for collector in self.collectors:
-            status, result = self._status_of(collector.name, futures.get(collector.name), now, started)
+            unchanged = self._unchanged.get(collector.name)
+            result: CollectorResult | None
+            if collector.name not in futures and unchanged is not None and started < unchanged.until:
+                status, result = unchanged.status, unchanged.result
+            else:
+                status, result = self._status_of(collector.name, futures.get(collector.name), now, started)
             statuses[collector.name] = status
             if result is not None:
                 families.append(result.families)
@@ -123,6 +136,14 @@ class Sampler:
             snapshot.render()
         self.snapshot = snapshot  # one reference swap: readers see the old or the new one, whole
         return snapshot
+
+    def _due(self, name: str, now: float) -> bool:
+        pending = self._pending.get(name)
+        if pending is not None and not pending.done():
+            return False  # still stuck in last round's call: do not pile up threads behind it
+        failing, unchanged = self._failing.get(name), self._unchanged.get(name)
+        backing_off = failing is not None and now < failing.retry_at
+        return not backing_off and (unchanged is None or now >= unchanged.until)
 
     def _status_of(self, name: str, future: concurrent.futures.Future[tuple[CollectorResult, float]] | None,
                    now: float, started: float) -> tuple[CollectorStatus, CollectorResult | None]:
@@ -137,6 +158,7 @@ class Sampler:
                                    last_success_timestamp=last_success), None
         if not future.done():
             self._pending[name] = future
+            self._unchanged.pop(name, None)
             log.warning("collector %s missed its %.1fs deadline", name, self.deadline)
             return CollectorStatus(False, self.deadline, f"timed out after {self.deadline:.1f}s",
                                    last_success_timestamp=last_success), None
@@ -147,11 +169,26 @@ class Sampler:
             log.debug("collector %s failed", name, exc_info=True)
             message = f"{type(exc).__name__}: {exc}"
             failing = self._failing[name] = _Failing.after(self._failing.get(name), message, started)
+            self._unchanged.pop(name, None)
             return CollectorStatus(False, 0.0, message, last_success_timestamp=last_success,
                                    next_attempt_seconds=failing.wait), None
         self._failing.pop(name, None)
         self._last_success[name] = now
-        return CollectorStatus(True, duration, None, tuple(result.errors), now), result
+        status = CollectorStatus(True, duration, None, tuple(result.errors), now)
+        if result.unchanged_for_seconds is None:
+            self._unchanged.pop(name, None)
+        else:
+            self._unchanged[name] = _Unchanged(started + result.unchanged_for_seconds, status, result)
+        return status, result
+
+    def _run_here(self, collector: Collector) -> concurrent.futures.Future[tuple[CollectorResult, float]]:
+        """Run a collector that cannot block in the sampler's thread, its outcome as a worker's would be."""
+        future: concurrent.futures.Future[tuple[CollectorResult, float]] = concurrent.futures.Future()
+        try:
+            future.set_result(self._timed(collector))
+        except Exception as exc:  # reported as the collector's failure, like a worker's
+            future.set_exception(exc)
+        return future
 
     @staticmethod
     def _timed(collector: Collector) -> tuple[CollectorResult, float]:

@@ -246,17 +246,73 @@ def test_a_failing_collector_backs_off_until_it_succeeds_then_starts_over():
     assert sampler.sample_once().collectors["absent"].next_attempt_seconds == 2.0
 
 
+class _Empty(Collector):
+    """A source with nothing on this node (no InfiniBand device), which says so for 60 s."""
+
+    name = "empty"
+
+    def __init__(self, context):
+        super().__init__(context)
+        self.runs = 0
+
+    def collect(self):
+        self.runs += 1
+        return CollectorResult(DeferredFamilies(list), unchanged_for_seconds=60.0)
+
+
+def test_a_result_that_holds_is_served_again_without_running_the_collector():
+    clock = _Clock()
+    empty = _Empty(CollectorContext())
+    sampler = Sampler([empty], interval=1.0, deadline=10.0, node="n1", mode="real", clock=clock)
+    first = sampler.sample_once()
+    for _ in range(59):
+        clock.now += 1.0
+        again = sampler.sample_once()
+        assert again.collectors["empty"] is first.collectors["empty"] and again.readings == first.readings
+    assert empty.runs == 1 and first.collectors["empty"].up
+    clock.now += 1.0
+    sampler.sample_once()
+    assert empty.runs == 2
+
+
 def test_a_round_with_no_collector_due_runs_nothing_and_builds_nothing(monkeypatch):
-    """While its only collector backs off, a round submits no work, waits for none, and builds no families: its
-    cost is the snapshot's bookkeeping (the statuses, published again)."""
-    clock, absent, sampler = _backing_off()
-    sampler.sample_once()  # fails: backs off for 2 s
+    """While one collector backs off and the other's result holds, a round submits no work, waits for none, and
+    builds no families: its cost is the snapshot's bookkeeping (their statuses and results, published again)."""
+    clock = _Clock()
+    absent, empty = _Absent(CollectorContext(), clock), _Empty(CollectorContext())
+    sampler = Sampler([absent, empty], interval=1.0, deadline=10.0, node="n1", mode="real", clock=clock)
+    sampler.sample_once()  # absent fails and backs off for 2 s; empty holds for 60 s
     submitted, waited = [], []
-    monkeypatch.setattr(sampler._executors["absent"], "submit", lambda *args: submitted.append(args))
+    for executor in sampler._executors.values():
+        monkeypatch.setattr(executor, "submit", lambda *args: submitted.append(args))
     monkeypatch.setattr(concurrent.futures, "wait", lambda *args, **kwargs: waited.append(args))
     clock.now += 1.0
-    empty = sampler.sample_once()
-    assert absent.runs == [100.0] and submitted == [] and waited == []
-    assert empty.readings == {} and len(empty.families) == 1  # the agent's own families only
-    assert "_families" not in vars(empty.families[0]) and "_text" not in vars(empty)  # deferred, unbuilt
-    assert empty.collectors["absent"].last_error == "CollectorError: no driver"
+    quiet = sampler.sample_once()
+    assert absent.runs == [100.0] and empty.runs == 1 and submitted == [] and waited == []
+    assert quiet.readings == {"empty": {}} and len(quiet.families) == 2  # the agent's own families and empty's
+    assert all("_families" not in vars(family) for family in quiet.families)  # deferred, unbuilt
+    assert "_text" not in vars(quiet)
+    assert quiet.collectors["absent"].last_error == "CollectorError: no driver" and quiet.collectors["empty"].up
+
+
+class _InMemory(_Absent):
+    """Reads only the agent's own memory: cannot hang."""
+
+    name = "in_memory"
+    may_block = False
+
+    def collect(self):
+        self.thread = threading.current_thread()
+        return super().collect()
+
+
+def test_a_collector_that_cannot_block_runs_in_the_samplers_thread_and_fails_like_any_other():
+    clock = _Clock()
+    in_memory = _InMemory(CollectorContext(), clock)
+    sampler = Sampler([in_memory], interval=1.0, deadline=10.0, node="n1", mode="real", clock=clock)
+    failed = sampler.sample_once()
+    assert in_memory.thread is threading.current_thread()  # no hand-off to a worker
+    assert failed.collectors["in_memory"].last_error == "CollectorError: no driver"
+    in_memory.present = True
+    clock.now += 2.0  # its back-off
+    assert "gpuwatch_absent_value 1.0" in sampler.sample_once().metrics_text.decode()

@@ -113,6 +113,10 @@ _GBIT = 1e9 / 8
 _DEVICE_ATTRS = ("board_id", "fw_ver", "hca_type", "node_guid")
 
 
+#: Seconds a node without InfiniBand devices is not looked at again: an HCA appears with a driver load or a hot-plug,
+#: rarely, and its series a minute later is soon enough; until then the collector costs the sampler nothing.
+RESCAN_ABSENT_SECONDS = 60.0
+
 #: Read errors after which an open attribute is reopened: its device went away (and may be back).
 _GONE = frozenset({errno.ENODEV, errno.ENOENT, errno.ESTALE, errno.EBADF})
 #: At most this many attributes stay open (a DGX H100 reads ~420), fewer under a low RLIMIT_NOFILE.
@@ -236,7 +240,8 @@ class InfinibandCollector(Collector):
             self._files.sweep()
         readings = InfinibandReadings(tuple(scan.devices), tuple(scan.ports))
         # Deferred to the scrape: ~500 samples' families would be most of a round otherwise.
-        return CollectorResult(DeferredFamilies(lambda: _families(readings)), readings, scan.errors)
+        return CollectorResult(DeferredFamilies(lambda: _families(readings)), readings, scan.errors,
+                               unchanged_for_seconds=None if devices else RESCAN_ABSENT_SECONDS)
 
     def close(self) -> None:
         self._files.close()

@@ -459,6 +459,7 @@ class TelemetryCollector(Collector):
     set up (the reason is its last error), and tries again whenever the sampler runs it (backing off)."""
 
     name = "telemetry"
+    may_block = False  # copies the store: the receiver thread is what waits on the socket
 
     def __init__(self, context: CollectorContext) -> None:
         super().__init__(context)

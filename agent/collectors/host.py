@@ -96,7 +96,7 @@ class HostCollector(Collector):
             processes=self._processes_rss(errors),
             network_interfaces=self._network_interfaces(),
         )
-        # Deferred to the scrape, like the other collectors': rounds nobody renders never build them.
+        # Deferred to the render, like the other collectors': rounds nobody renders never build them.
         return CollectorResult(DeferredFamilies(lambda: _families(readings)), readings, errors)
 
     def _network_interfaces(self) -> tuple[InterfaceReading, ...]:

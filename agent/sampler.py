@@ -130,7 +130,7 @@ class Sampler:
             if result is not None:
                 families.append(result.families)
                 readings[collector.name] = result.readings
-        families.insert(0, DeferredFamilies(lambda: self._self_metrics(statuses)))  # built if scraped
+        families.insert(0, DeferredFamilies(lambda: self._self_metrics(statuses)))  # built if rendered
         snapshot = Snapshot(timestamp=now, families=families, collectors=statuses, readings=readings,
                             agent=self.agent_info, renderer=self._renderer, scrapes=self._scrapes)
         if self._scrapes.active():  # off the request path: the scrape finds it rendered

@@ -1,17 +1,21 @@
 """Runs the collectors on the agent's own interval and publishes one immutable Snapshot per round.
 
-A round only collects; its exposition is rendered (with the sampler's one ``Renderer``, which reuses
-what did not change) when the round is about to be scraped at the scraper's rhythm, or else on the
-scrape that asks for it: rounds nobody scrapes are never rendered.
+While a scraper keeps coming, each round's exposition is rendered (with the sampler's one ``Renderer``,
+which reuses what did not change) at the end of the round, before the snapshot is published: a scrape
+never renders, whenever it comes. An agent nobody scrapes renders nothing (the first scrape renders on
+demand).
 
 Each collector runs in its own worker thread with a deadline: a collector that hangs (an NVML
 call stuck in the driver) is reported down and skipped until it returns, while the others keep
-being sampled. Scrapes never trigger collection; they read ``Sampler.snapshot``.
+being sampled. A collector that fails (no driver, no socket) is reported down and backs off: it runs
+again after 2 s, then 4, 8 … up to 5 minutes, until it succeeds. Scrapes never trigger collection;
+they read ``Sampler.snapshot``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import gc
 import logging
 import threading
@@ -28,6 +32,37 @@ from gpuwatch.agent.snapshot import CollectorStatus, ScrapeClock, Snapshot
 
 log = logging.getLogger(__name__)
 
+#: Seconds a collector that failed waits before it runs again; each further failure doubles the wait, up to
+#: BACKOFF_MAX_SECONDS, and a success resets it. An absent source (no NVIDIA driver, a socket that cannot be bound)
+#: then costs one failed attempt every 5 minutes instead of one per round (a failed nvmlInit every round cost
+#: ~0.9 % of a core at 1 s sampling), and one that appears later (a driver that finished loading) is still picked up.
+BACKOFF_FIRST_SECONDS = 2.0
+BACKOFF_MAX_SECONDS = 300.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failing:
+    """A collector whose last run raised: why, how long it waits, and until when (on the sampler's clock)."""
+
+    error: str
+    wait: float
+    retry_at: float
+
+    @staticmethod
+    def after(previous: _Failing | None, error: str, now: float) -> _Failing:
+        """The back-off after a failure at ``now``: the first wait, or twice the ``previous`` one up to the cap."""
+        wait = BACKOFF_FIRST_SECONDS if previous is None else min(2 * previous.wait, BACKOFF_MAX_SECONDS)
+        return _Failing(error, wait, now + wait)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unchanged:
+    """A collector's last result, served again until ``until`` (on the sampler's clock) without running it."""
+
+    until: float
+    status: CollectorStatus
+    result: CollectorResult
+
 
 class Sampler:
     def __init__(
@@ -39,6 +74,7 @@ class Sampler:
         mode: str,
         deadline: float | None = None,
         before_round: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.collectors = list(collectors)
         self.interval = interval
@@ -46,68 +82,114 @@ class Sampler:
         self.agent_info: dict[str, Any] = {"version": __version__, "mode": mode, "node": node,
                                            "interval_seconds": interval}
         self._before_round = before_round
+        self._clock = clock
         self._renderer = Renderer()
         self._scrapes = ScrapeClock()
         self._executors = {
             c.name: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"collector-{c.name}")
             for c in self.collectors
         }
-        self._pending: dict[str, concurrent.futures.Future[CollectorResult]] = {}
+        self._pending: dict[str, concurrent.futures.Future[tuple[CollectorResult, float]]] = {}
         self._last_success: dict[str, float] = {}
+        self._failing: dict[str, _Failing] = {}
+        self._unchanged: dict[str, _Unchanged] = {}
         self._stop = threading.Event()
         self.snapshot = Snapshot(timestamp=0.0, families=(), collectors={}, readings={}, agent=self.agent_info,
                                  renderer=self._renderer, scrapes=self._scrapes)
 
     def sample_once(self) -> Snapshot:
-        """Run every collector once (each under the deadline) and publish the new snapshot."""
+        """Run every collector that is due once (each under the deadline) and publish the new snapshot.
+
+        A collector still stuck in an earlier call, backing off after a failure, or whose last result holds for a
+        while yet (``CollectorResult.unchanged_for_seconds``) is not run: a round in which no collector is due runs
+        nothing and publishes their last statuses and results again."""
         if self._before_round is not None:
             self._before_round()
-        started = time.monotonic()
-        futures = {}
-        for collector in self.collectors:
-            pending = self._pending.get(collector.name)
-            if pending is not None and not pending.done():
-                continue  # still stuck in last round's call: do not pile up threads behind it
-            futures[collector.name] = (self._executors[collector.name].submit(self._timed, collector))
-        concurrent.futures.wait(futures.values(), timeout=self.deadline)
+        started = self._clock()
+        due = [collector for collector in self.collectors if self._due(collector.name, started)]
+        futures = {collector.name: self._executors[collector.name].submit(self._timed, collector)
+                   for collector in due if collector.may_block}
+        for collector in due:
+            if not collector.may_block:
+                futures[collector.name] = self._run_here(collector)
+        if futures:
+            concurrent.futures.wait(futures.values(), timeout=self.deadline)
 
         families: list[Sequence[Metric]] = []
         readings: dict[str, object] = {}
         statuses: dict[str, CollectorStatus] = {}
         now = time.time()
         for collector in self.collectors:
-            status, result = self._status_of(collector.name, futures.get(collector.name), now, started)
+            unchanged = self._unchanged.get(collector.name)
+            result: CollectorResult | None
+            if collector.name not in futures and unchanged is not None and started < unchanged.until:
+                status, result = unchanged.status, unchanged.result
+            else:
+                status, result = self._status_of(collector.name, futures.get(collector.name), now, started)
             statuses[collector.name] = status
             if result is not None:
                 families.append(result.families)
                 readings[collector.name] = result.readings
-        families.insert(0, DeferredFamilies(lambda: self._self_metrics(statuses)))  # built if scraped
+        families.insert(0, DeferredFamilies(lambda: self._self_metrics(statuses)))  # built if rendered
         snapshot = Snapshot(timestamp=now, families=families, collectors=statuses, readings=readings,
                             agent=self.agent_info, renderer=self._renderer, scrapes=self._scrapes)
-        if self._scrapes.due_within(self.interval):  # a scrape will read this round: render it before it asks
+        if self._scrapes.active():  # off the request path: the scrape finds it rendered
             snapshot.render()
         self.snapshot = snapshot  # one reference swap: readers see the old or the new one, whole
         return snapshot
 
-    def _status_of(self, name, future, now, started) -> tuple[CollectorStatus, CollectorResult | None]:
+    def _due(self, name: str, now: float) -> bool:
+        pending = self._pending.get(name)
+        if pending is not None and not pending.done():
+            return False  # still stuck in last round's call: do not pile up threads behind it
+        failing, unchanged = self._failing.get(name), self._unchanged.get(name)
+        backing_off = failing is not None and now < failing.retry_at
+        return not backing_off and (unchanged is None or now >= unchanged.until)
+
+    def _status_of(self, name: str, future: concurrent.futures.Future[tuple[CollectorResult, float]] | None,
+                   now: float, started: float) -> tuple[CollectorStatus, CollectorResult | None]:
+        last_success = self._last_success.get(name)
         if future is None:
-            waited = time.monotonic() - started
+            failing = self._failing.get(name)
+            if failing is not None and started < failing.retry_at:
+                return CollectorStatus(False, 0.0, failing.error, last_success_timestamp=last_success,
+                                       next_attempt_seconds=failing.retry_at - started), None
+            waited = self._clock() - started
             return CollectorStatus(False, waited, "still blocked in a previous collection",
-                                   last_success_timestamp=self._last_success.get(name)), None
+                                   last_success_timestamp=last_success), None
         if not future.done():
             self._pending[name] = future
+            self._unchanged.pop(name, None)
             log.warning("collector %s missed its %.1fs deadline", name, self.deadline)
             return CollectorStatus(False, self.deadline, f"timed out after {self.deadline:.1f}s",
-                                   last_success_timestamp=self._last_success.get(name)), None
+                                   last_success_timestamp=last_success), None
         self._pending.pop(name, None)
         try:
             result, duration = future.result()
         except Exception as exc:  # a failing collector is reported, never propagated
             log.debug("collector %s failed", name, exc_info=True)
             message = f"{type(exc).__name__}: {exc}"
-            return CollectorStatus(False, 0.0, message, last_success_timestamp=self._last_success.get(name)), None
+            failing = self._failing[name] = _Failing.after(self._failing.get(name), message, started)
+            self._unchanged.pop(name, None)
+            return CollectorStatus(False, 0.0, message, last_success_timestamp=last_success,
+                                   next_attempt_seconds=failing.wait), None
+        self._failing.pop(name, None)
         self._last_success[name] = now
-        return CollectorStatus(True, duration, None, tuple(result.errors), now), result
+        status = CollectorStatus(True, duration, None, tuple(result.errors), now)
+        if result.unchanged_for_seconds is None:
+            self._unchanged.pop(name, None)
+        else:
+            self._unchanged[name] = _Unchanged(started + result.unchanged_for_seconds, status, result)
+        return status, result
+
+    def _run_here(self, collector: Collector) -> concurrent.futures.Future[tuple[CollectorResult, float]]:
+        """Run a collector that cannot block in the sampler's thread, its outcome as a worker's would be."""
+        future: concurrent.futures.Future[tuple[CollectorResult, float]] = concurrent.futures.Future()
+        try:
+            future.set_result(self._timed(collector))
+        except Exception as exc:  # reported as the collector's failure, like a worker's
+            future.set_exception(exc)
+        return future
 
     @staticmethod
     def _timed(collector: Collector) -> tuple[CollectorResult, float]:

@@ -1,33 +1,45 @@
-"""What the node agent costs a GPU node, measured from outside its process, beside node_exporter.
+"""What the node agent costs a GPU node, measured from outside its process, beside node_exporter, on any machine.
 
 Why from outside: an operator sizes a DaemonSet's requests/limits from the process's CPU time and RSS as the
 kernel counts them (psutil on the agent's pid), not from timings inside the agent. The agent serves a simulated
 dgx-h100 (8 GPUs, 18 NVLinks each, 8 IB ports) at a 1 s sampling interval while 64 ranks report one step per
 second each through the real telemetry socket (TelemetryClient, from a separate process so the senders' CPU is
 not counted), and Prometheus-like scrapes arrive every 15 s. Then ``/metrics`` latency is timed over loopback
-three ways: back to back (all but the first hit a snapshot already rendered); once per sampling interval, each
-reading a new snapshot, at a steady rhythm as Prometheus scrapes (the agent renders the round the next scrape will
-read ahead of it); and at irregular gaps, where a scrape the last gap did not predict renders the snapshot it reads.
+three ways: back to back (most read a snapshot already read); once per sampling interval, each reading a new
+snapshot; and at irregular gaps 0.2 to 3 intervals apart. While it is scraped, the agent renders every round
+before publishing it, so the last two should cost what the first does.
 
 What the agent's CPU share includes that a real node does not pay: ``--simulate`` rewrites the generated sysfs
-tree and advances the scripted NVML before every round. That part is measured separately, in this process, by
-timing ``Simulation.advance`` over the same number of rounds, and reported beside the total.
+tree and advances the scripted NVML before every round, and the collectors' NVML calls run the scripted NVML's
+Python. That part is measured in this process over as many rounds (``Simulation.advance``, and the time spent
+inside the scripted NVML's functions while the nvml and nvlink collectors read it), and the agent proper is the
+total without it. A real node pays pynvml's ctypes calls and the driver's time instead, which no simulation has.
+
+Idle: the agent with every collector enabled on a node with nothing to collect (no NVIDIA driver, an empty sysfs
+tree, no rank reporting), measured from its threads' scheduler statistics (``/proc/PID/task/*/schedstat``, in
+nanoseconds: at ~0.1 % of a core, psutil's 10 ms clock ticks would be most of the figure).
 
 Side by side on the same InfiniBand sysfs fixture (tests/fixtures/procfs-infiniband/sys): the agent with only its
 infiniband collector against Debian's ``prometheus-node-exporter`` restricted to its infiniband collector
 (``--collector.disable-defaults --collector.infiniband``), ratio of scrape latencies. node_exporter reads sysfs on
 every scrape; the agent serves a snapshot rendered once per sampling round.
 
+Every measurement is repeated ``--runs`` times (default 3) and reported as min / median / max, with the machine
+(CPU model, cores, load average before and after, Python build): figures from a shared machine wander, and the
+ratios against node_exporter, measured in the same run, are what should hold anywhere.
+
     apt-get install prometheus-node-exporter   # for the side-by-side; skipped with a note when missing
-    python benchmarks/agent_cost.py [--seconds 30] [--scrapes 300]
+    python benchmarks/agent_cost.py [--runs 3] [--seconds 30] [--scrapes 300]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import multiprocessing
 import os
+import platform
 import random
 import shutil
 import statistics
@@ -35,9 +47,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -45,6 +58,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from _harness import free_port, get, running, wait_until
 from telemetry_records import collectives, hello, step
 
+from gpuwatch.agent.collectors import CollectorContext
+from gpuwatch.agent.collectors.nvlink import NvlinkCollector
+from gpuwatch.agent.collectors.nvml import NvmlCollector
 from gpuwatch.agent.simulate import PRESETS, Simulation
 from gpuwatch.trainer.telemetry import TelemetryClient
 
@@ -137,100 +153,216 @@ def latency(url: str, scrapes: int, every: float = 0.0, irregular: bool = False)
                    len(body) / 1024)
 
 
-def simulation_cpu_per_round(rounds: int, interval: float) -> float:
-    """CPU seconds one ``Simulation.advance`` of dgx-h100 takes when called every ``interval`` seconds."""
+class _CallTimer:
+    """CPU time spent inside an object's ``nvml*`` methods (the outermost call only, as they call each other)."""
+
+    def __init__(self, target: Any) -> None:
+        self.seconds = 0.0
+        self._depth = 0
+        for name in dir(type(target)):
+            if name.startswith("nvml") and callable(getattr(target, name)):
+                setattr(target, name, self._timed(getattr(target, name)))
+
+    def _timed(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any) -> Any:
+            self._depth += 1
+            started = time.process_time()
+            try:
+                return function(*args)
+            finally:
+                self._depth -= 1
+                if not self._depth:
+                    self.seconds += time.process_time() - started
+        return timed
+
+
+def simulation_cpu_per_round(rounds: int) -> float:
+    """CPU seconds per round the simulation adds to the agent's process: ``Simulation.advance`` of dgx-h100, and the
+    scripted NVML's own functions while the nvml and nvlink collectors read it."""
     with tempfile.TemporaryDirectory(prefix="gpuwatch-sim-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK)
                                      else None) as workdir:
         simulation = Simulation(PRESETS["dgx-h100"], Path(workdir))
-        spent = 0.0
+        scripted = _CallTimer(simulation.nvml)
+        context = CollectorContext(sysfs_root=simulation.sysfs_root, nvml=simulation.nvml, simulated=True)
+        collectors = [NvmlCollector(context), NvlinkCollector(context)]
+        advancing = 0.0
         for _ in range(rounds):
-            time.sleep(interval)
+            time.sleep(0.05)  # values move with wall time
             started = time.process_time()
             simulation.advance()
-            spent += time.process_time() - started
-    return spent / rounds
+            advancing += time.process_time() - started
+            for collector in collectors:
+                collector.collect()
+        for collector in collectors:
+            collector.close()
+    return (advancing + scripted.seconds) / rounds
+
+
+def _threads_cpu_seconds(pid: int) -> float:
+    """CPU seconds of the process's live threads, from schedstat's nanosecond counters (exited threads are not in
+    it: for a process whose threads live as long as it does)."""
+    return sum(int(Path(path).read_text().split()[0]) for path in glob.glob(f"/proc/{pid}/task/*/schedstat")) / 1e9
+
+
+def idle_cpu_share(seconds: float, sysfs_root: Path, sock: Path) -> float:
+    """The agent with every collector enabled and nothing to collect (on a machine without an NVIDIA driver), at 1 s
+    sampling, unscraped."""
+    port = free_port()
+    command = agent_command(port, sock, "--interval", "1", "--sysfs-root", str(sysfs_root))
+    with _process(command, f"http://127.0.0.1:{port}/healthz") as agent:
+        time.sleep(3)  # the first rounds: collectors fail once and back off
+        before, started = _threads_cpu_seconds(agent.pid), time.monotonic()
+        time.sleep(seconds)
+        return (_threads_cpu_seconds(agent.pid) - before) / (time.monotonic() - started)
 
 
 def node_exporter() -> str | None:
     return shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
 
 
+@dataclass
+class Run:
+    """One run's figures."""
+
+    ranks: int
+    records: dict[str, float]
+    cost: Usage
+    simulation: float  # share of one core
+    full: Latency
+    fresh: Latency
+    irregular: Latency
+    idle: float
+    agent_ib: Latency
+    exporter_ib: Latency | None
+
+
+def measure(args: argparse.Namespace, tmp: Path) -> Run:
+    sock, port = tmp / "telemetry.sock", free_port()
+    url = f"http://127.0.0.1:{port}"
+    simulated = agent_command(port, sock, "--simulate", "dgx-h100", "--interval", str(args.interval))
+    with _process(simulated, url + "/healthz") as agent:
+        sender = multiprocessing.Process(target=send_steps,
+                                         args=(str(sock), args.warmup + args.seconds + args.scrapes * 0.05
+                                               + args.fresh_scrapes * args.interval * 3 + 30))
+        sender.start()
+        try:
+            time.sleep(args.warmup)
+            cost = usage(agent.pid, args.seconds, url + "/metrics")
+            full = latency(url + "/metrics", args.scrapes)
+            fresh = latency(url + "/metrics", args.fresh_scrapes, every=args.interval)
+            irregular = latency(url + "/metrics", args.fresh_scrapes, every=args.interval, irregular=True)
+            page = get(url + "/metrics").decode()
+        finally:
+            sender.terminate()
+            sender.join()
+    ranks = page.count("gpuwatch_train_last_step{")
+    records = {result: sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+                           if line.startswith("gpuwatch_telemetry_records_total{") and f'"{result}"' in line)
+               for result in ("accepted", "rejected", "dropped")}
+
+    rounds = max(3, min(30, int(args.seconds / args.interval)))  # as many rounds as the measured window held
+    simulation = simulation_cpu_per_round(rounds) / args.interval
+    empty_sysfs = tmp / "empty-sys"
+    empty_sysfs.mkdir(exist_ok=True)
+    idle = idle_cpu_share(args.seconds, empty_sysfs, tmp / "idle.sock")
+
+    ib_only = ("--sysfs-root", str(IB_FIXTURE), "--interval", "1", "--no-collector.nvml", "--no-collector.nvlink",
+               "--no-collector.host", "--no-collector.telemetry")
+    port = free_port()
+    with _process(agent_command(port, tmp / "ib.sock", *ib_only), f"http://127.0.0.1:{port}/healthz"):
+        time.sleep(2)
+        agent_ib = latency(f"http://127.0.0.1:{port}/metrics", args.scrapes)
+    exporter_ib = None
+    if binary := node_exporter():
+        port = free_port()
+        command = [binary, "--collector.disable-defaults", "--collector.infiniband", f"--path.sysfs={IB_FIXTURE}",
+                   f"--web.listen-address=127.0.0.1:{port}"]
+        with _process(command, f"http://127.0.0.1:{port}/metrics"):
+            exporter_ib = latency(f"http://127.0.0.1:{port}/metrics", args.scrapes)
+    return Run(ranks, records, cost, simulation, full, fresh, irregular, idle, agent_ib, exporter_ib)
+
+
+def _spread(values: Sequence[float], unit: str = "", digits: int = 2) -> str:
+    """min / median / max, or the one value of a single run."""
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}{unit}"
+    return (f"{min(values):.{digits}f} / {statistics.median(values):.{digits}f} / {max(values):.{digits}f}{unit}")
+
+
+def _load() -> str:
+    return " ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=30.0, help="CPU/RSS measurement window")
+    parser.add_argument("--runs", type=int, default=3, help="times every measurement is repeated")
+    parser.add_argument("--seconds", type=float, default=30.0, help="CPU/RSS measurement window (busy and idle)")
     parser.add_argument("--scrapes", type=int, default=300, help="scrapes per latency measurement")
     parser.add_argument("--interval", type=float, default=1.0, help="the agent's sampling interval (its default is 5)")
     parser.add_argument("--warmup", type=float, default=8.0, help="seconds before measuring (ranks registered)")
     parser.add_argument("--fresh-scrapes", type=int, default=20, help="scrapes one sampling interval apart")
     args = parser.parse_args()
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
 
-    with tempfile.TemporaryDirectory(prefix="gpuwatch-cost-") as tmp:
-        sock, port = Path(tmp) / "telemetry.sock", free_port()
-        url = f"http://127.0.0.1:{port}"
-        simulated = agent_command(port, sock, "--simulate", "dgx-h100", "--interval", str(args.interval))
-        with _process(simulated, url + "/healthz") as agent:
-            sender = multiprocessing.Process(target=send_steps,
-                                             args=(str(sock), args.warmup + args.seconds + args.scrapes * 0.05
-                                                   + args.fresh_scrapes * args.interval * 3 + 30))
-            sender.start()
-            try:
-                time.sleep(args.warmup)
-                cost = usage(agent.pid, args.seconds, url + "/metrics")
-                full = latency(url + "/metrics", args.scrapes)
-                fresh = latency(url + "/metrics", args.fresh_scrapes, every=args.interval)
-                irregular = latency(url + "/metrics", args.fresh_scrapes, every=args.interval, irregular=True)
-                page = get(url + "/metrics").decode()
-            finally:
-                sender.terminate()
-                sender.join()
-            ranks = page.count("gpuwatch_train_last_step{")
-            outcome = {result: sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
-                                   if line.startswith("gpuwatch_telemetry_records_total{") and f'"{result}"' in line)
-                       for result in ("accepted", "rejected", "dropped")}
+    print(f"machine: {os.cpu_count()} CPUs ({_cpu_model()}), Linux {platform.release()}, "
+          f"{platform.python_implementation()} {sys.version.split()[0]} ({', '.join(platform.python_build())}, "
+          f"{platform.python_compiler()})")
+    print(f"load average before: {_load()}", flush=True)
+    runs = []
+    for number in range(1, args.runs + 1):
+        with tempfile.TemporaryDirectory(prefix="gpuwatch-cost-") as tmp:
+            run = measure(args, Path(tmp))
+        runs.append(run)
+        proper = (run.cost.cpu_share - run.simulation) * 100
+        print(f"run {number}: agent {run.cost.cpu_share * 100:.2f} % (proper {proper:.2f} %), "
+              f"idle {run.idle * 100:.3f} %, fresh p50/p99 {run.fresh.p50_ms:.2f}/{run.fresh.p99_ms:.2f} ms, "
+              f"load {_load()}", flush=True)
+    print(f"load average after: {_load()}")
+    _report(args, runs)
 
-        rounds = max(3, min(30, int(args.seconds / args.interval)))  # as many rounds as the measured window held
-        simulation = simulation_cpu_per_round(rounds, args.interval) / args.interval
-        ib_only = ("--sysfs-root", str(IB_FIXTURE), "--interval", "1", "--no-collector.nvml", "--no-collector.nvlink",
-                   "--no-collector.host", "--no-collector.telemetry")
-        port = free_port()
-        with _process(agent_command(port, Path(tmp) / "ib.sock", *ib_only), f"http://127.0.0.1:{port}/healthz"):
-            time.sleep(2)
-            agent_ib = latency(f"http://127.0.0.1:{port}/metrics", args.scrapes)
 
-        exporter_ib = None
-        if binary := node_exporter():
-            port = free_port()
-            command = [binary, "--collector.disable-defaults", "--collector.infiniband", f"--path.sysfs={IB_FIXTURE}",
-                       f"--web.listen-address=127.0.0.1:{port}"]
-            with _process(command, f"http://127.0.0.1:{port}/metrics"):
-                exporter_ib = latency(f"http://127.0.0.1:{port}/metrics", args.scrapes)
+def _report(args: argparse.Namespace, runs: list[Run]) -> None:
+    def figures(pick: Callable[[Run], float]) -> list[float]:
+        return [pick(run) for run in runs]
 
-    print(f"simulated dgx-h100 (8 GPUs × 18 NVLinks, 8 IB ports), {ranks} ranks reporting 1 step/s each, "
-          f"{args.interval:g} s sampling, a scrape every {SCRAPE_EVERY:.0f} s, {args.seconds:.0f} s window "
-          f"(records accepted {outcome['accepted']:.0f}, rejected {outcome['rejected']:.0f}, "
-          f"dropped {outcome['dropped']:.0f}):")
-    print(f"  agent CPU      {cost.cpu_share * 100:6.2f} % of one core   (target < 1 %)")
-    print(f"    of which simulation {simulation * 100:.2f} % (sysfs rewrites, scripted NVML; not on a real node), "
-          f"without it {(cost.cpu_share - simulation) * 100:.2f} %")
-    print(f"  agent RSS      {cost.rss_max_mb:6.1f} MB max, {cost.rss_last_mb:.1f} MB at the end   (target < 80 MB)")
-    print(f"  /metrics       p50 {full.p50_ms:.2f} ms  p99 {full.p99_ms:.2f} ms  ({full.samples} samples, "
-          f"{full.kbytes:.0f} KiB; target p50 < 5 ms), back to back: a snapshot already rendered")
-    print(f"  /metrics every {args.interval:g} s p50 {fresh.p50_ms:.2f} ms  p99 {fresh.p99_ms:.2f} ms  "
-          f"({args.fresh_scrapes} scrapes, a new snapshot each, at a steady rhythm: rendered ahead)")
-    print(f"  /metrics irregular p50 {irregular.p50_ms:.2f} ms  p99 {irregular.p99_ms:.2f} ms  "
-          f"({args.fresh_scrapes} scrapes 0.2-3 intervals apart: ahead when the last gap predicts them, else "
-          "on demand)")
+    last = runs[-1]
+    print(f"\n{args.runs} run(s), min / median / max. Simulated dgx-h100 (8 GPUs × 18 NVLinks, 8 IB ports), "
+          f"{last.ranks} ranks reporting 1 step/s each, {args.interval:g} s sampling, a scrape every "
+          f"{SCRAPE_EVERY:.0f} s, {args.seconds:.0f} s window (records accepted "
+          f"{_spread(figures(lambda run: run.records['accepted']), digits=0)}, rejected "
+          f"{sum(figures(lambda run: run.records['rejected'])):.0f}, dropped "
+          f"{sum(figures(lambda run: run.records['dropped'])):.0f}):")
+    print(f"  agent CPU      {_spread(figures(lambda run: run.cost.cpu_share * 100), ' %')} of one core, end to end")
+    print(f"    of which simulation {_spread(figures(lambda run: run.simulation * 100), ' %')} (sysfs rewrites, "
+          "scripted NVML; not on a real node)")
+    print(f"    agent proper {_spread(figures(lambda run: (run.cost.cpu_share - run.simulation) * 100), ' %')}   "
+          f"(target ≤ 1 % at 1 s, ≤ 0.3 % at 5 s)")
+    print(f"  agent RSS      {_spread(figures(lambda run: run.cost.rss_max_mb), ' MB', 1)} max   (target ≤ 60 MB)")
+    print(f"  idle agent     {_spread(figures(lambda run: run.idle * 100), ' %', 3)} of one core: every collector, "
+          "nothing to collect (no driver, empty sysfs), 1 s sampling   (target ≤ 0.1 %)")
+    for name, scrapes in (("/metrics back to back", [run.full for run in runs]),
+                          (f"/metrics every {args.interval:g} s", [run.fresh for run in runs]),
+                          ("/metrics irregular", [run.irregular for run in runs])):
+        print(f"  {name:<22} p50 {_spread([scrape.p50_ms for scrape in scrapes], ' ms')}  "
+              f"p99 {_spread([scrape.p99_ms for scrape in scrapes], ' ms')}")
+    print(f"    ({last.full.samples} samples, {last.full.kbytes:.0f} KiB; {args.scrapes} back to back, "
+          f"{args.fresh_scrapes} a new snapshot each, {args.fresh_scrapes} at 0.2-3 intervals; "
+          "target for a new snapshot: p50 ≤ 5 ms, p99 ≤ 10 ms)")
     print(f"\nInfiniBand only, same sysfs fixture ({IB_FIXTURE.relative_to(ROOT)}), {args.scrapes} scrapes:")
-    print(f"  gpuwatch agent       p50 {agent_ib.p50_ms:.2f} ms  p99 {agent_ib.p99_ms:.2f} ms  "
-          f"({agent_ib.samples} samples)")
-    if exporter_ib is None:
+    print(f"  gpuwatch agent       p50 {_spread(figures(lambda run: run.agent_ib.p50_ms), ' ms')}  "
+          f"p99 {_spread(figures(lambda run: run.agent_ib.p99_ms), ' ms')}  ({last.agent_ib.samples} samples)")
+    compared = [run for run in runs if run.exporter_ib is not None]
+    if not compared:
         print("  node_exporter        not installed: apt-get install prometheus-node-exporter")
-    else:
-        print(f"  node_exporter        p50 {exporter_ib.p50_ms:.2f} ms  p99 {exporter_ib.p99_ms:.2f} ms  "
-              f"({exporter_ib.samples} samples)")
-        print(f"  ratio agent / node_exporter: p50 {agent_ib.p50_ms / exporter_ib.p50_ms:.2f}×, "
-              f"p99 {agent_ib.p99_ms / exporter_ib.p99_ms:.2f}×")
-    print(f"\nmachine: {os.cpu_count()} CPUs ({_cpu_model()}), Python {sys.version.split()[0]}")
+        return
+    exporter = [run.exporter_ib for run in compared if run.exporter_ib is not None]
+    print(f"  node_exporter        p50 {_spread([e.p50_ms for e in exporter], ' ms')}  "
+          f"p99 {_spread([e.p99_ms for e in exporter], ' ms')}  ({exporter[-1].samples} samples)")
+    print(f"  ratio agent / node_exporter, same run: "
+          f"p50 {_spread([run.agent_ib.p50_ms / e.p50_ms for run, e in zip(compared, exporter, strict=True)], '×')}, "
+          f"p99 {_spread([run.agent_ib.p99_ms / e.p99_ms for run, e in zip(compared, exporter, strict=True)], '×')}"
+          "   (target ≤ 1)")
 
 
 def _cpu_model() -> str:

@@ -118,7 +118,7 @@ def test_offered_load_loses_nothing_it_sent(drained_receiver):
 AGENT_COST = f"""
 import sys
 sys.path.insert(0, {str(BENCHMARKS)!r})
-sys.argv = ["agent_cost.py", "--seconds", "2", "--scrapes", "5", "--warmup", "3", "--fresh-scrapes", "3"]
+sys.argv = ["agent_cost.py", "--runs", "2", "--seconds", "2", "--scrapes", "5", "--warmup", "3", "--fresh-scrapes", "3"]
 import agent_cost
 command = agent_cost.agent_command
 agent_cost.agent_command = lambda *args: [*command(*args), *{COLLECTOR_TIMEOUT!r}]
@@ -130,8 +130,11 @@ def test_agent_cost_runs_and_counts_every_rank():
     result = subprocess.run([sys.executable, "-c", AGENT_COST], capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr
     assert "64 ranks reporting" in result.stdout and "rejected 0" in result.stdout
-    assert "agent CPU" in result.stdout and "/metrics       p50" in result.stdout
-    assert "of which simulation" in result.stdout and "/metrics every 1 s p50" in result.stdout
+    assert result.stdout.startswith("machine: ") and "load average before" in result.stdout
+    assert "run 1: " in result.stdout and "run 2: " in result.stdout and "2 run(s), min / median / max" in result.stdout
+    assert "agent CPU" in result.stdout and "of which simulation" in result.stdout and "agent proper" in result.stdout
+    assert "idle agent" in result.stdout and "/metrics back to back  p50" in result.stdout
+    assert "/metrics every 1 s" in result.stdout and "load average after" in result.stdout
 
 
 def test_hang_latency_names_the_culprit_through_every_source(tmp_path):

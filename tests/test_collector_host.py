@@ -112,3 +112,15 @@ def test_network_interfaces_include_loopback_marked_as_such(collector):
     assert interfaces["lo"].up is True
     assert AddressReading(family="ipv4", address="127.0.0.1") in interfaces["lo"].addresses
     assert set(interfaces) == set(psutil.net_if_stats())
+
+
+def test_network_interfaces_are_read_again_only_after_the_refresh_period(monkeypatch):
+    """Listing interfaces was half the collector's round; they are read once per INTERFACES_REFRESH_SECONDS."""
+    now = [100.0]
+    collector = HostCollector(CollectorContext(), clock=lambda: now[0])
+    reads = []
+    monkeypatch.setattr(host, "_network_interfaces", lambda: (reads.append(now[0]), ())[1])
+    for _ in range(121):  # two minutes of 1 s rounds
+        collector.collect()
+        now[0] += 1.0
+    assert reads == [100.0, 100.0 + host.INTERFACES_REFRESH_SECONDS, 100.0 + 2 * host.INTERFACES_REFRESH_SECONDS]

@@ -309,10 +309,16 @@ def test_pread_at_offset_zero_regenerates_a_live_sysfs_attribute():
 # -- no InfiniBand at all ---------------------------------------------------------------------------
 
 def test_missing_class_directory_means_no_ports_not_an_error(tmp_path):
+    """No device is no data, not a failure (up, no alert); it holds for a minute, so the sampler does not run the
+    collector again until then, while a node with devices is read every round."""
     result = collect(tmp_path)
     assert result.errors == []
     assert result.readings == InfinibandReadings(devices=(), ports=())
     assert result.families and all(not family.samples for family in result.families)
+    assert result.unchanged_for_seconds == infiniband.RESCAN_ABSENT_SECONDS
+    (tmp_path / CLASS).mkdir(parents=True)  # the class directory without devices: the same
+    assert collect(tmp_path).unchanged_for_seconds == infiniband.RESCAN_ABSENT_SECONDS
+    assert collect(FIXTURE_SYS).unchanged_for_seconds is None
 
 
 def test_unlistable_class_directory_is_a_collector_error(tmp_path):

@@ -1,15 +1,23 @@
 """Sampler: one failing or hung collector never takes the others down; snapshots are whole."""
 
+import concurrent.futures
 import gzip
+import itertools
 import json
 import threading
 
 from prometheus_client.core import GaugeMetricFamily
 
 from gpuwatch.agent import sampler as sampler_module
-from gpuwatch.agent.collectors.base import Collector, CollectorContext, CollectorResult, DeferredFamilies
+from gpuwatch.agent.collectors.base import (
+    Collector,
+    CollectorContext,
+    CollectorError,
+    CollectorResult,
+    DeferredFamilies,
+)
 from gpuwatch.agent.sampler import Sampler
-from gpuwatch.agent.snapshot import ScrapeClock
+from gpuwatch.agent.snapshot import CollectorStatus, ScrapeClock
 
 from conftest import wait_until
 
@@ -152,36 +160,153 @@ class _Clock:
         return self.now
 
 
-def test_scrape_clock_expects_the_next_scrape_at_the_last_gap():
+def test_a_scraper_is_active_until_it_has_been_silent_for_two_minutes():
     clock = _Clock()
     scrapes = ScrapeClock(clock)
+    assert not scrapes.active()  # never scraped
     scrapes.scraped()
-    assert not scrapes.due_within(1.0)  # one scrape: no rhythm yet
-    clock.now += 15
-    scrapes.scraped()
-    clock.now += 13.5
-    assert not scrapes.due_within(1.0)  # next expected in 1.5 s
-    clock.now += 0.6
-    assert scrapes.due_within(1.0)
-    clock.now += 10
-    assert scrapes.due_within(1.0)  # overdue, the scraper may be late
-    clock.now += 30
-    assert not scrapes.due_within(1.0)  # gone for more than two gaps: stop rendering ahead
+    clock.now += ScrapeClock.GONE_AFTER_SECONDS
+    assert scrapes.active()
+    clock.now += 0.5
+    assert not scrapes.active()
 
 
-def test_the_round_a_regular_scraper_will_read_is_rendered_before_it_asks(monkeypatch):
-    """Scrapes 0.05 s apart on the sampler's scrape clock (scripted) at a 0.05 s interval: the next round is due."""
+def test_while_a_scraper_comes_every_round_is_rendered_before_it_is_published(monkeypatch):
+    """Whenever the next scrape comes, it reads a snapshot already rendered and compressed; once the scraper has
+    gone, rounds are no longer rendered."""
     clock = _Clock()
     monkeypatch.setattr(sampler_module, "ScrapeClock", lambda: ScrapeClock(clock))
     collector = _Deferred(CollectorContext())
-    sampler = Sampler([collector], interval=0.05, deadline=10.0, node="n1", mode="simulated")
-    for _ in range(2):
-        assert sampler.sample_once().metrics_gzip  # two scrapes 0.05 s apart: one per round
-        clock.now += 0.05
-    builds = collector.builds
-    ahead = sampler.sample_once()
-    assert collector.builds == builds + 1 and "_gzip" in vars(ahead)  # rendered and compressed in the round
-    assert b"gpuwatch_deferred_value" in gzip.decompress(ahead.metrics_gzip)
-    assert collector.builds == builds + 1
-    clock.now += 10  # the scraper went away: rounds are no longer rendered ahead
+    sampler = Sampler([collector], interval=1.0, deadline=10.0, node="n1", mode="simulated")
+    assert "_gzip" not in vars(sampler.sample_once())  # nobody has scraped yet
+    assert sampler.snapshot.metrics_gzip  # the first scrape renders on demand
+    for _ in range(20):  # 20 rounds of 1 s without a scrape: the scraper is still around
+        clock.now += 1.0
+        snapshot = sampler.sample_once()
+        assert "_gzip" in vars(snapshot) and collector.builds == snapshot.families[1][0].samples[0].value
+    assert b"gpuwatch_deferred_value 21.0" in gzip.decompress(sampler.snapshot.metrics_gzip)
+    clock.now += ScrapeClock.GONE_AFTER_SECONDS + 1  # the scraper went away
     assert "_gzip" not in vars(sampler.sample_once())
+
+
+class _Absent(Collector):
+    """A source that is not there (no driver) until ``present`` is set; notes when it runs, by the scripted clock."""
+
+    name = "absent"
+
+    def __init__(self, context, clock):
+        super().__init__(context)
+        self.clock = clock
+        self.present = False
+        self.runs = []
+
+    def collect(self):
+        self.runs.append(self.clock.now)
+        if not self.present:
+            raise CollectorError("no driver")
+        return CollectorResult([GaugeMetricFamily("gpuwatch_absent_value", "Absent.", value=1)])
+
+
+def _backing_off():
+    clock = _Clock()
+    absent = _Absent(CollectorContext(), clock)
+    return clock, absent, Sampler([absent], interval=1.0, deadline=10.0, node="n1", mode="real", clock=clock)
+
+
+def test_a_failing_collector_backs_off_until_it_succeeds_then_starts_over():
+    """1,000 rounds of 1 s without the source: it runs after 2 s, 4, 8 … then every 5 minutes, and every round reports
+    it down with the reason and when it runs next; once the source is there it is up at the next attempt, and a new
+    failure backs off from 2 s again."""
+    clock, absent, sampler = _backing_off()
+    snapshots = []
+    for _ in range(1000):
+        snapshots.append(sampler.sample_once())
+        clock.now += 1.0
+    assert [b - a for a, b in itertools.pairwise(absent.runs)] == [2, 4, 8, 16, 32, 64, 128, 256, 300]
+    assert snapshots[0].collectors["absent"] == CollectorStatus(False, 0.0, "CollectorError: no driver",
+                                                                next_attempt_seconds=2.0)
+    # at 105 s: failed at 102 s for the second time, runs again at 106 s
+    assert snapshots[5].collectors["absent"] == CollectorStatus(False, 0.0, "CollectorError: no driver",
+                                                                next_attempt_seconds=1.0)
+    assert 'gpuwatch_collector_up{collector="absent"} 0.0' in snapshots[5].metrics_text.decode()
+    state = json.loads(snapshots[5].state_json)["collectors"]["absent"]
+    assert state["last_error"] == "CollectorError: no driver" and state["next_attempt_seconds"] == 1.0
+
+    absent.present = True  # the driver finished loading
+    clock.now = absent.runs[-1] + 300
+    assert sampler.sample_once().collectors["absent"].up
+    absent.present = False
+    clock.now += 1.0
+    assert sampler.sample_once().collectors["absent"].next_attempt_seconds == 2.0
+
+
+class _Empty(Collector):
+    """A source with nothing on this node (no InfiniBand device), which says so for 60 s."""
+
+    name = "empty"
+
+    def __init__(self, context):
+        super().__init__(context)
+        self.runs = 0
+
+    def collect(self):
+        self.runs += 1
+        return CollectorResult(DeferredFamilies(list), unchanged_for_seconds=60.0)
+
+
+def test_a_result_that_holds_is_served_again_without_running_the_collector():
+    clock = _Clock()
+    empty = _Empty(CollectorContext())
+    sampler = Sampler([empty], interval=1.0, deadline=10.0, node="n1", mode="real", clock=clock)
+    first = sampler.sample_once()
+    for _ in range(59):
+        clock.now += 1.0
+        again = sampler.sample_once()
+        assert again.collectors["empty"] is first.collectors["empty"] and again.readings == first.readings
+    assert empty.runs == 1 and first.collectors["empty"].up
+    clock.now += 1.0
+    sampler.sample_once()
+    assert empty.runs == 2
+
+
+def test_a_round_with_no_collector_due_runs_nothing_and_builds_nothing(monkeypatch):
+    """While one collector backs off and the other's result holds, a round submits no work, waits for none, and
+    builds no families: its cost is the snapshot's bookkeeping (their statuses and results, published again)."""
+    clock = _Clock()
+    absent, empty = _Absent(CollectorContext(), clock), _Empty(CollectorContext())
+    sampler = Sampler([absent, empty], interval=1.0, deadline=10.0, node="n1", mode="real", clock=clock)
+    sampler.sample_once()  # absent fails and backs off for 2 s; empty holds for 60 s
+    submitted, waited = [], []
+    for executor in sampler._executors.values():
+        monkeypatch.setattr(executor, "submit", lambda *args: submitted.append(args))
+    monkeypatch.setattr(concurrent.futures, "wait", lambda *args, **kwargs: waited.append(args))
+    clock.now += 1.0
+    quiet = sampler.sample_once()
+    assert absent.runs == [100.0] and empty.runs == 1 and submitted == [] and waited == []
+    assert quiet.readings == {"empty": {}} and len(quiet.families) == 2  # the agent's own families and empty's
+    assert all("_families" not in vars(family) for family in quiet.families)  # deferred, unbuilt
+    assert "_text" not in vars(quiet)
+    assert quiet.collectors["absent"].last_error == "CollectorError: no driver" and quiet.collectors["empty"].up
+
+
+class _InMemory(_Absent):
+    """Reads only the agent's own memory: cannot hang."""
+
+    name = "in_memory"
+    may_block = False
+
+    def collect(self):
+        self.thread = threading.current_thread()
+        return super().collect()
+
+
+def test_a_collector_that_cannot_block_runs_in_the_samplers_thread_and_fails_like_any_other():
+    clock = _Clock()
+    in_memory = _InMemory(CollectorContext(), clock)
+    sampler = Sampler([in_memory], interval=1.0, deadline=10.0, node="n1", mode="real", clock=clock)
+    failed = sampler.sample_once()
+    assert in_memory.thread is threading.current_thread()  # no hand-off to a worker
+    assert failed.collectors["in_memory"].last_error == "CollectorError: no driver"
+    in_memory.present = True
+    clock.now += 2.0  # its back-off
+    assert "gpuwatch_absent_value 1.0" in sampler.sample_once().metrics_text.decode()

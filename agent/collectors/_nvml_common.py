@@ -1,5 +1,5 @@
-"""What the nvml and nvlink collectors share: an NVML session (lazy ``nvmlInit``, retried with a growing
-back-off until it succeeds), the device handles, and NVML's error conventions.
+"""What the nvml and nvlink collectors share: an NVML session (lazy ``nvmlInit``, tried again on a later round
+when it fails: the sampler backs off a failing collector), the device handles, and NVML's error conventions.
 
 Error classes and constants come from ``pynvml`` itself: the simulated node's stand-in module raises
 the very same classes, so one ``except`` clause serves the real and the simulated path. Only the
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -46,40 +45,22 @@ class Device:
         return str(self.index)
 
 
-#: Seconds before the first retry of a failed ``nvmlInit``; each failure doubles it, up to RETRY_MAX_SECONDS.
-RETRY_FIRST_SECONDS = 2.0
-RETRY_MAX_SECONDS = 300.0
-
-
 class NvmlSession:
     """One collector's ``nvmlInit`` (NVML reference-counts them) and device handles.
 
-    Initialisation happens on the first ``devices()`` call. When it fails it is retried after 2 s, then 4, 8 …
-    up to 5 minutes, and in between ``devices()`` raises the last error again without calling NVML: a node
-    without a driver pays for one failed ``nvmlInit`` every 5 minutes, not every round (it cost ~0.9 % of a core at
-    1 s sampling), and an agent started before the driver finished loading still recovers by itself.
+    Initialisation happens on the first ``devices()`` call and, while it fails, on every later one: how often that
+    is, is the sampler's back-off (``gpuwatch.agent.sampler``), so a node without a driver pays for one failed
+    ``nvmlInit`` every few minutes, and an agent started before the driver finished loading recovers by itself.
     """
 
-    def __init__(self, nvml: Any, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, nvml: Any) -> None:
         self.nvml = nvml if nvml is not None else pynvml
         self._devices: list[Device] | None = None
-        self._clock = clock
-        self._failure: CollectorError | None = None
-        self._retry_at = 0.0
-        self._backoff = RETRY_FIRST_SECONDS
 
     def devices(self) -> list[Device]:
         """The node's GPUs; raises ``CollectorError`` when NVML cannot be used at all."""
         if self._devices is None:
-            if self._failure is not None and self._clock() < self._retry_at:
-                raise CollectorError(f"{self._failure} (next retry in {self._retry_at - self._clock():.0f} s)")
-            try:
-                self._devices = self._start()
-            except CollectorError as failure:
-                self._failure, self._retry_at = failure, self._clock() + self._backoff
-                self._backoff = min(2 * self._backoff, RETRY_MAX_SECONDS)
-                raise
-            self._failure, self._backoff = None, RETRY_FIRST_SECONDS
+            self._devices = self._start()
         return self._devices
 
     def _start(self) -> list[Device]:

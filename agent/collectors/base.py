@@ -36,7 +36,8 @@ class DeferredFamilies(Sequence[Metric]):
     """Metric families built on first use, from data the collector already copied.
 
     Building families is the costly part of a collector with many series (64 ranks' histograms);
-    deferred, it runs only when a scrape renders the snapshot, not in every sampling round.
+    deferred, it runs only when the snapshot is rendered (at the end of its round while a scraper comes, else by a
+    scrape), never in the rounds of an agent nobody scrapes.
     ``build`` must not read state that changes after ``collect`` returns.
     """
 
@@ -93,6 +94,9 @@ class CollectorResult(Generic[R]):
     # A collector without readings has an empty object in /api/v1/state.
     readings: R = dataclasses.field(default_factory=dict)  # type: ignore[assignment]
     errors: list[str] = dataclasses.field(default_factory=list)
+    #: Seconds during which running the collector again would find the same nothing (no InfiniBand device on the
+    #: node): the sampler serves this result again until then instead of running it. None: run it every round.
+    unchanged_for_seconds: float | None = None
 
 
 class CollectorError(Exception):
@@ -105,6 +109,10 @@ class Collector(abc.ABC):
     name: ClassVar[str]
     #: Whether ``gpuwatch agent`` enables it unless ``--no-collector.NAME`` is given.
     enabled_by_default: ClassVar[bool] = True
+    #: False for a collector that reads only the agent's own memory and so cannot hang: the sampler runs it in its
+    #: own thread instead of handing it to a worker thread under the deadline. A hand-off costs ~0.1 ms of CPU a
+    #: round (the wake-ups of both threads), a large share of what an agent with nothing to collect spends.
+    may_block: ClassVar[bool] = True
 
     def __init__(self, context: CollectorContext) -> None:
         self.context = context

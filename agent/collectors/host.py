@@ -10,17 +10,29 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import psutil
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from gpuwatch.agent.collectors.base import Collector, CollectorContext, CollectorResult, MetricSpec
+from gpuwatch.agent.collectors.base import (
+    Collector,
+    CollectorContext,
+    CollectorResult,
+    DeferredFamilies,
+    MetricSpec,
+)
 from gpuwatch.agent.collectors.readings import AddressReading, HostReadings, InterfaceReading, ProcessReading
 
 #: Bounds gpuwatch_host_process_*: a buggy feeder cannot create unbounded series.
 MAX_WATCHED_PIDS = 256
+
+#: Seconds between two reads of the network interfaces. Listing them (an ioctl per interface and address) was half of
+#: the host collector's round (150 of 300 µs), and they change when an administrator or a driver changes them, not
+#: from one second to the next; only diagnosis reads them (NCCL_SOCKET_IFNAME against them), no series.
+INTERFACES_REFRESH_SECONDS = 60.0
 
 #: pid -> (job, rank) of the training ranks running on this host.
 RankPids = Mapping[int, tuple[str, int]]
@@ -48,8 +60,11 @@ class HostCollector(Collector):
 
     name = "host"
 
-    def __init__(self, context: CollectorContext) -> None:
+    def __init__(self, context: CollectorContext, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(context)
+        self._clock = clock
+        self._interfaces: tuple[InterfaceReading, ...] = ()
+        self._interfaces_read_at: float | None = None
         # Own baseline instead of psutil.cpu_percent's per-thread one: same "since the last call"
         # semantics, independent of which thread samples.
         self._last_cpu = _busy_and_total(psutil.cpu_times())
@@ -79,9 +94,17 @@ class HostCollector(Collector):
             memory_available_bytes=memory.available,
             memory_used_bytes=memory.used,
             processes=self._processes_rss(errors),
-            network_interfaces=_network_interfaces(),
+            network_interfaces=self._network_interfaces(),
         )
-        return CollectorResult(_families(readings), readings, errors)
+        # Deferred to the render, like the other collectors': rounds nobody renders never build them.
+        return CollectorResult(DeferredFamilies(lambda: _families(readings)), readings, errors)
+
+    def _network_interfaces(self) -> tuple[InterfaceReading, ...]:
+        """The interfaces as read at most INTERFACES_REFRESH_SECONDS ago."""
+        now = self._clock()
+        if self._interfaces_read_at is None or now - self._interfaces_read_at >= INTERFACES_REFRESH_SECONDS:
+            self._interfaces, self._interfaces_read_at = _network_interfaces(), now
+        return self._interfaces
 
     def _processes_rss(self, errors: list[str]) -> tuple[ProcessReading, ...]:
         """RSS and CPU time of the agent and the ranks' processes; a process that exited is dropped, not an

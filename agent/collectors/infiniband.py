@@ -15,7 +15,7 @@ driver reload) is a decrease, which ``rate()`` and ``increase()`` treat as a cou
 agent restart changes no value at all.
 
 The ~50 attributes of a port stay open between collects (``SysfsFiles``) and the families are built
-from the readings only when a scrape renders the round: what a round costs is one pread(2) per value.
+from the readings only when the round is rendered: what collecting costs is one pread(2) per value.
 """
 
 from __future__ import annotations
@@ -112,6 +112,10 @@ _GBIT = 1e9 / 8
 #: An HCA's sysfs attributes: the files read, the labels of gpuwatch_ib_device_info and IbDeviceReading's fields.
 _DEVICE_ATTRS = ("board_id", "fw_ver", "hca_type", "node_guid")
 
+
+#: Seconds a node without InfiniBand devices is not looked at again: an HCA appears with a driver load or a hot-plug,
+#: rarely, and its series a minute later is soon enough; until then the collector costs the sampler nothing.
+RESCAN_ABSENT_SECONDS = 60.0
 
 #: Read errors after which an open attribute is reopened: its device went away (and may be back).
 _GONE = frozenset({errno.ENODEV, errno.ENOENT, errno.ESTALE, errno.EBADF})
@@ -235,8 +239,9 @@ class InfinibandCollector(Collector):
         finally:
             self._files.sweep()
         readings = InfinibandReadings(tuple(scan.devices), tuple(scan.ports))
-        # Deferred to the scrape: ~500 samples' families would be most of a round otherwise.
-        return CollectorResult(DeferredFamilies(lambda: _families(readings)), readings, scan.errors)
+        # Deferred to the render: ~500 samples' families, built only for rounds that are rendered.
+        return CollectorResult(DeferredFamilies(lambda: _families(readings)), readings, scan.errors,
+                               unchanged_for_seconds=None if devices else RESCAN_ABSENT_SECONDS)
 
     def close(self) -> None:
         self._files.close()
@@ -351,7 +356,7 @@ class _Scan:
 
 
 def _families(readings: InfinibandReadings) -> list[Metric]:
-    """The collect's families, built from its readings when a scrape renders the round."""
+    """The collect's families, built from its readings when the round is rendered."""
     port_labels = ["device", "port"]
     info = GaugeMetricFamily(
         "gpuwatch_ib_device_info", "InfiniBand/RoCE HCA (from sysfs); value 1.",

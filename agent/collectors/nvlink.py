@@ -80,7 +80,7 @@ class NvlinkCollector(Collector):
             except pynvml.NVMLError_GpuIsLost as exc:
                 errors.append(f"gpu {device.index}: {exc}")
         readings = NvlinkReadings(tuple(links))
-        # Deferred to the first scrape: 144 links' families are most of this collector's round otherwise.
+        # Deferred to the render: 144 links' families, built only for rounds that are rendered.
         return CollectorResult(DeferredFamilies(lambda: _families(readings)), readings, errors)
 
     def close(self) -> None:

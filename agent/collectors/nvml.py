@@ -170,7 +170,7 @@ class NvmlCollector(Collector):
         self._drain_xid_events(errors)
         readings = NvmlReadings(self._driver_version,
                                 tuple(self._sample(device, states[device.index], errors) for device in devices))
-        # Deferred to the scrape, like the other collectors': rounds nobody scrapes never build them.
+        # Deferred to the render, like the other collectors': rounds nobody renders never build them.
         return CollectorResult(DeferredFamilies(lambda: _families(readings)), readings, errors)
 
     def close(self) -> None:

@@ -479,9 +479,10 @@ class _Receiver:
 
 class TelemetryCollector(Collector):
     """Owns the telemetry socket and the per-rank store; reported down while the socket cannot be
-    set up (the reason is its last error), and retries every sampling round."""
+    set up (the reason is its last error), and tries again whenever the sampler runs it (backing off)."""
 
     name = "telemetry"
+    may_block = False  # copies the store: the receiver thread is what waits on the socket
 
     def __init__(self, context: CollectorContext) -> None:
         super().__init__(context)
@@ -496,7 +497,7 @@ class TelemetryCollector(Collector):
         self._listen()
 
     def _listen(self) -> None:
-        """Bind the socket and start receiving; on failure remember why and retry next round."""
+        """Bind the socket and start receiving; on failure remember why and try again at the next collect."""
         try:
             self._receiver = _Receiver(self.path, self.store)
         except (listener.SocketSetupError, OSError) as exc:

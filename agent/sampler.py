@@ -1,9 +1,8 @@
 """Runs the collectors on the agent's own interval and publishes one immutable Snapshot per round.
 
-While a scraper keeps coming, each round's exposition is rendered (with the sampler's one ``Renderer``,
-which reuses what did not change) at the end of the round, before the snapshot is published: a scrape
-never renders, whenever it comes. An agent nobody scrapes renders nothing (the first scrape renders on
-demand).
+A round only collects; its exposition is rendered (with the sampler's one ``Renderer``, which reuses
+what did not change) when the round is about to be scraped at the scraper's rhythm, or else on the
+scrape that asks for it: rounds nobody scrapes are never rendered.
 
 Each collector runs in its own worker thread with a deadline: a collector that hangs (an NVML
 call stuck in the driver) is reported down and skipped until it returns, while the others keep
@@ -133,7 +132,7 @@ class Sampler:
         families.insert(0, DeferredFamilies(lambda: self._self_metrics(statuses)))  # built if rendered
         snapshot = Snapshot(timestamp=now, families=families, collectors=statuses, readings=readings,
                             agent=self.agent_info, renderer=self._renderer, scrapes=self._scrapes)
-        if self._scrapes.active():  # off the request path: the scrape finds it rendered
+        if self._scrapes.due_within(self.interval):  # a scrape will read this round: render it before it asks
             snapshot.render()
         self.snapshot = snapshot  # one reference swap: readers see the old or the new one, whole
         return snapshot

@@ -1,8 +1,9 @@
 """The immutable result of one sampling round: what every scrape and state request serves.
 
-Its exposition text, gzip and JSON state are produced once, on first use, and kept. While a scraper keeps
-coming (``ScrapeClock``), the sampler renders every round before publishing it, so that a scrape, whenever it
-comes, is served from memory; an agent nobody scrapes renders nothing.
+Its exposition text, gzip and JSON state are produced once, on first use, and kept: at 1 s sampling and
+a 15 s scrape interval most rounds are never scraped, and a round nobody asks for costs no rendering.
+The round a regular scraper is about to read is rendered ahead by the sampler (``ScrapeClock``), so
+that scrape is served from memory.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import gzip
 import itertools
 import json
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,28 +52,34 @@ class CollectorStatus:
 
 
 class ScrapeClock:
-    """When /metrics was last scraped, to tell whether a scraper is still around.
+    """When /metrics was scraped, to tell whether the next scrape is due soon.
 
-    Rendering every round while one is makes a scrape of a new snapshot as fast as one of a snapshot already
-    rendered, whenever it comes: nothing depends on predicting the scraper's rhythm (rendering ahead of the scrape
-    expected at the last gap, as before, measured well on one machine and left fresh scrapes at 21-33 ms on
-    another).
+    Prometheus scrapes each target at a fixed interval, so the gap between the last two scrapes predicts
+    the next one. A scraper out of rhythm (a person with curl) is only served a little slower: the
+    snapshot renders on its demand.
     """
-
-    #: A scraper silent for longer is gone: twice the longest scrape interval commonly configured (60 s).
-    GONE_AFTER_SECONDS = 120.0
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
+        self._lock = threading.Lock()
         self._last: float | None = None
+        self._period: float | None = None
 
     def scraped(self) -> None:
-        self._last = self._clock()  # one reference store: no lock needed between handler threads
+        now = self._clock()
+        with self._lock:
+            if self._last is not None:
+                self._period = now - self._last
+            self._last = now
 
-    def active(self) -> bool:
-        """Whether /metrics was scraped within the last GONE_AFTER_SECONDS."""
-        last = self._last
-        return last is not None and self._clock() - last <= self.GONE_AFTER_SECONDS
+    def due_within(self, seconds: float) -> bool:
+        """Whether the next scrape at the last gap falls within ``seconds`` from now, or is overdue from a
+        scraper that was active within two of its gaps."""
+        with self._lock:
+            if self._last is None or self._period is None:
+                return False
+            now = self._clock()
+            return self._last + self._period - now <= seconds and now - self._last <= 2 * self._period + seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +109,7 @@ class Snapshot:
         return self._gzip
 
     def render(self) -> bytes:
-        """Render the text and its gzip now, before any scrape asks for them."""
+        """Render the text and its gzip now, ahead of the scrape expected to read this snapshot."""
         return self._gzip
 
     @functools.cached_property

@@ -160,32 +160,38 @@ class _Clock:
         return self.now
 
 
-def test_a_scraper_is_active_until_it_has_been_silent_for_two_minutes():
+def test_scrape_clock_expects_the_next_scrape_at_the_last_gap():
     clock = _Clock()
     scrapes = ScrapeClock(clock)
-    assert not scrapes.active()  # never scraped
     scrapes.scraped()
-    clock.now += ScrapeClock.GONE_AFTER_SECONDS
-    assert scrapes.active()
-    clock.now += 0.5
-    assert not scrapes.active()
+    assert not scrapes.due_within(1.0)  # one scrape: no rhythm yet
+    clock.now += 15
+    scrapes.scraped()
+    clock.now += 13.5
+    assert not scrapes.due_within(1.0)  # next expected in 1.5 s
+    clock.now += 0.6
+    assert scrapes.due_within(1.0)
+    clock.now += 10
+    assert scrapes.due_within(1.0)  # overdue, the scraper may be late
+    clock.now += 30
+    assert not scrapes.due_within(1.0)  # gone for more than two gaps: stop rendering ahead
 
 
-def test_while_a_scraper_comes_every_round_is_rendered_before_it_is_published(monkeypatch):
-    """Whenever the next scrape comes, it reads a snapshot already rendered and compressed; once the scraper has
-    gone, rounds are no longer rendered."""
+def test_the_round_a_regular_scraper_will_read_is_rendered_before_it_asks(monkeypatch):
+    """Scrapes 0.05 s apart on the sampler's scrape clock (scripted) at a 0.05 s interval: the next round is due."""
     clock = _Clock()
     monkeypatch.setattr(sampler_module, "ScrapeClock", lambda: ScrapeClock(clock))
     collector = _Deferred(CollectorContext())
-    sampler = Sampler([collector], interval=1.0, deadline=10.0, node="n1", mode="simulated")
-    assert "_gzip" not in vars(sampler.sample_once())  # nobody has scraped yet
-    assert sampler.snapshot.metrics_gzip  # the first scrape renders on demand
-    for _ in range(20):  # 20 rounds of 1 s without a scrape: the scraper is still around
-        clock.now += 1.0
-        snapshot = sampler.sample_once()
-        assert "_gzip" in vars(snapshot) and collector.builds == snapshot.families[1][0].samples[0].value
-    assert b"gpuwatch_deferred_value 21.0" in gzip.decompress(sampler.snapshot.metrics_gzip)
-    clock.now += ScrapeClock.GONE_AFTER_SECONDS + 1  # the scraper went away
+    sampler = Sampler([collector], interval=0.05, deadline=10.0, node="n1", mode="simulated")
+    for _ in range(2):
+        assert sampler.sample_once().metrics_gzip  # two scrapes 0.05 s apart: one per round
+        clock.now += 0.05
+    builds = collector.builds
+    ahead = sampler.sample_once()
+    assert collector.builds == builds + 1 and "_gzip" in vars(ahead)  # rendered and compressed in the round
+    assert b"gpuwatch_deferred_value" in gzip.decompress(ahead.metrics_gzip)
+    assert collector.builds == builds + 1
+    clock.now += 10  # the scraper went away: rounds are no longer rendered ahead
     assert "_gzip" not in vars(sampler.sample_once())
 
 

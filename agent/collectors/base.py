@@ -36,8 +36,8 @@ class DeferredFamilies(Sequence[Metric]):
     """Metric families built on first use, from data the collector already copied.
 
     Building families is the costly part of a collector with many series (64 ranks' histograms);
-    deferred, it runs only when the snapshot is rendered (at the end of its round while a scraper comes, else by a
-    scrape), never in the rounds of an agent nobody scrapes.
+    deferred, it runs only when the snapshot is rendered (ahead of a scrape that keeps a rhythm, else by the
+    scrape), never in the rounds nobody scrapes.
     ``build`` must not read state that changes after ``collect`` returns.
     """
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from telemetry_records import JOB, collectives, coordinates, hello, samples, step
+from telemetry_records import JOB, collectives, coordinates, hello, progress, samples, step
 
 from gpuwatch.agent.collectors.base import CollectorContext, CollectorError
 from gpuwatch.agent.collectors.telemetry import RankSeries, TelemetryCollector, families
@@ -133,6 +133,36 @@ def test_caps_reject_new_jobs_and_ranks_but_keep_serving_known_ones():
     ranks, records = store.snapshot()
     assert [(s.job, s.rank) for s in ranks] == [("a", 0), ("a", 1), ("a", 2), ("b", 0)]
     assert records["rejected", "cardinality"] == 2
+
+
+def test_a_new_job_at_the_cap_takes_the_place_of_the_job_that_ended_longest_ago_never_of_one_that_died():
+    """A node that runs many short jobs: jobs that ended normally (hooks closed, process gone) make room; a job
+    whose rank died without closing its hooks stays for the hang diagnosis, and so does a live one."""
+    clock = FakeClock()
+    store = TelemetryStore(max_jobs=2, clock=clock)
+
+    def ran(job: str, pid: int, phase: str) -> None:
+        """A job of one rank (process `pid`) whose last progress record says `phase`, then its process exits."""
+        for record in (hello(0, job=job), progress(0, job=job, phase=phase, stalled=0.0)):
+            assert store.ingest(encode(record), sender_pid=pid) is None
+        store.mark_exited(pid, 2000.0)
+        clock.now += 1
+
+    def jobs() -> list[str]:
+        return sorted({state.job for state in store.snapshot()[0]})
+
+    ran("first", 11, "closed")
+    ran("second", 12, "closed")
+    assert _feed(store, hello(0, job="third")) == [None]  # "first" ended longest ago: forgotten
+    assert jobs() == ["second", "third"]
+    assert _feed(store, hello(0, job="fourth")) == [None]  # then "second"
+    assert jobs() == ["fourth", "third"]
+    assert _feed(store, hello(0, job="fifth")) == ["cardinality"]  # both live: nothing ended to make room
+
+    store = TelemetryStore(max_jobs=1, clock=clock)
+    ran("crashed", 13, "collective")  # gone without closing its hooks: a death
+    assert _feed(store, hello(0, job="next")) == ["cardinality"]
+    assert jobs() == ["crashed"]
 
 
 def test_silent_ranks_expire_after_the_ttl_and_free_their_slot():

@@ -3,9 +3,11 @@
 One ``TelemetryStore`` is written by the receiver thread (``ingest``) and read by the sampler
 (``expire`` then ``snapshot``). Memory is bounded by ``max_ranks`` × one record of each kind
 (records are at most ``MAX_RECORD_BYTES``) and a window of recent steps (``window.StepWindow``), whatever
-senders do: a new (job, rank) beyond the caps
-is rejected as ``cardinality``, and a rank silent for ``ttl`` seconds is forgotten, so its series
-disappear from /metrics. Probe records are kept apart from the ranks: the latest per job, for at most
+senders do: a new (job, rank) beyond the caps first makes room by forgetting the job that ended longest ago
+(every rank's hooks closed and its process gone: a normal end, which no diagnosis needs kept), and is rejected as
+``cardinality`` only when no job has ended so; a rank silent for ``ttl`` seconds is forgotten, so its series
+disappear from /metrics. A job that died (a rank gone without closing its hooks) is kept until its TTL: who died
+is what a hang's diagnosis needs. Probe records are kept apart from the ranks: the latest per job, for at most
 ``max_jobs`` jobs (a new job's probe pushes out the oldest), without a TTL.
 """
 
@@ -166,13 +168,32 @@ class TelemetryStore:
         state = self._ranks.get(key)
         if state is not None:
             return state
-        if len(self._ranks) >= self.max_ranks:
-            return None
-        if record.job not in self._ranks_per_job and len(self._ranks_per_job) >= self.max_jobs:
-            return None
+        while len(self._ranks) >= self.max_ranks or (
+                record.job not in self._ranks_per_job and len(self._ranks_per_job) >= self.max_jobs):
+            if not self._forget_an_ended_job():
+                return None
         state = self._ranks[key] = RankState(record.job, record.rank, 0.0, 0.0)
         self._ranks_per_job[record.job] += 1
         return state
+
+    def _forget_an_ended_job(self) -> bool:
+        """Forget the job that ended normally longest ago (its last record the oldest); False when none has."""
+        ended: dict[str, float] = {}
+        live: set[str] = set()
+        for state in self._ranks.values():
+            progress = state.progress
+            if state.exited_time is not None and progress is not None and progress.get("phase") == "closed":
+                ended[state.job] = max(ended.get(state.job, state.last_seen), state.last_seen)
+            else:
+                live.add(state.job)
+        candidates = {job: last for job, last in ended.items() if job not in live}
+        if not candidates:
+            return False
+        oldest = min(candidates, key=candidates.__getitem__)
+        for key in [key for key in self._ranks if key[0] == oldest]:
+            del self._ranks[key]
+        del self._ranks_per_job[oldest]
+        return True
 
     def _keep_probe(self, record: Record) -> None:
         self._probes.pop(record.job, None)

@@ -12,7 +12,7 @@ import bisect
 import dataclasses
 import math
 import statistics
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeGuard
 
 from gpuwatch.agent.telemetry.window import WindowSummary
@@ -475,6 +475,17 @@ def gib(value: float) -> str:
 def may_use_nccl(ranks: Iterable[RankFacts]) -> bool:
     """Whether a job's ranks may run NCCL: one says so, or one's hello did not say which backend it runs."""
     return any(rank.uses_nccl is not False for rank in ranks)
+
+
+def group_members(groups: Mapping[str, Sequence[int]] | None, world_size: int | None,
+                  group: str) -> tuple[int, ...] | None:
+    """A process group's members by its hello name: the hello's (or the exported) list, every rank of the job for
+    "default"; None when unknown. The one reading of a group's name that every source and rule shares."""
+    if groups is not None and group in groups:
+        return tuple(groups[group])
+    if group == "default" and world_size is not None:
+        return tuple(range(world_size))
+    return None
 
 
 def describe_ranks(ranks: Iterable[RankFacts]) -> str:

@@ -20,7 +20,7 @@ import types
 from collections.abc import Iterator
 
 from gpuwatch.agent.diagnosis import needs
-from gpuwatch.agent.diagnosis.facts import Facts, InFlightFacts, RankFacts, describe_ranks, rank_list
+from gpuwatch.agent.diagnosis.facts import Facts, InFlightFacts, RankFacts, describe_ranks, group_members, rank_list
 from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
 from gpuwatch.agent.diagnosis.rules.common import capped
 from gpuwatch.protocol.schema import P2P_OPS
@@ -130,15 +130,6 @@ def _mismatched(rank: RankFacts | None, collective: InFlightFacts, t: types.Simp
                                                                                         collective.op)
 
 
-def _group_members(rank: RankFacts, group: str) -> tuple[int, ...] | None:
-    """The members of a rank's process group by its hello name ("default": the world); None when unknown."""
-    if rank.process_groups is not None and group in rank.process_groups:
-        return tuple(rank.process_groups[group])
-    if group == "default" and rank.layout is not None:
-        return tuple(range(rank.layout.world_size))
-    return None
-
-
 @dataclasses.dataclass(frozen=True)
 class _Drift:
     """Members of one process group that disagree on how many collectives they made on it by the end of `step`."""
@@ -161,14 +152,15 @@ def _drifts(ranks: dict[int, RankFacts]) -> list[_Drift]:
         if rank.last is None or not rank.last.collective_calls:
             continue
         for group, calls in rank.last.collective_calls.items():
-            members = _group_members(rank, group)
+            members = group_members(rank.process_groups, rank.layout.world_size if rank.layout else None, group)
             if members is not None and rank.rank in members:
                 counted.setdefault((group, members, rank.last.step), {})[rank.rank] = calls
     drifts = []
     for (group, members, step), counts in sorted(counted.items()):
         in_call = {}
         for member in members:
-            collective, other = _collective_of(ranks.get(member)), ranks.get(member)
+            other = ranks.get(member)
+            collective = _collective_of(other)
             if (member not in counts and other is not None and other.progress is not None
                     and other.progress.step == step - 1 and collective is not None
                     and collective.key == (group, members) and collective.op not in P2P_OPS):

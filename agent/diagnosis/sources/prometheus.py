@@ -54,6 +54,7 @@ from gpuwatch.agent.diagnosis.facts import (
     Sampled,
     SourceInfo,
     StepFacts,
+    group_members,
 )
 from gpuwatch.agent.diagnosis.sources import HTTP_TIMEOUT, SourceError, http_json
 from gpuwatch.agent.diagnosis.sources.collectors import GPU_GAUGES_READ, PARTS, hca_model, read_by
@@ -410,11 +411,8 @@ def _progress(values: dict[str, Any], world_size: int, last: StepFacts | None) -
     in_flight = None
     if "in_flight" in values:
         op, group, seq = values["in_flight"]
-        members = values.get("process_groups", {}).get(group)
-        if members is None and group == "default":
-            members = range(world_size)
-        in_flight = InFlightFacts(op=op, group=group, members=tuple(members) if members is not None else None,
-                                  seq=seq, seconds=stalled)
+        in_flight = InFlightFacts(op=op, group=group, members=group_members(values.get("process_groups"), world_size,
+                                                                            group), seq=seq, seconds=stalled)
     error, raised_at = values.get("raised", (None, None))
     return ProgressFacts(step=last.step if last is not None else 0, phase=values["phase"], stalled_seconds=stalled,
                          overdue_seconds=0.0, collective=in_flight, error=error, time=raised_at)

@@ -17,6 +17,7 @@ from gpuwatch.agent.diagnosis.facts import (
     RankFacts,
     Sampled,
     StepFacts,
+    group_members,
 )
 from gpuwatch.agent.telemetry.store import probe_peaks
 from gpuwatch.agent.telemetry.window import StepPoint, summarize
@@ -78,15 +79,15 @@ def step(body: Mapping[str, Any]) -> StepFacts:
         inactive_split_bytes=memory.get("inactive_split_bytes"))
 
 
-def progress(body: Mapping[str, Any], groups: Mapping[str, Sequence[int]] | None) -> ProgressFacts:
+def progress(body: Mapping[str, Any], groups: Mapping[str, Sequence[int]] | None,
+             world_size: int | None) -> ProgressFacts:
     """A progress record body; the in-flight collective's group members from the rank's hello (`groups`), or the
     whole world for "default"."""
     collective = body.get("collective")
     in_flight = None
     if collective is not None:
-        members = (groups or {}).get(collective["group"])
         in_flight = InFlightFacts(op=collective["op"], group=collective["group"],
-                                  members=tuple(members) if members is not None else None, seq=collective["seq"],
+                                  members=group_members(groups, world_size, collective["group"]), seq=collective["seq"],
                                   bytes=collective.get("bytes"), seconds=collective.get("seconds"))
     error = body.get("error")
     return ProgressFacts(
@@ -137,17 +138,10 @@ def rank_facts(
         collectives={op: collective(op, totals) for op, totals in collectives.items()},
         param_checksum=sampled_facts.get("param_checksum"), grad_cosine=sampled_facts.get("grad_cosine_similarity"),
         history=history,
-        progress=progress(progress_body, _groups_with_world(hello)) if progress_body else None,
+        progress=progress(progress_body, hello.get("process_groups"), hello.get("world_size"))
+        if progress_body else None,
         exited_at=exited_at,
     )
-
-
-def _groups_with_world(hello: Mapping[str, Any]) -> dict[str, Sequence[int]]:
-    """The hello's process groups, and "default": every rank of the job."""
-    groups: dict[str, Sequence[int]] = dict(hello.get("process_groups") or {})
-    if "world_size" in hello:
-        groups.setdefault("default", range(hello["world_size"]))
-    return groups
 
 
 def bandwidth(probes: Sequence[Mapping[str, Any]], node: str | None) -> list[BandwidthMeasurement] | None:

@@ -165,6 +165,26 @@ def test_a_new_job_at_the_cap_takes_the_place_of_the_job_that_ended_longest_ago_
     assert jobs() == ["crashed"]
 
 
+def test_a_step_record_queued_behind_an_error_record_does_not_erase_it_and_a_restart_starts_afresh():
+    """The hooks send a step's error at once while the step before it may still wait on the sender thread: the late
+    step record is older news than the error (its step is not beyond the progress record's). The next step, or a
+    hello from a restarted process, is news."""
+    store = TelemetryStore()
+    error = {"type": "InjectedFailure", "message": "rank 3 fails"}
+    assert _feed(store, hello(0), progress(0, stalled=0.0, error=error), step(0, 3)) == [None] * 3
+    (state,), _ = store.snapshot()
+    assert state.progress is not None and state.progress["error"] == error and state.last_step["step"] == 3
+    _feed(store, step(0, 4))  # caught by the script, and training went on
+    assert store.snapshot()[0][0].progress is None
+
+    _feed(store, progress(0, stalled=0.0, error=error))
+    store.ingest(encode(step(0, 4)), sender_pid=41)
+    store.mark_exited(41, 2000.0)
+    _feed(store, hello(0))  # the rank's process restarted
+    (state,), _ = store.snapshot()
+    assert (state.progress, state.exited_time) == (None, None)
+
+
 def test_silent_ranks_expire_after_the_ttl_and_free_their_slot():
     clock = FakeClock()
     store = TelemetryStore(ttl=60, max_ranks=2, clock=clock)

@@ -155,7 +155,9 @@ class TelemetryStore:
             state.sender_pid = sender_pid
             state.version += 1
             if record.kind == "hello":
-                state.hello = record.body
+                # A hello opens a process's story: what an earlier process of this rank said or did (its last
+                # progress, its exit) is not about this one, a restarted rank.
+                state.hello, state.progress, state.exited_time = record.body, None, None
             elif record.kind == "progress":
                 state.progress = record.body
             else:
@@ -203,7 +205,12 @@ class TelemetryStore:
 
     def _apply_step(self, state: RankState, body: dict[str, Any]) -> None:
         state.last_step = body
-        state.progress = None
+        progress = state.progress
+        if progress is not None and body["step"] > progress.get("step", -1):
+            # Newer than the progress record: the rank moved on. A step record of the step the progress record
+            # already counts (queued on the rank's sender thread while an error record went out at once) is
+            # older news and must not erase that error.
+            state.progress = None
         state.steps += 1
         state.nonfinite_steps += _nonfinite(body)
         state.tokens += body.get("tokens", 0)

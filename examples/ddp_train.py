@@ -59,7 +59,8 @@ def train(device: torch.device, steps: int = 50, batch: int = 8, seq_len: int = 
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     monitor = hooks.Monitor(model, flops_per_token=6 * matmul_params,  # gpuwatch (MLPs only: no attention term)
-                            grad_similarity_every=measure_every, checksum_every=measure_every)
+                            grad_similarity_every=measure_every, checksum_every=measure_every,
+                            memory_every=measure_every)
     losses = []
     for inputs, targets in monitor.data(loader):  # gpuwatch: times the wait for each batch
         with monitor.step(tokens=inputs.numel(), samples=len(inputs)) as step:  # gpuwatch

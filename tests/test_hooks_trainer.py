@@ -37,7 +37,7 @@ def test_gpuwatch_train_reports_every_signal_of_every_rank_to_the_agent(start_ag
     started = time.time()
     run = subprocess.run(
         [sys.executable, "-m", "gpuwatch.trainer.cli", *TINY_OPTIONS, "--steps", str(steps), "--job", job,
-         "--grad-similarity-every", "2", "--checksum-every", "2", "--fault", "duplicate-shards",
+         "--grad-similarity-every", "2", "--checksum-every", "2", "--memory-every", "2", "--fault", "duplicate-shards",
          "--run-log", str(tmp_path / "runs"), "--log-jsonl", str(tmp_path / "losses.jsonl")],
         env={**os.environ, "GPUWATCH_SOCKET": str(agent.telemetry_socket)},
         capture_output=True, text=True, timeout=240,

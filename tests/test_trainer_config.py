@@ -21,6 +21,7 @@ from gpuwatch.trainer.config import ConfigError, ModelConfig, TrainConfig
         (TrainConfig(tp=0), "--tp must be at least 1"),
         (TrainConfig(precision="fp16", device="cpu"), "fp16 needs CUDA"),
         (TrainConfig(resume=True), "need --checkpoint-dir"),
+        (TrainConfig(memory_every=-1), "--memory-every must not be negative"),
     ],
 )
 def test_bad_combinations_are_refused_with_the_options_named(config, message):
@@ -46,6 +47,7 @@ def test_micro_batch_size_splits_the_global_batch():
         (["--heads", "4", "--tp", "8"], "--heads 4 cannot be split across --tp 8"),
         (["--global-batch", "10", "--dp", "2", "--micro-batches", "4"], "--global-batch 10 is not divisible"),
         (["--schedule", "zigzag"], "'zigzag' is not one of 'gpipe', '1f1b'"),
+        (["--memory-every", "-2"], "--memory-every must not be negative (0 turns them off)"),
     ],
 )
 def test_cli_usage_errors_exit_2_with_a_message_and_no_traceback(args, message):

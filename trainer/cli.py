@@ -72,6 +72,8 @@ DEFAULTS = TrainConfig()
               help="Gradient cosine similarity between each DP rank and the DP mean every N steps (0: off).")
 @click.option("--checksum-every", default=DEFAULTS.checksum_every, show_default=True, metavar="N",
               help="Parameter checksum every N steps, for comparing DP replicas (0: off).")
+@click.option("--memory-every", default=DEFAULTS.memory_every, show_default=True, metavar="N",
+              help="Read memory every N steps, its peak covering the steps since the last reading (0: off).")
 @click.option("--fault", "faults", type=click.Choice(tuple(FAULTS)), multiple=True, metavar="NAME",
               help="Reproduce a failure on purpose, for a demo or a test of `gpuwatch diagnose` (repeatable; every "
               "rank's telemetry hello lists it): " + "; ".join(f"{name}: {what}" for name, what in FAULTS.items())

@@ -78,6 +78,7 @@ class TrainConfig:
     run_log: str | None = None  # a directory: every telemetry record, one JSONL file per rank
     grad_similarity_every: int = 10
     checksum_every: int = 10
+    memory_every: int = 10
     faults: tuple[str, ...] = ()
     fault_rank: int | None = None  # the rank of RANK_FAULTS; default: the last rank
     fault_step: int = 5  # the step STEP_FAULTS strike at
@@ -137,8 +138,8 @@ class TrainConfig:
              "--resume and --checkpoint-every need --checkpoint-dir"),
             (not (self.needs_cuda and self.device == "cpu"),
              "--precision fp16 needs CUDA; use bf16 on CPU"),
-            (self.grad_similarity_every >= 0 and self.checksum_every >= 0,
-             "--grad-similarity-every and --checksum-every must not be negative (0 turns them off)"),
+            (min(self.grad_similarity_every, self.checksum_every, self.memory_every) >= 0,
+             "--grad-similarity-every, --checksum-every and --memory-every must not be negative (0 turns them off)"),
             (self.telemetry or (self.run_log is None and self.telemetry_socket is None),
              "--run-log and --telemetry-socket need --telemetry"),
         ]

@@ -247,6 +247,7 @@ def instrument(trainer: Trainer, signals: Iterable[str] = SIGNALS) -> Monitor:
         trainer.model, layout=place, job=cfg.job, device=trainer.device,
         socket_path=cfg.telemetry_socket, run_log=cfg.run_log,
         grad_similarity_every=cfg.grad_similarity_every, checksum_every=cfg.checksum_every,
+        memory_every=cfg.memory_every,
         flops_per_token=model_flops_per_token(trainer) / (grid.tp * grid.pp),  # this rank's share
         shard_groups=(grid.tp_group, grid.pp_group), hello={"faults": list(cfg.faults)}, signals=signals,
     )

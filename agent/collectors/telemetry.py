@@ -108,17 +108,17 @@ STEP_GAUGES: tuple[StepGauge, ...] = (
     StepGauge("gpuwatch_train_last_step_timestamp_seconds", "Rank's wall clock when it reported its latest step.",
               "seconds", "time"),
 )
-#: Memory of the latest step, labelled by the record's memory ``kind``.
+#: The latest memory reading (every N steps: the hooks' `memory_every`), labelled by the record's memory ``kind``.
 MEMORY_GAUGES: tuple[StepGauge, ...] = (
-    StepGauge("gpuwatch_train_memory_peak_bytes", "Peak memory of the latest step (reset every step); kind=cuda for "
-              "the CUDA caching allocator's allocated bytes, kind=host_rss for the process's resident set.",
-              "bytes", "peak_bytes", "memory"),
-    StepGauge("gpuwatch_train_memory_allocated_bytes", "Memory allocated to tensors after the latest step.",
+    StepGauge("gpuwatch_train_memory_peak_bytes", "Peak memory since the previous reading (read and reset every N "
+              "steps); kind=cuda for the CUDA caching allocator's allocated bytes, kind=host_rss for the process's "
+              "resident set.", "bytes", "peak_bytes", "memory"),
+    StepGauge("gpuwatch_train_memory_allocated_bytes", "Memory allocated to tensors at the latest reading.",
               "bytes", "allocated_bytes", "memory"),
-    StepGauge("gpuwatch_train_memory_reserved_bytes", "Memory the caching allocator holds after the latest step.",
+    StepGauge("gpuwatch_train_memory_reserved_bytes", "Memory the caching allocator holds at the latest reading.",
               "bytes", "reserved_bytes", "memory"),
     StepGauge("gpuwatch_train_memory_inactive_split_bytes", "Reserved memory in inactive split blocks "
-              "(fragmentation) after the latest step.", "bytes", "inactive_split_bytes", "memory"),
+              "(fragmentation) at the latest reading.", "bytes", "inactive_split_bytes", "memory"),
 )
 #: Counters of the rank's records since the agent first saw it, each the ``RankState`` field it names.
 COUNTERS: tuple[MetricSpec, ...] = (
@@ -334,11 +334,12 @@ class _RankLines:
                     line(lines[gauge.name], gauge.name, value)
             for group, calls in sorted(step.get("collective_calls", {}).items()):
                 line(lines[CALLS], CALLS, calls, extra=(("group", group),))
-            kind = step.get("memory", {}).get("kind")
+        memory = state.sampled.get("memory", (None, None))[1]
+        if memory is not None:
             for gauge in MEMORY_GAUGES:
-                value = gauge.latest(step)
+                value = memory.get(gauge.field)
                 if value is not None:
-                    line(lines[gauge.name], gauge.name, value, kind)
+                    line(lines[gauge.name], gauge.name, value, memory["kind"])
         self.parts = {name: "".join(part) for name, part in lines.items()}
         self.version = state.version
 

@@ -169,8 +169,8 @@ CUDA_MEMORY = _rank_fact("CUDA allocator figures", _has_cuda_memory,
                          "step records carry no CUDA memory (CPU ranks report host RSS only)")
 GPU_CAPACITY = Need("GPU memory capacity", _capacity_available)
 RSS_HISTORY = _rank_fact("host RSS history", lambda r: r.history is not None and len(r.history.host_rss_bytes) > 1,
-                         "needs per-step host_rss memory from a run log or Prometheus (one snapshot cannot "
-                         "show growth)")
+                         "needs host_rss memory readings over the steps, from a run log or Prometheus (one "
+                         "snapshot cannot show growth)")
 LOSS = _rank_fact("loss", lambda r: (r.last is not None and r.last.loss is not None)
                   or (r.history is not None and bool(r.history.loss)),
                   "step records lack loss")

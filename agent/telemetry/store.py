@@ -35,8 +35,9 @@ from gpuwatch.protocol.schema import (
 DEFAULT_TTL = 120.0
 DEFAULT_MAX_RANKS = 1024
 DEFAULT_MAX_JOBS = 16
-#: Step fields measured every N steps only: their latest value is kept with the step it belongs to.
-SAMPLED_FIELDS = ("grad_cosine_similarity", "param_checksum")
+#: Step fields measured every N steps only: their latest value is kept with the step it belongs to (the memory
+#: reading is the record's ``memory`` object whole).
+SAMPLED_FIELDS = ("grad_cosine_similarity", "param_checksum", "memory")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

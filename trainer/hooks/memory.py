@@ -1,15 +1,15 @@
-"""Memory per step: the CUDA caching allocator's figures on a GPU, the process's peak resident set on the CPU.
+"""Memory: the CUDA caching allocator's figures on a GPU, the process's peak resident set on the CPU.
 
-Peaks are per step (reset as each step starts), so a step that needs more than its predecessors
-shows at once instead of hiding under the run's all-time high. Nothing here waits for the device:
-the allocator's statistics are host-side bookkeeping of what the host has already asked for.
+A peak is the peak since the previous reading (each reading resets it; the monitor reads every `memory_every`
+steps), so a step that needs more than its predecessors shows in the next reading instead of hiding under the
+run's all-time high, and no step's peak is missed between readings. Nothing here waits for the device: the
+allocator's statistics are host-side bookkeeping of what the host has already asked for.
 """
 
 from __future__ import annotations
 
 import os
 import resource
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -21,8 +21,9 @@ PROC_CLEAR_REFS = "/proc/self/clear_refs"
 
 
 class CudaMemory:
-    """Peak allocated bytes per step, with allocated, reserved, inactive-split bytes after the step;
-    allocation retries (a cache flush and retry after a failed cudaMalloc) and OOMs as per-step increments."""
+    """Peak allocated bytes since the previous reading, with allocated, reserved, inactive-split bytes at the
+    reading; allocation retries (a cache flush and retry after a failed cudaMalloc) and OOMs as increments since
+    the previous reading."""
 
     kind = "cuda"
 
@@ -30,8 +31,7 @@ class CudaMemory:
         self.device = device
         stats = torch.cuda.memory_stats(device)
         self._retries, self._ooms = stats.get("num_alloc_retries", 0), stats.get("num_ooms", 0)
-        #: `reset` as a callable the monitor keeps (as HostMemory's)
-        self.resetter: Callable[[], object] = partial(torch.cuda.reset_peak_memory_stats, device)
+        self.reset()
 
     def reset(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -56,7 +56,7 @@ class CudaMemory:
 
 
 class HostMemory:
-    """The process's peak resident set per step (VmHWM), labelled kind="host_rss". Where clear_refs
+    """The process's peak resident set since the previous reading (VmHWM), labelled kind="host_rss". Where clear_refs
     cannot be written (an old kernel, a locked-down /proc) the peak is the process's since it started.
 
     Read from getrusage's ru_maxrss where that is exact, else from /proc/self/status, which costs ~10 µs
@@ -82,15 +82,13 @@ class HostMemory:
             self._clear_refs: int | None = os.open(PROC_CLEAR_REFS, os.O_WRONLY)
         except OSError:
             self._clear_refs = None
-        #: `reset` as the monitor calls it every step: the write itself, without a Python frame around it
-        self.resetter: Callable[[], object] = (
-            partial(os.write, self._clear_refs, b"5") if self._clear_refs is not None else _nothing)
         self.reset()
         self._rusage = partial(resource.getrusage, resource.RUSAGE_THREAD)
         self._floor_bound = self._rusage().ru_maxrss  # the floor is at most this: ru_maxrss just after a reset
 
     def reset(self) -> None:
-        self.resetter()
+        if self._clear_refs is not None:
+            os.write(self._clear_refs, b"5")
 
     def read(self) -> dict[str, Any]:
         kib = self._rusage().ru_maxrss
@@ -106,10 +104,6 @@ class HostMemory:
         for fd in (self._status, self._clear_refs):
             if fd is not None:
                 os.close(fd)
-
-
-def _nothing() -> None:
-    pass
 
 
 def memory_for(device: torch.device) -> CudaMemory | HostMemory:

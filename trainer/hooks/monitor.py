@@ -24,9 +24,9 @@ adds a communication hook (DDP's all-reduce with a callback per bucket) for what
 latency (the record's `collectives`).
 
 Cost on the training thread, per step with every default signal: see benchmarks/README.md ("Training
-hooks"). What stays here is what cannot wait: the marks, the phase bookkeeping, the memory peak (the
-next step resets it), reading the values the user reported (the next step may change them) and, on
-measuring steps, the checksum and the gradient norm (the next update changes the parameters).
+hooks"). What stays here is what cannot wait: the marks, the phase bookkeeping, reading the values the
+user reported (the next step may change them) and, on measuring steps, the memory peak since the last
+reading (reset as it is read), the checksum and the gradient norm (the next update changes the parameters).
 
 Every entry point the training loop calls is guarded (`_safety`): an exception inside the hooks is
 counted in `Monitor.failures` and logged once, and training goes on; so is every hook that runs inside
@@ -110,13 +110,15 @@ class Monitor:
     `gpuwatch diagnose --run-log`; a directory (this rank writes DIR/rank-NNNNN.jsonl, NNNNN its global
     rank) or a file ending in .jsonl. `client`: a client of your own instead (for tests; `send`, `submit`
     and `close` as TelemetryClient has them), which the monitor closes. `grad_similarity_every`,
-    `checksum_every`: the measuring steps (0: never). `flops_per_token`: this rank's model FLOPs per token
-    it processes (`transformer_flops_per_token`, divided by tp·pp), for FLOP/s and MFU. `shard_groups`:
-    the groups one data-parallel replica is sharded over (TP, PP), where the gradient similarity's sums
-    are added up. `hello`: fields added to this rank's hello (gpuwatch.protocol.schema), such as
-    `{"faults": [...]}` for what a chaos test injects on purpose, so no one takes the run for a healthy one;
-    a hello they make invalid is a ValueError here. `signals`: a subset of SIGNALS to measure
-    (without "collectives" a DDP model's backward is watched on measuring steps only).
+    `checksum_every`: the measuring steps (0: never). `memory_every`: the steps that read memory (0: never);
+    the peak read is the peak since the previous reading, so no step's peak is missed, and a reading costs
+    the training thread ~10 µs on the CPU (more for `torch.cuda.memory_stats` on a GPU) once per N steps.
+    `flops_per_token`: this rank's model FLOPs per token it processes (`transformer_flops_per_token`, divided
+    by tp·pp), for FLOP/s and MFU. `shard_groups`: the groups one data-parallel replica is sharded over (TP,
+    PP), where the gradient similarity's sums are added up. `hello`: fields added to this rank's hello
+    (gpuwatch.protocol.schema), such as `{"faults": [...]}` for what a chaos test injects on purpose, so no one
+    takes the run for a healthy one; a hello they make invalid is a ValueError here. `signals`: a subset of
+    SIGNALS to measure (without "collectives" a DDP model's backward is watched on measuring steps only).
 
     On a measuring step where the user reports no `grad_norm`, the monitor reports the norm of the
     gradient the optimizer sees: sqrt(|ḡ|²) from the gradient similarity's sums where those are taken
@@ -139,6 +141,7 @@ class Monitor:
         client: TelemetryClient | None = None,
         grad_similarity_every: int = DEFAULT_EVERY,
         checksum_every: int = DEFAULT_EVERY,
+        memory_every: int = DEFAULT_EVERY,
         flops_per_token: float | None = None,
         peak_flops_per_second: float | None = None,
         shard_groups: Iterable[ProcessGroup] = (),
@@ -161,8 +164,10 @@ class Monitor:
         self.signals = frozenset(signals) & SIGNALS
         self._times_collectives = "collectives" in self.signals
         self._every = {signal: every if signal in self.signals and every > 0 else 0
-                       for signal, every in (("grad_similarity", grad_similarity_every), ("checksum", checksum_every))}
+                       for signal, every in (("grad_similarity", grad_similarity_every), ("checksum", checksum_every),
+                                             ("memory", memory_every))}
         self._similarity_every, self._checksum_every = self._every["grad_similarity"], self._every["checksum"]
+        self._memory_every = self._every["memory"]
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops_per_second or peak_flops(self.device)
         self.shard_groups = tuple(shard_groups)
@@ -171,8 +176,7 @@ class Monitor:
         self._mark = self._clock.mark  # on the CPU time.perf_counter itself: no Python frame per mark
         self._on_host = isinstance(self._clock, WallClock)  # every mark ready when taken: no queue
         self._stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        self._memory = self._open_memory() if "memory" in self.signals else None
-        self._reset_memory = self._memory.resetter if self._memory is not None else None
+        self._memory = self._open_memory() if self._memory_every else None
         self._current: Step | None = None
         self._pending: deque[Step] = deque()
         self._data_wait: tuple[Mark, Mark] | None = None
@@ -237,6 +241,8 @@ class Monitor:
         step.phases, step.calls, step.waits, step.values, step.time = [], [], [], {}, 0.0
         every = self._checksum_every
         step.checksum_due = every > 0 and number % every == 0
+        every = self._memory_every
+        step.memory_due = every > 0 and number % every == 0
         every = self._similarity_every
         step.similarity_due = due = every > 0 and number % every == 0
         step._measures_grads = False
@@ -737,8 +743,8 @@ class Step:
     `optimizer`) and the values only the training loop knows (`report`)."""
 
     __slots__ = ("_measures_grads", "calls", "checksum_due", "collective_calls", "end", "failures", "host", "measured",
-                 "memory", "monitor", "number", "phase", "phases", "pipeline", "reported", "samples", "scalars",
-                 "similarity", "similarity_due", "start", "time", "tokens", "values", "waits")
+                 "memory", "memory_due", "monitor", "number", "phase", "phases", "pipeline", "reported", "samples",
+                 "scalars", "similarity", "similarity_due", "start", "time", "tokens", "values", "waits")
 
     # Made by Monitor.step (no __init__: a Python frame fewer on the hot path). What each slot holds:
     monitor: Monitor
@@ -763,6 +769,7 @@ class Step:
     reported: dict[str, tuple[torch.Tensor, int]] | None  # the user's host tensors and their versions, at the end
     host: _HostValues | None  # the values on the device, copied to the host without a sync
     checksum_due: bool
+    memory_due: bool
     similarity_due: bool
     #: this step's GradientSimilarity, or None when the step does not measure it (or nothing would feed it)
     similarity: GradientSimilarity | None
@@ -778,8 +785,6 @@ class Step:
             else:  # measured by data() just before this step, which then starts with it
                 self.start = wait[0]
                 self.phases.append(("data", wait[0], wait[1]))
-            if monitor._reset_memory is not None:
-                monitor._reset_memory()
             monitor._current = self
             monitor._tail_stage = 0  # a backward that raised never ran its callbacks
             progress = monitor.progress
@@ -826,9 +831,10 @@ class Step:
                 self.measure("similarity", sums)
         if self.checksum_due and monitor.params:
             monitor._checksum(self)
-        if monitor._memory is not None:
+        if self.memory_due and monitor._memory is not None:
             try:
                 self.memory = monitor._memory.read()
+                monitor._memory.reset()  # the next reading's peak starts here
             except Exception as error:
                 self.failures.record("Monitor._read_memory", error)
         try:

@@ -62,9 +62,10 @@ def _maybe_nonfinite(value: Any) -> float | None:
     return float(value) if isinstance(value, str) else value
 
 
-def step(body: Mapping[str, Any]) -> StepFacts:
+def step(body: Mapping[str, Any], memory: Mapping[str, Any] | None) -> StepFacts:
+    """The latest step record, with the latest memory reading (a step in N has one: `memory_every`)."""
     pipeline = body.get("pipeline") or {}
-    memory = body.get("memory") or {}
+    memory = memory or {}
     return StepFacts(
         step=body["step"], step_seconds=body.get("step_seconds"), compute_seconds=body.get("compute_seconds"),
         dataloader_wait_seconds=body.get("dataloader_wait_seconds"),
@@ -130,7 +131,7 @@ def rank_facts(
         cpus=hello.get("cpus"), backends=dict(hello["backends"]) if "backends" in hello else None,
         faults=tuple(hello.get("faults", ())),
         unavailable_from_outside=tuple(hello.get("unavailable_from_outside", ())),
-        last=step(last_step) if last_step else None,
+        last=step(last_step, sampled.get("memory", (0, None))[1]) if last_step else None,
         window=summarize(window),
         unavailable=missing or None,
         steps=counters.get("steps"), nonfinite_steps=counters.get("nonfinite_steps"),

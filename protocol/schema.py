@@ -72,7 +72,8 @@ that restarted learns the rank's layout and a hung-but-alive rank does not expir
     param_checksum?     float or hex string   every N steps, compared across DP replicas
     memory?             {kind: "cuda" | "host_rss", peak_bytes: int,
                          allocated_bytes?, reserved_bytes?, inactive_split_bytes?: int,
-                         alloc_retries?, ooms?: int}   (host_rss has only peak_bytes)
+                         alloc_retries?, ooms?: int}   every N steps: the peak, retries and OOMs since the
+                                     previous reading, the rest at this step (host_rss has only peak_bytes)
     tokens?             int          tokens processed by this rank this step
     samples?            int          samples (sequences, images, rows) processed by this rank this step
     unavailable?        {signal: reason}  why a signal due this step could not be computed: signal in

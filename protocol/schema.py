@@ -197,13 +197,17 @@ UNAVAILABLE_FROM_OUTSIDE: Mapping[str, str] = {
     "tokens": "the tokens a step processes are known to the training loop only",
     "samples": "the samples a step processes are known to the training loop only",
     "mfu": "model FLOP/s and MFU need the tokens per step and the model's FLOPs per token",
-    "loss_scale": "an AMP grad scaler's scale is not seen from outside (and the loss reported is the tensor "
-                  "backward() was called on: a scaled one under a scaler)",
+    "loss_scale": "an AMP loss scale is seen only from torch.amp.GradScaler.scale (a framework's own scaler is not "
+                  "seen, and the loss reported is then the scaled tensor backward() was called on)",
     "pipeline": "a pipeline schedule's busy and idle time needs the schedule's own marks",
     "ddp_bucket_latency": "DDP's C++ all-reduce is timed as one tail per backward, not per bucket",
-    "layout": "which ranks are data-parallel replicas doing the same work is known only where a DDP model spans "
-              "every rank (tensor or pipeline parallelism, FSDP and a framework's own data parallelism are not seen "
-              "from outside), so ranks are not compared as peers",
+    "layout": "which ranks are data-parallel replicas doing the same work is known only from gpuwatch run --layout, "
+              "Megatron's parallel state, a device mesh over every rank (torchtitan's) or a DDP model spanning "
+              "every rank, so ranks are not compared as peers",
+    "gradients": "each rank's whole gradient and parameters are seen only under a DistributedDataParallel model: a "
+                 "sharded (FSDP) or model-parallel rank holds a shard, so the gradient cosine similarity and the "
+                 "parameter checksum are not measured, and the gradient norm only where the job clips it "
+                 "(torch.nn.utils.clip_grad_norm_ returns it)",
 }
 #: What ``gpuwatch probe`` measures, and how it names the path its traffic took.
 PROBE_OPS = ("all_reduce", "all_gather", "reduce_scatter")

@@ -49,8 +49,10 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils.hooks import RemovableHandle
 
 from gpuwatch.protocol.schema import UNAVAILABLE_FROM_OUTSIDE
+from gpuwatch.trainer.auto.layout import detect_layout
 from gpuwatch.trainer.hooks._safety import Failures
-from gpuwatch.trainer.hooks.monitor import Monitor, Step, _Collective, _Phase
+from gpuwatch.trainer.hooks.identity import Layout
+from gpuwatch.trainer.hooks.monitor import SIGNALS, Monitor, Step, _Collective, _Phase
 
 #: The torch.distributed functions timed, and the op (schema.COLLECTIVE_OPS) each counts as.
 COLLECTIVES: Mapping[str, str] = {
@@ -78,13 +80,21 @@ def install() -> AutoMonitor:
 
 
 
-def unavailable_from_outside(model: nn.Module) -> list[str]:
-    """The hello's `unavailable_from_outside` for a job whose first forward ran `model`: every entry of
-    UNAVAILABLE_FROM_OUTSIDE, but "layout" where `model` is DDP over every rank (plain data parallelism, which the
-    Monitor's default layout describes)."""
-    spans_world = (isinstance(model, nn.parallel.DistributedDataParallel)
-                   and dist.get_world_size(model.process_group) == dist.get_world_size())
-    return [signal for signal in UNAVAILABLE_FROM_OUTSIDE if not (signal == "layout" and spans_world)]
+def unavailable_from_outside(layout: Layout | None, whole_gradients: bool) -> list[str]:
+    """The hello's `unavailable_from_outside`: every entry of UNAVAILABLE_FROM_OUTSIDE, but "layout" where the
+    layout is known (gpuwatch.trainer.auto.layout) and "gradients" where the Monitor sees whole gradients."""
+    seen = {"layout"} if layout is not None else set()
+    seen |= {"gradients"} if whole_gradients else set()
+    return [signal for signal in UNAVAILABLE_FROM_OUTSIDE if signal not in seen]
+
+
+def whole_gradients(model: nn.Module, layout: Layout | None) -> bool:
+    """Whether this rank holds its replica's whole gradient and parameters, as the gradient cosine similarity, its
+    norm and the parameter checksum need: a DDP model of a replica that no tensor or pipeline parallelism splits.
+    A sharded model (FSDP) or one a framework splits holds a shard: measured, those would be wrong, not missing."""
+    return (isinstance(model, nn.parallel.DistributedDataParallel)
+            and (layout is None or layout.tp_size == layout.pp_size == 1))
+
 
 def detect_framework(modules: Mapping[str, object] = sys.modules) -> str:
     """The training framework loaded in this process, by the modules imported."""
@@ -108,6 +118,12 @@ class AutoMonitor:
         self.optimizer_steps = 0
         self._first_forward: RemovableHandle | None = None  # registered while the next forward is awaited
         self._in_collective = False  # inside a timed collective: the collectives it calls are its own
+        #: the device meshes init_device_mesh made (a framework's world mesh among them: the layout)
+        self.meshes: list[Any] = []
+        #: this step's losses scaled by a GradScaler: (the scaled tensor, the loss before scaling, the scale)
+        self._scaled: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._loss_scale: torch.Tensor | None = None
+        self._grad_norm: torch.Tensor | None = None  # this step's clip_grad_norm_ result
 
     def install(self) -> None:
         register_optimizer_step_pre_hook(self._before_optimizer_step)
@@ -118,17 +134,24 @@ class AutoMonitor:
             self._patch(dist.distributed_c10d, "destroy_process_group", self._wrap_destroy_process_group)
             for name, op in COLLECTIVES.items():
                 self._patch(dist.distributed_c10d, name, functools.partial(self._wrap_collective, op))
+            from torch.distributed import device_mesh  # imported by torch.distributed already: no cost
+
+            self._patch(device_mesh, "init_device_mesh", self._wrap_init_device_mesh)
+        self._patch(torch.amp.grad_scaler.GradScaler, "scale", self._wrap_scale)
+        self._patch(torch.nn.utils, "clip_grad_norm_", self._wrap_clip_grad_norm)
 
     @staticmethod
     def _patch(module: Any, name: str, wrap: Callable[[Callable], Callable]) -> None:
-        """Replace `module.name` with its wrapped self, and torch.distributed's name for it too."""
+        """Replace `module.name` (a module's function or a class's method) with its wrapped self, and the name
+        torch.distributed or torch.nn.utils re-exports it under too."""
         original = getattr(module, name, None)
         if original is None:
             return
         wrapped = wrap(original)
         setattr(module, name, wrapped)
-        if getattr(dist, name, None) is original:
-            setattr(dist, name, wrapped)
+        for namespace in (dist, torch.nn.utils, torch.nn.utils.clip_grad):
+            if getattr(namespace, name, None) is original:
+                setattr(namespace, name, wrapped)
 
     # -- process group and first forward -----------------------------------------------------------
 
@@ -181,8 +204,7 @@ class AutoMonitor:
                 self._first_forward.remove()
                 self._first_forward = None
             if self.monitor is None:
-                self.monitor = Monitor(module, hello={"framework": detect_framework(),
-                                                      "unavailable_from_outside": unavailable_from_outside(module)})
+                self.monitor = self._make_monitor(module)
                 # A multiprocessing child (a launcher's forked or spawned rank) ends in os._exit, past atexit: its
                 # last steps would be lost without closing at multiprocessing's own exit
                 multiprocessing.util.Finalize(self.monitor, self.monitor.close, exitpriority=0)
@@ -191,6 +213,72 @@ class AutoMonitor:
                 self._enter(self.step.compute())
         except Exception as error:
             self.failures.record("AutoMonitor._on_first_forward", error)
+
+    def _make_monitor(self, model: nn.Module) -> Monitor:
+        """The Monitor of `model`, the outermost module of the first forward, with the job's layout where it is
+        known; without whole gradients, no gradient similarity or checksum (see `whole_gradients`)."""
+        layout, _ = detect_layout(model, self.meshes)
+        whole = whole_gradients(model, layout)
+        fsdp = sys.modules.get("torch.distributed.fsdp")  # FSDP1 clips through its own method; loaded if used
+        if fsdp is not None and isinstance(model, fsdp.FullyShardedDataParallel):
+            self._patch(type(model), "clip_grad_norm_", self._wrap_clip_grad_norm)
+        signals = SIGNALS if whole else SIGNALS - {"grad_similarity", "checksum"}
+        return Monitor(model, layout=layout, signals=signals,
+                       hello={"framework": detect_framework(),
+                              "unavailable_from_outside": unavailable_from_outside(layout, whole)})
+
+    def _wrap_init_device_mesh(self, init_device_mesh: Callable) -> Callable:
+        @functools.wraps(init_device_mesh)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            mesh = init_device_mesh(*args, **kwargs)
+            if self.monitor is None:
+                self.meshes.append(mesh)
+            return mesh
+
+        return wrapper
+
+    # -- AMP and gradient clipping ---------------------------------------------------------------------
+
+    def _wrap_scale(self, scale: Callable) -> Callable:
+        """`GradScaler.scale`, remembering the loss it scaled: backward() is then called on the scaled tensor, and
+        the loss reported must be the one the job computed, bit for bit, not the scaled one divided back."""
+        @functools.wraps(scale)
+        def wrapper(scaler: Any, outputs: Any) -> Any:
+            scaled = scale(scaler, outputs)
+            try:
+                factor = getattr(scaler, "_scale", None)
+                if (self.step is not None and isinstance(outputs, torch.Tensor) and isinstance(scaled, torch.Tensor)
+                        and scaled is not outputs and isinstance(factor, torch.Tensor)):
+                    self._scaled.append((scaled, outputs.detach(), factor.detach().clone()))
+            except Exception as error:
+                self.failures.record("AutoMonitor.scale", error)
+            return scaled
+
+        return wrapper
+
+    def _wrap_clip_grad_norm(self, clip_grad_norm: Callable) -> Callable:
+        """`torch.nn.utils.clip_grad_norm_`, keeping the total norm it returns: the gradient norm of a job that
+        clips, whole even where the gradients are sharded (FSDP's DTensors reduce it), at no cost of its own."""
+        @functools.wraps(clip_grad_norm)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            norm = clip_grad_norm(*args, **kwargs)
+            try:
+                if self.step is not None and isinstance(norm, torch.Tensor):
+                    self._grad_norm = norm.detach()
+            except Exception as error:
+                self.failures.record("AutoMonitor.clip_grad_norm_", error)
+            return norm
+
+        return wrapper
+
+    def _unscaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss the job computed for a tensor backward() is called on: the one GradScaler.scale was given for
+        its result (its scale kept for the record), else the tensor itself."""
+        for scaled, unscaled, factor in self._scaled:
+            if scaled is loss:
+                self._loss_scale = factor
+                return unscaled
+        return loss.detach()
 
     # -- steps ---------------------------------------------------------------------------------------
 
@@ -233,7 +321,9 @@ class AutoMonitor:
                 return
             self._close_phase()
             losses, self.losses = self.losses, []
-            step.report(loss=_total(losses), lr=_learning_rate(optimizer))
+            step.report(loss=_total(losses), lr=_learning_rate(optimizer), grad_norm=self._grad_norm,
+                        loss_scale=self._loss_scale)
+            self._scaled, self._loss_scale, self._grad_norm = [], None, None
             self.step = None
             step.__exit__(None, None, None)
             self._enter(self._open_step().data())
@@ -251,7 +341,7 @@ class AutoMonitor:
                 if self.step is not None and grad_tensors is None:
                     loss = tensors[0] if isinstance(tensors, (list, tuple)) and len(tensors) == 1 else tensors
                     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-                        self.losses.append(loss.detach())
+                        self.losses.append(self._unscaled(loss))
             except Exception as error:
                 self.failures.record("AutoMonitor.backward", error)
             return backward(tensors, grad_tensors, *args, **kwargs)

@@ -103,8 +103,9 @@ def test_every_rank_reports_each_optimizer_step_with_the_scripts_loss(runs, work
     assert [r["rank"] for r in run.ranks] == [0, 1]
     for rank in run.ranks:  # the agent took the hello's new fields
         assert rank["hello"]["framework"] == "plain"
-        # a DDP model over every rank: the layout is plain data parallelism, the Monitor's own
-        assert set(rank["hello"]["unavailable_from_outside"]) == set(UNAVAILABLE_FROM_OUTSIDE) - {"layout"}
+        # a DDP model over every rank: the layout is plain data parallelism, the Monitor's own, and each rank holds
+        # its replica's whole gradient
+        assert set(rank["hello"]["unavailable_from_outside"]) == set(UNAVAILABLE_FROM_OUTSIDE) - {"layout", "gradients"}
     computed = _losses(workdir / f"losses-{accumulate}")
     steps = run.run_log_steps()
     assert sorted(steps) == [0, 1]
@@ -323,3 +324,98 @@ def test_the_overhead_benchmark_runs_every_arm():
     assert any(line.startswith("MLP 128-512-16, batch 64, 5 steps a run") for line in lines), result.stdout
     assert sum(line.strip().startswith(("on - off", "floor - off")) for line in lines) == 2, result.stdout
     assert lines[-1].startswith("load average after: ")
+
+
+# -- the layout ---------------------------------------------------------------------------------------------------
+
+#: Stand-ins for Megatron-LM's parallel state and torchtitan's ParallelDims (tests/workloads/standins/README.md).
+STANDINS = foreign.WORKLOADS / "standins"
+LAYOUT_STEPS = 12
+
+
+def _records(run_log: Path) -> tuple[dict[int, dict], dict[int, list[dict]]]:
+    """{rank: its last hello} and {rank: its step records} from a run log directory."""
+    hellos: dict[int, dict] = {}
+    steps: dict[int, list[dict]] = {}
+    for path in sorted(run_log.glob("*.jsonl")):
+        for record in map(json.loads, path.read_text().splitlines()):
+            if record["kind"] == "hello":
+                hellos[record["rank"]] = record
+            elif record["kind"] == "step":
+                steps.setdefault(record["rank"], []).append(record)
+    return hellos, steps
+
+
+def _run_logged(run_log: Path, options: tuple[str, ...], script: str, nproc: int, *args: str,
+                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`gpuwatch run --run-log run_log OPTIONS -- torchrun --standalone --nproc-per-node N tests/workloads/SCRIPT`."""
+    command = [*GPUWATCH_RUN[:-1], "--run-log", str(run_log), *options, "--", sys.executable, "-m",
+               "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               str(foreign.WORKLOADS / script), *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=foreign.RUN_TIMEOUT_S,
+                            env={**os.environ, **(env or {})})
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+@pytest.mark.parametrize(("groups", "options", "framework"), [
+    ("plain", ("--layout", "2,1,2"), "plain"),
+    ("megatron", (), "megatron"),
+    ("torchtitan", (), "torchtitan"),
+])
+def test_the_layout_is_known_from_the_option_megatron_or_a_device_mesh(tmp_path, groups, options, framework):
+    """A tp=2 × dp=2 job with no DDP model: its layout comes from `--layout`, from Megatron's parallel state or from
+    torchtitan's world mesh, each rank's hello carries it (sizes, coordinates, groups), and the rules that compare
+    peers run (no 'parallel layout' among their reasons not to). No rank holds a whole gradient: the hello says so."""
+    env = {"PYTHONPATH": os.pathsep.join([str(STANDINS), os.environ.get("PYTHONPATH", "")])}
+    _run_logged(tmp_path / "log", options, "parallel_layouts.py", 4, "--groups", groups, "--steps",
+                str(LAYOUT_STEPS), env=env)
+    hellos, steps = _records(tmp_path / "log")
+    assert sorted(hellos) == sorted(steps) == [0, 1, 2, 3]
+    for rank, hello in hellos.items():
+        tp_rank, dp_rank = rank % 2, rank // 2  # TP fastest, then DP
+        assert (hello["tp_size"], hello["pp_size"], hello["dp_size"]) == (2, 1, 2), hello
+        assert (hello["tp_rank"], hello["pp_stage"], hello["dp_rank"]) == (tp_rank, 0, dp_rank), hello
+        assert hello["process_groups"] == {"tp": [2 * dp_rank, 2 * dp_rank + 1], "dp": [tp_rank, tp_rank + 2],
+                                           "pp": [rank]}, hello
+        assert hello["framework"] == framework
+        assert "layout" not in hello["unavailable_from_outside"]
+        assert "gradients" in hello["unavailable_from_outside"]
+        assert [r["step"] for r in steps[rank]] == list(range(1, LAYOUT_STEPS + 1))
+        assert all("loss" in r for r in steps[rank])
+        assert not any("grad_cosine_similarity" in r or "param_checksum" in r for r in steps[rank])
+        # the TP pair's all-reduce and the DP pair's, each step after the first forward, named by the hello's groups
+        assert steps[rank][-1]["collective_calls"] == {"tp": LAYOUT_STEPS, "dp": LAYOUT_STEPS}, steps[rank][-1]
+    report = json.loads(subprocess.run(
+        [sys.executable, "-m", "gpuwatch.cli.main", "diagnose", "--run-log", str(tmp_path / "log"), "--format",
+         "json", "--fail-on", "never"], capture_output=True, text=True, timeout=120, check=True).stdout)
+    not_run = {entry["code"]: entry["reason"] for entry in report["not_run"]}
+    for code in ("PERF001", "PERF002", "CONV003", "CONV004", "CONV005"):
+        assert "parallel layout" not in not_run.get(code, ""), (code, not_run[code])
+    assert [f["code"] for f in report["findings"] if f["severity"] in ("warning", "critical")] == []
+
+
+def test_a_layout_that_does_not_match_the_world_is_left_unknown(tmp_path):
+    """`--layout 1,1,4` on 2 ranks (no WORLD_SIZE for the wrapper to check it against): each rank says so once and
+    leaves its layout unknown rather than half right; training runs on."""
+    result = _run_logged(tmp_path / "log", ("--layout", "1,1,4"), "plain_ddp.py", 2, "--steps", "3")
+    assert result.stderr.count("--layout 1,1,4 multiplies to 4, but the job has 2 ranks") == 2, result.stderr
+    hellos, steps = _records(tmp_path / "log")
+    assert all("layout" in hello["unavailable_from_outside"] for hello in hellos.values())
+    assert sorted(steps) == [0, 1] and all(len(records) == 3 for records in steps.values())
+
+
+@pytest.mark.parametrize(("layout", "world", "message"), [
+    ("2,x,1", None, "gpuwatch run: --layout takes tp,pp,dp: three positive integers such as 2,1,4 (got '2,x,1')"),
+    ("0,1,1", None, "gpuwatch run: --layout takes tp,pp,dp"),
+    ("2,2", None, "gpuwatch run: --layout takes tp,pp,dp"),
+    ("2,1,2", "8", "gpuwatch run: --layout 2,1,2: tp × pp × dp = 4, but WORLD_SIZE is 8"),
+])
+def test_a_bad_layout_is_one_line_and_a_nonzero_exit(layout, world, message):
+    env = {key: value for key, value in os.environ.items() if key != "WORLD_SIZE"}
+    if world is not None:
+        env["WORLD_SIZE"] = world
+    result = subprocess.run([*GPUWATCH_RUN[:-1], "--layout", layout, "--", sys.executable, "-c", "pass"],
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 2
+    assert result.stderr.startswith(message) and result.stderr.count("\n") == 1, result.stderr

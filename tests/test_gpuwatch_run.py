@@ -419,3 +419,52 @@ def test_a_bad_layout_is_one_line_and_a_nonzero_exit(layout, world, message):
                             capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode == 2
     assert result.stderr.startswith(message) and result.stderr.count("\n") == 1, result.stderr
+
+
+# -- side by side with the explicit API ---------------------------------------------------------------------------
+
+#: What a step record says about the step's work, not its timing: equal from outside and through the explicit API.
+WORK_FIELDS = ("step", "loss", "lr", "gradient_sync_bytes", "collective_calls", "grad_norm", "grad_cosine_similarity",
+               "param_checksum")
+
+
+def test_gpuwatch_run_sees_what_the_explicit_monitor_sees(tmp_path):
+    """The same deterministic DDP training (tests/workloads/twin_ddp.py, 2 gloo ranks) measured once from outside and
+    once through the explicit API (monitored_twin.py): per rank the same steps, the same losses bit for bit, the same
+    collectives (count and bytes per op, calls per group) and the same gradient measurements."""
+    _run_logged(tmp_path / "outside", (), "twin_ddp.py", 2, "--steps", str(STEPS))
+    explicit = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                str(foreign.WORKLOADS / "monitored_twin.py"), "--steps", str(STEPS)]
+    env = {key: value for key, value in os.environ.items() if not key.startswith("GPUWATCH_")}
+    result = subprocess.run(explicit, capture_output=True, text=True, timeout=foreign.RUN_TIMEOUT_S,
+                            env={**env, "GPUWATCH_RUN_LOG": str(tmp_path / "inside"), "GPUWATCH_JOB": "explicit"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    (_, outside), (_, inside) = _records(tmp_path / "outside"), _records(tmp_path / "inside")
+    assert sorted(outside) == sorted(inside) == [0, 1]
+    for rank in (0, 1):
+        assert len(outside[rank]) == len(inside[rank]) == STEPS
+
+        def work(record: dict) -> dict:
+            counts = {op: (c["count"], c["bytes"]) for op, c in record.get("collectives", {}).items()}
+            return {**{name: record.get(name) for name in WORK_FIELDS}, "collectives": counts}
+
+        assert [work(r) for r in outside[rank]] == [work(r) for r in inside[rank]]
+        assert all(isinstance(r["loss"], float) and r["gradient_sync_bytes"] > 0 for r in outside[rank])
+        assert all(r["collectives"]["all_reduce"]["count"] == 1 for r in outside[rank])  # the logging all-reduce
+        assert [r["step"] for r in outside[rank] if "grad_cosine_similarity" in r] == [10, 20, 30]
+
+
+def test_a_grad_scalers_loss_is_reported_unscaled_with_its_scale_and_the_clipped_norm(tmp_path):
+    """plain_ddp.py --scaler: backward() runs on GradScaler.scale(loss), yet the loss reported is the loss the script
+    computed, bit for bit (not the scaled one divided back), with the scaler's scale beside it; the norm
+    clip_grad_norm_ returned is the step's gradient norm, every step."""
+    steps = 12
+    _run_logged(tmp_path / "log", (), "plain_ddp.py", 2, "--steps", str(steps), "--scaler", "--losses",
+                str(tmp_path / "losses"))
+    computed = _losses(tmp_path / "losses")
+    _, steps_by_rank = _records(tmp_path / "log")
+    assert sorted(steps_by_rank) == [0, 1]
+    for rank, records in steps_by_rank.items():
+        assert [r["loss"] for r in records] == computed[rank]
+        assert [r["loss_scale"] for r in records] == [65536.0] * steps  # GradScaler's initial scale, no overflow
+        assert all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in records)

@@ -468,3 +468,18 @@ def test_a_grad_scalers_loss_is_reported_unscaled_with_its_scale_and_the_clipped
         assert [r["loss"] for r in records] == computed[rank]
         assert [r["loss_scale"] for r in records] == [65536.0] * steps  # GradScaler's initial scale, no overflow
         assert all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in records)
+
+
+@pytest.mark.parametrize(("framework", "detected"), [("huggingface", "transformers"), ("lightning", "lightning")])
+def test_a_framework_adapter_counts_each_optimizer_steps_samples(tmp_path, framework, detected):
+    """The Hugging Face and Lightning adapters (stand-in base classes with the real hook points) count the samples of
+    each optimizer step (two micro-batches of 16), the first step's included (counted before its first forward);
+    the hello no longer lists samples as unavailable from outside."""
+    env = {"PYTHONPATH": os.pathsep.join([str(STANDINS), os.environ.get("PYTHONPATH", "")])}
+    _run_logged(tmp_path / "log", (), "framework_callbacks.py", 2, "--framework", framework, "--steps", "6", env=env)
+    hellos, steps = _records(tmp_path / "log")
+    assert sorted(hellos) == sorted(steps) == [0, 1]
+    for rank in (0, 1):
+        assert hellos[rank]["framework"] == detected
+        assert "samples" not in hellos[rank]["unavailable_from_outside"]
+        assert [(r["step"], r["samples"]) for r in steps[rank]] == [(step, 32) for step in range(1, 7)]

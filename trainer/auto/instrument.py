@@ -38,7 +38,7 @@ import functools
 import inspect
 import multiprocessing.util
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -80,10 +80,11 @@ def install() -> AutoMonitor:
 
 
 
-def unavailable_from_outside(layout: Layout | None, whole_gradients: bool) -> list[str]:
+def unavailable_from_outside(layout: Layout | None, whole_gradients: bool, counted: Iterable[str] = ()) -> list[str]:
     """The hello's `unavailable_from_outside`: every entry of UNAVAILABLE_FROM_OUTSIDE, but "layout" where the
-    layout is known (gpuwatch.trainer.auto.layout) and "gradients" where the Monitor sees whole gradients."""
-    seen = {"layout"} if layout is not None else set()
+    layout is known (gpuwatch.trainer.auto.layout), "gradients" where the Monitor sees whole gradients, and what a
+    framework adapter counts (`counted`: "samples", "tokens")."""
+    seen = set(counted) | ({"layout"} if layout is not None else set())
     seen |= {"gradients"} if whole_gradients else set()
     return [signal for signal in UNAVAILABLE_FROM_OUTSIDE if signal not in seen]
 
@@ -124,6 +125,10 @@ class AutoMonitor:
         self._scaled: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._loss_scale: torch.Tensor | None = None
         self._grad_norm: torch.Tensor | None = None  # this step's clip_grad_norm_ result
+        #: what a framework adapter (gpuwatch.trainer.auto.adapters) counts, and its counts made before the first
+        #: forward, for the first step
+        self.counted: set[str] = set()
+        self._early: dict[str, int] = {}
 
     def install(self) -> None:
         register_optimizer_step_pre_hook(self._before_optimizer_step)
@@ -225,7 +230,7 @@ class AutoMonitor:
         signals = SIGNALS if whole else SIGNALS - {"grad_similarity", "checksum"}
         return Monitor(model, layout=layout, signals=signals,
                        hello={"framework": detect_framework(),
-                              "unavailable_from_outside": unavailable_from_outside(layout, whole)})
+                              "unavailable_from_outside": unavailable_from_outside(layout, whole, self.counted)})
 
     def _wrap_init_device_mesh(self, init_device_mesh: Callable) -> Callable:
         @functools.wraps(init_device_mesh)
@@ -236,6 +241,18 @@ class AutoMonitor:
             return mesh
 
         return wrapper
+
+    def count(self, **counts: int) -> None:
+        """An adapter's `samples` or `tokens` (Step's fields), added to the step open now; before the first forward
+        (a framework's batch-start callback of the first step), kept for the first step."""
+        try:
+            for name, value in counts.items():
+                if self.step is None:
+                    self._early[name] = self._early.get(name, 0) + value
+                else:
+                    setattr(self.step, name, (getattr(self.step, name) or 0) + value)
+        except Exception as error:
+            self.failures.record("AutoMonitor.count", error)
 
     # -- AMP and gradient clipping ---------------------------------------------------------------------
 
@@ -284,7 +301,8 @@ class AutoMonitor:
 
     def _open_step(self) -> Step:
         assert self.monitor is not None
-        self.step = self.monitor.step(number=self.optimizer_steps + 1).__enter__()
+        early, self._early = self._early, {}
+        self.step = self.monitor.step(number=self.optimizer_steps + 1, **early).__enter__()
         return self.step
 
     def _enter(self, phase: _Phase) -> None:

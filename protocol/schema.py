@@ -35,6 +35,9 @@ that restarted learns the rank's layout and a hung-but-alive rank does not expir
     framework?          label        the training framework loaded, as ``gpuwatch run`` tells it
                                      (``FRAMEWORKS``: torchtitan, megatron, lightning, transformers,
                                      accelerate, plain)
+    command?            [str]        the rank's command line (``sys.orig_argv``), as ``gpuwatch run`` reports it:
+                                     at most MAX_COMMAND_ARGS arguments of MAX_COMMAND_ARG_CHARS, the value of
+                                     an option whose name holds an ENV_DENY word replaced by REDACTED
     unavailable_from_outside?  [signal]  what a rank instrumented from outside (``gpuwatch run``) cannot
                                      measure, signals of ``UNAVAILABLE_FROM_OUTSIDE``: the rules that need
                                      them say so instead of judging
@@ -231,6 +234,9 @@ ENV_NAMES = frozenset({
 })
 ENV_DENY = ("KEY", "TOKEN", "SECRET", "PASSW", "CREDENTIAL", "AUTH", "COOKIE")
 MAX_ENV_VARS = 128
+MAX_COMMAND_ARGS = 64
+MAX_COMMAND_ARG_CHARS = 256
+REDACTED = "<redacted>"
 MAX_ENV_VALUE_CHARS = 1024
 #: The part of a hello's environment the agent exports as ``gpuwatch_train_env_info`` series: the variables
 #: diagnosis rules read, so that ``gpuwatch diagnose --prometheus`` can judge them. A fixed list keeps it to at
@@ -533,6 +539,7 @@ _HELLO = _object(
         "faults": _list(_label(64), 32),
         "backends": _mapping(_label(64), _label(32), 17),
         "framework": _choice(*FRAMEWORKS),
+        "command": _list(_text(MAX_COMMAND_ARG_CHARS), MAX_COMMAND_ARGS),
         "unavailable_from_outside": _list(_choice(*UNAVAILABLE_FROM_OUTSIDE), len(UNAVAILABLE_FROM_OUTSIDE)),
     },
 )

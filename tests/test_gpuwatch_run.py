@@ -25,8 +25,9 @@ import pytest
 from foreign import GPUWATCH_RUN, Run, Workload, launched, ranks_named, simulated_agent
 from test_e2e_faults import by_rank
 
-from gpuwatch.protocol.schema import UNAVAILABLE_FROM_OUTSIDE
-from gpuwatch.trainer.auto import SITE_DIRECTORY, instrumented_environment
+from gpuwatch.protocol.schema import MAX_COMMAND_ARG_CHARS, MAX_COMMAND_ARGS, UNAVAILABLE_FROM_OUTSIDE
+from gpuwatch.trainer.auto import SITE_DIRECTORY, instrumented_environment, is_launcher
+from gpuwatch.trainer.telemetry import captured_command
 
 from conftest import wait_until
 
@@ -103,6 +104,7 @@ def test_every_rank_reports_each_optimizer_step_with_the_scripts_loss(runs, work
     assert [r["rank"] for r in run.ranks] == [0, 1]
     for rank in run.ranks:  # the agent took the hello's new fields
         assert rank["hello"]["framework"] == "plain"
+        assert any(a.endswith("workloads/plain_ddp.py") for a in rank["hello"]["command"])  # the rank's own
         # a DDP model over every rank: the layout is plain data parallelism, the Monitor's own, and each rank holds
         # its replica's whole gradient
         assert set(rank["hello"]["unavailable_from_outside"]) == set(UNAVAILABLE_FROM_OUTSIDE) - {"layout", "gradients"}
@@ -235,6 +237,26 @@ def test_the_environment_puts_the_site_first_and_keeps_the_rest():
     assert "GPUWATCH_JOB" not in env  # Slurm's job id stands
     assert instrumented_environment({}, new_job="made")["GPUWATCH_JOB"] == "made"
     assert instrumented_environment({}, job="mine", new_job="made")["GPUWATCH_JOB"] == "mine"
+
+
+@pytest.mark.parametrize(("argv", "launcher"), [
+    (["python3", "-m", "torch.distributed.run", "--standalone", "train.py"], True),
+    (["/usr/bin/python3", "/usr/local/bin/torchrun", "--nproc-per-node", "8", "train.py"], True),
+    (["python3", "-m", "torch.distributed.launch", "train.py"], True),
+    (["python3", "-u", "train.py", "--launcher", "torchrun"], False),
+    (["python3", "-m", "gpuwatch.trainer.cli", "--tp", "2"], False),
+])
+def test_torchruns_launcher_is_left_alone_and_its_ranks_are_not(argv, launcher):
+    """torchrun's launcher imports torch but trains nothing: it gets no hooks, even idle ones."""
+    assert is_launcher(argv) is launcher
+
+
+def test_the_hellos_command_line_withholds_secrets_and_fits_its_datagram():
+    argv = ["python3", "train.py", "--hf-token", "hf_abc", "--api-key=sk-1", "--use-auth", "--lr", "0.1"]
+    assert captured_command(argv) == ["python3", "train.py", "--hf-token", "<redacted>", "--api-key=<redacted>",
+                                      "--use-auth", "--lr", "0.1"]
+    long = captured_command(["python3", "x" * 1000, *["--flag"] * 100])
+    assert len(long) == MAX_COMMAND_ARGS and len(long[1]) == MAX_COMMAND_ARG_CHARS
 
 
 def test_the_hidden_sitecustomize_still_runs_and_no_torch_is_imported(tmp_path):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import itertools
 import logging
 import os
 import sys
@@ -70,8 +71,22 @@ def parse_layout(text: str, world_size: int | None = None) -> tuple[int, int, in
     return tp, pp, dp
 
 
+#: The launchers that import torch but train nothing themselves: their ranks are instrumented, not they.
+LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
+
+
+def is_launcher(argv: Sequence[str]) -> bool:
+    """Whether a process started as `argv` (`sys.orig_argv`: the interpreter's own arguments included) is torchrun's
+    launcher (`torchrun …`, `python -m torch.distributed.run …`), which would only carry the hooks idle."""
+    script = next((argument for argument in argv[1:] if not argument.startswith("-")), "")
+    module = next((after for before, after in itertools.pairwise(argv) if before == "-m"), "")
+    return os.path.basename(script) in LAUNCHERS or module in LAUNCHERS
+
+
 def install() -> None:
-    """Instrument this process once torch is imported (at once if it already is)."""
+    """Instrument this process once torch is imported (at once if it already is); never torchrun's launcher."""
+    if is_launcher(getattr(sys, "orig_argv", ())):
+        return
     if "torch" in sys.modules:
         _instrument()
     elif not any(isinstance(finder, _AfterTorchImport) for finder in sys.meta_path):

@@ -53,6 +53,7 @@ from gpuwatch.trainer.auto.layout import detect_layout
 from gpuwatch.trainer.hooks._safety import Failures
 from gpuwatch.trainer.hooks.identity import Layout
 from gpuwatch.trainer.hooks.monitor import SIGNALS, Monitor, Step, _Collective, _Phase
+from gpuwatch.trainer.telemetry import captured_command
 
 #: The torch.distributed functions timed, and the op (schema.COLLECTIVE_OPS) each counts as.
 COLLECTIVES: Mapping[str, str] = {
@@ -229,7 +230,7 @@ class AutoMonitor:
             self._patch(type(model), "clip_grad_norm_", self._wrap_clip_grad_norm)
         signals = SIGNALS if whole else SIGNALS - {"grad_similarity", "checksum"}
         return Monitor(model, layout=layout, signals=signals,
-                       hello={"framework": detect_framework(),
+                       hello={"framework": detect_framework(), "command": captured_command(sys.orig_argv),
                               "unavailable_from_outside": unavailable_from_outside(layout, whole, self.counted)})
 
     def _wrap_init_device_mesh(self, init_device_mesh: Callable) -> Callable:

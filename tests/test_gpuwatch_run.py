@@ -505,3 +505,28 @@ def test_a_framework_adapter_counts_each_optimizer_steps_samples(tmp_path, frame
         assert hellos[rank]["framework"] == detected
         assert "samples" not in hellos[rank]["unavailable_from_outside"]
         assert [(r["step"], r["samples"]) for r in steps[rank]] == [(step, 32) for step in range(1, 7)]
+
+
+@pytest.mark.parametrize("clipping", [(), ("--as-torchtitan",)])
+def test_an_fsdp_models_gradient_norm_is_the_clipped_one_and_the_rest_is_said_unavailable(tmp_path, clipping):
+    """FSDP2 (fully_shard, gloo): no rank holds a whole gradient or the whole parameters, so no gradient cosine or
+    checksum is measured (they would be a shard's) and the hello says why; the norm clip_grad_norm_ returned (whole:
+    FSDP reduced it), or the one clip_grads_with_norm_ was given (torchtitan's way), is each step's grad_norm, bit for
+    bit what the script read; the rules needing the rest say so."""
+    steps = 6
+    _run_logged(tmp_path / "log", (), "fsdp_clip.py", 2, "--steps", str(steps), "--norms", str(tmp_path / "norms"),
+                *clipping)
+    hellos, records = _records(tmp_path / "log")
+    assert sorted(hellos) == sorted(records) == [0, 1]
+    for rank in (0, 1):
+        assert {"gradients", "layout"} <= set(hellos[rank]["unavailable_from_outside"])
+        norms = json.loads((tmp_path / "norms" / f"rank-{rank}.json").read_text())
+        assert [float(r["grad_norm"]).hex() for r in records[rank]] == norms
+        assert all("loss" in r and "grad_cosine_similarity" not in r and "param_checksum" not in r
+                   for r in records[rank])
+    report = json.loads(subprocess.run(
+        [sys.executable, "-m", "gpuwatch.cli.main", "diagnose", "--run-log", str(tmp_path / "log"), "--format",
+         "json", "--fail-on", "never"], capture_output=True, text=True, timeout=120, check=True).stdout)
+    reasons = [entry["reason"] for entry in report["not_run"]]
+    assert any("gradient cosine" in r and UNAVAILABLE_FROM_OUTSIDE["gradients"] in r for r in reasons), reasons
+    assert any("parameter checksums" in r and UNAVAILABLE_FROM_OUTSIDE["gradients"] in r for r in reasons), reasons

@@ -145,6 +145,7 @@ class AutoMonitor:
             self._patch(device_mesh, "init_device_mesh", self._wrap_init_device_mesh)
         self._patch(torch.amp.grad_scaler.GradScaler, "scale", self._wrap_scale)
         self._patch(torch.nn.utils, "clip_grad_norm_", self._wrap_clip_grad_norm)
+        self._patch(torch.nn.utils, "clip_grads_with_norm_", self._wrap_clip_grads_with_norm)
 
     @staticmethod
     def _patch(module: Any, name: str, wrap: Callable[[Callable], Callable]) -> None:
@@ -276,18 +277,39 @@ class AutoMonitor:
 
     def _wrap_clip_grad_norm(self, clip_grad_norm: Callable) -> Callable:
         """`torch.nn.utils.clip_grad_norm_`, keeping the total norm it returns: the gradient norm of a job that
-        clips, whole even where the gradients are sharded (FSDP's DTensors reduce it), at no cost of its own."""
+        clips, whole even where the gradients are sharded (FSDP2 returns it replicated), at no cost of its own."""
         @functools.wraps(clip_grad_norm)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             norm = clip_grad_norm(*args, **kwargs)
-            try:
-                if self.step is not None and isinstance(norm, torch.Tensor):
-                    self._grad_norm = norm.detach()
-            except Exception as error:
-                self.failures.record("AutoMonitor.clip_grad_norm_", error)
+            self._keep_grad_norm(norm)
             return norm
 
         return wrapper
+
+    def _wrap_clip_grads_with_norm(self, clip_grads_with_norm: Callable) -> Callable:
+        """`torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)`, keeping `total_norm`: the
+        second half of clipping, which a framework that computes the norm itself calls (torchtitan's
+        `clip_grad_norm_` calls it with the norm it made whole)."""
+        @functools.wraps(clip_grads_with_norm)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self._keep_grad_norm(kwargs.get("total_norm", args[2] if len(args) > 2 else None))
+            return clip_grads_with_norm(*args, **kwargs)
+
+        return wrapper
+
+    def _keep_grad_norm(self, norm: Any) -> None:
+        """This step's gradient norm, where it is whole on this rank: a tensor, or a DTensor replicated on every
+        rank (its local tensor). A partial DTensor is left alone: reading it would be a collective of the hooks'."""
+        try:
+            if self.step is None or not isinstance(norm, torch.Tensor):
+                return
+            placements = getattr(norm, "placements", None)
+            if placements is None:
+                self._grad_norm = norm.detach()
+            elif all(placement.is_replicate() for placement in placements):
+                self._grad_norm = norm.to_local().detach()  # type: ignore[attr-defined]
+        except Exception as error:
+            self.failures.record("AutoMonitor._keep_grad_norm", error)
 
     def _unscaled(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss the job computed for a tensor backward() is called on: the one GradScaler.scale was given for

@@ -17,19 +17,27 @@ the gradient cosine and norm on measuring steps). From then on one step per opti
 * its loss is the sum of the one-element tensors `backward()` was called on in it (`torch.autograd.backward`,
   wrapped, which `Tensor.backward` calls):
   the loss itself with one backward a step, the step's mean loss where each micro-batch's loss is divided by the
-  micro-batches, as gradient accumulation does. Read as the Monitor reads a reported tensor: on the CPU with the
-  record, on a GPU copied without a sync and read a step or two later;
+  micro-batches, as gradient accumulation does. Under AMP's loss scaling the tensor backward() runs on is
+  `GradScaler.scale(loss)` (wrapped): the loss reported is the one it was given, bit for bit, and the scaler's scale
+  is the record's `loss_scale`. Read as the Monitor reads a reported tensor: on the CPU with the record, on a GPU
+  copied without a sync and read a step or two later;
 * its learning rate is the optimizer's first parameter group's `lr`;
+* its gradient norm, where the job clips, is the norm `torch.nn.utils.clip_grad_norm_` returns (FSDP1's
+  `clip_grad_norm_` method too) or the one `clip_grads_with_norm_` is given, where it is whole on the rank;
 * blocking collectives called through `torch.distributed` (`all_reduce`, `broadcast`, `all_gather`,
   `reduce_scatter`, `barrier`, `send`, `recv` and their tensor variants) are timed as `Monitor.collective` times
   them, which also makes each the collective in flight on its group, numbered, for the hang diagnosis. Calls with
-  `async_op=True` return before the transfer and are left alone, as are the calls one collective makes inside another.
+  `async_op=True` return before the transfer and are left alone, as are the calls one collective makes inside another;
+* a framework adapter (gpuwatch.trainer.auto.adapters) may add the step's samples (`count`).
 
-What this cannot see is listed in the hello (`unavailable_from_outside`, UNAVAILABLE_FROM_OUTSIDE), the job's
-parallel layout among it unless a DDP model spans every rank: the Monitor's default layout (every rank a
-data-parallel replica of the others) is then the job's, and otherwise it is not, so diagnosis compares no ranks as
-peers (a pipeline's stages differ in work, tensor-parallel ranks see the same data). Every hook is
-guarded: an exception inside it is counted in `failures` and logged once, and training goes on untouched.
+The Monitor is made with the job's layout where one is known (gpuwatch.trainer.auto.layout: `--layout`, Megatron's
+parallel state, a device mesh over every rank from `init_device_mesh`, wrapped, or a DDP model over every rank).
+What this cannot see is listed in the hello (`unavailable_from_outside`, UNAVAILABLE_FROM_OUTSIDE): the layout where
+none is known (then diagnosis compares no ranks as peers: a pipeline's stages differ in work, tensor-parallel ranks
+see the same data), and "gradients" where no DDP model holds each replica's whole gradient (FSDP shards it, tensor
+and pipeline parallelism split it): the gradient cosine and the parameter checksum would be a shard's, so they are
+not measured. The hello also carries the framework found and the rank's command line. Every hook is guarded: an
+exception inside it is counted in `failures` and logged once, and training goes on untouched.
 """
 
 from __future__ import annotations

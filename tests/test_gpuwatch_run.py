@@ -530,3 +530,31 @@ def test_an_fsdp_models_gradient_norm_is_the_clipped_one_and_the_rest_is_said_un
     reasons = [entry["reason"] for entry in report["not_run"]]
     assert any("gradient cosine" in r and UNAVAILABLE_FROM_OUTSIDE["gradients"] in r for r in reasons), reasons
     assert any("parameter checksums" in r and UNAVAILABLE_FROM_OUTSIDE["gradients"] in r for r in reasons), reasons
+
+
+def test_the_reference_trainer_under_torchrun_with_its_layout_given_reports_every_step_at_the_agent(agent, tmp_path):
+    """`gpuwatch run --layout 1,2,1 -- torchrun --standalone --nproc-per-node 2 -m gpuwatch.trainer.cli --pp 2
+    --no-telemetry`: the reference trainer's two pipeline stages, measured from outside only, each report every step
+    to the agent, with the layout given (stage 0 and 1 of one pipeline, no data-parallel peers); diagnosis judges
+    them as that (no rule left out for want of the layout) and finds nothing wrong."""
+    steps, job = 10, f"reference-torchrun-{os.getpid()}"
+    command = [*GPUWATCH_RUN[:-1], "--socket", str(agent.telemetry_socket), "--job", job, "--layout", "1,2,1", "--",
+               sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+               "gpuwatch.trainer.cli", "--tp", "1", "--pp", "2", "--dp", "1", "--steps", str(steps), "--no-telemetry"]
+    env = {key: value for key, value in os.environ.items() if not key.startswith("GPUWATCH_")}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=foreign.RUN_TIMEOUT_S, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+    def settled() -> list[dict] | None:
+        ranks = foreign.job_ranks(agent, job)
+        return ranks if len(ranks) == 2 and all((r.get("last_step") or {}).get("step") == steps
+                                                for r in ranks) else None
+
+    ranks = wait_until(settled, timeout=foreign.SETTLE_TIMEOUT_S, what=f"the agent to hold job {job}'s last steps")
+    for rank in ranks:
+        hello = rank["hello"]
+        assert (hello["tp_size"], hello["pp_size"], hello["dp_size"], hello["pp_stage"]) == (1, 2, 1, rank["rank"])
+        assert hello["process_groups"]["pp"] == [0, 1] and "layout" not in hello["unavailable_from_outside"]
+    diagnosis = foreign.diagnose(job, "agent", agent.url)
+    assert diagnosis.serious() == {}, diagnosis.describe()
+    assert not any("parallel layout" in reason for reason in diagnosis.not_run().values()), diagnosis.not_run()

@@ -9,6 +9,11 @@ loader hands over to `gpuwatch.trainer.auto.instrument`, which hooks what PyTorc
 hooks, module forward pre-hooks, `Tensor.backward`, the `torch.distributed` collectives) and stays idle until the
 process initialises a process group.
 
+Two kinds of process are left alone: torchrun's launcher (`is_launcher`), which imports torch but trains nothing,
+so its hooks would only sit idle; and a rank whose interpreter ignores PYTHONPATH or `site` (`python -I`, `-E`,
+`-S`), which never imports the sitecustomize and runs unmeasured: there is no other way in that needs no change to
+the job.
+
 This module is imported at every Python start under `gpuwatch run`, so it imports nothing but the standard library
 (no torch, nothing else of gpuwatch).
 """

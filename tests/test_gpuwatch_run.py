@@ -19,14 +19,17 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import foreign
 import pytest
+import torch
 from foreign import GPUWATCH_RUN, Run, Workload, launched, ranks_named, simulated_agent
 from test_e2e_faults import by_rank
 
 from gpuwatch.protocol.schema import MAX_COMMAND_ARG_CHARS, MAX_COMMAND_ARGS, UNAVAILABLE_FROM_OUTSIDE
 from gpuwatch.trainer.auto import SITE_DIRECTORY, instrumented_environment, is_launcher
+from gpuwatch.trainer.auto import layout as layout_module
 from gpuwatch.trainer.telemetry import captured_command
 
 from conftest import wait_until
@@ -558,3 +561,24 @@ def test_the_reference_trainer_under_torchrun_with_its_layout_given_reports_ever
     diagnosis = foreign.diagnose(job, "agent", agent.url)
     assert diagnosis.serious() == {}, diagnosis.describe()
     assert not any("parallel layout" in reason for reason in diagnosis.not_run().values()), diagnosis.not_run()
+
+
+def _mesh(names: tuple[str, ...], shape: tuple[int, ...], coordinate: list[int]) -> SimpleNamespace:
+    """What detect_layout reads of a DeviceMesh (its public `mesh`, `mesh_dim_names`, `get_coordinate()`)."""
+    return SimpleNamespace(mesh=torch.arange(math.prod(shape)).reshape(shape), mesh_dim_names=names,
+                           get_coordinate=lambda: coordinate)
+
+
+def test_a_meshs_replicate_and_shard_dimensions_make_one_data_parallel_group(monkeypatch):
+    """torchtitan's HSDP mesh ("pp", "dp_replicate", "dp_shard", "tp") of 16 ranks: dp is replicate × shard, the
+    replicate index the slower; a mesh with context parallelism is no tp × pp × dp layout and is left unknown."""
+    monkeypatch.setattr(layout_module.dist, "get_backend", lambda group=None: "gloo")
+    names, shape = ("pp", "dp_replicate", "dp_shard", "tp"), (2, 2, 2, 2)
+    found = layout_module._from_mesh(_mesh(names, shape, [1, 1, 0, 1]), 13, 16, 5)
+    assert found is not None
+    assert (found.tp_size, found.pp_size, found.dp_size) == (2, 2, 4)
+    assert (found.tp_rank, found.pp_stage, found.dp_rank, found.local_rank) == (1, 1, 2, 5)
+    assert found.process_groups == {"tp": (12, 13), "pp": (5, 13), "dp": (9, 11, 13, 15)}
+    with_cp = _mesh(("dp_shard", "cp", "tp"), (2, 2, 2), [0, 0, 0])
+    assert layout_module._from_mesh(with_cp, 0, 8, 0) is None
+    assert layout_module._from_mesh(_mesh(("dp_shard",), (2,), [0]), 0, 4, 0) is None  # not the whole world

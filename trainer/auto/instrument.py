@@ -232,7 +232,11 @@ class AutoMonitor:
     def _make_monitor(self, model: nn.Module) -> Monitor:
         """The Monitor of `model`, the outermost module of the first forward, with the job's layout where it is
         known; without whole gradients, no gradient similarity or checksum (see `whole_gradients`)."""
-        layout, _ = detect_layout(model, self.meshes)
+        try:
+            layout, _ = detect_layout(model, self.meshes)
+        except Exception as error:  # a framework's state not as expected: measure on, the layout unknown
+            self.failures.record("AutoMonitor.detect_layout", error)
+            layout = None
         whole = whole_gradients(model, layout)
         fsdp = sys.modules.get("torch.distributed.fsdp")  # FSDP1 clips through its own method; loaded if used
         if fsdp is not None and isinstance(model, fsdp.FullyShardedDataParallel):

@@ -85,6 +85,10 @@ def main() -> None:
         optimizer.zero_grad()
         if rank == 0 and step % 4 == 0:
             print(f"step {step}: loss {loss.item():.4f}", flush=True)
+    # Every rank past its last subgroup call before any tears the groups down: gloo on a loaded CPU machine has been
+    # seen to abort a rank (SIGABRT, "terminate called without an active exception") whose peer destroyed a group
+    # it was still finishing a call on
+    dist.barrier()
     dist.destroy_process_group()
 
 

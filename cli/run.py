@@ -14,7 +14,7 @@ from types import FrameType
 
 import click
 
-from gpuwatch.trainer.auto import instrumented_environment
+from gpuwatch.trainer.auto import instrumented_environment, parse_layout
 from gpuwatch.trainer.telemetry import new_job_id
 
 #: The signals passed on to the command: a scheduler's or a user's stop (SIGTERM, SIGINT, SIGHUP, SIGQUIT) and the
@@ -28,8 +28,12 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
 @click.option("--job", help="The job id every rank reports (else GPUWATCH_JOB, a Slurm job id, or one made here).")
 @click.option("--run-log", help="Also append every record here: a directory (rank-NNNNN.jsonl per rank) or a "
               ".jsonl file, for gpuwatch diagnose --run-log.")
+@click.option("--layout", metavar="TP,PP,DP", help="The job's parallel sizes, ranks ordered TP fastest, then DP, "
+              "then PP (Megatron's and torchtitan's default), where no framework tells them: diagnosis then compares "
+              "data-parallel peers.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def run(socket_path: str | None, job: str | None, run_log: str | None, command: Sequence[str]) -> None:
+def run(socket_path: str | None, job: str | None, run_log: str | None, layout: str | None,
+        command: Sequence[str]) -> None:
     """Run COMMAND (torchrun, srun, python ...) with every PyTorch rank it starts measured: steps, their
     compute, data wait and optimizer time, loss, learning rate, collectives, DDP's all-reduce, gradient
     cosine and norm, memory, and where a stuck rank stands. Exits with COMMAND's status (128+N when a
@@ -37,7 +41,14 @@ def run(socket_path: str | None, job: str | None, run_log: str | None, command: 
     if not command:
         click.echo("gpuwatch run: no command given (gpuwatch run [OPTIONS] -- COMMAND [ARGS]...)", err=True)
         sys.exit(2)
-    env = instrumented_environment(os.environ, socket_path=socket_path, job=job, run_log=run_log,
+    if layout is not None:
+        world = os.environ.get("WORLD_SIZE", "")
+        try:
+            parse_layout(layout, int(world) if world.isdigit() else None)
+        except ValueError as error:
+            click.echo(f"gpuwatch run: {error}", err=True)
+            sys.exit(2)
+    env = instrumented_environment(os.environ, socket_path=socket_path, job=job, run_log=run_log, layout=layout,
                                    new_job=new_job_id())
     try:
         child = subprocess.Popen(list(command), env=env)

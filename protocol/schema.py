@@ -35,6 +35,9 @@ that restarted learns the rank's layout and a hung-but-alive rank does not expir
     framework?          label        the training framework loaded, as ``gpuwatch run`` tells it
                                      (``FRAMEWORKS``: torchtitan, megatron, lightning, transformers,
                                      accelerate, plain)
+    command?            [str]        the rank's command line (``sys.orig_argv``), as ``gpuwatch run`` reports it:
+                                     at most MAX_COMMAND_ARGS arguments of MAX_COMMAND_ARG_CHARS, the value of
+                                     an option whose name holds an ENV_DENY word replaced by REDACTED
     unavailable_from_outside?  [signal]  what a rank instrumented from outside (``gpuwatch run``) cannot
                                      measure, signals of ``UNAVAILABLE_FROM_OUTSIDE``: the rules that need
                                      them say so instead of judging
@@ -198,13 +201,17 @@ UNAVAILABLE_FROM_OUTSIDE: Mapping[str, str] = {
     "tokens": "the tokens a step processes are known to the training loop only",
     "samples": "the samples a step processes are known to the training loop only",
     "mfu": "model FLOP/s and MFU need the tokens per step and the model's FLOPs per token",
-    "loss_scale": "an AMP grad scaler's scale is not seen from outside (and the loss reported is the tensor "
-                  "backward() was called on: a scaled one under a scaler)",
+    "loss_scale": "an AMP loss scale is seen only from torch.amp.GradScaler.scale (a framework's own scaler is not "
+                  "seen, and the loss reported is then the scaled tensor backward() was called on)",
     "pipeline": "a pipeline schedule's busy and idle time needs the schedule's own marks",
     "ddp_bucket_latency": "DDP's C++ all-reduce is timed as one tail per backward, not per bucket",
-    "layout": "which ranks are data-parallel replicas doing the same work is known only where a DDP model spans "
-              "every rank (tensor or pipeline parallelism, FSDP and a framework's own data parallelism are not seen "
-              "from outside), so ranks are not compared as peers",
+    "layout": "which ranks are data-parallel replicas doing the same work is known only from gpuwatch run --layout, "
+              "Megatron's parallel state, a device mesh over every rank (torchtitan's) or a DDP model spanning "
+              "every rank, so ranks are not compared as peers",
+    "gradients": "each rank's whole gradient and parameters are seen only under a DistributedDataParallel model: a "
+                 "sharded (FSDP) or model-parallel rank holds a shard, so the gradient cosine similarity and the "
+                 "parameter checksum are not measured, and the gradient norm only where the job clips it "
+                 "(torch.nn.utils.clip_grad_norm_ returns it)",
 }
 #: What ``gpuwatch probe`` measures, and how it names the path its traffic took.
 PROBE_OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -228,6 +235,9 @@ ENV_NAMES = frozenset({
 })
 ENV_DENY = ("KEY", "TOKEN", "SECRET", "PASSW", "CREDENTIAL", "AUTH", "COOKIE")
 MAX_ENV_VARS = 128
+MAX_COMMAND_ARGS = 64
+MAX_COMMAND_ARG_CHARS = 256
+REDACTED = "<redacted>"
 MAX_ENV_VALUE_CHARS = 1024
 #: The part of a hello's environment the agent exports as ``gpuwatch_train_env_info`` series: the variables
 #: diagnosis rules read, so that ``gpuwatch diagnose --prometheus`` can judge them. A fixed list keeps it to at
@@ -530,6 +540,7 @@ _HELLO = _object(
         "faults": _list(_label(64), 32),
         "backends": _mapping(_label(64), _label(32), 17),
         "framework": _choice(*FRAMEWORKS),
+        "command": _list(_text(MAX_COMMAND_ARG_CHARS), MAX_COMMAND_ARGS),
         "unavailable_from_outside": _list(_choice(*UNAVAILABLE_FROM_OUTSIDE), len(UNAVAILABLE_FROM_OUTSIDE)),
     },
 )

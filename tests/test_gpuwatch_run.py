@@ -19,14 +19,18 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import foreign
 import pytest
+import torch
 from foreign import GPUWATCH_RUN, Run, Workload, launched, ranks_named, simulated_agent
 from test_e2e_faults import by_rank
 
-from gpuwatch.protocol.schema import UNAVAILABLE_FROM_OUTSIDE
-from gpuwatch.trainer.auto import SITE_DIRECTORY, instrumented_environment
+from gpuwatch.protocol.schema import MAX_COMMAND_ARG_CHARS, MAX_COMMAND_ARGS, UNAVAILABLE_FROM_OUTSIDE
+from gpuwatch.trainer.auto import SITE_DIRECTORY, instrumented_environment, is_launcher
+from gpuwatch.trainer.auto import layout as layout_module
+from gpuwatch.trainer.telemetry import captured_command
 
 from conftest import wait_until
 
@@ -103,8 +107,10 @@ def test_every_rank_reports_each_optimizer_step_with_the_scripts_loss(runs, work
     assert [r["rank"] for r in run.ranks] == [0, 1]
     for rank in run.ranks:  # the agent took the hello's new fields
         assert rank["hello"]["framework"] == "plain"
-        # a DDP model over every rank: the layout is plain data parallelism, the Monitor's own
-        assert set(rank["hello"]["unavailable_from_outside"]) == set(UNAVAILABLE_FROM_OUTSIDE) - {"layout"}
+        assert any(a.endswith("workloads/plain_ddp.py") for a in rank["hello"]["command"])  # the rank's own
+        # a DDP model over every rank: the layout is plain data parallelism, the Monitor's own, and each rank holds
+        # its replica's whole gradient
+        assert set(rank["hello"]["unavailable_from_outside"]) == set(UNAVAILABLE_FROM_OUTSIDE) - {"layout", "gradients"}
     computed = _losses(workdir / f"losses-{accumulate}")
     steps = run.run_log_steps()
     assert sorted(steps) == [0, 1]
@@ -236,6 +242,26 @@ def test_the_environment_puts_the_site_first_and_keeps_the_rest():
     assert instrumented_environment({}, job="mine", new_job="made")["GPUWATCH_JOB"] == "mine"
 
 
+@pytest.mark.parametrize(("argv", "launcher"), [
+    (["python3", "-m", "torch.distributed.run", "--standalone", "train.py"], True),
+    (["/usr/bin/python3", "/usr/local/bin/torchrun", "--nproc-per-node", "8", "train.py"], True),
+    (["python3", "-m", "torch.distributed.launch", "train.py"], True),
+    (["python3", "-u", "train.py", "--launcher", "torchrun"], False),
+    (["python3", "-m", "gpuwatch.trainer.cli", "--tp", "2"], False),
+])
+def test_torchruns_launcher_is_left_alone_and_its_ranks_are_not(argv, launcher):
+    """torchrun's launcher imports torch but trains nothing: it gets no hooks, even idle ones."""
+    assert is_launcher(argv) is launcher
+
+
+def test_the_hellos_command_line_withholds_secrets_and_fits_its_datagram():
+    argv = ["python3", "train.py", "--hf-token", "hf_abc", "--api-key=sk-1", "--use-auth", "--lr", "0.1"]
+    assert captured_command(argv) == ["python3", "train.py", "--hf-token", "<redacted>", "--api-key=<redacted>",
+                                      "--use-auth", "--lr", "0.1"]
+    long = captured_command(["python3", "x" * 1000, *["--flag"] * 100])
+    assert len(long) == MAX_COMMAND_ARGS and len(long[1]) == MAX_COMMAND_ARG_CHARS
+
+
 def test_the_hidden_sitecustomize_still_runs_and_no_torch_is_imported(tmp_path):
     """A user's own sitecustomize further down PYTHONPATH runs; a process that never imports torch gets none."""
     (tmp_path / "sitecustomize.py").write_text("import os\nos.environ['USER_SITECUSTOMIZE'] = 'ran'\n")
@@ -323,3 +349,236 @@ def test_the_overhead_benchmark_runs_every_arm():
     assert any(line.startswith("MLP 128-512-16, batch 64, 5 steps a run") for line in lines), result.stdout
     assert sum(line.strip().startswith(("on - off", "floor - off")) for line in lines) == 2, result.stdout
     assert lines[-1].startswith("load average after: ")
+
+
+# -- the layout ---------------------------------------------------------------------------------------------------
+
+#: Stand-ins for Megatron-LM's parallel state and torchtitan's ParallelDims (tests/workloads/standins/README.md).
+STANDINS = foreign.WORKLOADS / "standins"
+LAYOUT_STEPS = 12
+
+
+def _records(run_log: Path) -> tuple[dict[int, dict], dict[int, list[dict]]]:
+    """{rank: its last hello} and {rank: its step records} from a run log directory."""
+    hellos: dict[int, dict] = {}
+    steps: dict[int, list[dict]] = {}
+    for path in sorted(run_log.glob("*.jsonl")):
+        for record in map(json.loads, path.read_text().splitlines()):
+            if record["kind"] == "hello":
+                hellos[record["rank"]] = record
+            elif record["kind"] == "step":
+                steps.setdefault(record["rank"], []).append(record)
+    return hellos, steps
+
+
+def _run_logged(run_log: Path, options: tuple[str, ...], script: str, nproc: int, *args: str,
+                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`gpuwatch run --run-log run_log OPTIONS -- torchrun --standalone --nproc-per-node N tests/workloads/SCRIPT`."""
+    command = [*GPUWATCH_RUN[:-1], "--run-log", str(run_log), *options, "--", sys.executable, "-m",
+               "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               str(foreign.WORKLOADS / script), *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=foreign.RUN_TIMEOUT_S,
+                            env={**os.environ, **(env or {})})
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+@pytest.mark.parametrize(("groups", "options", "framework"), [
+    ("plain", ("--layout", "2,1,2"), "plain"),
+    ("megatron", (), "megatron"),
+    ("torchtitan", (), "torchtitan"),
+])
+def test_the_layout_is_known_from_the_option_megatron_or_a_device_mesh(tmp_path, groups, options, framework):
+    """A tp=2 × dp=2 job with no DDP model: its layout comes from `--layout`, from Megatron's parallel state or from
+    torchtitan's world mesh, each rank's hello carries it (sizes, coordinates, groups), and the rules that compare
+    peers run (no 'parallel layout' among their reasons not to). No rank holds a whole gradient: the hello says so."""
+    env = {"PYTHONPATH": os.pathsep.join([str(STANDINS), os.environ.get("PYTHONPATH", "")])}
+    _run_logged(tmp_path / "log", options, "parallel_layouts.py", 4, "--groups", groups, "--steps",
+                str(LAYOUT_STEPS), env=env)
+    hellos, steps = _records(tmp_path / "log")
+    assert sorted(hellos) == sorted(steps) == [0, 1, 2, 3]
+    for rank, hello in hellos.items():
+        tp_rank, dp_rank = rank % 2, rank // 2  # TP fastest, then DP
+        assert (hello["tp_size"], hello["pp_size"], hello["dp_size"]) == (2, 1, 2), hello
+        assert (hello["tp_rank"], hello["pp_stage"], hello["dp_rank"]) == (tp_rank, 0, dp_rank), hello
+        assert hello["process_groups"] == {"tp": [2 * dp_rank, 2 * dp_rank + 1], "dp": [tp_rank, tp_rank + 2],
+                                           "pp": [rank]}, hello
+        assert hello["framework"] == framework
+        assert "layout" not in hello["unavailable_from_outside"]
+        assert "gradients" in hello["unavailable_from_outside"]
+        assert [r["step"] for r in steps[rank]] == list(range(1, LAYOUT_STEPS + 1))
+        assert all("loss" in r for r in steps[rank])
+        assert not any("grad_cosine_similarity" in r or "param_checksum" in r for r in steps[rank])
+        # the TP pair's all-reduce and the DP pair's, each step after the first forward, named by the hello's groups
+        assert steps[rank][-1]["collective_calls"] == {"tp": LAYOUT_STEPS, "dp": LAYOUT_STEPS}, steps[rank][-1]
+    report = json.loads(subprocess.run(
+        [sys.executable, "-m", "gpuwatch.cli.main", "diagnose", "--run-log", str(tmp_path / "log"), "--format",
+         "json", "--fail-on", "never"], capture_output=True, text=True, timeout=120, check=True).stdout)
+    not_run = {entry["code"]: entry["reason"] for entry in report["not_run"]}
+    for code in ("PERF001", "PERF002", "CONV003", "CONV004", "CONV005"):
+        assert "parallel layout" not in not_run.get(code, ""), (code, not_run[code])
+    assert [f["code"] for f in report["findings"] if f["severity"] in ("warning", "critical")] == []
+
+
+def test_a_layout_that_does_not_match_the_world_is_left_unknown(tmp_path):
+    """`--layout 1,1,4` on 2 ranks (no WORLD_SIZE for the wrapper to check it against): each rank says so once and
+    leaves its layout unknown rather than half right; training runs on."""
+    result = _run_logged(tmp_path / "log", ("--layout", "1,1,4"), "plain_ddp.py", 2, "--steps", "3")
+    assert result.stderr.count("--layout 1,1,4 multiplies to 4, but the job has 2 ranks") == 2, result.stderr
+    hellos, steps = _records(tmp_path / "log")
+    assert all("layout" in hello["unavailable_from_outside"] for hello in hellos.values())
+    assert sorted(steps) == [0, 1] and all(len(records) == 3 for records in steps.values())
+
+
+@pytest.mark.parametrize(("layout", "world", "message"), [
+    ("2,x,1", None, "gpuwatch run: --layout takes tp,pp,dp: three positive integers such as 2,1,4 (got '2,x,1')"),
+    ("0,1,1", None, "gpuwatch run: --layout takes tp,pp,dp"),
+    ("2,2", None, "gpuwatch run: --layout takes tp,pp,dp"),
+    ("2,1,2", "8", "gpuwatch run: --layout 2,1,2: tp × pp × dp = 4, but WORLD_SIZE is 8"),
+])
+def test_a_bad_layout_is_one_line_and_a_nonzero_exit(layout, world, message):
+    env = {key: value for key, value in os.environ.items() if key != "WORLD_SIZE"}
+    if world is not None:
+        env["WORLD_SIZE"] = world
+    result = subprocess.run([*GPUWATCH_RUN[:-1], "--layout", layout, "--", sys.executable, "-c", "pass"],
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 2
+    assert result.stderr.startswith(message) and result.stderr.count("\n") == 1, result.stderr
+
+
+# -- side by side with the explicit API ---------------------------------------------------------------------------
+
+#: What a step record says about the step's work, not its timing: equal from outside and through the explicit API.
+WORK_FIELDS = ("step", "loss", "lr", "gradient_sync_bytes", "collective_calls", "grad_norm", "grad_cosine_similarity",
+               "param_checksum")
+
+
+def test_gpuwatch_run_sees_what_the_explicit_monitor_sees(tmp_path):
+    """The same deterministic DDP training (tests/workloads/twin_ddp.py, 2 gloo ranks) measured once from outside and
+    once through the explicit API (monitored_twin.py): per rank the same steps, the same losses bit for bit, the same
+    collectives (count and bytes per op, calls per group) and the same gradient measurements."""
+    _run_logged(tmp_path / "outside", (), "twin_ddp.py", 2, "--steps", str(STEPS))
+    explicit = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                str(foreign.WORKLOADS / "monitored_twin.py"), "--steps", str(STEPS)]
+    env = {key: value for key, value in os.environ.items() if not key.startswith("GPUWATCH_")}
+    result = subprocess.run(explicit, capture_output=True, text=True, timeout=foreign.RUN_TIMEOUT_S,
+                            env={**env, "GPUWATCH_RUN_LOG": str(tmp_path / "inside"), "GPUWATCH_JOB": "explicit"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    (_, outside), (_, inside) = _records(tmp_path / "outside"), _records(tmp_path / "inside")
+    assert sorted(outside) == sorted(inside) == [0, 1]
+    for rank in (0, 1):
+        assert len(outside[rank]) == len(inside[rank]) == STEPS
+
+        def work(record: dict) -> dict:
+            counts = {op: (c["count"], c["bytes"]) for op, c in record.get("collectives", {}).items()}
+            return {**{name: record.get(name) for name in WORK_FIELDS}, "collectives": counts}
+
+        assert [work(r) for r in outside[rank]] == [work(r) for r in inside[rank]]
+        assert all(isinstance(r["loss"], float) and r["gradient_sync_bytes"] > 0 for r in outside[rank])
+        assert all(r["collectives"]["all_reduce"]["count"] == 1 for r in outside[rank])  # the logging all-reduce
+        assert [r["step"] for r in outside[rank] if "grad_cosine_similarity" in r] == [10, 20, 30]
+
+
+def test_a_grad_scalers_loss_is_reported_unscaled_with_its_scale_and_the_clipped_norm(tmp_path):
+    """plain_ddp.py --scaler: backward() runs on GradScaler.scale(loss), yet the loss reported is the loss the script
+    computed, bit for bit (not the scaled one divided back), with the scaler's scale beside it; the norm
+    clip_grad_norm_ returned is the step's gradient norm, every step."""
+    steps = 12
+    _run_logged(tmp_path / "log", (), "plain_ddp.py", 2, "--steps", str(steps), "--scaler", "--losses",
+                str(tmp_path / "losses"))
+    computed = _losses(tmp_path / "losses")
+    _, steps_by_rank = _records(tmp_path / "log")
+    assert sorted(steps_by_rank) == [0, 1]
+    for rank, records in steps_by_rank.items():
+        assert [r["loss"] for r in records] == computed[rank]
+        assert [r["loss_scale"] for r in records] == [65536.0] * steps  # GradScaler's initial scale, no overflow
+        assert all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in records)
+
+
+@pytest.mark.parametrize(("framework", "detected"), [("huggingface", "transformers"), ("lightning", "lightning")])
+def test_a_framework_adapter_counts_each_optimizer_steps_samples(tmp_path, framework, detected):
+    """The Hugging Face and Lightning adapters (stand-in base classes with the real hook points) count the samples of
+    each optimizer step (two micro-batches of 16), the first step's included (counted before its first forward);
+    the hello no longer lists samples as unavailable from outside."""
+    env = {"PYTHONPATH": os.pathsep.join([str(STANDINS), os.environ.get("PYTHONPATH", "")])}
+    _run_logged(tmp_path / "log", (), "framework_callbacks.py", 2, "--framework", framework, "--steps", "6", env=env)
+    hellos, steps = _records(tmp_path / "log")
+    assert sorted(hellos) == sorted(steps) == [0, 1]
+    for rank in (0, 1):
+        assert hellos[rank]["framework"] == detected
+        assert "samples" not in hellos[rank]["unavailable_from_outside"]
+        assert [(r["step"], r["samples"]) for r in steps[rank]] == [(step, 32) for step in range(1, 7)]
+
+
+@pytest.mark.parametrize("clipping", [(), ("--as-torchtitan",)])
+def test_an_fsdp_models_gradient_norm_is_the_clipped_one_and_the_rest_is_said_unavailable(tmp_path, clipping):
+    """FSDP2 (fully_shard, gloo): no rank holds a whole gradient or the whole parameters, so no gradient cosine or
+    checksum is measured (they would be a shard's) and the hello says why; the norm clip_grad_norm_ returned (whole:
+    FSDP reduced it), or the one clip_grads_with_norm_ was given (torchtitan's way), is each step's grad_norm, bit for
+    bit what the script read; the rules needing the rest say so."""
+    steps = 6
+    _run_logged(tmp_path / "log", (), "fsdp_clip.py", 2, "--steps", str(steps), "--norms", str(tmp_path / "norms"),
+                *clipping)
+    hellos, records = _records(tmp_path / "log")
+    assert sorted(hellos) == sorted(records) == [0, 1]
+    for rank in (0, 1):
+        assert {"gradients", "layout"} <= set(hellos[rank]["unavailable_from_outside"])
+        norms = json.loads((tmp_path / "norms" / f"rank-{rank}.json").read_text())
+        assert [float(r["grad_norm"]).hex() for r in records[rank]] == norms
+        assert all("loss" in r and "grad_cosine_similarity" not in r and "param_checksum" not in r
+                   for r in records[rank])
+    report = json.loads(subprocess.run(
+        [sys.executable, "-m", "gpuwatch.cli.main", "diagnose", "--run-log", str(tmp_path / "log"), "--format",
+         "json", "--fail-on", "never"], capture_output=True, text=True, timeout=120, check=True).stdout)
+    reasons = [entry["reason"] for entry in report["not_run"]]
+    assert any("gradient cosine" in r and UNAVAILABLE_FROM_OUTSIDE["gradients"] in r for r in reasons), reasons
+    assert any("parameter checksums" in r and UNAVAILABLE_FROM_OUTSIDE["gradients"] in r for r in reasons), reasons
+
+
+def test_the_reference_trainer_under_torchrun_with_its_layout_given_reports_every_step_at_the_agent(agent, tmp_path):
+    """`gpuwatch run --layout 1,2,1 -- torchrun --standalone --nproc-per-node 2 -m gpuwatch.trainer.cli --pp 2
+    --no-telemetry`: the reference trainer's two pipeline stages, measured from outside only, each report every step
+    to the agent, with the layout given (stage 0 and 1 of one pipeline, no data-parallel peers); diagnosis judges
+    them as that (no rule left out for want of the layout) and finds nothing wrong."""
+    steps, job = 10, f"reference-torchrun-{os.getpid()}"
+    command = [*GPUWATCH_RUN[:-1], "--socket", str(agent.telemetry_socket), "--job", job, "--layout", "1,2,1", "--",
+               sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+               "gpuwatch.trainer.cli", "--tp", "1", "--pp", "2", "--dp", "1", "--steps", str(steps), "--no-telemetry"]
+    env = {key: value for key, value in os.environ.items() if not key.startswith("GPUWATCH_")}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=foreign.RUN_TIMEOUT_S, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+    def settled() -> list[dict] | None:
+        ranks = foreign.job_ranks(agent, job)
+        return ranks if len(ranks) == 2 and all((r.get("last_step") or {}).get("step") == steps
+                                                for r in ranks) else None
+
+    ranks = wait_until(settled, timeout=foreign.SETTLE_TIMEOUT_S, what=f"the agent to hold job {job}'s last steps")
+    for rank in ranks:
+        hello = rank["hello"]
+        assert (hello["tp_size"], hello["pp_size"], hello["dp_size"], hello["pp_stage"]) == (1, 2, 1, rank["rank"])
+        assert hello["process_groups"]["pp"] == [0, 1] and "layout" not in hello["unavailable_from_outside"]
+    diagnosis = foreign.diagnose(job, "agent", agent.url)
+    assert diagnosis.serious() == {}, diagnosis.describe()
+    assert not any("parallel layout" in reason for reason in diagnosis.not_run().values()), diagnosis.not_run()
+
+
+def _mesh(names: tuple[str, ...], shape: tuple[int, ...], coordinate: list[int]) -> SimpleNamespace:
+    """What detect_layout reads of a DeviceMesh (its public `mesh`, `mesh_dim_names`, `get_coordinate()`)."""
+    return SimpleNamespace(mesh=torch.arange(math.prod(shape)).reshape(shape), mesh_dim_names=names,
+                           get_coordinate=lambda: coordinate)
+
+
+def test_a_meshs_replicate_and_shard_dimensions_make_one_data_parallel_group(monkeypatch):
+    """torchtitan's HSDP mesh ("pp", "dp_replicate", "dp_shard", "tp") of 16 ranks: dp is replicate × shard, the
+    replicate index the slower; a mesh with context parallelism is no tp × pp × dp layout and is left unknown."""
+    monkeypatch.setattr(layout_module.dist, "get_backend", lambda group=None: "gloo")
+    names, shape = ("pp", "dp_replicate", "dp_shard", "tp"), (2, 2, 2, 2)
+    found = layout_module._from_mesh(_mesh(names, shape, [1, 1, 0, 1]), 13, 16, 5)
+    assert found is not None
+    assert (found.tp_size, found.pp_size, found.dp_size) == (2, 2, 4)
+    assert (found.tp_rank, found.pp_stage, found.dp_rank, found.local_rank) == (1, 1, 2, 5)
+    assert found.process_groups == {"tp": (12, 13), "pp": (5, 13), "dp": (9, 11, 13, 15)}
+    with_cp = _mesh(("dp_shard", "cp", "tp"), (2, 2, 2), [0, 0, 0])
+    assert layout_module._from_mesh(with_cp, 0, 8, 0) is None
+    assert layout_module._from_mesh(_mesh(("dp_shard",), (2,), [0]), 0, 4, 0) is None  # not the whole world

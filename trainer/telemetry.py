@@ -34,15 +34,19 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from gpuwatch.protocol.paths import socket_path_candidates
 from gpuwatch.protocol.schema import (
+    ENV_DENY,
+    MAX_COMMAND_ARG_CHARS,
+    MAX_COMMAND_ARGS,
     MAX_ENV_VALUE_CHARS,
     MAX_ENV_VARS,
     MAX_RECORD_BYTES,
+    REDACTED,
     encode,
     env_name_allowed,
 )
@@ -74,6 +78,24 @@ def _encode(record: Mapping[str, Any]) -> bytes:
     return _ENCODER.encode(record).encode()
 
 _BUSY = frozenset({errno.EAGAIN, errno.ENOBUFS})
+
+
+def captured_command(argv: Sequence[str]) -> list[str]:
+    """A hello's `command`: `argv` with each option's value withheld where the option's name holds a word of
+    ``schema.ENV_DENY`` (`--hf-token X`, `--api-key=X`: command lines carry secrets as often as environments do),
+    then bounded by ``MAX_COMMAND_ARGS`` and ``MAX_COMMAND_ARG_CHARS`` so the hello fits its datagram."""
+    def secret(option: str) -> bool:
+        return option.startswith("-") and any(word in option.upper() for word in ENV_DENY)
+
+    kept: list[str] = []
+    for index, argument in enumerate(argv[:MAX_COMMAND_ARGS]):
+        name, equals, _ = argument.partition("=")
+        if equals and secret(name):
+            argument = f"{name}={REDACTED}"
+        elif index > 0 and secret(argv[index - 1]) and "=" not in argv[index - 1] and not argument.startswith("-"):
+            argument = REDACTED
+        kept.append(argument[:MAX_COMMAND_ARG_CHARS])
+    return kept
 
 
 def captured_environment(environ: Mapping[str, str] = os.environ) -> dict[str, str]:

@@ -176,15 +176,17 @@ LOSS = _rank_fact("loss", lambda r: (r.last is not None and r.last.loss is not N
                   "step records lack loss")
 GRAD_NORM = _rank_fact("gradient norm", lambda r: (r.last is not None and r.last.grad_norm is not None)
                        or (r.history is not None and bool(r.history.grad_norm)), "step records lack grad_norm",
-                       signal="grad_norm")
+                       signal="grad_norm", outside="gradients")
 LEARNING = _rank_fact("loss, gradient norm or checksums over a window",
                       lambda r: r.window is not None and r.window.steps >= MIN_WINDOW_STEPS
                       and (r.window.loss_steps > 1 or r.window.grad_norm_steps > 0 or r.window.checksums > 1),
                       f"step records lack loss, grad_norm and param_checksum, {_FEW_STEPS}")
 CHECKSUM = _rank_fact("parameter checksums", lambda r: r.param_checksum is not None,
-                      "step records lack param_checksum", signal="param_checksum")
+                      "step records lack param_checksum", signal="param_checksum",
+                      outside="gradients")
 COSINE = _rank_fact("gradient cosine similarity", lambda r: r.grad_cosine is not None,
-                    "step records lack grad_cosine_similarity", signal="grad_cosine_similarity")
+                    "step records lack grad_cosine_similarity", signal="grad_cosine_similarity",
+                    outside="gradients")
 PROCESS_GROUPS = _rank_fact("process-group membership",
                             lambda r: r.process_groups is not None and {"pp", "dp"} <= r.process_groups.keys(),
                             "hellos lack process_groups with 'pp' and 'dp' members (Prometheus has none of a group "

@@ -9,6 +9,10 @@ from outside:
 ``--losses DIR`` writes each rank's loss per optimizer step (the sum of its micro-batches' divided losses, as
 ``float.hex``: exact) to DIR/rank-R.json, for comparing what the script computed with what gpuwatch reported.
 
+``--scaler``: the AMP way of stepping (``torch.amp.GradScaler``: the scaled loss's backward, ``unscale_``, the gradient
+clipped by ``torch.nn.utils.clip_grad_norm_``, ``scaler.step``), on the CPU in float32: what gpuwatch sees of a loss
+scaler and a clipped norm.
+
 ``--fault`` plants a bug users really write:
 
 * ``sleep-rank``: one rank (``--fault-rank``, default the last) sleeps 0.3 s in its forward passes, as a slow GPU
@@ -59,6 +63,7 @@ def main() -> None:
     parser.add_argument("--fault", choices=("none", "sleep-rank", "same-data", "stuck-rank"), default="none")
     parser.add_argument("--fault-rank", type=int, default=None, help="the sleeping or stuck rank (default: the last)")
     parser.add_argument("--losses", type=Path, default=None, help="write each rank's losses to DIR/rank-R.json")
+    parser.add_argument("--scaler", action="store_true", help="step through a GradScaler, clipping the gradient")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -75,6 +80,7 @@ def main() -> None:
     model = DistributedDataParallel(nn.Sequential(nn.Linear(FEATURES, 64), nn.ReLU(), nn.Linear(64, 1)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", enabled=args.scaler)
 
     losses: list[float] = []
     step, micro, epoch, step_loss = 0, 0, 0, 0.0
@@ -90,11 +96,15 @@ def main() -> None:
                 if args.fault == "stuck-rank" and rank == faulty_rank and step == 4:
                     wait_for_a_lock_nobody_releases()
                 loss = F.binary_cross_entropy_with_logits(logits, labels) / args.accumulate
-                loss.backward()
+                scaler.scale(loss).backward()
             step_loss += loss.item()
             if not synchronise:
                 continue
-            optimizer.step()
+            if args.scaler:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=10.0)
+            scaler.step(optimizer)
+            scaler.update()
             scheduler.step()
             optimizer.zero_grad()
             losses.append(step_loss)

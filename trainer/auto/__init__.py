@@ -9,6 +9,11 @@ loader hands over to `gpuwatch.trainer.auto.instrument`, which hooks what PyTorc
 hooks, module forward pre-hooks, `Tensor.backward`, the `torch.distributed` collectives) and stays idle until the
 process initialises a process group.
 
+Two kinds of process are left alone: torchrun's launcher (`is_launcher`), which imports torch but trains nothing,
+so its hooks would only sit idle; and a rank whose interpreter ignores PYTHONPATH or `site` (`python -I`, `-E`,
+`-S`), which never imports the sitecustomize and runs unmeasured: there is no other way in that needs no change to
+the job.
+
 This module is imported at every Python start under `gpuwatch run`, so it imports nothing but the standard library
 (no torch, nothing else of gpuwatch).
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import itertools
 import logging
 import os
 import sys
@@ -31,6 +37,8 @@ ENABLE_VARIABLE = "GPUWATCH_AUTO"
 SITE_DIRECTORY = Path(__file__).resolve().parent / "site"
 #: The variables the Monitor reads for the agent's socket, the job id and the run log (see hooks.Monitor).
 SOCKET_VARIABLE, JOB_VARIABLE, RUN_LOG_VARIABLE = "GPUWATCH_SOCKET", "GPUWATCH_JOB", "GPUWATCH_RUN_LOG"
+#: The job's parallel layout given to `gpuwatch run --layout tp,pp,dp` (see gpuwatch.trainer.auto.layout).
+LAYOUT_VARIABLE = "GPUWATCH_LAYOUT"
 #: Where a launcher's job id comes from when the job has none of gpuwatch's (hooks.identity.JOB_VARIABLES).
 LAUNCHER_JOB_VARIABLES = ("SLURM_JOB_ID",)
 
@@ -38,7 +46,7 @@ log = logging.getLogger("gpuwatch.trainer.auto")
 
 
 def instrumented_environment(environ: Mapping[str, str], *, socket_path: str | None = None, job: str | None = None,
-                             run_log: str | None = None, new_job: str) -> dict[str, str]:
+                             run_log: str | None = None, layout: str | None = None, new_job: str) -> dict[str, str]:
     """The command's environment under `gpuwatch run`: `environ` with SITE_DIRECTORY first on PYTHONPATH (the
     existing entries kept after it), ENABLE_VARIABLE set, and the Monitor's variables for what was given. A job with
     no id of its own (GPUWATCH_JOB, a Slurm job id) gets `new_job`, the same on every rank: without it each rank
@@ -47,7 +55,8 @@ def instrumented_environment(environ: Mapping[str, str], *, socket_path: str | N
     path = env.get("PYTHONPATH")
     env["PYTHONPATH"] = os.pathsep.join([str(SITE_DIRECTORY), *([path] if path else [])])
     env[ENABLE_VARIABLE] = "1"
-    for name, value in ((SOCKET_VARIABLE, socket_path), (JOB_VARIABLE, job), (RUN_LOG_VARIABLE, run_log)):
+    for name, value in ((SOCKET_VARIABLE, socket_path), (JOB_VARIABLE, job), (RUN_LOG_VARIABLE, run_log),
+                        (LAYOUT_VARIABLE, layout)):
         if value is not None:
             env[name] = value
     if not any(env.get(name) for name in (JOB_VARIABLE, *LAUNCHER_JOB_VARIABLES)):
@@ -55,8 +64,34 @@ def instrumented_environment(environ: Mapping[str, str], *, socket_path: str | N
     return env
 
 
+def parse_layout(text: str, world_size: int | None = None) -> tuple[int, int, int]:
+    """`--layout`'s "tp,pp,dp": three positive integers, whose product is `world_size` where that is known. A
+    ValueError says in one line what is wrong: a wrong layout would make diagnosis compare the wrong ranks."""
+    parts = text.split(",")
+    if len(parts) != 3 or not all(part.strip().isdigit() and int(part) > 0 for part in parts):
+        raise ValueError(f"--layout takes tp,pp,dp: three positive integers such as 2,1,4 (got {text!r})")
+    tp, pp, dp = (int(part) for part in parts)
+    if world_size is not None and tp * pp * dp != world_size:
+        raise ValueError(f"--layout {text}: tp × pp × dp = {tp * pp * dp}, but WORLD_SIZE is {world_size}")
+    return tp, pp, dp
+
+
+#: The launchers that import torch but train nothing themselves: their ranks are instrumented, not they.
+LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
+
+
+def is_launcher(argv: Sequence[str]) -> bool:
+    """Whether a process started as `argv` (`sys.orig_argv`: the interpreter's own arguments included) is torchrun's
+    launcher (`torchrun …`, `python -m torch.distributed.run …`), which would only carry the hooks idle."""
+    script = next((argument for argument in argv[1:] if not argument.startswith("-")), "")
+    module = next((after for before, after in itertools.pairwise(argv) if before == "-m"), "")
+    return os.path.basename(script) in LAUNCHERS or module in LAUNCHERS
+
+
 def install() -> None:
-    """Instrument this process once torch is imported (at once if it already is)."""
+    """Instrument this process once torch is imported (at once if it already is); never torchrun's launcher."""
+    if is_launcher(getattr(sys, "orig_argv", ())):
+        return
     if "torch" in sys.modules:
         _instrument()
     elif not any(isinstance(finder, _AfterTorchImport) for finder in sys.meta_path):

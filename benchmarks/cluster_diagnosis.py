@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from _harness import free_port, get, running, wait_until
 from telemetry_records import collectives, hello, step
 
+from gpuwatch.agent.diagnosis.sources import prometheus
 from gpuwatch.agent.telemetry.window import MIN_WINDOW_STEPS
 from gpuwatch.trainer.telemetry import TelemetryClient
 
@@ -268,6 +269,7 @@ class Run:
     found: set[tuple[str, str]]
     info: list[str]
     not_run: dict[str, str]
+    slowest: list[tuple[float, int, str]]
 
 
 def diagnose(url: str, fetch: str) -> tuple[float, dict]:
@@ -288,6 +290,28 @@ def findings(document: dict) -> tuple[set[tuple[str, str]], list[str]]:
         nodes = {e["where"].get("node") for e in finding["evidence"]} - {None}
         found |= {(finding["code"], node) for node in nodes} or {(finding["code"], "?")}
     return found, info
+
+
+class TimedApi(prometheus.Api):
+    """The source's own API, timing each query: where an outlier fetch's time goes."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url, timeout=120)
+        self.times: list[tuple[float, int, str]] = []
+
+    def query(self, expr: str) -> list[dict]:
+        started, before = time.perf_counter(), self.meter.bytes
+        try:
+            return super().query(expr)
+        finally:
+            self.times.append((time.perf_counter() - started, self.meter.bytes - before, expr))
+
+
+def slowest_queries(url: str, count: int = 5) -> list[tuple[float, int, str]]:
+    """The outlier fetch's slowest queries (seconds, bytes, expression), run once in this process."""
+    api = TimedApi(url)
+    prometheus.read(api, "outliers")
+    return sorted(api.times, reverse=True)[:count]
 
 
 def measure(template: list[Series], nodes: int, repeat: int, workdir: Path, full: bool) -> Run:
@@ -317,6 +341,7 @@ def measure(template: list[Series], nodes: int, repeat: int, workdir: Path, full
         for _ in range(repeat):
             elapsed, document = diagnose(url, "outliers")
             times.append(elapsed)
+        slowest = slowest_queries(url)
         full_s, full_bytes = None, None
         if full:  # today's whole-family pull, once: the yardstick of the bytes
             full_s, full_document = diagnose(url, "full")
@@ -328,7 +353,7 @@ def measure(template: list[Series], nodes: int, repeat: int, workdir: Path, full
     if source["nodes"] != nodes:
         raise RuntimeError(f"diagnose saw {source['nodes']} nodes, not {nodes}")
     return Run(nodes, series, generated - started, backfilled - generated, times, source["bytes_received"],
-               source["queries"], full_bytes, full_s, found, info, not_run)
+               source["queries"], full_bytes, full_s, found, info, not_run, slowest)
 
 
 def machine() -> str:
@@ -371,6 +396,8 @@ def main() -> None:
             if run.full_bytes is not None and run.full_s is not None:
                 print(f"        full pull: {run.full_s:.2f} s, {run.full_bytes:,d} bytes; outliers receive "
                       f"{100 * run.bytes_received / run.full_bytes:.2f} % of it")
+            for seconds, size, expr in run.slowest:
+                print(f"        slow query {seconds:5.2f} s {size:9,d} B  {' '.join(expr.split())[:110]}")
             for code, node in sorted(run.found):
                 print(f"        found {code} on {node}")
             for line in run.info:

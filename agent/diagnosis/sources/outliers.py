@@ -21,6 +21,7 @@ used when the engine has them, and their expressions are evaluated in the query 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import types
 from collections.abc import Callable, Iterable, Mapping
@@ -35,6 +36,8 @@ from gpuwatch.agent.telemetry.window import MIN_WINDOW_STEPS
 
 #: The window of the error-counter increases: the same as the full pull's (``prometheus.WINDOW``).
 WINDOW = "10m"
+#: Selector queries in flight at once: enough to keep a multi-core engine busy, few enough not to crowd it.
+PARALLEL_QUERIES = 4
 _ACTIVE = next(code for code, name in PORT_STATES.items() if name == "ACTIVE")
 #: A rank's identity in its series. Like the alerts, the outlier fetch reads the training job from ``job``: the
 #: agents are scraped with ``honor_labels: true`` (alerts/gpuwatch.rules.yml says why).
@@ -60,6 +63,14 @@ RECORDED = {
         f'quantile by (job) (0.5, {WINDOW_MEDIAN}{{timing="step_seconds"}})',
     "gpuwatch:train_rank_info:count_by_job": "count by (job) (gpuwatch_train_rank_info)",
     "gpuwatch:train_env_info:count_by_value": "count by (job, name, value) (gpuwatch_train_env_info)",
+    # Threshold-free signals over the largest families (18 NVLinks and a dozen clock-event reasons per GPU, a
+    # histogram per rank and op): recorded, the selectors read only the few series they keep.
+    "gpuwatch:nvlink_down:count_by_gpu": "count by (instance, gpu) (gpuwatch_nvlink_up == 0)",
+    "gpuwatch:gpu_slowdown:active":
+        f'max by (instance, gpu) (gpuwatch_gpu_clock_event_active{{reason=~"{"|".join(SLOWDOWN_REASONS)}"}}) == 1',
+    "gpuwatch:train_collective_seconds:p99_over_p50":
+        "histogram_quantile(0.99, gpuwatch_train_collective_seconds_bucket)"
+        " / histogram_quantile(0.5, gpuwatch_train_collective_seconds_bucket)",
 }
 #: Rules no selector narrows down: they judge a trend or a spread over every rank of a job.
 WHOLE_JOB_RULES = {
@@ -96,9 +107,8 @@ SELECTORS = (
     Selector("PCIe links below their maximum", ("HW002",), lambda t, y: " or ".join(
         f'gpuwatch_gpu_pcie_link_{q}{{kind="current"}} < ignoring (kind) gpuwatch_gpu_pcie_link_{q}{{kind!="current"}}'
         for q in ("generation", "width"))),
-    Selector("GPUs slowing themselves down", ("HW005",), lambda t, y: (
-        f'gpuwatch_gpu_clock_event_active{{reason=~"{"|".join(SLOWDOWN_REASONS)}"}} == 1')),
-    Selector("NVLink links down", ("HW001",), lambda t, y: "gpuwatch_nvlink_up == 0"),
+    Selector("GPUs slowing themselves down", ("HW005",), lambda t, y: y["active"]),
+    Selector("NVLink links down", ("HW001",), lambda t, y: y["count_by_gpu"]),
     Selector("collectors down", ("HW001", "HW002", "HW003", "HW004", "HW005"),
              lambda t, y: "gpuwatch_collector_up != 1"),
     # Peers of a port are those of the same HCA model and link layer on its node (HW003); this keeps only the
@@ -126,9 +136,7 @@ SELECTORS = (
         f'{WINDOW_MEDIAN}{{timing="dataloader_wait_seconds"}} / ignoring (timing) '
         f'{WINDOW_MEDIAN}{{timing="step_seconds"}} > {t("PERF003").max_wait_share:g}')),
     Selector("ranks with a heavy collective latency tail", ("NCCL005",), lambda t, y: (
-        "histogram_quantile(0.99, gpuwatch_train_collective_seconds_bucket) / "
-        "histogram_quantile(0.5, gpuwatch_train_collective_seconds_bucket) "
-        f"> {t('NCCL005').tail_ratio:g}")),
+        f"{y['p99_over_p50']} > {t('NCCL005').tail_ratio:g}")),
     Selector("ranks with gradients too alike across data-parallel replicas", ("CONV004",), lambda t, y: (
         f"gpuwatch_train_grad_cosine_similarity > {t('CONV004').min_cosine:g}")),
     Selector("jobs with an overdue, dead or failed rank", ("HANG001", "HANG002", "HANG003", "HANG004"),
@@ -200,11 +208,20 @@ def plan(engine: Engine, overrides: Mapping[str, Mapping[str, float]]) -> Plan:
     yardsticks = _yardsticks(engine)
     t = _thresholds(overrides)
     whole_jobs: set[str] = set()
-    for selector in SELECTORS:
+
+    def ask(selector: Selector) -> list[dict[str, Any]] | QueryError:
         try:
-            rows = engine.query(f"group by ({selector.by}) ({selector.expr(t, yardsticks)})")
+            return engine.query(f"group by ({selector.by}) ({selector.expr(t, yardsticks)})")
         except QueryError as exc:
-            result.fail(selector.rules, selector.what, exc)
+            return exc
+
+    # The selectors are independent: an engine evaluates them side by side (each over whole families), so they
+    # are sent together, a few at a time, and read in order.
+    with concurrent.futures.ThreadPoolExecutor(PARALLEL_QUERIES) as pool:
+        answers = list(pool.map(ask, SELECTORS))
+    for selector, rows in zip(SELECTORS, answers, strict=True):
+        if isinstance(rows, QueryError):
+            result.fail(selector.rules, selector.what, rows)
             continue
         if selector.by == "instance":
             result.add((row["metric"].get("instance", "") for row in rows), selector.what)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import math
+import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -91,13 +92,22 @@ _RANK_SERIES = "|".join(["gpuwatch_train_rank_info", "gpuwatch_train_env_info", 
 _RANK_KEY = "instance, job, exported_job, rank"
 
 
+#: Longer query URLs are POSTed (an outlier fetch's scope names many nodes): proxies and engines limit URLs to a
+#: few KiB (Go's net/http reads 1 MiB of headers; nginx's default buffer is 8 KiB), and every engine takes both.
+MAX_GET_URL = 4096
+
+
 class Api:
-    """A PromQL engine's instant-query API (Prometheus, Thanos, Mimir, VictoriaMetrics): queries are POSTed (an
-    outlier fetch's selectors may be long), carry the engine-side ``timeout``, and count what they cost. An answer
+    """A PromQL engine's instant-query API (Prometheus, Thanos, Mimir, VictoriaMetrics): queries carry the
+    engine-side ``timeout`` and count what they cost; long ones are POSTed (``MAX_GET_URL``). An answer
     the engine marks partial or sends with warnings is no answer: judged on it, a rule could pass what it never saw.
     """
 
     def __init__(self, url: str, timeout: float = HTTP_TIMEOUT, config: HttpConfig | None = None) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.username is not None or parts.password is not None:  # said without them: never printed
+            raise SourceError("the --prometheus URL carries credentials (user:password@): put them in "
+                              "--http.config.file (basic_auth), where they are read from a file and never shown")
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.config = config or HttpConfig()
@@ -106,9 +116,11 @@ class Api:
     def query(self, expr: str) -> list[dict[str, Any]]:
         """An instant query's result (vector or matrix samples). A query the engine could not answer whole is a
         QueryError; an engine that is none (or unreachable) a SourceError."""
-        answer = http_json(f"{self.url}/api/v1/query", "a PromQL engine (Prometheus HTTP API)",
-                           self.timeout + TIMEOUT_GRACE, self.config,
-                           form={"query": expr, "timeout": f"{self.timeout:g}s"}, meter=self.meter)
+        form = {"query": expr, "timeout": f"{self.timeout:g}s"}
+        url = f"{self.url}/api/v1/query?{urllib.parse.urlencode(form)}"
+        long = len(url) > MAX_GET_URL
+        answer = http_json(f"{self.url}/api/v1/query" if long else url, "a PromQL engine (Prometheus HTTP API)",
+                           self.timeout + TIMEOUT_GRACE, self.config, form=form if long else None, meter=self.meter)
         if not isinstance(answer, dict) or answer.get("status") not in ("success", "error"):
             raise SourceError(f"{self.config.redact(self.url)} is not a Prometheus HTTP API (unexpected answer to "
                               "/api/v1/query)")
@@ -146,7 +158,11 @@ def fetch(url: str, timeout: float = HTTP_TIMEOUT, config: HttpConfig | None = N
     aggregates computed by the engine, with only the deviating nodes, the jobs whose rules need them whole and one
     node per job fetched in detail. ``overrides`` are ``--config``'s thresholds: the outlier selectors use the
     thresholds the rules will judge with."""
-    api = Api(url, timeout, config)
+    return read(Api(url, timeout, config), mode, overrides)
+
+
+def read(api: Api, mode: str = "auto", overrides: Mapping[str, Mapping[str, float]] | None = None) -> Facts:
+    """``fetch`` through a given API (the benchmark times each query through its own)."""
     if mode not in FETCH_MODES:
         raise SourceError(f"unknown fetch mode {mode!r} (one of {', '.join(FETCH_MODES)})")
     nodes = _count(api, "count(gpuwatch_agent_info)")

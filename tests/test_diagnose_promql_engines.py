@@ -146,13 +146,16 @@ def _proxy(upstream: str, tenant: str) -> tuple[str, http.server.ThreadingHTTPSe
     """A reverse proxy that, as Mimir's gateway does, refuses a request without the tenant header."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.do_POST()
+
         def do_POST(self) -> None:
             if self.headers.get("X-Scope-OrgID") != tenant:
                 self.send_response(401)
                 self.end_headers()
                 self.wfile.write(b"no org id")
                 return
-            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0))) if self.command == "POST" else None
             request = urllib.request.Request(upstream + self.path, data=body, headers={
                 "Content-Type": self.headers.get("Content-Type", "")})
             with urllib.request.urlopen(request, timeout=60) as answer:

@@ -37,7 +37,7 @@ def http_json(url: str, what: str, timeout: float = HTTP_TIMEOUT, config: HttpCo
     ``what`` was expected. ``config`` adds the headers and TLS context of ``--http.config.file``; no message
     carries its credentials (nor a URL's user:password), even where the server echoes them back."""
     config = config or HttpConfig()
-    shown = _without_userinfo(url)
+    shown = _shown(url)
     if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
         raise SourceError(f"{shown} is not an http:// or https:// URL")
     body = urllib.parse.urlencode(form).encode() if form is not None else None
@@ -86,9 +86,8 @@ def _json_error(body: str) -> str | None:
     return None
 
 
-def _without_userinfo(url: str) -> str:
-    """``url`` as it may be shown: ``https://user:pass@host/`` loses ``user:pass@``."""
+def _shown(url: str) -> str:
+    """``url`` as messages show it: without ``user:password@`` and without the query string (a PromQL query is
+    long, and the engine's own error names what went wrong with it)."""
     parts = urllib.parse.urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2], query="", fragment=""))

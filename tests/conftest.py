@@ -128,7 +128,8 @@ class PrometheusServer:
     """A real Prometheus server on 127.0.0.1 with a temporary TSDB."""
 
     def __init__(self, workdir: Path, scrape_targets: list[str], scrape_interval: str = "1s",
-                 honor_labels: bool = False, extra_args: tuple[str, ...] | list[str] = ()) -> None:
+                 honor_labels: bool = False, extra_args: tuple[str, ...] | list[str] = (),
+                 settings: dict | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = workdir / "prometheus.yml"
@@ -136,6 +137,7 @@ class PrometheusServer:
             "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
             "scrape_configs": [{"job_name": "gpuwatch", "honor_labels": honor_labels,
                                 "static_configs": [{"targets": scrape_targets}]}],
+            **(settings or {}),
         }))
         self.log = (workdir / "prometheus.log").open("w")
         self.proc = subprocess.Popen(

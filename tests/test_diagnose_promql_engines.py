@@ -32,6 +32,8 @@ from conftest import free_port, http_get, wait_until
 pytestmark = pytest.mark.integration
 
 PASSWORD = "diag-s3cret"
+TOKEN = "tok-8c1e5f"
+RULES = Path(__file__).resolve().parent.parent / "alerts" / "gpuwatch.rules.yml"
 TENANT = "team-a"
 MEMORY = {"kind": "cuda", "peak_bytes": 3 << 30, "allocated_bytes": 2 << 30, "reserved_bytes": 3 << 29,
           "inactive_split_bytes": 1 << 20, "alloc_retries": 0, "ooms": 0}
@@ -108,10 +110,16 @@ def cluster(start_agent, prometheus_server, tmp_path) -> Iterator[tuple[list[str
     by Prometheus and by VictoriaMetrics."""
     agents = [start_agent("--simulate", "dgx-h100", "--interval", "0.5", "--node", f"node-{i}") for i in range(2)]
     targets = [f"127.0.0.1:{agent.port}" for agent in agents]
-    prometheus = prometheus_server(targets, honor_labels=True)
+    # Prometheus evaluates the shipped recording rules (the outlier fetch uses them); VictoriaMetrics single-node
+    # evaluates none (that takes vmalert), so the fetch computes the same yardsticks in its queries there.
+    prometheus = prometheus_server(targets, honor_labels=True, settings={
+        "rule_files": [str(RULES)], "global": {"scrape_interval": "1s", "evaluation_interval": "1s",
+                                               "query_log_file": str(tmp_path / "queries.log")}})
     vm = VictoriaMetrics(tmp_path, targets)
     try:
         _feed(agents, {5: {"loss": math.nan}, 6: {"memory": FRAGMENTED}, 7: {"env": {"NCCL_IB_DISABLE": "1"}}})
+        wait_until(lambda: _count(prometheus.url, "count(gpuwatch:train_env_info:count_by_value)") > 0,
+                   timeout=90, what="the recording rules evaluated")
         for url in (prometheus.url, vm.url):
             wait_until(lambda url=url: _count(url, "count(gpuwatch_train_window_steps >= 5)") == 8
                        and _count(url, "count(gpuwatch_ib_port_up)") > 0
@@ -122,7 +130,7 @@ def cluster(start_agent, prometheus_server, tmp_path) -> Iterator[tuple[list[str
         vm.stop()
 
 
-def test_outlier_fetch_finds_what_the_full_pull_finds_on_prometheus_and_victoriametrics(cluster):
+def test_outlier_fetch_finds_what_the_full_pull_finds_on_prometheus_and_victoriametrics(cluster, tmp_path):
     _, prometheus, vm = cluster
     planted = {("CONV001", "node-1"), ("MEM001", "node-1"), ("NCCL001", "node-1")}
     for url in (prometheus.url, vm.url):
@@ -140,20 +148,23 @@ def test_outlier_fetch_finds_what_the_full_pull_finds_on_prometheus_and_victoria
         assert _judged(documents["outliers"]) == {(code, node) for code, node in _judged(documents["full"])
                                                   if code not in not_fetched}, url
         assert not [item for item in documents["outliers"]["not_run"] if item["cause"] == "source"]
+    sent = (tmp_path / "queries.log").read_text()  # the fixture's Prometheus logs every query it ran
+    assert "gpuwatch:train_window_compute_seconds:median_by_stage" in sent
 
 
 def _proxy(upstream: str, tenant: str) -> tuple[str, http.server.ThreadingHTTPServer]:
-    """A reverse proxy that, as Mimir's gateway does, refuses a request without the tenant header."""
+    """A reverse proxy that, as a Mimir gateway does, refuses a request without the tenant header and the bearer
+    token; it echoes what it got in its refusal, as careless proxies do."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             self.do_POST()
 
         def do_POST(self) -> None:
-            if self.headers.get("X-Scope-OrgID") != tenant:
+            if self.headers.get("X-Scope-OrgID") != tenant or self.headers.get("Authorization") != f"Bearer {TOKEN}":
                 self.send_response(401)
                 self.end_headers()
-                self.wfile.write(b"no org id")
+                self.wfile.write(f"refused: {dict(self.headers)}".encode())
                 return
             body = self.rfile.read(int(self.headers.get("Content-Length", 0))) if self.command == "POST" else None
             request = urllib.request.Request(upstream + self.path, data=body, headers={
@@ -173,14 +184,20 @@ def _proxy(upstream: str, tenant: str) -> tuple[str, http.server.ThreadingHTTPSe
     return f"http://127.0.0.1:{server.server_address[1]}", server
 
 
-def test_a_tenant_header_from_the_http_config_reaches_victoriametrics_behind_a_gateway(cluster, tmp_path):
+def test_a_tenant_header_and_a_bearer_token_reach_victoriametrics_behind_a_gateway(cluster, tmp_path):
     _, _, vm = cluster
     url, server = _proxy(vm.url, TENANT)
     try:
         code, _, output = _diagnose(url, "--fail-on", "never")
         assert code == 2 and "401" in output and "Traceback" not in output and len(output.strip().splitlines()) == 1
+        (tmp_path / "token").write_text(TOKEN + "\n")
         config = tmp_path / "http.yml"
-        config.write_text(yaml.safe_dump({"http_headers": {"X-Scope-OrgID": {"values": [TENANT]}}}))
+        config.write_text(yaml.safe_dump({"http_headers": {"X-Scope-OrgID": {"values": ["someone-else"]}},
+                                          "authorization": {"credentials_file": "token"}}))
+        code, _, output = _diagnose(url, "--http.config.file", str(config), "--fail-on", "never")
+        assert code == 2 and "401" in output and TOKEN not in output and "<secret>" in output, output
+        config.write_text(yaml.safe_dump({"http_headers": {"X-Scope-OrgID": {"values": [TENANT]}},
+                                          "authorization": {"credentials_file": "token"}}))
         code, document, output = _diagnose(url, "--http.config.file", str(config), "--fail-on", "never")
         assert code == 0 and document is not None, output
         assert ("MEM001", "node-1") in _judged(document)

@@ -171,6 +171,11 @@ def read(api: Api, mode: str = "auto", overrides: Mapping[str, Mapping[str, floa
     if mode == "auto":
         mode = "full" if nodes <= AUTO_FULL_MAX_NODES else "outliers"
     reader = _Reader(api)
+    if mode == "outliers" and _count(api, 'count(gpuwatch_train_rank_info{exported_job!=""})'):
+        mode = "full"  # the aggregates group by `job`, as the alerts do: they would lump every job together
+        reader.facts.notes.append(
+            f"{api.url}: the agents are scraped without honor_labels (training jobs in exported_job), which the "
+            "outlier fetch's aggregates and the alerts assume: every series was pulled instead")
     if mode == "outliers":
         plan = outliers.plan(api, overrides or {})
         reader.scope = outliers.instance_matcher(plan.instances)

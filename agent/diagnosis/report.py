@@ -65,8 +65,10 @@ def render_text(report: Report) -> str:
     sources = ", ".join(f"{source.kind} {source.location}" for source in facts.sources) or "none"
     summary = ", ".join(click.style(f"{count} {label}", fg=_COLOURS[Severity[label.upper()]], bold=count > 0)
                         for label, count in totals.items())
+    known = sum(source.nodes or 0 for source in facts.sources if source.fetch == "outliers")
+    aggregated = f" in detail, {known} through the engine's aggregates" if known else ""
     lines = [f"gpuwatch diagnose: {summary}",
-             f"  {len(facts.nodes)} node(s), {len(facts.ranks)} rank(s) from {sources}; "
+             f"  {len(facts.nodes)} node(s), {len(facts.ranks)} rank(s){aggregated} from {sources}; "
              f"{len(report.ran)} rule(s) run, {len(report.skipped)} not run", ""]
     for severity in sorted(Severity, reverse=True):
         findings = [finding for finding in report.findings if finding.severity is severity]

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 from gpuwatch.agent.collectors.infiniband import PORT_STATES
 from gpuwatch.agent.collectors.telemetry import EXITED, RAISED, STALLED, WINDOW_MEDIAN
+from gpuwatch.agent.diagnosis import rules as _catalogue  # noqa: F401 - the thresholds of every rule, registered
 from gpuwatch.agent.diagnosis.facts import SLOWDOWN_REASONS, Peers, Unjudged
 from gpuwatch.agent.diagnosis.registry import REGISTRY
 from gpuwatch.agent.diagnosis.sources import QueryError

@@ -339,12 +339,12 @@ def measure(template: list[Series], nodes: int, repeat: int, workdir: Path, full
     config = workdir / "prometheus.yml"
     # The shipped recording rules, evaluated over the backfilled samples (the lookback covers them): the outlier
     # fetch's yardsticks, as a production engine would hold them.
-    config.write_text(f"global: {{scrape_interval: 1m, evaluation_interval: 5s}}\nrule_files: [{RULES}]\n")
+    config.write_text(f"global: {{scrape_interval: 1m, evaluation_interval: 1m}}\nrule_files: [{RULES}]\n")
     command = [_tool("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={tsdb}",
                f"--web.listen-address=127.0.0.1:{port}", f"--query.lookback-delta={LOOKBACK}"]
     with _process(command, workdir / f"prometheus-{nodes}.log"):
         wait_until(lambda: get(url + "/-/ready", timeout=1), "prometheus ready", timeout=300)
-        wait_until(lambda: json.loads(get(url + "/api/v1/query?query=count(gpuwatch:train_env_info:count_by_value)",
+        wait_until(lambda: json.loads(get(url + "/api/v1/query?query=count(gpuwatch:diagnose:recording_rules)",
                                           timeout=60))["data"]["result"], "the recording rules evaluated", timeout=300)
         times, document = [], {}
         for _ in range(repeat):

@@ -118,7 +118,7 @@ def cluster(start_agent, prometheus_server, tmp_path) -> Iterator[tuple[list[str
     vm = VictoriaMetrics(tmp_path, targets)
     try:
         _feed(agents, {5: {"loss": math.nan}, 6: {"memory": FRAGMENTED}, 7: {"env": {"NCCL_IB_DISABLE": "1"}}})
-        wait_until(lambda: _count(prometheus.url, "count(gpuwatch:train_env_info:count_by_value)") > 0,
+        wait_until(lambda: _count(prometheus.url, "count(gpuwatch:diagnose:recording_rules)") > 0,
                    timeout=90, what="the recording rules evaluated")
         for url in (prometheus.url, vm.url):
             wait_until(lambda url=url: _count(url, "count(gpuwatch_train_window_steps >= 5)") == 8

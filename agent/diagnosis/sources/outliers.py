@@ -50,9 +50,21 @@ class Engine(Protocol):
     def query(self, expr: str) -> list[dict[str, Any]]: ...
 
 
-#: Recording rules the fetch uses when present, and the expression each records (the same text as in
-#: alerts/gpuwatch.rules.yml; tests/test_alerts.py holds the two equal).
+def _nonfinite(name: str) -> str:
+    """``name``'s series holding NaN (which differs from itself) or ±Inf (beyond any float)."""
+    return f"({name} != {name} or abs({name}) > 1e308)"
+
+
+#: Version of the recording rules below; ``SENTINEL`` records it, so the fetch knows the rule file it reads was
+#: loaded whole (a sparse signal's empty answer then means "nothing deviates", not "not recorded").
+RECORDING_RULES_VERSION = 1
+SENTINEL = "gpuwatch:diagnose:recording_rules"
+#: Recording rules the fetch uses when the engine evaluates them, and the expression each records (the same text as
+#: in alerts/gpuwatch.rules.yml; tests/test_alerts.py holds the two equal). None holds a threshold: the yardsticks,
+#: and threshold-free signals that keep only the nodes with something wrong (sparse, so that a selector reads a
+#: few series instead of scanning 18 NVLinks, a dozen clock-event reasons and 8 ports per GPU or node).
 RECORDED = {
+    SENTINEL: f"vector({RECORDING_RULES_VERSION})",
     "gpuwatch:train_window_compute_seconds:judged":
         f'{WINDOW_MEDIAN}{{timing="compute_seconds"}} and on (instance, job, rank) '
         f"gpuwatch_train_window_steps >= {MIN_WINDOW_STEPS}",
@@ -64,11 +76,29 @@ RECORDED = {
         f'quantile by (job) (0.5, {WINDOW_MEDIAN}{{timing="step_seconds"}})',
     "gpuwatch:train_rank_info:count_by_job": "count by (job) (gpuwatch_train_rank_info)",
     "gpuwatch:train_env_info:count_by_value": "count by (job, name, value) (gpuwatch_train_env_info)",
-    # Threshold-free signals over the largest families (18 NVLinks and a dozen clock-event reasons per GPU, a
-    # histogram per rank and op): recorded, the selectors read only the few series they keep.
-    "gpuwatch:nvlink_down:count_by_gpu": "count by (instance, gpu) (gpuwatch_nvlink_up == 0)",
-    "gpuwatch:gpu_slowdown:active":
-        f'max by (instance, gpu) (gpuwatch_gpu_clock_event_active{{reason=~"{"|".join(SLOWDOWN_REASONS)}"}}) == 1',
+    "gpuwatch:gpu_faulty:by_instance":
+        "group by (instance) (gpuwatch_gpu_lost == 1 or gpuwatch_gpu_xid_errors_total > 0"
+        ' or gpuwatch_gpu_ecc_volatile_errors_total{error="uncorrected"} > 0'
+        " or gpuwatch_gpu_row_remap_pending == 1 or gpuwatch_gpu_row_remap_failure == 1)",
+    "gpuwatch:gpu_pcie_below_max:by_instance": "group by (instance) (" + " or ".join(
+        f'gpuwatch_gpu_pcie_link_{q}{{kind="current"}} < ignoring (kind) gpuwatch_gpu_pcie_link_{q}{{kind!="current"}}'
+        for q in ("generation", "width")) + ")",
+    "gpuwatch:gpu_slowdown:by_instance":
+        f'group by (instance) (gpuwatch_gpu_clock_event_active{{reason=~"{"|".join(SLOWDOWN_REASONS)}"}} == 1)',
+    "gpuwatch:nvlink_down:by_instance": "group by (instance) (gpuwatch_nvlink_up == 0)",
+    # Peers of a port are those of the same HCA model and link layer on its node (HW003); this keeps only the
+    # link layer, so a frontend NIC down beside running backend ports is fetched and HW003 then judges it.
+    "gpuwatch:ib_port_unhealthy:by_instance":
+        f"group by (instance) ((gpuwatch_ib_port_state_id != {_ACTIVE} and on (instance, link_layer) "
+        f"gpuwatch_ib_port_state_id == {_ACTIVE})"
+        " or gpuwatch_ib_port_rate_bytes_per_second < on (instance, link_layer) group_left () "
+        "max by (instance, link_layer) (gpuwatch_ib_port_rate_bytes_per_second)"
+        f" or increase(gpuwatch_ib_port_errors_total[{WINDOW}]) > 0)",
+    "gpuwatch:train_nonfinite:by_instance":
+        f"group by (instance) ({_nonfinite('gpuwatch_train_loss')} or {_nonfinite('gpuwatch_train_grad_norm')}"
+        " or gpuwatch_train_nonfinite_steps_total > 0)",
+    "gpuwatch:train_alloc_trouble:by_instance":
+        "group by (instance) (gpuwatch_train_alloc_retries_total > 0 or gpuwatch_train_ooms_total > 0)",
     "gpuwatch:train_collective_seconds:p99_over_p50":
         "histogram_quantile(0.99, gpuwatch_train_collective_seconds_bucket)"
         " / histogram_quantile(0.5, gpuwatch_train_collective_seconds_bucket)",
@@ -95,49 +125,33 @@ class Selector:
     by: str = "instance"
 
 
-def _nonfinite(name: str) -> str:
-    """``name``'s series holding NaN (which differs from itself) or ±Inf (beyond any float)."""
-    return f"({name} != {name} or abs({name}) > 1e308)"
-
-
 SELECTORS = (
-    Selector("GPUs lost, with Xids, uncorrectable ECC errors or pending row remaps", ("HW004",), lambda t, y: (
-        "gpuwatch_gpu_lost == 1 or gpuwatch_gpu_xid_errors_total > 0"
-        ' or gpuwatch_gpu_ecc_volatile_errors_total{error="uncorrected"} > 0'
-        " or gpuwatch_gpu_row_remap_pending == 1 or gpuwatch_gpu_row_remap_failure == 1")),
-    Selector("PCIe links below their maximum", ("HW002",), lambda t, y: " or ".join(
-        f'gpuwatch_gpu_pcie_link_{q}{{kind="current"}} < ignoring (kind) gpuwatch_gpu_pcie_link_{q}{{kind!="current"}}'
-        for q in ("generation", "width"))),
-    Selector("GPUs slowing themselves down", ("HW005",), lambda t, y: y["active"]),
-    Selector("NVLink links down", ("HW001",), lambda t, y: y["count_by_gpu"]),
+    Selector("GPUs lost, with Xids, uncorrectable ECC errors or pending row remaps", ("HW004",),
+             lambda t, y: y["gpuwatch:gpu_faulty:by_instance"]),
+    Selector("PCIe links below their maximum", ("HW002",), lambda t, y: y["gpuwatch:gpu_pcie_below_max:by_instance"]),
+    Selector("GPUs slowing themselves down", ("HW005",), lambda t, y: y["gpuwatch:gpu_slowdown:by_instance"]),
+    Selector("NVLink links down", ("HW001",), lambda t, y: y["gpuwatch:nvlink_down:by_instance"]),
     Selector("collectors down", ("HW001", "HW002", "HW003", "HW004", "HW005"),
              lambda t, y: "gpuwatch_collector_up != 1"),
-    # Peers of a port are those of the same HCA model and link layer on its node (HW003); this keeps only the
-    # link layer, so a frontend NIC down beside running backend ports is fetched and HW003 then judges it.
     Selector("InfiniBand/RoCE ports not ACTIVE beside an ACTIVE peer, slower than the node's fastest, or erring",
-             ("HW003", "NCCL001", "NCCL002"), lambda t, y: (
-                 f"(gpuwatch_ib_port_state_id != {_ACTIVE} and on (instance, link_layer) "
-                 f"gpuwatch_ib_port_state_id == {_ACTIVE})"
-                 " or gpuwatch_ib_port_rate_bytes_per_second < on (instance, link_layer) group_left () "
-                 "max by (instance, link_layer) (gpuwatch_ib_port_rate_bytes_per_second)"
-                 f" or increase(gpuwatch_ib_port_errors_total[{WINDOW}]) > 0")),
+             ("HW003", "NCCL001", "NCCL002"), lambda t, y: y["gpuwatch:ib_port_unhealthy:by_instance"]),
     Selector("ranks with a non-finite loss or gradient norm, or an exploding one", ("CONV001", "CONV002"),
-             lambda t, y: (f"{_nonfinite('gpuwatch_train_loss')} or {_nonfinite('gpuwatch_train_grad_norm')}"
-                           f" or gpuwatch_train_nonfinite_steps_total > 0"
-                           f" or gpuwatch_train_grad_norm > {t('CONV002').max_grad_norm:g}")),
+             lambda t, y: f'{y["gpuwatch:train_nonfinite:by_instance"]}'
+                          f" or gpuwatch_train_grad_norm > {t('CONV002').max_grad_norm:g}"),
     Selector("ranks that retried allocations or ran out of memory, or peak near their GPU's capacity",
              ("MEM001", "MEM002"), lambda t, y: (
-                 "gpuwatch_train_alloc_retries_total > 0 or gpuwatch_train_ooms_total > 0"
+                 f'{y["gpuwatch:train_alloc_trouble:by_instance"]}'
                  ' or gpuwatch_train_memory_peak_bytes{kind="cuda"} > on (instance) group_left () '
                  f"({t('MEM002').max_peak_share:g} * min by (instance) (gpuwatch_gpu_memory_total_bytes))")),
     Selector("ranks computing beyond k × their stage's median", ("PERF002",), lambda t, y: (
-        f"{y['judged']} > on (job, pp_stage) group_left () "
-        f"({min(t('PERF002').straggler_ratio, t('PERF002').shared_cpu_ratio):g} * {y['median_by_stage']})")),
+        f'{y["gpuwatch:train_window_compute_seconds:judged"]} > on (job, pp_stage) group_left () '
+        f"({min(t('PERF002').straggler_ratio, t('PERF002').shared_cpu_ratio):g} * "
+        f'{y["gpuwatch:train_window_compute_seconds:median_by_stage"]})')),
     Selector("ranks waiting on input for a large share of their step", ("PERF003",), lambda t, y: (
         f'{WINDOW_MEDIAN}{{timing="dataloader_wait_seconds"}} / ignoring (timing) '
         f'{WINDOW_MEDIAN}{{timing="step_seconds"}} > {t("PERF003").max_wait_share:g}')),
     Selector("ranks with a heavy collective latency tail", ("NCCL005",), lambda t, y: (
-        f"{y['p99_over_p50']} > {t('NCCL005').tail_ratio:g}")),
+        f'{y["gpuwatch:train_collective_seconds:p99_over_p50"]} > {t("NCCL005").tail_ratio:g}')),
     Selector("ranks with gradients too alike across data-parallel replicas", ("CONV004",), lambda t, y: (
         f"gpuwatch_train_grad_cosine_similarity > {t('CONV004').min_cosine:g}")),
     Selector("jobs with an overdue, dead or failed rank", ("HANG001", "HANG002", "HANG003", "HANG004"),
@@ -243,16 +257,15 @@ def plan(engine: Engine, overrides: Mapping[str, Mapping[str, float]]) -> Plan:
 
 
 def _yardsticks(engine: Engine) -> dict[str, str]:
-    """Each yardstick's expression by the last part of its name: the recording rule where the engine has it, else
-    the expression it records (with the recording rules it reads resolved the same way)."""
+    """Each recorded expression by its name: the recording rule where the engine evaluates this version of them
+    (``SENTINEL``), else the expression it records (with the recording rules it reads resolved the same way)."""
     try:
-        present = {row["metric"].get("__name__") for row in engine.query(
-            f'count by (__name__) ({{__name__=~"{_matcher(RECORDED)}"}})')}
+        recorded = any(float(row["value"][1]) >= RECORDING_RULES_VERSION for row in engine.query(SENTINEL))
     except QueryError:
-        present = set()
+        recorded = False
 
     def resolve(name: str) -> str:
-        if name in present:
+        if recorded:
             return name
         expr = RECORDED[name]
         for other in RECORDED:
@@ -260,7 +273,7 @@ def _yardsticks(engine: Engine) -> dict[str, str]:
                 expr = expr.replace(other, resolve(other))
         return f"({expr})"
 
-    return {name.split(":")[-1]: resolve(name) for name in RECORDED}
+    return {name: resolve(name) for name in RECORDED}
 
 
 def _env_minorities(engine: Engine, y: Mapping[str, str], result: Plan) -> None:
@@ -268,9 +281,10 @@ def _env_minorities(engine: Engine, y: Mapping[str, str], result: Plan) -> None:
     value): from the counts per value, one row per job, variable and value."""
     rules = ("NCCL001", "NCCL002", "NCCL004", "MEM001")
     try:
-        ranks = {row["metric"].get("job", ""): int(float(row["value"][1])) for row in engine.query(y["count_by_job"])}
+        ranks = {row["metric"].get("job", ""): int(float(row["value"][1]))
+                 for row in engine.query(y["gpuwatch:train_rank_info:count_by_job"])}
         counts: dict[tuple[str, str], dict[str | None, int]] = collections.defaultdict(dict)
-        for row in engine.query(y["count_by_value"]):
+        for row in engine.query(y["gpuwatch:train_env_info:count_by_value"]):
             labels = row["metric"]
             counts[labels.get("job", ""), labels["name"]][labels.get("value", "")] = int(float(row["value"][1]))
         selectors = []
@@ -297,12 +311,12 @@ def _stage_peers(engine: Engine, y: Mapping[str, str], result: Plan) -> None:
     yardsticks for the ranks it has without their peers."""
     try:
         counts = {(row["metric"].get("job", ""), row["metric"].get("pp_stage")): int(float(row["value"][1]))
-                  for row in engine.query(y["count_by_stage"])}
-        for row in engine.query(y["median_by_stage"]):
+                  for row in engine.query(y["gpuwatch:train_window_compute_seconds:count_by_stage"])}
+        for row in engine.query(y["gpuwatch:train_window_compute_seconds:median_by_stage"]):
             job, stage = row["metric"].get("job", ""), row["metric"].get("pp_stage")
             result.peers[job, int(stage) if stage else None, "compute_seconds"] = Peers(
                 float(row["value"][1]), counts.get((job, stage), 0))
-        for row in engine.query(y["median_by_job"]):
+        for row in engine.query(y["gpuwatch:train_window_step_seconds:median_by_job"]):
             job = row["metric"].get("job", "")
             result.peers[job, None, "step_seconds"] = Peers(float(row["value"][1]), sum(
                 count for (name, _), count in counts.items() if name == job))

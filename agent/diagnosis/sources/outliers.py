@@ -57,7 +57,7 @@ def _nonfinite(name: str) -> str:
 
 #: Version of the recording rules below; ``SENTINEL`` records it, so the fetch knows the rule file it reads was
 #: loaded whole (a sparse signal's empty answer then means "nothing deviates", not "not recorded").
-RECORDING_RULES_VERSION = 1
+RECORDING_RULES_VERSION = 2
 SENTINEL = "gpuwatch:diagnose:recording_rules"
 #: Recording rules the fetch uses when the engine evaluates them, and the expression each records (the same text as
 #: in alerts/gpuwatch.rules.yml; tests/test_alerts.py holds the two equal). None holds a threshold: the yardsticks,
@@ -99,9 +99,22 @@ RECORDED = {
         " or gpuwatch_train_nonfinite_steps_total > 0)",
     "gpuwatch:train_alloc_trouble:by_instance":
         "group by (instance) (gpuwatch_train_alloc_retries_total > 0 or gpuwatch_train_ooms_total > 0)",
-    "gpuwatch:train_collective_seconds:p99_over_p50":
-        "histogram_quantile(0.99, gpuwatch_train_collective_seconds_bucket)"
-        " / histogram_quantile(0.5, gpuwatch_train_collective_seconds_bucket)",
+    # Each node's largest per-rank figure that a rule compares with a threshold: one series per node, so that the
+    # selector (which holds the threshold) reads a node's worth of samples, not a rank's or a histogram's.
+    "gpuwatch:train_compute_over_stage_median:max_by_instance":
+        "max by (instance) (gpuwatch:train_window_compute_seconds:judged / on (job, pp_stage) group_left () "
+        "gpuwatch:train_window_compute_seconds:median_by_stage)",
+    "gpuwatch:train_input_wait_share:max_by_instance":
+        f'max by (instance) ({WINDOW_MEDIAN}{{timing="dataloader_wait_seconds"}} / ignoring (timing) '
+        f'{WINDOW_MEDIAN}{{timing="step_seconds"}})',
+    "gpuwatch:train_cuda_peak_share:max_by_instance":
+        'max by (instance) (gpuwatch_train_memory_peak_bytes{kind="cuda"} / on (instance) group_left () '
+        "min by (instance) (gpuwatch_gpu_memory_total_bytes))",
+    "gpuwatch:train_collective_tail:max_by_instance":
+        "max by (instance) (histogram_quantile(0.99, gpuwatch_train_collective_seconds_bucket)"
+        " / histogram_quantile(0.5, gpuwatch_train_collective_seconds_bucket))",
+    "gpuwatch:train_grad_cosine:max_by_instance": "max by (instance) (gpuwatch_train_grad_cosine_similarity)",
+    "gpuwatch:train_grad_norm:max_by_instance": "max by (instance) (gpuwatch_train_grad_norm)",
 }
 #: Rules no selector narrows down: they judge a trend or a spread over every rank of a job.
 WHOLE_JOB_RULES = {
@@ -136,24 +149,21 @@ SELECTORS = (
     Selector("InfiniBand/RoCE ports not ACTIVE beside an ACTIVE peer, slower than the node's fastest, or erring",
              ("HW003", "NCCL001", "NCCL002"), lambda t, y: y["gpuwatch:ib_port_unhealthy:by_instance"]),
     Selector("ranks with a non-finite loss or gradient norm, or an exploding one", ("CONV001", "CONV002"),
-             lambda t, y: f'{y["gpuwatch:train_nonfinite:by_instance"]}'
-                          f" or gpuwatch_train_grad_norm > {t('CONV002').max_grad_norm:g}"),
+             lambda t, y: f'{y["gpuwatch:train_nonfinite:by_instance"]} or '
+                          f'{y["gpuwatch:train_grad_norm:max_by_instance"]} > {t("CONV002").max_grad_norm:g}'),
     Selector("ranks that retried allocations or ran out of memory, or peak near their GPU's capacity",
              ("MEM001", "MEM002"), lambda t, y: (
-                 f'{y["gpuwatch:train_alloc_trouble:by_instance"]}'
-                 ' or gpuwatch_train_memory_peak_bytes{kind="cuda"} > on (instance) group_left () '
-                 f"({t('MEM002').max_peak_share:g} * min by (instance) (gpuwatch_gpu_memory_total_bytes))")),
+                 f'{y["gpuwatch:train_alloc_trouble:by_instance"]} or '
+                 f'{y["gpuwatch:train_cuda_peak_share:max_by_instance"]} > {t("MEM002").max_peak_share:g}')),
     Selector("ranks computing beyond k × their stage's median", ("PERF002",), lambda t, y: (
-        f'{y["gpuwatch:train_window_compute_seconds:judged"]} > on (job, pp_stage) group_left () '
-        f"({min(t('PERF002').straggler_ratio, t('PERF002').shared_cpu_ratio):g} * "
-        f'{y["gpuwatch:train_window_compute_seconds:median_by_stage"]})')),
+        f'{y["gpuwatch:train_compute_over_stage_median:max_by_instance"]} > '
+        f"{min(t('PERF002').straggler_ratio, t('PERF002').shared_cpu_ratio):g}")),
     Selector("ranks waiting on input for a large share of their step", ("PERF003",), lambda t, y: (
-        f'{WINDOW_MEDIAN}{{timing="dataloader_wait_seconds"}} / ignoring (timing) '
-        f'{WINDOW_MEDIAN}{{timing="step_seconds"}} > {t("PERF003").max_wait_share:g}')),
+        f'{y["gpuwatch:train_input_wait_share:max_by_instance"]} > {t("PERF003").max_wait_share:g}')),
     Selector("ranks with a heavy collective latency tail", ("NCCL005",), lambda t, y: (
-        f'{y["gpuwatch:train_collective_seconds:p99_over_p50"]} > {t("NCCL005").tail_ratio:g}')),
+        f'{y["gpuwatch:train_collective_tail:max_by_instance"]} > {t("NCCL005").tail_ratio:g}')),
     Selector("ranks with gradients too alike across data-parallel replicas", ("CONV004",), lambda t, y: (
-        f"gpuwatch_train_grad_cosine_similarity > {t('CONV004').min_cosine:g}")),
+        f'{y["gpuwatch:train_grad_cosine:max_by_instance"]} > {t("CONV004").min_cosine:g}')),
     Selector("jobs with an overdue, dead or failed rank", ("HANG001", "HANG002", "HANG003", "HANG004"),
              lambda t, y: f"{STALLED} or {EXITED} or {RAISED}", by=_JOB),
     Selector("jobs whose replicas of one shard hold different parameter checksums", ("CONV003",), lambda t, y: (

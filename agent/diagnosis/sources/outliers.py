@@ -57,7 +57,7 @@ def _nonfinite(name: str) -> str:
 
 #: Version of the recording rules below; ``SENTINEL`` records it, so the fetch knows the rule file it reads was
 #: loaded whole (a sparse signal's empty answer then means "nothing deviates", not "not recorded").
-RECORDING_RULES_VERSION = 2
+RECORDING_RULES_VERSION = 3
 SENTINEL = "gpuwatch:diagnose:recording_rules"
 #: Recording rules the fetch uses when the engine evaluates them, and the expression each records (the same text as
 #: in alerts/gpuwatch.rules.yml; tests/test_alerts.py holds the two equal). None holds a threshold: the yardsticks,
@@ -115,6 +115,12 @@ RECORDED = {
         " / histogram_quantile(0.5, gpuwatch_train_collective_seconds_bucket))",
     "gpuwatch:train_grad_cosine:max_by_instance": "max by (instance) (gpuwatch_train_grad_cosine_similarity)",
     "gpuwatch:train_grad_norm:max_by_instance": "max by (instance) (gpuwatch_train_grad_norm)",
+    # Per job: one of its ranks (its node is read in detail, so that every job has ranks to judge), and per shard
+    # (tensor rank × stage) how many distinct parameter checksums its data-parallel replicas hold.
+    "gpuwatch:train_rank_info:one_by_job": "bottomk by (job) (1, gpuwatch_train_rank_info)",
+    "gpuwatch:train_param_checksum:distinct_by_shard":
+        "count by (job, tp_rank, pp_stage) (count_values by (job, tp_rank, pp_stage) "
+        '("checksum", gpuwatch_train_param_checksum))',
 }
 #: Rules no selector narrows down: they judge a trend or a spread over every rank of a job.
 WHOLE_JOB_RULES = {
@@ -167,8 +173,7 @@ SELECTORS = (
     Selector("jobs with an overdue, dead or failed rank", ("HANG001", "HANG002", "HANG003", "HANG004"),
              lambda t, y: f"{STALLED} or {EXITED} or {RAISED}", by=_JOB),
     Selector("jobs whose replicas of one shard hold different parameter checksums", ("CONV003",), lambda t, y: (
-        "count by (job, tp_rank, pp_stage) (count_values by (job, tp_rank, pp_stage) "
-        '("checksum", gpuwatch_train_param_checksum)) > 1'), by=_JOB),
+        f'{y["gpuwatch:train_param_checksum:distinct_by_shard"]} > 1'), by=_JOB),
     Selector("jobs whose median pipeline bubble is high", ("PERF001",), lambda t, y: (
         f"quantile by (job) (0.5, gpuwatch_train_window_bubble_ratio) "
         f"> {t('PERF001').max_bubble_ratio:g}"), by=_JOB),
@@ -259,7 +264,7 @@ def plan(engine: Engine, overrides: Mapping[str, Mapping[str, float]]) -> Plan:
             rows = engine.query(f"group by (instance) (gpuwatch_train_rank_info{{{_jobs(whole_jobs)}}})")
             result.add((row["metric"]["instance"] for row in rows), "jobs read whole")
         # One node per job (and one node at all), so that every rule has each job's ranks and a node to stand on.
-        rows = engine.query(f"bottomk by ({_JOB}) (1, gpuwatch_train_rank_info) or bottomk (1, gpuwatch_agent_info)")
+        rows = engine.query(f'{yardsticks["gpuwatch:train_rank_info:one_by_job"]} or bottomk (1, gpuwatch_agent_info)')
         result.add((row["metric"]["instance"] for row in rows), "one node per job")
     except QueryError as exc:
         result.fail(REGISTRY, "the jobs' nodes", exc)

@@ -14,8 +14,15 @@ when the engine cannot answer it (a timeout, a partial answer), those rules are 
 source. Rules whose judgement no selector can narrow down (job-wide trends judged over every rank) are reported
 as not run by this fetch, with the way to run them (``--prometheus.fetch full``).
 
-Recording rules (``alerts/gpuwatch.rules.yml``, group ``gpuwatch.diagnose``) precompute the yardsticks; they are
-used when the engine has them, and their expressions are evaluated in the query otherwise.
+Recording rules (``RECORDED``, shipped in ``alerts/gpuwatch.rules.yml``) precompute the yardsticks and
+threshold-free per-node signals, so that with them loaded no query diagnose sends scans every rank or GPU: it reads
+a few recorded series per job, and at most one per node. They are used when the engine evaluates this version of
+them (``SENTINEL``), and their expressions are evaluated in the queries otherwise (same answers, more engine time).
+A selector's threshold stays in the selector, never in a recording rule.
+
+Where a selector is a superset: HW003's peers are narrowed to the link layer (not the HCA model); PERF002's ratio
+is the smaller of its two (a CPU job's larger one is the rule's to apply); HANG002's mismatch is fetched through
+the ranks it leaves overdue; CONV003's checksums through any shard whose replicas disagree, at whatever step.
 """
 
 from __future__ import annotations

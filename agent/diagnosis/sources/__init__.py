@@ -49,16 +49,16 @@ def http_json(url: str, what: str, timeout: float = HTTP_TIMEOUT, config: HttpCo
             meter.requests += 1
             meter.bytes += len(payload)
     except urllib.error.HTTPError as exc:
-        detail = config.redact(exc.read(300).decode("utf-8", "replace").strip())
+        detail = config.redact(exc.read(4096).decode("utf-8", "replace").strip())
         error = _json_error(detail)
         if error is not None:  # the engine's own answer ({"status": "error", ...}): a query problem, said as such
-            raise QueryError(error, timeout=exc.code == 503 or "timeout" in error.lower()) from None
+            raise QueryError(error) from None
         raise SourceError(config.redact(f"{shown} answered HTTP {exc.code} {exc.reason}: is it {what}? "
-                                        f"{' '.join(detail.split())}").rstrip()) from None
+                                        f"{' '.join(detail[:300].split())}").rstrip()) from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         if isinstance(reason, TimeoutError):
-            raise QueryError(f"cannot reach {shown}: no answer within {timeout:g} s", timeout=True) from None
+            raise QueryError(f"cannot reach {shown}: no answer within {timeout:g} s") from None
         raise SourceError(config.redact(f"cannot reach {shown}: {reason}")) from None
     try:
         return json.loads(payload)
@@ -69,10 +69,6 @@ def http_json(url: str, what: str, timeout: float = HTTP_TIMEOUT, config: HttpCo
 class QueryError(SourceError):
     """One query the engine could not answer (a timeout, a rejected expression): the rules that rest on it could
     not run, the others can."""
-
-    def __init__(self, message: str, timeout: bool = False) -> None:
-        super().__init__(message)
-        self.timeout = timeout
 
 
 def _json_error(body: str) -> str | None:

@@ -125,6 +125,12 @@ def cluster(start_agent, prometheus_server, tmp_path) -> Iterator[tuple[list[str
                        and _count(url, "count(gpuwatch_ib_port_up)") > 0
                        and _count(url, "count(gpuwatch_train_env_info)") == 1,
                        timeout=90, what=f"8 ranks with full windows in {url}")
+        # The recorded signals lag the samples by up to an evaluation: wait until they show the planted faults.
+        wait_until(lambda: all(_count(prometheus.url, f"count({name})") == count for name, count in (
+            ("gpuwatch:train_nonfinite:by_instance", 1), ("gpuwatch:train_alloc_trouble:by_instance", 1),
+            ("gpuwatch:train_env_info:count_by_value", 1))) and _count(
+                prometheus.url, "sum(gpuwatch:train_window_compute_seconds:count_by_stage)") == 8,
+                   timeout=90, what="the recording rules over the planted faults")
         yield targets, prometheus, vm
     finally:
         vm.stop()

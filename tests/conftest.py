@@ -127,18 +127,22 @@ def require_tool(name: str) -> str:
 class PrometheusServer:
     """A real Prometheus server on 127.0.0.1 with a temporary TSDB."""
 
-    def __init__(self, workdir: Path, scrape_targets: list[str], scrape_interval: str = "1s") -> None:
+    def __init__(self, workdir: Path, scrape_targets: list[str], scrape_interval: str = "1s",
+                 honor_labels: bool = False, extra_args: tuple[str, ...] | list[str] = (),
+                 settings: dict | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = workdir / "prometheus.yml"
         config.write_text(json.dumps({
             "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
-            "scrape_configs": [{"job_name": "gpuwatch", "static_configs": [{"targets": scrape_targets}]}],
+            "scrape_configs": [{"job_name": "gpuwatch", "honor_labels": honor_labels,
+                                "static_configs": [{"targets": scrape_targets}]}],
+            **(settings or {}),
         }))
         self.log = (workdir / "prometheus.log").open("w")
         self.proc = subprocess.Popen(
             [require_tool("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={workdir / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle"],
+             f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle", *extra_args],
             stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "GOMAXPROCS": "1"},
         )
         wait_until(lambda: http_get(self.url + "/-/ready", timeout=1)[0] == 200, what="prometheus ready")

@@ -122,3 +122,15 @@ def test_export_without_base_ships_the_rules_unchanged(tmp_path):
     result = CliRunner().invoke(main, ["alerts", "export", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert (tmp_path / RULES_FILE).read_text() == RULES.read_text()
+
+
+def test_the_outlier_fetch_records_what_the_rule_file_records():
+    """The outlier fetch uses the shipped recording rules when the engine has them and their expressions when it
+    has not: the two must be the same text, or the fetch would judge differently with and without the rules."""
+    from gpuwatch.agent.diagnosis.sources.outliers import RECORDED
+
+    document = yaml.safe_load((Path(__file__).parent.parent / "alerts" / "gpuwatch.rules.yml").read_text())
+    recorded = {rule["record"]: " ".join(rule["expr"].split())
+                for group in document["groups"] for rule in group["rules"] if "record" in rule}
+    assert {name: " ".join(expr.split()) for name, expr in RECORDED.items()} == \
+        {name: recorded.get(name) for name in RECORDED}

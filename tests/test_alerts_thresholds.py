@@ -66,6 +66,8 @@ PARITY = [
     ("GpuThermalThrottling", "HW005 min_load", _number(r"utilization_ratio > ([\d.]+)"),
      _threshold("HW005", "min_load")),
     ("GpuThermalThrottling", "HW005's slowdown reasons", _classes(r'reason=~"([^"]+)"'), frozenset(SLOWDOWN_REASONS)),
+    ("gpuwatch:gpu_slowdown:by_instance", "HW005's slowdown reasons", _classes(r'reason=~"([^"]+)"'),
+     frozenset(SLOWDOWN_REASONS)),
     ("GpuXidError", "HW004's application Xids (not paged)", _classes(r'xid!~"([^"]+)"'), APPLICATION_XIDS),
     ("TrainingRankMissingAtCollective", "HANG001 stall_seconds", _number(r"gpuwatch_train_stalled_seconds >= ([\d.]+)"),
      _threshold("HANG001", "stall_seconds")),

@@ -54,14 +54,18 @@ def test_template_series_are_what_the_agent_exports(tmp_path):
 
 
 @pytest.mark.usefixtures("generous_collector_timeout")
-def test_sixteen_node_cluster_diagnosis_finds_exactly_the_planted_faults(tmp_path):
+def test_sixteen_node_cluster_diagnosis_finds_exactly_the_planted_faults(tmp_path, monkeypatch):
+    """The outlier fetch, with the shipped recording rules, finds exactly the planted faults; the full pull runs
+    beside it (the bytes' yardstick); the TSDB is backfilled in two chunks of nodes, as large sizes need."""
     require_tool("promtool")
     require_tool("prometheus")
+    monkeypatch.setattr(cluster_diagnosis, "BACKFILL_CHUNK", 8)
     template = cluster_diagnosis.capture_template(tmp_path)
-    run = cluster_diagnosis.measure(template, 16, repeat=1, workdir=tmp_path)
+    run = cluster_diagnosis.measure(template, 16, repeat=1, workdir=tmp_path, full=True)
     plan = cluster_diagnosis.Plan(16)
     assert run.found == plan.expected()
     assert run.series == 16 * len(template)
+    assert run.queries > 0 and run.bytes_received > 0 and run.full_bytes is not None and run.slowest
     assert ("NCCL001", cluster_diagnosis.node_name(1)) in run.found  # the environment reaches Prometheus
 
 

@@ -24,8 +24,8 @@ HEALTHY_MEMORY = {"kind": "cuda", "peak_bytes": 3 << 30, "allocated_bytes": 2 <<
                   "inactive_split_bytes": 1 << 20, "alloc_retries": 0, "ooms": 0}
 
 
-def _diagnose(url: str) -> dict:
-    result = CliRunner().invoke(main, ["diagnose", "--prometheus", url, "--format", "json"])
+def _diagnose(url: str, *extra: str) -> dict:
+    result = CliRunner().invoke(main, ["diagnose", "--prometheus", url, "--format", "json", *extra])
     assert result.exit_code in (0, 1), result.output
     return json.loads(result.output)
 
@@ -38,9 +38,10 @@ def test_every_variable_a_rule_reads_is_exported():
     assert read and read <= set(EXPORTED_ENV)
 
 
-def test_nccl001_fires_through_prometheus(start_agent, prometheus_server):
+@pytest.mark.parametrize("honor_labels", [False, True])
+def test_nccl001_fires_through_prometheus(start_agent, prometheus_server, honor_labels):
     agent = start_agent("--simulate", "dgx-h100", "--interval", "0.5", "--node", "node-a")
-    prometheus = prometheus_server([f"127.0.0.1:{agent.port}"], scrape_interval="1s")
+    prometheus = prometheus_server([f"127.0.0.1:{agent.port}"], scrape_interval="1s", honor_labels=honor_labels)
     uuids = [gpu["uuid"] for gpu in agent.state()["facts"]["nvml"]["gpus"]]
     too_long = "x" * (MAX_EXPORTED_ENV_VALUE_CHARS + 1)
     environments = {rank: {"NCCL_DEBUG": "WARN", "NCCL_SOCKET_IFNAME": too_long} for rank in range(4)}
@@ -64,3 +65,10 @@ def test_nccl001_fires_through_prometheus(start_agent, prometheus_server):
     assert "NCCL_IB_DISABLE=1" in finding["evidence"][0]["text"]
     assert "rank 1" in json.dumps(finding) and JOB in json.dumps(finding)
     assert "NCCL001" not in {item["code"] for item in document["not_run"]}
+
+    # The outlier fetch finds the same (the rank whose environment differs from its job's majority is read in
+    # detail); without honor_labels it says it pulled every series instead.
+    outliers = _diagnose(prometheus.url, "--prometheus.fetch", "outliers")
+    assert outliers["sources"][0]["fetch"] == ("outliers" if honor_labels else "full")
+    assert [f for f in outliers["findings"] if f["code"] == "NCCL001"] == [finding]
+    assert honor_labels or any("without honor_labels" in note for note in outliers["notes"])

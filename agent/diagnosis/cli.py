@@ -21,7 +21,8 @@ from gpuwatch.agent.cli import DEFAULT_PORT
 from gpuwatch.agent.diagnosis import engine, report
 from gpuwatch.agent.diagnosis.facts import Facts
 from gpuwatch.agent.diagnosis.registry import REGISTRY, Severity
-from gpuwatch.agent.diagnosis.sources import SourceError, agent, local, prometheus, run_log
+from gpuwatch.agent.diagnosis.sources import HTTP_TIMEOUT, SourceError, agent, httpconfig, local, prometheus, run_log
+from gpuwatch.agent.diagnosis.sources.httpconfig import HttpConfig
 
 #: Where ``gpuwatch diagnose`` without a source looks for the node's agent (ranks' environment and telemetry).
 DEFAULT_AGENT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
@@ -47,15 +48,27 @@ def _local_with_agent_ranks(sysfs_root: Path) -> Facts:
     return facts
 
 
+@dataclasses.dataclass(frozen=True)
+class PromQLAccess:
+    """How ``--prometheus`` reaches its engine and fetches: the http config, the query timeout, the fetch mode,
+    and the thresholds the outlier selectors compare with."""
+
+    config: HttpConfig
+    timeout: float
+    fetch: str
+    overrides: engine.Overrides
+
+
 def _gather(agent_urls: tuple[str, ...], run_log_path: Path | None, prometheus_url: str | None, preflight: bool,
-            sysfs_root: Path) -> Facts:
+            sysfs_root: Path, access: PromQLAccess) -> Facts:
     loaders: list[Callable[[], Facts]] = []
     if preflight:
         loaders.append(lambda: local.collect(sysfs_root, env=os.environ))
     for url in agent_urls:  # one per node: a job's ranks across the nodes, judged together
         loaders.append(functools.partial(agent.fetch, url))
     if prometheus_url:
-        loaders.append(lambda: prometheus.fetch(prometheus_url))
+        loaders.append(lambda: prometheus.fetch(prometheus_url, access.timeout, access.config, access.fetch,
+                                                access.overrides))
     if run_log_path:
         loaders.append(lambda: run_log.read(run_log_path))
     if not loaders:
@@ -80,6 +93,18 @@ def _fail(message: str) -> NoReturn:
               "directory of them (gpuwatch train --run-log DIR).")
 @click.option("--prometheus", "prometheus_url", metavar="URL",
               help="Judge every node and rank a Prometheus server scrapes (instant queries over its HTTP API).")
+@click.option("--http.config.file", "http_config_path", type=click.Path(dir_okay=False, path_type=Path),
+              metavar="FILE", help="Prometheus' HTTP client config for --prometheus (as promtool's flag of the same "
+              "name): basic_auth, authorization, tls_config, http_headers (e.g. X-Scope-OrgID for Mimir).")
+@click.option("--query.timeout", "query_timeout", type=click.FloatRange(min=0, min_open=True), default=HTTP_TIMEOUT,
+              show_default=True, metavar="SECONDS",
+              help="How long the engine may spend on one --prometheus query (sent as its timeout parameter).")
+@click.option("--prometheus.fetch", "fetch_mode", type=click.Choice(prometheus.FETCH_MODES), default="auto",
+              show_default=True, help="full: pull every series; outliers: aggregate in PromQL and read only deviating "
+              f"nodes and one node per job; auto: full up to {prometheus.AUTO_FULL_MAX_NODES} nodes.")
+@click.option("--allow-partial", is_flag=True,
+              help="Do not let --fail-on count rules that could not run because the source could not answer them "
+              "(a timeout, a partial answer).")
 @click.option("--preflight", is_flag=True,
               help="Check the current shell's NCCL environment against this node, before launching a job.")
 @click.option("--select", metavar="CODES", help="Run only rules whose code starts with one of these (comma-separated).")
@@ -94,7 +119,8 @@ def _fail(message: str) -> NoReturn:
               help="Exit with status 1 when a finding at this severity or worse exists.")
 @click.option("--list-rules", is_flag=True, help="Print the rule catalogue and exit.")
 @click.option("--explain", metavar="CODE", help="Print one rule's reasoning, thresholds and needs, and exit.")
-def diagnose(agent_urls: tuple[str, ...], run_log_path: Path | None, prometheus_url: str | None, preflight: bool,
+def diagnose(agent_urls: tuple[str, ...], run_log_path: Path | None, prometheus_url: str | None,
+             http_config_path: Path | None, query_timeout: float, fetch_mode: str, allow_partial: bool, preflight: bool,
              select: str | None, ignore: str | None, sysfs_root: Path, config_path: Path | None,
              output_format: str, fail_on: str, list_rules: bool, explain: str | None) -> None:
     """Find what slows, hangs or derails training, with the evidence and the fix.
@@ -110,7 +136,8 @@ def diagnose(agent_urls: tuple[str, ...], run_log_path: Path | None, prometheus_
     try:
         rules = engine.select(_codes(select), _codes(ignore))
         overrides = engine.load_config(config_path) if config_path else {}
-    except (engine.SelectionError, engine.ConfigError) as exc:
+        http_config = httpconfig.load(http_config_path) if http_config_path else HttpConfig()
+    except (engine.SelectionError, engine.ConfigError, httpconfig.HttpConfigError) as exc:
         _fail(str(exc))
     if list_rules:
         if output_format == "json":
@@ -120,13 +147,22 @@ def diagnose(agent_urls: tuple[str, ...], run_log_path: Path | None, prometheus_
             click.echo(report.render_rules(rules), nl=False)
         return
     try:
-        facts = _gather(agent_urls, run_log_path, prometheus_url, preflight, sysfs_root)
+        facts = _gather(agent_urls, run_log_path, prometheus_url, preflight, sysfs_root,
+                        PromQLAccess(http_config, query_timeout, fetch_mode, overrides))
     except SourceError as exc:
-        _fail(str(exc))
+        _fail(http_config.redact(str(exc)))
     result = engine.run(facts, rules, overrides)
     if output_format == "json":
         click.echo(json.dumps(report.to_json(result), indent=2, allow_nan=False))
     else:
         click.echo(report.render_text(result), nl=False)
-    if fail_on != "never" and any(f.severity >= Severity[fail_on.upper()] for f in result.findings):
+    if fail_on == "never":
+        return
+    unanswered = [skipped.code for skipped in result.skipped if skipped.cause == "source"]
+    if unanswered and not allow_partial:
+        click.echo(f"gpuwatch diagnose: {len(unanswered)} rule(s) could not run because the source could not answer "
+                   f"({', '.join(unanswered)}): failing, as --fail-on {fail_on} cannot pass what was not judged "
+                   "(--allow-partial to accept it)", err=True)
+        raise click.exceptions.Exit(1)
+    if any(f.severity >= Severity[fail_on.upper()] for f in result.findings):
         raise click.exceptions.Exit(1)

@@ -98,6 +98,9 @@ def load_config(path: Path) -> dict[str, dict[str, float]]:
 class Skipped:
     code: str
     reason: str
+    #: "facts" (a need unmet), "source" (the source could not answer: a timeout, a partial answer) or "fetch" (what
+    #: the source fetched cannot show what the rule judges)
+    cause: str = "facts"
 
 
 @dataclasses.dataclass
@@ -127,6 +130,10 @@ def run(facts: Facts, rules: Iterable[Rule] | None = None, overrides: Overrides 
     ran: list[str] = []
     skipped: list[Skipped] = []
     for rule in catalogue() if rules is None else rules:
+        unjudged = facts.unjudged.get(rule.code)
+        if unjudged is not None:
+            skipped.append(Skipped(rule.code, unjudged.reason, "source" if unjudged.source else "fetch"))
+            continue
         reason = rule.missing(facts)
         if reason is not None:
             skipped.append(Skipped(rule.code, reason))

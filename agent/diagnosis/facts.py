@@ -371,6 +371,30 @@ RATED_BY = {"nvlink": "nvlinks", "infiniband": "ib_ports", "roce": "ib_ports"}
 class SourceInfo:
     kind: str  # "local", "preflight", "agent", "run_log", "prometheus"
     location: str
+    #: What a query engine cost (Prometheus): how its facts were fetched ("full" or "outliers"), the queries sent,
+    #: the bytes received and the nodes it saw (in detail or only through aggregates); None for other sources.
+    fetch: str | None = None
+    queries: int | None = None
+    bytes_received: int | None = None
+    nodes: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Peers:
+    """A peer group's yardstick computed where the data is (PromQL), for a source that fetched only some of the
+    group's ranks: the median of a window timing over all ``ranks`` ranks that have it judged."""
+
+    median: float
+    ranks: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Unjudged:
+    """Why a rule cannot be run on what a source fetched: the source could not answer (``source``: a timeout, a
+    partial answer; ``--fail-on`` counts it), or the source's way of fetching cannot show what the rule judges."""
+
+    reason: str
+    source: bool
 
 
 @dataclasses.dataclass
@@ -382,6 +406,11 @@ class Facts:
     sources: list[SourceInfo] = dataclasses.field(default_factory=list)
     #: What the sources want the reader to know (bad run-log lines, a collector down).
     notes: list[str] = dataclasses.field(default_factory=list)
+    #: Yardsticks of peer groups whose ranks were not all fetched, by (job, pipeline stage or None for the whole
+    #: job, window timing); rules comparing a rank with its peers read them where the ranks at hand are fewer.
+    peers: dict[tuple[str, int | None, str], Peers] = dataclasses.field(default_factory=dict)
+    #: Rules a source says cannot be run on its facts, by code, with the reason.
+    unjudged: dict[str, Unjudged] = dataclasses.field(default_factory=dict)
 
     def jobs(self) -> dict[str, list[RankFacts]]:
         """Ranks by job, each list sorted by rank."""
@@ -424,6 +453,9 @@ class Facts:
             self.bandwidth = [*(self.bandwidth or ()), *other.bandwidth]
         self.sources.extend(other.sources)
         self.notes.extend(other.notes)
+        self.peers.update(other.peers)
+        for code, unjudged in other.unjudged.items():
+            self.unjudged.setdefault(code, unjudged)
 
 
 def _fill(target: Any, source: Any) -> None:

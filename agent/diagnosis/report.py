@@ -3,6 +3,7 @@ JSON with a stable schema for automation (docs/diagnose-report.schema.json, ``RE
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -34,11 +35,13 @@ def to_json(report: Report) -> dict[str, Any]:
         "schema_version": REPORT_SCHEMA_VERSION,
         "gpuwatch_version": __version__,
         "generated_at": time.time(),
-        "sources": [{"kind": source.kind, "location": source.location} for source in facts.sources],
+        "sources": [{key: value for key, value in dataclasses.asdict(source).items() if value is not None}
+                    for source in facts.sources],
         "summary": {**counts(report), "rules_run": len(report.ran), "rules_not_run": len(report.skipped),
                     "nodes": len(facts.nodes), "ranks": len(facts.ranks)},
         "findings": [_finding_json(finding) for finding in report.findings],
-        "not_run": [{"code": skipped.code, "reason": skipped.reason} for skipped in report.skipped],
+        "not_run": [{"code": skipped.code, "reason": skipped.reason, "cause": skipped.cause}
+                    for skipped in report.skipped],
         "notes": list(facts.notes),
     })
 
@@ -62,8 +65,10 @@ def render_text(report: Report) -> str:
     sources = ", ".join(f"{source.kind} {source.location}" for source in facts.sources) or "none"
     summary = ", ".join(click.style(f"{count} {label}", fg=_COLOURS[Severity[label.upper()]], bold=count > 0)
                         for label, count in totals.items())
+    known = sum(source.nodes or 0 for source in facts.sources if source.fetch == "outliers")
+    aggregated = f" in detail, {known} through the engine's aggregates" if known else ""
     lines = [f"gpuwatch diagnose: {summary}",
-             f"  {len(facts.nodes)} node(s), {len(facts.ranks)} rank(s) from {sources}; "
+             f"  {len(facts.nodes)} node(s), {len(facts.ranks)} rank(s){aggregated} from {sources}; "
              f"{len(report.ran)} rule(s) run, {len(report.skipped)} not run", ""]
     for severity in sorted(Severity, reverse=True):
         findings = [finding for finding in report.findings if finding.severity is severity]
@@ -80,8 +85,9 @@ def render_text(report: Report) -> str:
         lines += ["No findings.", ""]
     if report.skipped:
         lines.append(click.style(f"Not run ({len(report.skipped)}):", dim=True))
-        for reason, skipped in group_by(report.skipped, lambda s: s.reason):
-            lines.append(f"  {', '.join(s.code for s in skipped)}: {reason}")
+        for (reason, cause), skipped in group_by(report.skipped, lambda s: (s.reason, s.cause)):
+            marker = "the source could not answer: " if cause == "source" else ""
+            lines.append(f"  {', '.join(s.code for s in skipped)}: {marker}{reason}")
         lines.append("")
     if facts.notes:
         lines.append("Notes:")

@@ -169,7 +169,11 @@ def straggler(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
         step_times = [s for r in timed if (s := windowed(r, "step_seconds")) is not None]
         if not step_times:
             continue
-        step = median(step_times)
+        # A source that fetched only some of the job's ranks (--prometheus's outlier fetch) brings the yardsticks
+        # of all of them, computed where the data is (facts.peers): the median then includes the judged rank.
+        whole_step = facts.peers.get((job, None, "step_seconds"))
+        step = whole_step.median if whole_step is not None and whole_step.ranks > len(step_times) \
+            else median(step_times)
         sharing = cpu_sharing(facts, ranks)
         on_cpus = all(r.gpu_uuid is None and r.gpu_index is None for r in timed)
         if on_cpus and not sharing:
@@ -178,11 +182,16 @@ def straggler(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
                                 {"cpu_ranks": len(timed)})]
         threshold = max(t.straggler_ratio, t.shared_cpu_ratio) if sharing else t.straggler_ratio
         slow: list[tuple[float, RankFacts, float]] = []
-        for _, peers in group_by(timed, lambda r: r.layout.pp_stage):
-            if len(peers) < 2:
-                continue
+        for stage, peers in group_by(timed, lambda r: r.layout.pp_stage):
             seconds = [computes[r.rank] for r in peers]
-            for rank, own, typical in zip(peers, seconds, medians_of_others(seconds), strict=True):
+            whole = facts.peers.get((job, stage, "compute_seconds"))
+            if whole is not None and whole.ranks > len(peers):
+                typicals = [whole.median] * len(peers)
+            elif len(peers) < 2:
+                continue
+            else:
+                typicals = medians_of_others(seconds)
+            for rank, own, typical in zip(peers, seconds, typicals, strict=True):
                 if own >= threshold * typical and own - typical >= t.min_step_share * step:
                     slow.append((own / typical, rank, typical))
         if not slow:

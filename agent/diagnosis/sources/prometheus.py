@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 import math
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from gpuwatch.agent.collectors.host import CPUS
@@ -38,6 +38,7 @@ from gpuwatch.agent.collectors.telemetry import (
     WINDOW_GAUGES,
     WINDOW_MEDIAN,
 )
+from gpuwatch.agent.diagnosis import needs
 from gpuwatch.agent.diagnosis.facts import (
     BandwidthMeasurement,
     CollectiveFacts,
@@ -54,10 +55,13 @@ from gpuwatch.agent.diagnosis.facts import (
     Sampled,
     SourceInfo,
     StepFacts,
+    Unjudged,
     group_members,
 )
-from gpuwatch.agent.diagnosis.sources import HTTP_TIMEOUT, SourceError, http_json
+from gpuwatch.agent.diagnosis.registry import REGISTRY
+from gpuwatch.agent.diagnosis.sources import HTTP_TIMEOUT, Meter, QueryError, SourceError, http_json, outliers
 from gpuwatch.agent.diagnosis.sources.collectors import GPU_GAUGES_READ, PARTS, hca_model, read_by
+from gpuwatch.agent.diagnosis.sources.httpconfig import HttpConfig
 from gpuwatch.agent.telemetry.window import WindowSummary
 from gpuwatch.protocol.ranks import parse_members
 
@@ -88,19 +92,45 @@ _RANK_SERIES = "|".join(["gpuwatch_train_rank_info", "gpuwatch_train_env_info", 
 _RANK_KEY = "instance, job, exported_job, rank"
 
 
-class _Api:
-    def __init__(self, url: str, timeout: float) -> None:
+#: Longer query URLs are POSTed (an outlier fetch's scope names many nodes): proxies and engines limit URLs to a
+#: few KiB (Go's net/http reads 1 MiB of headers; nginx's default buffer is 8 KiB), and every engine takes both.
+MAX_GET_URL = 4096
+
+
+class Api:
+    """A PromQL engine's instant-query API (Prometheus, Thanos, Mimir, VictoriaMetrics): queries carry the
+    engine-side ``timeout`` and count what they cost; long ones are POSTed (``MAX_GET_URL``). An answer
+    the engine marks partial or sends with warnings is no answer: judged on it, a rule could pass what it never saw.
+    """
+
+    def __init__(self, url: str, timeout: float = HTTP_TIMEOUT, config: HttpConfig | None = None) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.username is not None or parts.password is not None:  # said without them: never printed
+            raise SourceError("the --prometheus URL carries credentials (user:password@): put them in "
+                              "--http.config.file (basic_auth), where they are read from a file and never shown")
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self.config = config or HttpConfig()
+        self.meter = Meter()
 
     def query(self, expr: str) -> list[dict[str, Any]]:
-        """An instant query's result (vector or matrix samples); any failure is a SourceError."""
-        url = f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}"
-        answer = http_json(url, "a Prometheus server", self.timeout)
+        """An instant query's result (vector or matrix samples). A query the engine could not answer whole is a
+        QueryError; an engine that is none (or unreachable) a SourceError."""
+        form = {"query": expr, "timeout": f"{self.timeout:g}s"}
+        url = f"{self.url}/api/v1/query?{urllib.parse.urlencode(form)}"
+        long = len(url) > MAX_GET_URL
+        answer = http_json(f"{self.url}/api/v1/query" if long else url, "a PromQL engine (Prometheus HTTP API)",
+                           self.timeout + TIMEOUT_GRACE, self.config, form=form if long else None, meter=self.meter)
         if not isinstance(answer, dict) or answer.get("status") not in ("success", "error"):
-            raise SourceError(f"{self.url} is not a Prometheus HTTP API (unexpected answer to /api/v1/query)")
+            raise SourceError(f"{self.config.redact(self.url)} is not a Prometheus HTTP API (unexpected answer to "
+                              "/api/v1/query)")
         if answer["status"] == "error":
-            raise SourceError(f"{self.url} rejected the query {expr!r}: {answer.get('error')}")
+            raise QueryError(f"{answer.get('errorType', 'error')}: {answer.get('error')}")
+        warnings = [str(warning) for warning in answer.get("warnings") or ()]
+        if answer.get("isPartial"):  # VictoriaMetrics: some storage nodes did not answer
+            warnings.append("the engine marked the answer partial (isPartial)")
+        if warnings:
+            raise QueryError("partial answer: " + "; ".join(warnings))
         return answer["data"]["result"]
 
 
@@ -113,21 +143,87 @@ def _int(text: str | None) -> int | None:
     return int(text) if text not in (None, "") else None
 
 
-def fetch(url: str, timeout: float = HTTP_TIMEOUT) -> Facts:
-    return _Reader(_Api(url, timeout)).read()
+#: Seconds the client waits beyond the engine-side query timeout, so that the engine's own timeout answer (which
+#: names the query) arrives before the socket gives up.
+TIMEOUT_GRACE = 5.0
+#: ``--prometheus.fetch auto`` pulls every series up to this many nodes (a few MB at most, and every rule runs) and
+#: fetches outliers above it.
+AUTO_FULL_MAX_NODES = 64
+FETCH_MODES = ("auto", "full", "outliers")
+
+
+def fetch(url: str, timeout: float = HTTP_TIMEOUT, config: HttpConfig | None = None, mode: str = "auto",
+          overrides: Mapping[str, Mapping[str, float]] | None = None) -> Facts:
+    """Facts of every node and rank the engine knows of: pulled whole (``full``), or (``outliers``) judged through
+    aggregates computed by the engine, with only the deviating nodes, the jobs whose rules need them whole and one
+    node per job fetched in detail. ``overrides`` are ``--config``'s thresholds: the outlier selectors use the
+    thresholds the rules will judge with."""
+    return read(Api(url, timeout, config), mode, overrides)
+
+
+def read(api: Api, mode: str = "auto", overrides: Mapping[str, Mapping[str, float]] | None = None) -> Facts:
+    """``fetch`` through a given API (the benchmark times each query through its own)."""
+    if mode not in FETCH_MODES:
+        raise SourceError(f"unknown fetch mode {mode!r} (one of {', '.join(FETCH_MODES)})")
+    nodes = _count(api, "count(gpuwatch_agent_info)")
+    if not nodes:
+        raise SourceError(f"{api.url} has no gpuwatch_agent_info series: it scrapes no gpuwatch agent")
+    if mode == "auto":
+        mode = "full" if nodes <= AUTO_FULL_MAX_NODES else "outliers"
+    reader = _Reader(api)
+    if mode == "outliers" and _count(api, 'count(gpuwatch_train_rank_info{exported_job!=""})'):
+        mode = "full"  # the aggregates group by `job`, as the alerts do: they would lump every job together
+        reader.facts.notes.append(
+            f"{api.url}: the agents are scraped without honor_labels (training jobs in exported_job), which the "
+            "outlier fetch's aggregates and the alerts assume: every series was pulled instead")
+    if mode == "outliers":
+        plan = outliers.plan(api, overrides or {})
+        reader.scope = outliers.instance_matcher(plan.instances)
+        reader.facts.peers = plan.peers
+        reader.facts.unjudged.update(plan.unjudged)
+        reader.facts.notes.append(
+            f"{api.url}: {nodes} node(s) judged through PromQL aggregates; {len(plan.instances)} fetched in detail "
+            f"({plan.describe()})")
+    facts = reader.read()
+    facts.sources[0] = SourceInfo("prometheus", api.url, fetch=mode, queries=api.meter.requests,
+                                  bytes_received=api.meter.bytes, nodes=nodes)
+    return facts
+
+
+#: The needs each read's facts serve: a read that fails leaves the rules with one of these needs unjudged ("ranks":
+#: every rule needing any rank fact, i.e. a need that is not a node part's).
+_NODE_NEEDS = {"gpus": (needs.GPUS, needs.GPU_CAPACITY), "nvlinks": (needs.NVLINKS,), "ib_ports": (needs.IB_PORTS,),
+               "bandwidth": (needs.BANDWIDTH,)}
+
+
+def rules_reading(part: str) -> list[str]:
+    """The codes of the rules resting on a read (``_Reader._parts``)."""
+    node_needs = {need for group in _NODE_NEEDS.values() for need in group}
+    wanted = node_needs if part == "nodes" else set(_NODE_NEEDS.get(part, ()))
+    return [rule.code for rule in REGISTRY.values()
+            if (set(rule.needs) & wanted) or (part == "ranks" and set(rule.needs) - node_needs)]
+
+
+def _count(api: Api, expr: str) -> int:
+    """A scalar count from a one-sample vector (0 when the vector is empty)."""
+    result = api.query(expr)
+    return int(_value(result[0])) if result else 0
 
 
 class _Reader:
     """One diagnosis' worth of queries, turned into Facts."""
 
-    def __init__(self, api: _Api) -> None:
+    def __init__(self, api: Api) -> None:
         self.api = api
+        #: A label matcher every selector carries (``instance=~"…"``: the nodes an outlier fetch reads in detail);
+        #: empty for a full pull.
+        self.scope = ""
         self.nodes: dict[str, NodeFacts] = {}  # by instance
         self.facts = Facts(sources=[SourceInfo("prometheus", api.url)])
         self.gpu_of_rank: dict[tuple[str, str, str | None], tuple[int, str | None]] = {}  # (node, job, rank) -> GPU
 
     def read(self) -> Facts:
-        agents = self.api.query("gpuwatch_agent_info")
+        agents = self.api.query(self.sel("gpuwatch_agent_info"))
         if not agents:
             raise SourceError(f"{self.api.url} has no gpuwatch_agent_info series: it scrapes no gpuwatch agent")
         for sample in agents:
@@ -136,14 +232,29 @@ class _Reader:
             self.nodes[labels.get("instance", name)] = self.facts.nodes[name] = NodeFacts(
                 name=name, simulated=labels.get("mode") == "simulated",
                 missing={"interfaces": "network interfaces are not exported to Prometheus"})
-        self._collectors()
-        self._cpus()
-        self._gpus()
-        self._nvlinks()
-        self._ib_ports()
-        self._ranks()
-        self._bandwidth()
+        for part, read in self._parts():
+            try:
+                read()
+            except QueryError as exc:
+                self._unjudged(part, str(exc))
         return self.facts
+
+    def _parts(self) -> list[tuple[str, Callable[[], None]]]:
+        """The reads, each named after the ``needs`` of the rules its facts serve (``_PART_NEEDS``)."""
+        return [("nodes", self._collectors), ("nodes", self._cpus), ("gpus", self._gpus),
+                ("nvlinks", self._nvlinks), ("ib_ports", self._ib_ports), ("ranks", self._ranks),
+                ("bandwidth", self._bandwidth)]
+
+    def _unjudged(self, part: str, reason: str) -> None:
+        """A read the engine could not answer whole: every rule resting on its facts could not run, and says so."""
+        what = f"the {part.replace('_', ' ')} query failed: {self.api.config.redact(reason)}"
+        self.facts.notes.append(f"{self.api.url}: {what}")
+        for code in rules_reading(part):
+            self.facts.unjudged.setdefault(code, Unjudged(what, source=True))
+
+    def sel(self, name: str, matchers: str = "") -> str:
+        """A vector selector of ``name`` (may be empty, with ``__name__`` in ``matchers``) within the scope."""
+        return f"{name}{{{', '.join(filter(None, (matchers, self.scope)))}}}"
 
     def _node_samples(self, expr: str) -> Iterator[tuple[NodeFacts, dict[str, str], dict[str, Any]]]:
         for sample in self.api.query(expr):
@@ -154,7 +265,7 @@ class _Reader:
     def _collectors(self) -> None:
         """A part whose collector is up starts known (empty); one that is down or absent stays unknown."""
         up: dict[str, dict[str | None, float]] = collections.defaultdict(dict)
-        for node, labels, sample in self._node_samples("gpuwatch_collector_up"):
+        for node, labels, sample in self._node_samples(self.sel("gpuwatch_collector_up")):
             up[node.name][labels.get("collector")] = _value(sample)
         for node in self.nodes.values():
             for collector, part in PARTS.items():
@@ -169,7 +280,7 @@ class _Reader:
 
     def _cpus(self) -> None:
         """Each node's logical CPUs: where CPU ranks outnumber them, the timing rules discount the wait for a CPU."""
-        for node, _, sample in self._node_samples(CPUS.name):
+        for node, _, sample in self._node_samples(self.sel(CPUS.name)):
             node.cpus = _int_or_none(_value(sample))
 
     def _gpu(self, node: NodeFacts, index: str | None) -> GpuFacts | None:
@@ -183,7 +294,7 @@ class _Reader:
         return found
 
     def _gpus(self) -> None:
-        for node, labels, sample in self._node_samples(f'{{__name__=~"{_GPU_SERIES}"}}'):
+        for node, labels, sample in self._node_samples(self.sel("", f'__name__=~"{_GPU_SERIES}"')):
             name, value = labels["__name__"], _value(sample)
             if name == "gpuwatch_gpu_job_info":
                 self.gpu_of_rank[node.name, _job(labels), labels.get("rank")] = (int(labels["gpu"]), labels.get("uuid"))
@@ -203,13 +314,14 @@ class _Reader:
                 setattr(gpu, field, int(value))
             else:
                 setattr(gpu, _GPU_GAUGES[name], value)
-        for node, labels, _ in self._node_samples("count by (instance, gpu) (gpuwatch_gpu_clock_event_active)"):
+        for node, labels, _ in self._node_samples(
+                f"count by (instance, gpu) ({self.sel('gpuwatch_gpu_clock_event_active')})"):
             if (gpu := self._gpu(node, labels.get("gpu"))) is not None:
                 gpu.clock_event_reasons = ()
-        for node, labels, _ in self._node_samples("gpuwatch_gpu_clock_event_active == 1"):
+        for node, labels, _ in self._node_samples(self.sel("gpuwatch_gpu_clock_event_active") + " == 1"):
             if (gpu := self._gpu(node, labels.get("gpu"))) is not None:
                 gpu.clock_event_reasons = (*(gpu.clock_event_reasons or ()), labels["reason"])
-        faults = '{__name__=~"gpuwatch_gpu_(xid_errors|ecc_volatile_errors)_total"} > 0'
+        faults = self.sel("", '__name__=~"gpuwatch_gpu_(xid_errors|ecc_volatile_errors)_total"') + " > 0"
         for node, labels, sample in self._node_samples(faults):
             gpu = self._gpu(node, labels.get("gpu"))
             if gpu is None:
@@ -225,16 +337,16 @@ class _Reader:
 
     def _nvlinks(self) -> None:
         links: dict[tuple[str, int], NvlinkFacts] = {}
-        for node, labels, sample in self._node_samples("count by (instance, gpu) (gpuwatch_nvlink_up)"):
+        for node, labels, sample in self._node_samples(f"count by (instance, gpu) ({self.sel('gpuwatch_nvlink_up')})"):
             if node.nvlinks is not None:
                 links[node.name, int(labels["gpu"])] = link = NvlinkFacts(gpu=int(labels["gpu"]),
                                                                           links=int(_value(sample)))
                 node.nvlinks.append(link)
-        for node, labels, _ in self._node_samples("gpuwatch_nvlink_up == 0"):
+        for node, labels, _ in self._node_samples(self.sel("gpuwatch_nvlink_up") + " == 0"):
             if (entry := links.get((node.name, int(labels["gpu"])))) is not None:
                 entry.down = tuple(sorted((*entry.down, int(labels["link"]))))
-        speed = ("sum by (instance, gpu) (gpuwatch_nvlink_speed_bytes_per_second "
-                 "* on (instance, gpu, link) gpuwatch_nvlink_up)")
+        speed = (f"sum by (instance, gpu) ({self.sel('gpuwatch_nvlink_speed_bytes_per_second')} "
+                 f"* on (instance, gpu, link) {self.sel('gpuwatch_nvlink_up')})")
         for node, labels, sample in self._node_samples(speed):
             if (entry := links.get((node.name, int(labels["gpu"])))) is not None:
                 entry.up_speed_bytes_per_second = _value(sample)
@@ -256,7 +368,7 @@ class _Reader:
             return ports[key]
 
         models: dict[tuple[str, str], str | None] = {}
-        for node, labels, sample in self._node_samples(f'{{__name__=~"{_IB_SERIES}"}}'):
+        for node, labels, sample in self._node_samples(self.sel("", f'__name__=~"{_IB_SERIES}"')):
             name, value = labels["__name__"], _value(sample)
             if name == "gpuwatch_ib_device_info":
                 models[node.name, labels["device"]] = hca_model(labels.get("board_id"), labels.get("hca_type"))
@@ -270,7 +382,8 @@ class _Reader:
                 entry.state = PORT_STATES.get(int(value), str(int(value)))
             elif name == "gpuwatch_ib_port_physical_state_id":
                 entry.phys_state = PHYS_STATES.get(int(value), str(int(value)))
-        for node, labels, sample in self._node_samples(f"increase(gpuwatch_ib_port_errors_total[{WINDOW}]) > 0"):
+        for node, labels, sample in self._node_samples(
+                f"increase({self.sel('gpuwatch_ib_port_errors_total')}[{WINDOW}]) > 0"):
             if (entry := port(node, labels)) is not None:
                 assert entry.errors_increase is not None, "port() makes each port with an empty errors_increase"
                 entry.errors_increase[labels["counter"]] = _value(sample)
@@ -283,7 +396,7 @@ class _Reader:
     def _ranks(self) -> None:
         series: dict[tuple[str, str], dict[str, Any]] = collections.defaultdict(dict)
         labels_of: dict[tuple[str, str], tuple[NodeFacts, dict[str, str]]] = {}
-        for node, labels, sample in self._node_samples(f'{{__name__=~"{_RANK_SERIES}"}}'):
+        for node, labels, sample in self._node_samples(self.sel("", f'__name__=~"{_RANK_SERIES}"')):
             key = (_job(labels), labels["rank"])
             name = labels["__name__"]
             if name == "gpuwatch_train_rank_info":
@@ -311,7 +424,7 @@ class _Reader:
                 if name in _MEMORY_SERIES:
                     series[key]["memory_kind"] = labels.get("kind")
         for quantile in ("0.5", "0.99"):
-            expr = f"histogram_quantile({quantile}, gpuwatch_train_collective_seconds_bucket)"
+            expr = f"histogram_quantile({quantile}, {self.sel('gpuwatch_train_collective_seconds_bucket')})"
             for _, labels, sample in self._node_samples(expr):
                 ops = series[_job(labels), labels["rank"]].setdefault("collectives", {})
                 ops.setdefault(labels["op"], {})[quantile] = _value(sample)
@@ -325,7 +438,7 @@ class _Reader:
         shapes: dict[tuple[str, str], dict[str, str]] = {}
         peaks: list[tuple[NodeFacts, dict[str, str], float]] = []
         for node, labels, sample in self._node_samples(
-                '{__name__=~"gpuwatch_probe_(bus_bandwidth_bytes_per_second|info)"}'):
+                self.sel("", '__name__=~"gpuwatch_probe_(bus_bandwidth_bytes_per_second|info)"')):
             if labels["__name__"] == "gpuwatch_probe_info":
                 shapes[node.name, _job(labels)] = labels
             else:
@@ -341,9 +454,9 @@ class _Reader:
 
     def _rss_histories(self) -> dict[tuple[str, str], History]:
         """Host RSS per step over ``HISTORY``: two subqueries at one resolution, so their timestamps align."""
-        rss = 'gpuwatch_train_memory_peak_bytes{kind="host_rss"}'
+        rss = self.sel("gpuwatch_train_memory_peak_bytes", 'kind="host_rss"')
         steps_at: dict[tuple[str, str], dict[float, float]] = {}
-        query = f"({LAST_STEP.name} and on ({_RANK_KEY}) {rss})[{HISTORY}]"
+        query = f"({self.sel(LAST_STEP.name)} and on ({_RANK_KEY}) {rss})[{HISTORY}]"
         for _, labels, sample in self._node_samples(query):
             steps_at[_job(labels), labels["rank"]] = {float(t): float(v) for t, v in sample["values"]}
         histories = {}

@@ -288,3 +288,23 @@ def test_a_query_the_engine_refuses_leaves_its_rules_not_run_and_fails_unless_pa
     assert "could not run because the source could not answer" in output
     code, document, output = _diagnose(prometheus.url, "--prometheus.fetch", "full", "--allow-partial")
     assert code == 0 and document is not None, output
+
+
+def test_a_query_timeout_is_sent_as_the_engines_parameter_and_a_timed_out_read_is_no_all_clear(
+        start_agent, prometheus_server):
+    """`--query.timeout` reaches Prometheus as the query's own timeout, fractions of a second included: 2.5 s
+    answers; a microsecond times every query out in Prometheus' queue (its own `timeout` error), the first
+    included, so diagnose has nothing to judge and says so in one line, never an all clear. (Rules left unanswered
+    by some queries only: the refused-query test above.)"""
+    agent = start_agent("--simulate", "dgx-h100", "--interval", "0.5", "--node", "node-0")
+    prometheus = prometheus_server([f"127.0.0.1:{agent.port}"])
+    _feed([agent], {})
+    wait_until(lambda: _count(prometheus.url, "count(gpuwatch_train_window_steps >= 5)") == 4, timeout=60,
+               what="4 ranks in Prometheus")
+    _, document, output = _diagnose(prometheus.url, "--query.timeout", "2.5")
+    assert document is not None and document["findings"], output  # answered: the fed job's findings are there
+    assert not [item for item in document["not_run"] if item["cause"] == "source"], document["not_run"]
+    for extra in ((), ("--allow-partial",)):  # nothing answered at all: an error, which no option makes a pass
+        code, document, output = _diagnose(prometheus.url, "--query.timeout", "0.000001", *extra)
+        assert code == 2 and document is None and "query timed out" in output, output
+        assert len(output.strip().splitlines()) == 1 and "Traceback" not in output

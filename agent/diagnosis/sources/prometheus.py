@@ -116,7 +116,9 @@ class Api:
     def query(self, expr: str) -> list[dict[str, Any]]:
         """An instant query's result (vector or matrix samples). A query the engine could not answer whole is a
         QueryError; an engine that is none (or unreachable) a SourceError."""
-        form = {"query": expr, "timeout": f"{self.timeout:g}s"}
+        # Plain seconds: Prometheus parses a float or a Go duration of whole units ("2.5s" is refused; "2.5" is
+        # 2.5 s), VictoriaMetrics either.
+        form = {"query": expr, "timeout": f"{self.timeout:g}"}
         url = f"{self.url}/api/v1/query?{urllib.parse.urlencode(form)}"
         long = len(url) > MAX_GET_URL
         answer = http_json(f"{self.url}/api/v1/query" if long else url, "a PromQL engine (Prometheus HTTP API)",

@@ -124,6 +124,16 @@ def require_tool(name: str) -> str:
     return path
 
 
+def stop_server(proc: subprocess.Popen, log) -> None:
+    """Terminate a server process a test started (killed after 15 s), then close its log."""
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
 class PrometheusServer:
     """A real Prometheus server on 127.0.0.1 with a temporary TSDB."""
 
@@ -155,12 +165,7 @@ class PrometheusServer:
         return payload["data"]["result"]
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+        stop_server(self.proc, self.log)
 
 
 @pytest.fixture

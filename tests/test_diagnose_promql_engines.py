@@ -27,7 +27,7 @@ from gpuwatch.agent.telemetry.window import MIN_WINDOW_STEPS
 from gpuwatch.cli.main import main
 from gpuwatch.trainer.telemetry import TelemetryClient
 
-from conftest import free_port, http_get, wait_until
+from conftest import free_port, http_get, stop_server, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -60,12 +60,7 @@ class VictoriaMetrics:
         wait_until(lambda: http_get(self.url + "/health", timeout=1)[0] == 200, what="victoria-metrics ready")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+        stop_server(self.proc, self.log)
 
 
 def _count(url: str, expr: str) -> int:

@@ -120,6 +120,7 @@ def main() -> None:
     if args.losses is not None:
         args.losses.mkdir(parents=True, exist_ok=True)
         (args.losses / f"rank-{rank}.json").write_text(json.dumps([loss.hex() for loss in losses]))
+    dist.barrier()  # every rank done before the groups go: gloo can abort a rank whose peer tears down first
     dist.destroy_process_group()
 
 

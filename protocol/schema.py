@@ -150,6 +150,8 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import orjson
+
 SCHEMA_VERSION = 1
 #: Larger datagrams are rejected unread. A step record is ~1.5 KiB; a hello with a few dozen
 #: environment variables and process-group members for a 1,000-way DP group stays well below.
@@ -386,20 +388,22 @@ def _list(item: Check, max_items: int) -> Check:
 
 
 def _counts(max_items: int) -> Check:
-    """A list of counts, as ``_list(_COUNT, max_items)`` checks it but in one pass with no call per item: the
-    collective buckets are most of the numbers in a step record, and the agent checks 64 records a second."""
+    """A list of counts, as ``_list(_COUNT, max_items)`` checks it but with no Python call per item: the collective
+    buckets are most of the numbers in a step record, and the agent checks 64 records a second. The usual list (all
+    ints in range) passes on C-level checks; only a bad one is walked, for the rejection ``_list`` would raise."""
     def check(value: Any) -> list[int]:
         if type(value) is not list:
             raise RecordRejected("bad_type")
         if len(value) > max_items:
             raise RecordRejected("out_of_range")
+        if not value or ({*map(type, value)} == {int} and min(value) >= 0 and max(value) <= _MAX_COUNT):
+            return value
         for index, element in enumerate(value):
-            if type(element) is not int or not 0 <= element <= _MAX_COUNT:
-                try:
-                    _COUNT(element)  # raises the rejection _list would
-                except RecordRejected as rejected:
-                    raise rejected.within(str(index)) from None
-        return value
+            try:
+                _COUNT(element)
+            except RecordRejected as rejected:
+                raise rejected.within(str(index)) from None
+        raise AssertionError("unreachable: a count failed the fast check")  # pragma: no cover
 
     return check
 
@@ -434,9 +438,9 @@ def _check_nesting(value: Any, levels_left: int) -> None:
 
 def _object(required: Mapping[str, Check], optional: Mapping[str, Check] | None = None) -> Check:
     """A JSON object with these fields; a null optional field counts as absent; unknown fields
-    are checked for nesting depth and dropped."""
-    optional = dict(optional or {})
-    known = required.keys() | optional.keys()
+    are checked for nesting depth and dropped. The fields present are walked, not the schema's: a step record has
+    ~15 of the ~35 fields it may carry."""
+    fields = {**(optional or {}), **required}
 
     def check(value: Any) -> dict[str, Any]:
         if type(value) is not dict:
@@ -444,25 +448,17 @@ def _object(required: Mapping[str, Check], optional: Mapping[str, Check] | None 
         out = {}
         name = ""
         try:
-            for name, field in required.items():
+            for name in required:
                 if name not in value:
                     raise RecordRejected("missing_field")
-                out[name] = field(value[name])
-            seen = len(required)
-            for name, field in optional.items():
-                element = value.get(name)
-                if element is not None:
+            for name, element in value.items():
+                field = fields.get(name)
+                if field is None:
+                    _check_nesting(element, MAX_UNKNOWN_DEPTH)  # unknown: only its depth matters
+                elif element is not None or name in required:
                     out[name] = field(element)
-                if name in value:
-                    seen += 1
         except RecordRejected as rejected:
             raise rejected.within(name) from None
-        if len(value) > seen:  # unknown fields: only their depth matters
-            for name in value.keys() - known:
-                try:
-                    _check_nesting(value[name], MAX_UNKNOWN_DEPTH)
-                except RecordRejected as rejected:
-                    raise rejected.within(name) from None
         return out
 
     return check
@@ -634,12 +630,23 @@ def _check_probe(body: dict[str, Any]) -> None:
         raise RecordRejected("out_of_range", "hostnames")
 
 
+def _parse(datagram: bytes) -> Any:
+    """The datagram's JSON value. orjson parses a step record in ~3 µs against the standard library's ~11 µs (the
+    agent parses 64 a second at 64 ranks); it refuses what the protocol allows and it does not (``NaN`` and
+    ``Infinity``, which ``encode`` writes for a diverged loss, integers beyond 64 bits, nesting past 1,024), so those
+    records, and anything else it refuses, are parsed by the standard library, whose verdict stands."""
+    try:
+        return orjson.loads(datagram)
+    except orjson.JSONDecodeError:
+        return json.loads(datagram.decode("utf-8"))
+
+
 def decode(datagram: bytes) -> Record:
     """Validate one datagram; raise RecordRejected with a stable reason code when it is not a record."""
     if len(datagram) > MAX_RECORD_BYTES:
         raise RecordRejected("too_large")
     try:
-        value = json.loads(datagram.decode("utf-8"))
+        value = _parse(datagram)
     except RecursionError:
         raise RecordRejected("too_deep") from None
     except ValueError:  # UnicodeDecodeError, JSONDecodeError, an integer with too many digits

@@ -452,7 +452,7 @@ class _Receiver:
         self._thread.start()
 
     def _run(self) -> None:
-        receive, ingest = self._socket.recvmsg, self._store.ingest
+        receive, queue = self._socket.recvmsg, self._store.receive
         while True:
             try:
                 datagram, ancillary, _, _ = receive(listener.RECV_BYTES, listener.CREDENTIALS_SPACE)
@@ -464,10 +464,7 @@ class _Receiver:
                 continue
             if self._closing.is_set():  # woken by close()
                 return
-            try:
-                ingest(datagram, listener.sender_pid(ancillary))
-            except Exception:  # the store must never stop the receiver; decode() raises only RecordRejected
-                log.exception("telemetry record could not be stored")
+            queue(datagram, listener.sender_pid(ancillary))  # applied in a batch by the store's next reader
 
     def close(self) -> None:
         self._closing.set()

@@ -185,6 +185,27 @@ def test_a_step_record_queued_behind_an_error_record_does_not_erase_it_and_a_res
     assert (state.progress, state.exited_time) == (None, None)
 
 
+def test_received_datagrams_are_applied_in_order_by_the_next_reader_or_by_the_receiver_past_the_byte_bound(
+        monkeypatch):
+    """The receiver only queues; whoever reads the store next applies what was queued before reading, so an exit mark
+    lands after the records its process sent (a hello queued before a death does not clear the death)."""
+    store = TelemetryStore()
+    store.receive(encode(hello(0)), 41)
+    store.receive(encode(step(0, 1)), 41)
+    store.receive(b"not json", 41)
+    assert store._pending  # nothing applied yet
+    store.mark_exited(41, 2000.0)
+    (state,), records = store.snapshot()
+    assert (state.last_step["step"], state.exited_time, state.sender_pid) == (1, 2000.0, 41)
+    assert (records["accepted", ""], records["rejected", "not_json"]) == (2, 1)
+
+    monkeypatch.setattr("gpuwatch.agent.telemetry.store.MAX_PENDING_BYTES", 3 * len(encode(step(0, 2))))
+    for number in range(2, 6):
+        store.receive(encode(step(0, number)), 41)
+    assert len(store._pending) == 0  # the fourth passed the bound: the receiver applied all four itself
+    assert store.snapshot()[0][0].steps == 5
+
+
 def test_silent_ranks_expire_after_the_ttl_and_free_their_slot():
     clock = FakeClock()
     store = TelemetryStore(ttl=60, max_ranks=2, clock=clock)

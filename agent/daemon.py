@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,8 @@ def run_agent(config: AgentConfig) -> int:
             return 1
     telemetry: dict[str, Any] = {"telemetry_socket": config.telemetry_socket, "telemetry_ttl": config.telemetry_ttl,
                                  "telemetry_max_ranks": config.telemetry_max_ranks}
+    before_round: Callable[[], None] | None = None
+    simulation_cpu: Callable[[], float] | None = None
     with contextlib.ExitStack() as stack:
         if config.simulate:
             from gpuwatch.agent.simulate import PRESETS, Simulation
@@ -64,13 +67,12 @@ def run_agent(config: AgentConfig) -> int:
             simulation = Simulation(PRESETS[config.simulate], Path(workdir))
             context = CollectorContext(sysfs_root=simulation.sysfs_root, node=config.node,
                                        nvml=simulation.nvml, simulated=True, **telemetry)
-            before_round = simulation.advance
+            before_round, simulation_cpu = simulation.advance, simulation.cpu_seconds
         else:
             import pynvml
 
             context = CollectorContext(sysfs_root=config.sysfs_root, node=config.node, nvml=pynvml,
                                        **telemetry)
-            before_round = None
 
         collectors = {name: REGISTRY[name](context) for name in config.collectors}
         host_collector, telemetry_collector = collectors.get("host"), collectors.get("telemetry")
@@ -79,7 +81,8 @@ def run_agent(config: AgentConfig) -> int:
             host_collector.watch_ranks(telemetry_collector.store.sender_pids)
         sampler = Sampler(list(collectors.values()),
                           interval=config.interval, deadline=config.collector_timeout, node=config.node,
-                          mode="simulated" if config.simulate else "real", before_round=before_round)
+                          mode="simulated" if config.simulate else "real", before_round=before_round,
+                          simulation_cpu=simulation_cpu)
         stack.callback(sampler.close)
         try:
             server = AgentHTTPServer(config.listen, lambda: sampler.snapshot, stale_after=3 * config.interval + 10,

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gpuwatch.agent import __version__
 from gpuwatch.agent.collectors.base import Collector, CollectorResult, DeferredFamilies
@@ -73,6 +73,7 @@ class Sampler:
         mode: str,
         deadline: float | None = None,
         before_round: Callable[[], None] | None = None,
+        simulation_cpu: Callable[[], float] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.collectors = list(collectors)
@@ -81,6 +82,7 @@ class Sampler:
         self.agent_info: dict[str, Any] = {"version": __version__, "mode": mode, "node": node,
                                            "interval_seconds": interval}
         self._before_round = before_round
+        self._simulation_cpu = simulation_cpu
         self._clock = clock
         self._renderer = Renderer()
         self._scrapes = ScrapeClock()
@@ -212,7 +214,13 @@ class Sampler:
             up.add_metric([name], 1.0 if status.up else 0.0)
             duration.add_metric([name], status.duration_seconds)
             partial.add_metric([name], len(status.partial_errors))
-        return [info, up, duration, partial]
+        if self._simulation_cpu is None:
+            return [info, up, duration, partial]
+        simulation = CounterMetricFamily(
+            "gpuwatch_agent_simulation_cpu_seconds", "CPU time the agent process spent on --simulate's scripted "
+            "node (advancing it, and inside the scripted NVML's functions), which a real node does not pay: the "
+            "agent's own cost is the process's CPU time without it.", value=self._simulation_cpu())
+        return [info, up, duration, partial, simulation]
 
     def run(self) -> None:
         """Sample every ``interval`` seconds until ``stop`` is called.

@@ -6,14 +6,14 @@ dgx-h100 (8 GPUs, 18 NVLinks each, 8 IB ports) at a 1 s sampling interval while 
 second each through the real telemetry socket (TelemetryClient, from a separate process so the senders' CPU is
 not counted), and Prometheus-like scrapes arrive every 15 s. Then ``/metrics`` latency is timed over loopback
 three ways: back to back (most read a snapshot already read); once per sampling interval, each reading a new
-snapshot; and at irregular gaps 0.2 to 3 intervals apart. While it is scraped, the agent renders every round
-before publishing it, so the last two should cost what the first does.
+snapshot; and at irregular gaps 0.2 to 3 intervals apart.
 
 What the agent's CPU share includes that a real node does not pay: ``--simulate`` rewrites the generated sysfs
 tree and advances the scripted NVML before every round, and the collectors' NVML calls run the scripted NVML's
-Python. That part is measured in this process over as many rounds (``Simulation.advance``, and the time spent
-inside the scripted NVML's functions while the nvml and nvlink collectors read it), and the agent proper is the
-total without it. A real node pays pynvml's ctypes calls and the driver's time instead, which no simulation has.
+Python. The simulated agent counts that part itself, in the same process over the same window
+(``gpuwatch_agent_simulation_cpu_seconds_total``: ``Simulation.advance`` and the scripted NVML's functions, by
+their threads' CPU clocks), and the agent proper is the total without it. A real node pays pynvml's ctypes calls
+and the driver's time instead, which no simulation has.
 
 Idle: the agent with every collector enabled on a node with nothing to collect (no NVIDIA driver, an empty sysfs
 tree, no rank reporting), measured from its threads' scheduler statistics (``/proc/PID/task/*/schedstat``, in
@@ -50,7 +50,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import psutil
 
@@ -58,10 +57,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from _harness import free_port, get, running, wait_until
 from telemetry_records import collectives, hello, step
 
-from gpuwatch.agent.collectors import CollectorContext
-from gpuwatch.agent.collectors.nvlink import NvlinkCollector
-from gpuwatch.agent.collectors.nvml import NvmlCollector
-from gpuwatch.agent.simulate import PRESETS, Simulation
 from gpuwatch.trainer.telemetry import TelemetryClient
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,24 +105,36 @@ def send_steps(sock: str, seconds: float) -> None:
 @dataclass
 class Usage:
     cpu_share: float  # of one core
+    simulation_share: float  # of one core: gpuwatch_agent_simulation_cpu_seconds_total over the same window
     rss_max_mb: float
     rss_last_mb: float
 
 
-def usage(pid: int, seconds: float, scrape_url: str | None) -> Usage:
-    """CPU time and RSS of ``pid`` over ``seconds``, scraping ``scrape_url`` every SCRAPE_EVERY seconds."""
+def _simulation_cpu(page: bytes) -> float:
+    """The simulated agent's own count of what its simulation cost it, from a /metrics page."""
+    for line in page.decode().splitlines():
+        if line.startswith("gpuwatch_agent_simulation_cpu_seconds_total "):
+            return float(line.split()[1])
+    raise SystemExit("the agent exports no gpuwatch_agent_simulation_cpu_seconds_total: is it simulated?")
+
+
+def usage(pid: int, seconds: float, scrape_url: str) -> Usage:
+    """CPU time and RSS of ``pid`` over ``seconds``, scraping ``scrape_url`` every SCRAPE_EVERY seconds; the
+    simulation's share from the agent's counter, read by the first scrape and by one after the window."""
     proc = psutil.Process(pid)
     before, started = proc.cpu_times(), time.monotonic()
-    rss, next_scrape = [], started
+    simulation_before = _simulation_cpu(get(scrape_url))
+    rss, next_scrape = [], started + SCRAPE_EVERY
     while (now := time.monotonic()) < started + seconds:
-        if scrape_url and now >= next_scrape:
+        if now >= next_scrape:
             get(scrape_url)
             next_scrape += SCRAPE_EVERY
         rss.append(proc.memory_info().rss)
         time.sleep(1.0)
     after, elapsed = proc.cpu_times(), time.monotonic() - started
+    simulation = _simulation_cpu(get(scrape_url)) - simulation_before
     cpu = (after.user + after.system) - (before.user + before.system)
-    return Usage(cpu / elapsed, max(rss) / 1e6, rss[-1] / 1e6)
+    return Usage(cpu / elapsed, simulation / elapsed, max(rss) / 1e6, rss[-1] / 1e6)
 
 
 @dataclass
@@ -151,51 +158,6 @@ def latency(url: str, scrapes: int, every: float = 0.0, irregular: bool = False)
     samples = sum(1 for line in body.splitlines() if line and not line.startswith(b"#"))
     return Latency(statistics.median(times), times[min(len(times) - 1, int(0.99 * len(times)))], samples,
                    len(body) / 1024)
-
-
-class _CallTimer:
-    """CPU time spent inside an object's ``nvml*`` methods (the outermost call only, as they call each other)."""
-
-    def __init__(self, target: Any) -> None:
-        self.seconds = 0.0
-        self._depth = 0
-        for name in dir(type(target)):
-            if name.startswith("nvml") and callable(getattr(target, name)):
-                setattr(target, name, self._timed(getattr(target, name)))
-
-    def _timed(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any) -> Any:
-            self._depth += 1
-            started = time.process_time()
-            try:
-                return function(*args)
-            finally:
-                self._depth -= 1
-                if not self._depth:
-                    self.seconds += time.process_time() - started
-        return timed
-
-
-def simulation_cpu_per_round(rounds: int) -> float:
-    """CPU seconds per round the simulation adds to the agent's process: ``Simulation.advance`` of dgx-h100, and the
-    scripted NVML's own functions while the nvml and nvlink collectors read it."""
-    with tempfile.TemporaryDirectory(prefix="gpuwatch-sim-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK)
-                                     else None) as workdir:
-        simulation = Simulation(PRESETS["dgx-h100"], Path(workdir))
-        scripted = _CallTimer(simulation.nvml)
-        context = CollectorContext(sysfs_root=simulation.sysfs_root, nvml=simulation.nvml, simulated=True)
-        collectors = [NvmlCollector(context), NvlinkCollector(context)]
-        advancing = 0.0
-        for _ in range(rounds):
-            time.sleep(0.05)  # values move with wall time
-            started = time.process_time()
-            simulation.advance()
-            advancing += time.process_time() - started
-            for collector in collectors:
-                collector.collect()
-        for collector in collectors:
-            collector.close()
-    return (advancing + scripted.seconds) / rounds
 
 
 def _threads_cpu_seconds(pid: int) -> float:
@@ -227,7 +189,6 @@ class Run:
     ranks: int
     records: dict[str, float]
     cost: Usage
-    simulation: float  # share of one core
     full: Latency
     fresh: Latency
     irregular: Latency
@@ -260,8 +221,6 @@ def measure(args: argparse.Namespace, tmp: Path) -> Run:
                            if line.startswith("gpuwatch_telemetry_records_total{") and f'"{result}"' in line)
                for result in ("accepted", "rejected", "dropped")}
 
-    rounds = max(3, min(30, int(args.seconds / args.interval)))  # as many rounds as the measured window held
-    simulation = simulation_cpu_per_round(rounds) / args.interval
     empty_sysfs = tmp / "empty-sys"
     empty_sysfs.mkdir(exist_ok=True)
     idle = idle_cpu_share(args.seconds, empty_sysfs, tmp / "idle.sock")
@@ -279,7 +238,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> Run:
                    f"--web.listen-address=127.0.0.1:{port}"]
         with _process(command, f"http://127.0.0.1:{port}/metrics"):
             exporter_ib = latency(f"http://127.0.0.1:{port}/metrics", args.scrapes)
-    return Run(ranks, records, cost, simulation, full, fresh, irregular, idle, agent_ib, exporter_ib)
+    return Run(ranks, records, cost, full, fresh, irregular, idle, agent_ib, exporter_ib)
 
 
 def _spread(values: Sequence[float], unit: str = "", digits: int = 2) -> str:
@@ -314,7 +273,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="gpuwatch-cost-") as tmp:
             run = measure(args, Path(tmp))
         runs.append(run)
-        proper = (run.cost.cpu_share - run.simulation) * 100
+        proper = (run.cost.cpu_share - run.cost.simulation_share) * 100
         print(f"run {number}: agent {run.cost.cpu_share * 100:.2f} % (proper {proper:.2f} %), "
               f"idle {run.idle * 100:.3f} %, fresh p50/p99 {run.fresh.p50_ms:.2f}/{run.fresh.p99_ms:.2f} ms, "
               f"load {_load()}", flush=True)
@@ -334,10 +293,10 @@ def _report(args: argparse.Namespace, runs: list[Run]) -> None:
           f"{sum(figures(lambda run: run.records['rejected'])):.0f}, dropped "
           f"{sum(figures(lambda run: run.records['dropped'])):.0f}):")
     print(f"  agent CPU      {_spread(figures(lambda run: run.cost.cpu_share * 100), ' %')} of one core, end to end")
-    print(f"    of which simulation {_spread(figures(lambda run: run.simulation * 100), ' %')} (sysfs rewrites, "
-          "scripted NVML; not on a real node)")
-    print(f"    agent proper {_spread(figures(lambda run: (run.cost.cpu_share - run.simulation) * 100), ' %')}   "
-          f"(target ≤ 1 % at 1 s, ≤ 0.3 % at 5 s)")
+    simulation = figures(lambda run: run.cost.simulation_share * 100)
+    proper = figures(lambda run: (run.cost.cpu_share - run.cost.simulation_share) * 100)
+    print(f"    of which simulation {_spread(simulation, ' %')} (sysfs rewrites, scripted NVML; not on a real node)")
+    print(f"    agent proper {_spread(proper, ' %')}   (target ≤ 1 % at 1 s, ≤ 0.3 % at 5 s)")
     print(f"  agent RSS      {_spread(figures(lambda run: run.cost.rss_max_mb), ' MB', 1)} max   (target ≤ 60 MB)")
     print(f"  idle agent     {_spread(figures(lambda run: run.idle * 100), ' %', 3)} of one core: every collector, "
           "nothing to collect (no driver, empty sysfs), 1 s sampling   (target ≤ 0.1 %)")

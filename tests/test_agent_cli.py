@@ -40,6 +40,7 @@ def test_simulated_node_serves_every_core_series_and_passes_promtool(start_agent
     missing = [name for name in CORE_SERIES if name not in names]
     assert not missing, missing
     assert 'mode="simulated"' in text
+    assert "gpuwatch_agent_simulation_cpu_seconds_total " in text  # what the scripted node costs the process
     assert text.count("gpuwatch_gpu_info{") == 8
     assert text.count("gpuwatch_nvlink_up{") == 8 * 18
     assert text.count("gpuwatch_ib_port_up{") == 8

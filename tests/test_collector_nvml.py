@@ -418,3 +418,23 @@ def test_the_fast_field_value_view_has_pynvml_s_layout():
     assert ctypes.sizeof(_FieldValue) == ctypes.sizeof(real)
     assert [(name, getattr(_FieldValue, name).offset) for name, _ in real._fields_] == \
         [(name, getattr(real, name).offset) for name, _ in real._fields_]
+
+
+def test_the_scripted_nvml_counts_the_cpu_time_of_its_outermost_calls_once():
+    """What ``--simulate`` costs the agent's process is told apart from the agent's own work: each outermost call
+    into the scripted NVML adds its thread's CPU time once, however many scripted functions it calls inside."""
+    ticks = iter(range(1000))
+    fake = FakeNvml(H100, cpu_clock=lambda: float(next(ticks)))
+    fake.nvmlInit()
+    handle = fake.nvmlDeviceGetHandleByIndex(0)
+    assert fake.cpu_seconds == 2.0  # two calls, each read the clock at entry and exit: one tick apiece
+
+    calls = []
+
+    def nested(handle):
+        calls.append(fake.nvmlDeviceGetName(handle))  # a scripted function calling another: one outermost call
+        return fake.nvmlDeviceGetName(handle)
+
+    fake.nvmlDeviceGetUUID = fake_nvml._nvml_function(lambda self, handle: nested(handle)).__get__(fake)
+    fake.nvmlDeviceGetUUID(handle)
+    assert fake.cpu_seconds == 3.0 and calls

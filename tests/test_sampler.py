@@ -316,3 +316,17 @@ def test_a_collector_that_cannot_block_runs_in_the_samplers_thread_and_fails_lik
     in_memory.present = True
     clock.now += 2.0  # its back-off
     assert "gpuwatch_absent_value 1.0" in sampler.sample_once().metrics_text.decode()
+
+
+def test_a_simulated_agent_exports_what_its_simulation_cost_and_a_real_one_does_not():
+    spent = iter((0.25, 0.75))
+    simulated = Sampler([_Good(CollectorContext())], interval=1.0, node="n1", mode="simulated",
+                        simulation_cpu=lambda: next(spent))
+    real = Sampler([_Good(CollectorContext())], interval=1.0, node="n1", mode="real")
+    try:
+        assert b"gpuwatch_agent_simulation_cpu_seconds_total 0.25\n" in simulated.sample_once().metrics_text
+        assert b"gpuwatch_agent_simulation_cpu_seconds_total 0.75\n" in simulated.sample_once().metrics_text
+        assert b"simulation_cpu" not in real.sample_once().metrics_text
+    finally:
+        simulated.close()
+        real.close()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import socket
 import threading
@@ -289,11 +290,14 @@ class _RankLines:
         latency, volume = lines[_LATENCY], lines[_VOLUME]
         for op, totals in sorted(state.collectives.items()):
             buckets, count, total, moved = self._op(op)
-            cumulative = 0
-            for prefix, number in zip(buckets, totals.buckets, strict=True):
-                cumulative += number
-                latency.append(f"{prefix}{format_value(cumulative)}\n")
-            latency.append(f"{count}{format_value(cumulative)}\n")
+            cumulative = list(itertools.accumulate(totals.buckets))
+            if cumulative[-1] < 1_000_000:  # the largest: every count is written as format_value's fast path does
+                latency.append("".join([f"{prefix}{number}.0\n"
+                                        for prefix, number in zip(buckets, cumulative, strict=True)]))
+            else:
+                latency.extend(f"{prefix}{format_value(number)}\n"
+                               for prefix, number in zip(buckets, cumulative, strict=True))
+            latency.append(f"{count}{format_value(cumulative[-1])}\n")
             latency.append(f"{total}{format_value(totals.seconds)}\n")
             volume.append(f"{moved}{format_value(totals.bytes)}\n")
         for family, name in ((_COSINE, "grad_cosine_similarity"), (_CHECKSUM, "param_checksum")):

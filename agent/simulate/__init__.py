@@ -6,6 +6,7 @@ for the ``pynvml`` module and a generated sysfs tree. Every series it serves is 
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 
@@ -81,6 +82,7 @@ class Simulation:
         self.preset = preset
         self.nvml = FakeNvml(preset, seed=seed)
         self.sysfs = SimulatedSysfs(preset, Path(workdir) / "sys", seed=seed)
+        self._advancing = 0.0  # CPU seconds spent in advance()
 
     @property
     def sysfs_root(self) -> Path:
@@ -88,5 +90,13 @@ class Simulation:
 
     def advance(self) -> None:
         """Move counters and gauges forward by the wall time elapsed since the last call."""
+        started = time.thread_time()
         self.nvml.advance()
         self.sysfs.advance()
+        self._advancing += time.thread_time() - started
+
+    def cpu_seconds(self) -> float:
+        """CPU time this process spent on the simulation so far: advancing it, and inside the scripted NVML's
+        functions while collectors call them. A real node pays none of it (it pays pynvml's ctypes calls and the
+        driver instead), so the agent's own cost is its process's CPU time without this."""
+        return self._advancing + self.nvml.cpu_seconds

@@ -15,6 +15,7 @@ import ctypes
 import dataclasses
 import functools
 import random
+import threading
 import time
 import types
 import uuid
@@ -76,13 +77,26 @@ def _clamp(value: float, low: float, high: float) -> float:
 
 
 def _nvml_function(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Marks a pynvml stand-in: scripted hang, init check, lost GPU and scripted error come first."""
+    """Marks a pynvml stand-in: scripted hang, init check, lost GPU and scripted error come first. The CPU time of
+    each outermost call (its thread's, so collectors calling at once are told apart; a scripted hang sleeps and
+    costs none) adds to ``FakeNvml.cpu_seconds``: the simulation's share of the agent's CPU."""
     name = fn.__name__
 
     @functools.wraps(fn)
     def call(self: FakeNvml, *args: Any, **kwargs: Any) -> Any:
-        self._enter(name, args[0] if args else None)
-        return fn(self, *args, **kwargs)
+        calls = self._calls
+        if getattr(calls, "inside", False):  # called by another scripted function: its caller's time
+            self._enter(name, args[0] if args else None)
+            return fn(self, *args, **kwargs)
+        calls.inside, started = True, self._cpu_clock()
+        try:
+            self._enter(name, args[0] if args else None)
+            return fn(self, *args, **kwargs)
+        finally:
+            calls.inside = False
+            spent = self._cpu_clock() - started
+            with self._cpu_lock:
+                self.cpu_seconds += spent
 
     return call
 
@@ -130,7 +144,8 @@ class _EventSet:
 class FakeNvml:
     """A module-like object standing in for ``pynvml`` on one simulated node of ``preset``."""
 
-    def __init__(self, preset: Preset, seed: int = 0, library_missing: bool = False) -> None:
+    def __init__(self, preset: Preset, seed: int = 0, library_missing: bool = False,
+                 cpu_clock: Callable[[], float] = time.thread_time) -> None:
         self.preset = preset
         #: While true, ``nvmlInit`` fails as on a node without the NVIDIA driver.
         self.library_missing = library_missing
@@ -139,6 +154,11 @@ class FakeNvml:
         self._max_sm_mhz, self._memory_mhz = _CLOCKS_MHZ[models[0] if models else "H100"]
         self._reserved_bytes = 512 * 1024**2
         self._initialised = 0
+        #: CPU seconds spent in the scripted functions (``_nvml_function``)
+        self.cpu_seconds = 0.0
+        self._cpu_clock = cpu_clock  # the calling thread's CPU time
+        self._cpu_lock = threading.Lock()
+        self._calls = threading.local()
         self._clock = 0.0  # simulated seconds, moved by advance()
         self._last_advance = time.monotonic()
         self._hangs: dict[str, float] = {}

@@ -144,8 +144,10 @@ def summarize(points: Iterable[StepPoint]) -> WindowSummary | None:
     if not points:
         return None
     medians = {}
-    for index, name in enumerate(TIMINGS):
-        values = [value for point in points if (value := point.timings[index]) is not None and math.isfinite(value)]
+    isfinite = math.isfinite
+    columns = zip(*[point.timings for point in points], strict=True)  # a column a timing
+    for name, column in zip(TIMINGS, columns, strict=True):
+        values = [value for value in column if value is not None and isfinite(value)]
         if values:
             medians[name] = statistics.median(values)
     losses = [p.loss for p in points if p.loss is not None and math.isfinite(p.loss)]

@@ -444,3 +444,26 @@ def test_every_per_rank_family_is_named_in_the_agent_docs():
     names = {family.name for family in families(ranks, records)}
     missing = sorted(name for name in names if f"`{name}" not in docs)
     assert not missing, f"not in docs/agent.md: {missing}"
+
+
+def test_a_rank_whose_process_exited_is_no_longer_named_to_the_host_collector():
+    """Its pid may be the next process's: the host must not export another process's memory as the rank's."""
+    store = TelemetryStore()
+    store.ingest(encode(hello(0)), sender_pid=41)
+    store.ingest(encode(hello(1)), sender_pid=42)
+    assert store.sender_pids() == {41: (JOB, 0), 42: (JOB, 1)}
+    store.mark_exited(41, 2000.0)
+    assert store.sender_pids() == {42: (JOB, 1)}
+
+
+def test_a_round_in_which_nothing_reached_the_store_serves_the_last_result_without_copying_it(socket_path,
+                                                                                             open_collector):
+    collector = open_collector(socket_path)
+    first = collector.collect()
+    assert collector.collect() is first  # an idle node: no copy, no readings built again
+    collector.store.ingest(encode(hello(0)))
+    second = collector.collect()
+    assert second is not first and [rank["rank"] for rank in second.readings["ranks"]] == [0]
+    assert collector.collect() is second
+    collector.store.ingest(b"garbage")  # a rejection is news too: its count moved
+    assert collector.collect().readings["records"]["rejected"]["not_json"] == 1

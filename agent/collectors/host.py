@@ -120,8 +120,11 @@ class HostCollector(Collector):
         for pid in pids:
             job, rank = ranks.get(pid, ("", ""))
             try:
+                # Made once per pid: the telemetry collector stops naming a rank's pid once its process exits, so a
+                # pid reused by another process is not met here. (``is_running``, which also catches reuse, read
+                # /proc/PID/stat a second time each round: a quarter of an idle agent's host collection.)
                 process = self._processes.get(pid)
-                if process is None or not process.is_running():  # is_running also catches pid reuse
+                if process is None:
                     process = self._processes[pid] = psutil.Process(pid)
                 with process.oneshot():
                     times = process.cpu_times()

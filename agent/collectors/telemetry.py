@@ -496,6 +496,7 @@ class TelemetryCollector(Collector):
         self._queue_limit = listener.queue_limit()
         self._receiver: _Receiver | None = None
         self._error: str | None = None
+        self._last: tuple[int, CollectorResult[dict[str, Any]]] | None = None  # the store's changes, what they gave
         self._listen()
 
     def _listen(self) -> None:
@@ -523,6 +524,9 @@ class TelemetryCollector(Collector):
         if not self._exits.available:  # else the watcher's thread marks them as they exit
             for state in self.store.note_exits(_alive):
                 log.warning("job %s rank %d: its process (pid %s) is gone", state.job, state.rank, state.sender_pid)
+        changes = self.store.changes
+        if self._last is not None and self._last[0] == changes:
+            return self._last[1]  # nothing came, expired or exited: the last result, not a copy of the same state
         ranks, records = self.store.snapshot()
         self._exits.watch(s.sender_pid for s in ranks if s.sender_pid is not None and s.exited_time is None)
         probes = self.store.probes()
@@ -542,8 +546,10 @@ class TelemetryCollector(Collector):
             "probes": probes,
         }
         # Deferred: the ranks are copies and probe bodies are never mutated, so building later is the same.
-        return CollectorResult(DeferredFamilies(lambda: families(ranks, records, self._per_rank)
-                                                + probe_families(probes)), readings)
+        result = CollectorResult(DeferredFamilies(lambda: families(ranks, records, self._per_rank)
+                                                  + probe_families(probes)), readings)
+        self._last = changes, result
+        return result
 
     def close(self) -> None:
         self._exits.close()

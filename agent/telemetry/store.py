@@ -145,6 +145,9 @@ class TelemetryStore:
         self._records: dict[tuple[str, str], int] = {("accepted", ""): 0}
         self._records.update(dict.fromkeys((("rejected", reason) for reason in REJECT_REASONS), 0))
         self._records.update(dict.fromkeys((("dropped", reason) for reason in CLIENT_DROP_REASONS), 0))
+        #: Moves with every datagram applied, rank expired and exit marked: a reader that saw this number has seen
+        #: everything the store holds while it stays the same.
+        self.changes = 0
         # Datagrams received, not yet applied, with their sender's pid; their bytes. Under their own lock, which
         # the receiver holds only to append: it never waits for a batch being applied.
         self._pending: list[tuple[bytes, int | None]] = []
@@ -179,6 +182,7 @@ class TelemetryStore:
                 log.exception("telemetry record could not be stored")
 
     def _apply(self, datagram: bytes, sender_pid: int | None) -> str | None:
+        self.changes += 1  # rejected ones are counted too
         try:
             record = decode(datagram)
         except RecordRejected as rejected:
@@ -282,6 +286,7 @@ class TelemetryStore:
         with self._lock:
             self._apply_pending()
             expired = [state for state in self._ranks.values() if state.last_seen < deadline]
+            self.changes += bool(expired)
             for state in expired:
                 del self._ranks[state.job, state.rank]
                 self._ranks_per_job[state.job] -= 1
@@ -297,6 +302,7 @@ class TelemetryStore:
                 if state.sender_pid == pid and state.exited_time is None:
                     state.exited_time = when
                     state.version += 1
+                    self.changes += 1
 
     def note_exits(self, alive: Callable[[int], bool]) -> list[RankState]:
         """Mark the ranks whose sending process is gone (``alive(pid)`` false) with the time the agent noticed;
@@ -307,6 +313,7 @@ class TelemetryStore:
             self._apply_pending()
             gone = [state for state in self._ranks.values()
                     if state.exited_time is None and state.sender_pid is not None and not alive(state.sender_pid)]
+            self.changes += bool(gone)
             for state in gone:
                 state.exited_time = now
                 state.version += 1
@@ -320,10 +327,12 @@ class TelemetryStore:
             return ranks, dict(self._records)
 
     def sender_pids(self) -> dict[int, tuple[str, int]]:
-        """pid -> (job, rank) of every rank whose records carried the sender's pid (in the agent's namespace)."""
+        """pid -> (job, rank) of every rank whose records carried the sender's pid (in the agent's namespace) and
+        whose process has not exited: an exited rank's pid may be another process's next."""
         with self._lock:
             self._apply_pending()
-            return {s.sender_pid: (s.job, s.rank) for s in self._ranks.values() if s.sender_pid is not None}
+            return {s.sender_pid: (s.job, s.rank) for s in self._ranks.values()
+                    if s.sender_pid is not None and s.exited_time is None}
 
     def probes(self) -> list[dict[str, Any]]:
         """The latest probe record body of each job, sorted by job; bodies are replaced whole, never mutated."""

@@ -68,11 +68,6 @@ class StepGauge(MetricSpec):
 
     group: str | None = None
 
-    def latest(self, step: dict[str, Any]) -> Any:
-        """The value in a step record body; None where it has none."""
-        body = step.get(self.group) if self.group is not None else step
-        return None if body is None else body.get(self.field)
-
 
 #: The number of the latest step: whether a rank has stepped at all.
 LAST_STEP = StepGauge("gpuwatch_train_last_step", "Number of the latest reported step.", "", "step")
@@ -235,6 +230,11 @@ class _RankLines:
         self._prefixes: dict[tuple[str, str | None, tuple[tuple[str, str], ...]], str] = {}  # by name and labels
         self._ops: dict[str, tuple[list[str], str, str, str]] = {}  # bucket, count, sum and bytes prefixes by op
         self._hello_lines = self._from_hello()
+        # The families of one series per rank, with the rank's labels only: (family, prefix, what it exports).
+        self._counters = [(counter.name.removesuffix("_total"), self._prefix(counter.name), counter.field)
+                          for counter in COUNTERS]
+        self._window = [(gauge.name, self._prefix(gauge.name), gauge.field) for gauge in WINDOW_GAUGES]
+        self._steps = [(gauge.name, self._prefix(gauge.name), gauge.field, gauge.group) for gauge in STEP_GAUGES]
 
     def _from_hello(self) -> dict[str, str]:
         """The lines that depend on the hello only: written once per hello."""
@@ -285,8 +285,8 @@ class _RankLines:
         line = self._line
         lines: dict[str, list[str]] = {name: [] for name, _, _ in _PER_RANK}
         lines.update((name, [text]) for name, text in self._hello_lines.items())
-        for counter in COUNTERS:
-            line(lines[counter.name.removesuffix("_total")], counter.name, getattr(state, counter.field))
+        for family, prefix, field in self._counters:
+            lines[family].append(f"{prefix}{format_value(getattr(state, field))}\n")
         latency, volume = lines[_LATENCY], lines[_VOLUME]
         for op, totals in sorted(state.collectives.items()):
             buckets, count, total, moved = self._op(op)
@@ -309,10 +309,10 @@ class _RankLines:
                 line(lines[UNAVAILABLE], UNAVAILABLE, at, extra=(("signal", signal), ("reason", reason)))
         window = summarize(state.window.points())
         if window is not None:
-            for gauge in WINDOW_GAUGES:
-                value = getattr(window, gauge.field)
+            for family, prefix, field in self._window:
+                value = getattr(window, field)
                 if value is not None:
-                    line(lines[gauge.name], gauge.name, value)
+                    lines[family].append(f"{prefix}{format_value(value)}\n")
             for timing in WINDOW_TIMINGS:
                 if timing in window.medians:
                     line(lines[WINDOW_MEDIAN], WINDOW_MEDIAN, window.medians[timing], extra=(("timing", timing),))
@@ -332,10 +332,10 @@ class _RankLines:
             line(lines[EXITED], EXITED, state.exited_time)
         step = state.last_step
         if step is not None:
-            for gauge in STEP_GAUGES:
-                value = gauge.latest(step)
+            for family, prefix, field, group in self._steps:
+                value = (step if group is None else step.get(group, {})).get(field)
                 if value is not None:
-                    line(lines[gauge.name], gauge.name, value)
+                    lines[family].append(f"{prefix}{format_value(value)}\n")
             for group, calls in sorted(step.get("collective_calls", {}).items()):
                 line(lines[CALLS], CALLS, calls, extra=(("group", group),))
         memory = state.sampled.get("memory", (None, None))[1]

@@ -150,6 +150,10 @@ def _nested_unknown(levels: int) -> bytes:
      "out_of_range", "collectives.all_reduce.buckets"),
     (_mutated(collectives={"all_reduce": {"count": 1, "bytes": 0, "seconds": 0.1, "buckets": [1]}}),
      "out_of_range", "collectives.all_reduce.buckets"),
+    (_mutated(collectives={"all_reduce": {"count": 0, "bytes": 0, "seconds": 0.1, "buckets": [0, 0, 0, -1, *[1] * 16]}}),
+     "out_of_range", "collectives.all_reduce.buckets.3"),
+    (_mutated(collectives={"all_reduce": {"count": 1, "bytes": 0, "seconds": 0.1, "buckets": [0, True] + [0] * 18}}),
+     "bad_type", "collectives.all_reduce.buckets.1"),
     (_mutated(step_seconds=math.nan), "not_finite", "step_seconds"),
     (_mutated(time=math.inf), "not_finite", "time"),
     (_mutated(lr=1e999), "not_finite", "lr"),  # too large for a float: infinite

@@ -44,9 +44,12 @@ log = logging.getLogger(__name__)
 DEFAULT_TTL = 120.0
 DEFAULT_MAX_RANKS = 1024
 DEFAULT_MAX_JOBS = 16
-#: Bytes of datagrams received and not yet applied beyond which the receiver applies them itself (about 900 step
-#: records of 64 ranks, ~14 s of them at one step a second each): what a flood of records can hold in memory.
-MAX_PENDING_BYTES = 1 << 20
+#: Bytes of datagrams received and not yet applied beyond which the receiver applies them itself (~30 step records:
+#: half a second of 64 ranks stepping once a second). Small, because the receiver does not drain the socket while it
+#: applies and the kernel queues only ``net.unix.max_dgram_qlen`` datagrams (10 by default): a batch of ~30 takes
+#: ~2 ms, the time 10 records take to arrive at 5,000 a second. With 1 MiB, non-waiting senders offered 5,000
+#: records a second lost 16 % of them to a full queue, against 3-5 % here (benchmarks/README.md, Telemetry ingest).
+MAX_PENDING_BYTES = 32 * 1024
 #: Step fields measured every N steps only: their latest value is kept with the step it belongs to (the memory
 #: reading is the record's ``memory`` object whole).
 SAMPLED_FIELDS = ("grad_cosine_similarity", "param_checksum", "memory")
@@ -160,9 +163,11 @@ class TelemetryStore:
             self._pending.append((datagram, sender_pid))
             self._pending_bytes += len(datagram)
             full = self._pending_bytes > MAX_PENDING_BYTES
-        if full:
-            with self._lock:
+        if full and self._lock.acquire(blocking=False):  # a reader applying or reading now: it is not waited for
+            try:
                 self._apply_pending()
+            finally:
+                self._lock.release()
 
     def ingest(self, datagram: bytes, sender_pid: int | None = None) -> str | None:
         """Decode and apply one datagram now, after those received before it; return the rejection reason, or

@@ -87,13 +87,13 @@ def drained_receiver(monkeypatch):
     goes after the sender's last, and a Unix datagram socket is first in, first out, so once the receiver's
     store has seen the marker it has stored every record before it."""
     drained = threading.Event()
-    ingest = TelemetryStore.ingest
+    apply = TelemetryStore._apply  # every datagram received is applied through it, in order
 
-    def ingest_or_notice_the_marker(self, datagram, sender_pid=None):
+    def apply_or_notice_the_marker(self, datagram, sender_pid):
         if datagram == DRAIN_MARKER:
             drained.set()
             return None
-        return ingest(self, datagram, sender_pid)
+        return apply(self, datagram, sender_pid)
 
     receiver = telemetry_ingest._receiver
 
@@ -105,7 +105,7 @@ def drained_receiver(monkeypatch):
                 marker.sendto(DRAIN_MARKER, str(path))
             assert drained.wait(60), "the receiver never got to the marker"
 
-    monkeypatch.setattr(TelemetryStore, "ingest", ingest_or_notice_the_marker)
+    monkeypatch.setattr(TelemetryStore, "_apply", apply_or_notice_the_marker)
     monkeypatch.setattr(telemetry_ingest, "_receiver", draining)
 
 

@@ -108,11 +108,11 @@ class Sampler:
             self._before_round()
         started = self._clock()
         due = [collector for collector in self.collectors if self._due(collector.name, started)]
-        # Those that cannot block first, alone: the telemetry collector applies the ranks' records in a batch, which
-        # costs ~1.5x the CPU when the collector threads' sysfs and NVML calls keep taking the GIL from it.
-        futures = {collector.name: self._run_here(collector) for collector in due if not collector.may_block}
-        futures.update((collector.name, self._executors[collector.name].submit(self._timed, collector))
-                       for collector in due if collector.may_block)
+        futures = {collector.name: self._executors[collector.name].submit(self._timed, collector)
+                   for collector in due if collector.may_block}
+        for collector in due:
+            if not collector.may_block:
+                futures[collector.name] = self._run_here(collector)
         if futures:
             concurrent.futures.wait(futures.values(), timeout=self.deadline)
 

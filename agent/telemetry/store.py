@@ -49,7 +49,7 @@ DEFAULT_MAX_JOBS = 16
 #: half a second of 64 ranks stepping once a second). Small, because the receiver does not drain the socket while it
 #: applies and the kernel queues only ``net.unix.max_dgram_qlen`` datagrams (10 by default): a batch of ~30 takes
 #: ~2 ms, the time 10 records take to arrive at 5,000 a second. With 1 MiB, non-waiting senders offered 5,000
-#: records a second lost 16 % of them to a full queue, against 3-5 % here (benchmarks/README.md, Telemetry ingest).
+#: records a second lost 16 % of them to a full queue, against 3 % here (benchmarks/README.md, Agent cost).
 MAX_PENDING_BYTES = 32 * 1024
 #: Step fields measured every N steps only: their latest value is kept with the step it belongs to (the memory
 #: reading is the record's ``memory`` object whole).

@@ -199,9 +199,12 @@ def test_received_datagrams_are_applied_in_order_by_the_next_reader_or_by_the_re
     assert (state.last_step["step"], state.exited_time, state.sender_pid) == (1, 2000.0, 41)
     assert (records["accepted", ""], records["rejected", "not_json"]) == (2, 1)
 
-    monkeypatch.setattr("gpuwatch.agent.telemetry.store.MAX_PENDING_BYTES", 3 * len(encode(step(0, 2))))
-    for number in range(2, 6):
-        store.receive(encode(step(0, number)), 41)
+    datagrams = [encode(step(0, number)) for number in range(2, 6)]  # lengths vary with the clock's digits
+    monkeypatch.setattr("gpuwatch.agent.telemetry.store.MAX_PENDING_BYTES", sum(map(len, datagrams[:3])))
+    for datagram in datagrams[:3]:
+        store.receive(datagram, 41)
+    assert len(store._pending) == 3  # at the bound, not past it
+    store.receive(datagrams[3], 41)
     assert len(store._pending) == 0  # the fourth passed the bound: the receiver applied all four itself
     assert store.snapshot()[0][0].steps == 5
 

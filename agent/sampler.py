@@ -214,13 +214,13 @@ class Sampler:
             up.add_metric([name], 1.0 if status.up else 0.0)
             duration.add_metric([name], status.duration_seconds)
             partial.add_metric([name], len(status.partial_errors))
-        if self._simulation_cpu is None:
-            return [info, up, duration, partial]
-        simulation = CounterMetricFamily(
-            "gpuwatch_agent_simulation_cpu_seconds", "CPU time the agent process spent on --simulate's scripted "
-            "node (advancing it, and inside the scripted NVML's functions), which a real node does not pay: the "
-            "agent's own cost is the process's CPU time without it.", value=self._simulation_cpu())
-        return [info, up, duration, partial, simulation]
+        families: list[Metric] = [info, up, duration, partial]
+        if self._simulation_cpu is not None:
+            families.append(CounterMetricFamily(
+                "gpuwatch_agent_simulation_cpu_seconds", "CPU time the agent process spent on --simulate's scripted "
+                "node (advancing it, and inside the scripted NVML's functions), which a real node does not pay: the "
+                "agent's own cost is the process's CPU time without it.", value=self._simulation_cpu()))
+        return families
 
     def run(self) -> None:
         """Sample every ``interval`` seconds until ``stop`` is called.

@@ -1,8 +1,9 @@
 """Training telemetry: receives the ranks' records on a Unix datagram socket, exports gpuwatch_train_*.
 
 A receiver thread drains the socket as records arrive (a datagram queue holds only
-``net.unix.max_dgram_qlen`` records, so it must not wait for the sampler) and applies each to a
-``TelemetryStore``; ``collect`` only expires silent ranks and copies the store: the series are
+``net.unix.max_dgram_qlen`` records, so it must not wait for the sampler) and queues each for the
+``TelemetryStore``, which applies them in a batch before its next read; ``collect`` only expires silent
+ranks and copies the store (or serves its last result while the store did not change): the series are
 written when a scrape first asks for the snapshot, and only for ranks whose state moved since the
 previous scrape (``RankSeries``). Step timings are
 gauges of the latest step rather than histograms: the series count stays one per rank, and

@@ -85,18 +85,18 @@ def _nvml_function(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def call(self: FakeNvml, *args: Any, **kwargs: Any) -> Any:
         calls = self._calls
-        if getattr(calls, "inside", False):  # called by another scripted function: its caller's time
-            self._enter(name, args[0] if args else None)
-            return fn(self, *args, **kwargs)
-        calls.inside, started = True, self._cpu_clock()
+        outermost = not getattr(calls, "inside", False)  # else called by another scripted function: its time
+        if outermost:
+            calls.inside, started = True, self._cpu_clock()
         try:
             self._enter(name, args[0] if args else None)
             return fn(self, *args, **kwargs)
         finally:
-            calls.inside = False
-            spent = self._cpu_clock() - started
-            with self._cpu_lock:
-                self.cpu_seconds += spent
+            if outermost:
+                calls.inside = False
+                spent = self._cpu_clock() - started
+                with self._cpu_lock:
+                    self.cpu_seconds += spent
 
     return call
 

@@ -21,13 +21,14 @@ is what a hang's diagnosis needs. Probe records are kept apart from the ranks: t
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import math
 import operator
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from gpuwatch.agent.telemetry.window import StepWindow
@@ -173,9 +174,15 @@ class TelemetryStore:
     def ingest(self, datagram: bytes, sender_pid: int | None = None) -> str | None:
         """Decode and apply one datagram now, after those received before it; return the rejection reason, or
         None when accepted."""
+        with self._current():
+            return self._apply(datagram, sender_pid)
+
+    @contextlib.contextmanager
+    def _current(self) -> Iterator[None]:
+        """The store's lock, held with every datagram received so far applied: what each reader reads under."""
         with self._lock:
             self._apply_pending()
-            return self._apply(datagram, sender_pid)
+            yield
 
     def _apply_pending(self) -> None:
         """Apply every datagram received so far, in order (with ``_lock`` held, so batches never interleave)."""
@@ -289,8 +296,7 @@ class TelemetryStore:
     def expire(self) -> list[RankState]:
         """Forget ranks silent for longer than the TTL; return what was forgotten."""
         deadline = self._clock() - self.ttl
-        with self._lock:
-            self._apply_pending()
+        with self._current():
             expired = [state for state in self._ranks.values() if state.last_seen < deadline]
             self.changes += bool(expired)
             for state in expired:
@@ -302,48 +308,44 @@ class TelemetryStore:
 
     def mark_exited(self, pid: int, when: float) -> None:
         """The process `pid` exited at `when` (wall clock): every rank it sent for (``exits.ExitWatcher``)."""
-        with self._lock:
-            self._apply_pending()
-            for state in self._ranks.values():
-                if state.sender_pid == pid and state.exited_time is None:
-                    state.exited_time = when
-                    state.version += 1
-                    self.changes += 1
+        with self._current():
+            self._mark_exited([state for state in self._ranks.values()
+                               if state.sender_pid == pid and state.exited_time is None], when)
 
     def note_exits(self, alive: Callable[[int], bool]) -> list[RankState]:
         """Mark the ranks whose sending process is gone (``alive(pid)`` false) with the time the agent noticed;
         return the newly exited. A rank that exited is kept until its TTL: who died is what a hang's diagnosis
         needs most."""
         now = time.time()
-        with self._lock:
-            self._apply_pending()
+        with self._current():
             gone = [state for state in self._ranks.values()
                     if state.exited_time is None and state.sender_pid is not None and not alive(state.sender_pid)]
-            self.changes += bool(gone)
-            for state in gone:
-                state.exited_time = now
-                state.version += 1
+            self._mark_exited(gone, now)
         return gone
+
+    def _mark_exited(self, states: list[RankState], when: float) -> None:
+        """Mark ``states`` exited at ``when``: news to every reader that caches what it derives from a rank."""
+        self.changes += bool(states)
+        for state in states:
+            state.exited_time = when
+            state.version += 1
 
     def snapshot(self) -> tuple[list[RankState], dict[tuple[str, str], int]]:
         """Copies of every rank's state, sorted by (job, rank), and the record counts."""
-        with self._lock:
-            self._apply_pending()
+        with self._current():
             ranks = [self._ranks[key].copy() for key in sorted(self._ranks)]
             return ranks, dict(self._records)
 
     def sender_pids(self) -> dict[int, tuple[str, int]]:
         """pid -> (job, rank) of every rank whose records carried the sender's pid (in the agent's namespace) and
         whose process has not exited: an exited rank's pid may be another process's next."""
-        with self._lock:
-            self._apply_pending()
+        with self._current():
             return {s.sender_pid: (s.job, s.rank) for s in self._ranks.values()
                     if s.sender_pid is not None and s.exited_time is None}
 
     def probes(self) -> list[dict[str, Any]]:
         """The latest probe record body of each job, sorted by job; bodies are replaced whole, never mutated."""
-        with self._lock:
-            self._apply_pending()
+        with self._current():
             return [self._probes[job] for job in sorted(self._probes)]
 
 

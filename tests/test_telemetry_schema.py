@@ -3,12 +3,14 @@
 import json
 import math
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from telemetry_records import hello, step
+from telemetry_records import hello, probe, progress, step
 
 from gpuwatch.agent.telemetry.store import TelemetryStore
+from gpuwatch.protocol import schema
 from gpuwatch.protocol.schema import (
     COLLECTIVE_BUCKETS,
     MAX_RECORD_BYTES,
@@ -219,3 +221,67 @@ def test_mutated_valid_records_are_accepted_or_rejected_never_crash(record, data
     store.ingest(encode(hello()))
     reason = store.ingest(encode(record))
     assert reason is None or reason in REJECT_REASONS
+
+
+def _verdict(decoder, datagram: bytes) -> tuple:
+    """What a decoder made of a datagram: the body as JSON text (1 and 1.0 differ there), or the rejection."""
+    try:
+        return "accepted", json.dumps(decoder(datagram).body, sort_keys=True)
+    except RecordRejected as rejected:
+        return "rejected", rejected.reason, rejected.field
+
+
+def _by_the_checks_alone(datagram: bytes) -> schema.Record:
+    return schema._record(schema._checked(datagram))
+
+
+#: Values at and past the schema's bounds, and the shapes a careless client sends.
+_EDGES = st.sampled_from([
+    None, True, False, 0, -1, 1, 2**20 - 1, 2**20, 2**53, 2**63 - 1, 2**63, 2**64, -0.0, 0.5, 1.0, 1.001, 1.0011,
+    -1.0011, 1e308, 1e999, math.nan, "", "a", "a\n", "a b", "x" * 129, "ab12EF", "0x1", "cuda", "all_reduce", [], [0],
+    [0] * 20, {}, {"count": 0, "bytes": 0, "seconds": 0.0, "buckets": [0] * 20},
+])
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.sampled_from([step(), progress(collective={}), probe()]), st.data())
+def test_msgspec_form_and_the_checks_agree_on_every_record(record, data):
+    """decode takes most records through msgspec's form of the fields; whatever it makes of a record, accepted as
+    the same body or refused for the same reason and field, must be what the fields' checks alone make of it. A
+    field at any depth is given a value at or past a bound, arbitrary JSON or none, or an unknown field is added."""
+    record = json.loads(json.dumps(record))
+    target = record
+    while True:
+        key = data.draw(st.sampled_from(sorted(target)))
+        value = target[key]
+        inner = value[0] if isinstance(value, list) and value else value  # a list of objects: its first
+        if isinstance(inner, dict) and inner and data.draw(st.booleans()):
+            target = inner
+            continue
+        change = data.draw(st.sampled_from(["edge", "edge", "edge", "json", "delete", "unknown"]))
+        if change == "delete":
+            del target[key]
+        elif change == "unknown":
+            target[key + "_"] = data.draw(_EDGES)
+        else:
+            target[key] = data.draw(_EDGES if change == "edge" else _JSON)
+        break
+    datagram = encode(record)
+    assert _verdict(decode, datagram) == _verdict(_by_the_checks_alone, datagram)
+
+
+@pytest.mark.parametrize("record", [step(), step(loss=None), progress(collective={}), progress(), probe()],
+                         ids=["step", "step-without-loss", "progress-in-collective", "progress", "probe"])
+def test_usual_records_take_msgspecs_form(record):
+    """The fast form must hold for what clients send (or every record would pay for both): all but the hello,
+    whose environment is filtered by name."""
+    record = {name: value for name, value in record.items() if value is not None}
+    body = schema._TYPED.decode(encode(record))
+    assert msgspec.to_builtins(body) == decode(encode(record)).body
+
+
+def test_hello_and_records_with_nulls_or_unknown_fields_are_judged_by_the_checks():
+    for record in (hello(), step(loss=None), step(extension={"a": 1})):
+        with pytest.raises(msgspec.ValidationError):
+            schema._TYPED.decode(encode(record))
+        assert decode(encode(record)).body == _by_the_checks_alone(encode(record)).body

@@ -114,13 +114,18 @@ def test_network_interfaces_include_loopback_marked_as_such(collector):
     assert set(interfaces) == set(psutil.net_if_stats())
 
 
-def test_network_interfaces_are_read_again_only_after_the_refresh_period(monkeypatch):
-    """Listing interfaces was half the collector's round; they are read once per INTERFACES_REFRESH_SECONDS."""
+def test_interfaces_and_cpu_count_are_read_again_only_after_the_refresh_period(monkeypatch):
+    """Listing interfaces was half the collector's round; they and the CPU count are read once per
+    STATIC_REFRESH_SECONDS, and a changed count is reported from the next refresh on."""
     now = [100.0]
     collector = HostCollector(CollectorContext(), clock=lambda: now[0])
-    reads = []
+    reads, cpus, counts = [], [4], []
     monkeypatch.setattr(host, "_network_interfaces", lambda: (reads.append(now[0]), ())[1])
-    for _ in range(121):  # two minutes of 1 s rounds
-        collector.collect()
+    monkeypatch.setattr(host.psutil, "cpu_count", lambda: cpus[0])
+    for second in range(121):  # two minutes of 1 s rounds; a CPU comes online after 30 s
+        if second == 30:
+            cpus[0] = 5
+        counts.append(collector.collect().readings.cpu_count)
         now[0] += 1.0
-    assert reads == [100.0, 100.0 + host.INTERFACES_REFRESH_SECONDS, 100.0 + 2 * host.INTERFACES_REFRESH_SECONDS]
+    assert reads == [100.0, 100.0 + host.STATIC_REFRESH_SECONDS, 100.0 + 2 * host.STATIC_REFRESH_SECONDS]
+    assert counts == [4] * 60 + [5] * 61

@@ -7,6 +7,7 @@ import os
 import shutil
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -290,6 +291,43 @@ def test_beyond_the_limit_files_are_opened_per_read(fixture_copy):
     assert open_fds() - baseline == 2
     files.close()
     assert open_fds() == baseline
+
+
+def test_a_directory_listing_is_reused_while_the_directory_stands(tmp_path, monkeypatch):
+    """Listing ~40 directories was half a round. A listing is reused while its directory's inode and mtime stand;
+    it is made again when the mtime moves, when the directory was modified within RACY_SECONDS (a change inside the
+    timestamps' granularity), after LISTING_TTL_SECONDS, and after a round that did not list it."""
+    directory = tmp_path / "counters"
+    directory.mkdir()
+    (directory / "a").write_text("1\n")
+    an_hour_ago = time.time() - 3600
+    os.utime(directory, (an_hour_ago, an_hour_ago))
+    now = [0.0]
+    files = infiniband.SysfsFiles(clock=lambda: now[0])
+    scans = []
+    scandir = os.scandir
+    monkeypatch.setattr(infiniband.os, "scandir", lambda path: (scans.append(path), scandir(path))[1])
+
+    def rounds(count: int) -> dict[str, int]:
+        for _ in range(count):
+            names = files.listdir(str(directory))
+            files.sweep()
+        return names
+
+    assert rounds(3) == {"a": (directory / "a").stat().st_ino} and len(scans) == 1
+    (directory / "b").write_text("2\n")
+    os.utime(directory, (an_hour_ago + 1, an_hour_ago + 1))  # modified, long ago: not racy
+    assert set(rounds(3)) == {"a", "b"} and len(scans) == 2
+    now[0] += infiniband.LISTING_TTL_SECONDS
+    rounds(3)
+    assert len(scans) == 3
+    files.sweep()  # a round that did not list it: forgotten
+    rounds(1)
+    assert len(scans) == 4
+    os.utime(directory)  # modified just now: listed every round until it is RACY_SECONDS old
+    rounds(3)
+    assert len(scans) == 7
+    files.close()
 
 
 def test_pread_at_offset_zero_regenerates_a_live_sysfs_attribute():

@@ -70,6 +70,8 @@ class HostCollector(Collector):
         # semantics, independent of which thread samples.
         self._last_cpu = _busy_and_total(psutil.cpu_times())
         self._own_pid = os.getpid()
+        self._own = psutil.Process(self._own_pid)
+        self._own_name = self._own.name()
         self._ranks: Callable[[], RankPids] = dict
         self._processes: dict[int, psutil.Process] = {}
 
@@ -115,12 +117,12 @@ class HostCollector(Collector):
         ranks.pop(self._own_pid, None)
         if len(ranks) > MAX_WATCHED_PIDS:
             errors.append(f"{len(ranks) - MAX_WATCHED_PIDS} pids beyond the limit of {MAX_WATCHED_PIDS} not watched")
-        pids = [self._own_pid, *sorted(ranks)[:MAX_WATCHED_PIDS]]
+        pids = sorted(ranks)[:MAX_WATCHED_PIDS]
         for gone in self._processes.keys() - set(pids):
             del self._processes[gone]
-        rows = []
+        rows = [self._own_reading()]
         for pid in pids:
-            job, rank = ranks.get(pid, ("", ""))
+            job, rank = ranks[pid]
             try:
                 # Made once per pid: the telemetry collector stops naming a rank's pid once its process exits, so a
                 # pid reused by another process is not met here. (``is_running``, which also catches reuse, read
@@ -138,6 +140,14 @@ class HostCollector(Collector):
             except psutil.Error as exc:
                 errors.append(f"pid {pid}: {exc}")
         return tuple(rows)
+
+    def _own_reading(self) -> ProcessReading:
+        """The agent's own row: its CPU time from times(2), the same clock ticks /proc/self/stat holds, and its
+        name read once. Through psutil's ``oneshot`` (a parse of /proc/self/stat) the row cost an idle agent's host
+        round ~190 µs of its ~550; now ~80 of ~360 (thread CPU time, 1 s rounds)."""
+        times = os.times()
+        return ProcessReading(pid=self._own_pid, name=self._own_name, job="", rank="",
+                              rss_bytes=self._own.memory_info().rss, cpu_seconds=times.user + times.system)
 
 
 def _families(readings: HostReadings) -> list[Metric]:

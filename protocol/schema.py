@@ -319,10 +319,9 @@ class _Field:
     type: Any = None
 
 
-def _range(low: float | None, high: float | None) -> msgspec.Meta:
+def _range(low: float, high: float) -> msgspec.Meta:
     """A msgspec constraint for ``low <= value <= high``; an infinite bound is no bound."""
-    return msgspec.Meta(ge=low if low is not None and math.isfinite(low) else None,
-                        le=high if high is not None and math.isfinite(high) else None)
+    return msgspec.Meta(ge=low if math.isfinite(low) else None, le=high if math.isfinite(high) else None)
 
 
 def _matching(regex: re.Pattern[str], max_length: int | None = None) -> msgspec.Meta:
@@ -569,6 +568,7 @@ _COMMON = {"v": _Field(_unchecked, Literal[SCHEMA_VERSION]), "kind": _Field(_unc
 def _kind(kind: str, required: Mapping[str, _Field], optional: Mapping[str, _Field]) -> _Field:
     """A record of ``kind``: the common fields and its own, tagged by its kind in msgspec's form."""
     return _object({**_COMMON, **required}, optional, tag=("kind", kind))
+
 
 _HELLO = _kind(
     "hello",

@@ -4,9 +4,10 @@ Why from outside: an operator sizes a DaemonSet's requests/limits from the proce
 kernel counts them (psutil on the agent's pid), not from timings inside the agent. The agent serves a simulated
 dgx-h100 (8 GPUs, 18 NVLinks each, 8 IB ports) at a 1 s sampling interval while 64 ranks report one step per
 second each through the real telemetry socket (TelemetryClient, from a separate process so the senders' CPU is
-not counted), and Prometheus-like scrapes arrive every 15 s. Then ``/metrics`` latency is timed over loopback
-three ways: back to back (most read a snapshot already read); once per sampling interval, each reading a new
-snapshot; and at irregular gaps 0.2 to 3 intervals apart.
+not counted; handed over as the hooks hand them, so the clients fold plain steps for up to ``FOLD_SECONDS``),
+and Prometheus-like scrapes arrive every 15 s. Then ``/metrics`` latency is timed over loopback three ways: back
+to back (most read a snapshot already read); once per sampling interval, each reading a new snapshot; and at
+irregular gaps 0.2 to 3 intervals apart.
 
 What the agent's CPU share includes that a real node does not pay: ``--simulate`` rewrites the generated sysfs
 tree and advances the scripted NVML before every round, and the collectors' NVML calls run the scripted NVML's
@@ -55,7 +56,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from _harness import free_port, get, running, wait_until
-from telemetry_records import collectives, hello, step
+from telemetry_records import collectives, hello, plain_step, step
 
 from gpuwatch.trainer.telemetry import TelemetryClient
 
@@ -63,6 +64,9 @@ ROOT = Path(__file__).resolve().parent.parent
 IB_FIXTURE = ROOT / "tests" / "fixtures" / "procfs-infiniband" / "sys"
 RANKS = 64
 SCRAPE_EVERY = 15.0
+#: The steps whose records carry what the hooks measure every N steps (their DEFAULT_EVERY: memory, gradient
+#: similarity, parameter checksum).
+MEASURED_EVERY = 10
 #: 64 ranks as tp 8 × dp 4 × pp 2, eight per GPU's worth of local ranks.
 LAYOUT = {"world_size": RANKS, "tp_size": 8, "pp_size": 2, "dp_size": 4, "micro_batches": 8, "faults": []}
 
@@ -85,7 +89,9 @@ def _rank_layout(rank: int) -> dict:
 
 
 def send_steps(sock: str, seconds: float) -> None:
-    """64 ranks, one client each as in 64 processes, one full step record per rank per second."""
+    """64 ranks, one client each as in 64 processes, one step per rank per second, handed over as the hooks do
+    (``submit``: the client folds plain steps). As the hooks' defaults measure them, every 10th step carries a
+    memory reading, the gradient similarity and a parameter checksum, the others none."""
     clients = [TelemetryClient(sock, heartbeat_interval=0) for _ in range(RANKS)]
     for rank, client in enumerate(clients):
         client.send(hello(rank, job="bench", **_rank_layout(rank)))
@@ -95,8 +101,10 @@ def send_steps(sock: str, seconds: float) -> None:
     while time.monotonic() < deadline:
         number += 1
         tick = time.monotonic()
+        shape = step if number % MEASURED_EVERY == 0 else plain_step
         for rank, client in enumerate(clients):
-            client.send(step(rank, number, job="bench", collectives=ops))
+            record = shape(rank, number, job="bench", collectives=ops)
+            client.submit(lambda record=record: record)
         time.sleep(max(0.0, 1.0 - (time.monotonic() - tick)))
     for client in clients:
         client.close()

@@ -86,6 +86,19 @@ that restarted learns the rank's layout and a hung-but-alive rank does not expir
     mfu?                0..1
     client?             {sent: int, dropped: {reason: int}}   the client's cumulative send
                                      counters, added by ``TelemetryClient`` (CLIENT_DROP_REASONS)
+    folded?             {steps: [{step, time, step_seconds, compute_seconds?, dataloader_wait_seconds?,
+                                  exposed_collective_seconds?, pipeline?: {bubble_ratio}, loss?, grad_norm?}],
+                         collectives?, tokens?, samples?}
+                        earlier steps the client folded into this record, oldest first (at most
+                        MAX_FOLDED_STEPS, each numbered below the next and below this record's step): what the
+                        agent keeps of each (its window's timings, loss and gradient norm), and their count-like
+                        fields summed (``collectives`` as above, bucket sums included). The agent counts them as
+                        steps before this one; every other field of theirs is superseded by this record's. A
+                        client folds only plain steps (no ``memory``, sampled signal, ``unavailable`` or
+                        non-finite value): one that carries news ends the fold. One datagram then carries the
+                        steps of seconds: the agent's cost is per datagram far more than per step. An agent
+                        older than this field ignores it, as any unknown field, and counts only the record's
+                        own step: upgrade agents before the ranks' clients.
 
 ``probe`` — the result of ``gpuwatch probe``, an nccl-tests style sweep of collectives, sent once by
 the probe's rank 0; the agent keeps the latest per job, with no TTL (it is a one-off measurement,
@@ -145,6 +158,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import operator
@@ -159,6 +173,9 @@ SCHEMA_VERSION = 1
 #: Larger datagrams are rejected unread. A step record is ~1.5 KiB; a hello with a few dozen
 #: environment variables and process-group members for a 1,000-way DP group stays well below.
 MAX_RECORD_BYTES = 16 * 1024
+#: Steps a step record may carry folded (``folded``): with the record itself, 16 steps a datagram, which a rank of
+#: the usual shape fills in well under 16 KiB.
+MAX_FOLDED_STEPS = 15
 #: How deep an *unknown* field may nest; known fields have a fixed shape.
 MAX_UNKNOWN_DEPTH = 4
 
@@ -559,6 +576,10 @@ _COLLECTIVE = _object({
     "count": _COUNT, "bytes": _COUNT, "seconds": _SECONDS,
     "buckets": _counts(len(COLLECTIVE_BUCKETS) + 1),
 })
+_COLLECTIVES = _object({}, dict.fromkeys(COLLECTIVE_OPS, _COLLECTIVE))
+#: A diverging run is data, not an error: NaN and Infinity are allowed.
+_LOSS = _number(-math.inf, math.inf, nonfinite_ok=True)
+_GRAD_NORM = _number(nonfinite_ok=True)
 
 #: ``v`` and ``kind`` are checked by ``decode`` before the fields are; their msgspec form states them.
 _COMMON = {"v": _Field(_unchecked, Literal[SCHEMA_VERSION]), "kind": _Field(_unchecked), "job": _label(128),
@@ -593,40 +614,51 @@ _HELLO = _kind(
     },
 )
 
-_STEP = _kind(
-    "step",
-    {"step": _integer(0, 2**53), "step_seconds": _SECONDS},
-    {
-        "compute_seconds": _SECONDS, "dataloader_wait_seconds": _SECONDS, "optimizer_seconds": _SECONDS,
-        "exposed_collective_seconds": _SECONDS,
-        "pipeline": _object(
-            {"busy_seconds": _SECONDS, "idle_seconds": _SECONDS, "bubble_ratio": _RATIO},
-            {"bubble_ratio_theoretical": _RATIO},
-        ),
-        "collectives": _object({}, dict.fromkeys(COLLECTIVE_OPS, _COLLECTIVE)),
-        "gradient_sync_bytes": _COUNT,
-        "collective_calls": _mapping(_label(64), _COUNT, 17),
-        "loss": _number(-math.inf, math.inf, nonfinite_ok=True),
-        "grad_norm": _number(nonfinite_ok=True),
-        "nonfinite": _BOOLEAN,
-        "loss_scale": _number(),
-        "lr": _number(),
-        "grad_cosine_similarity": _number(-1.0 - COSINE_TOLERANCE, 1.0 + COSINE_TOLERANCE),
-        "param_checksum": _CHECKSUM,
-        "memory": _object(
-            {"kind": _choice(*MEMORY_KINDS), "peak_bytes": _COUNT},
-            dict.fromkeys(MEMORY_COUNTS, _COUNT),
-        ),
-        "tokens": _COUNT,
-        "samples": _COUNT,
-        "unavailable": _mapping(_choice(*UNAVAILABLE_SIGNALS), _choice(*UNAVAILABLE_REASONS), len(UNAVAILABLE_SIGNALS)),
-        "model_flops_per_second": _number(),
-        "mfu": _RATIO,
-        "client": _object({
-            "sent": _COUNT, "dropped": _object({}, dict.fromkeys(CLIENT_DROP_REASONS, _COUNT)),
-        }),
-    },
+_STEP_REQUIRED = {"step": _integer(0, 2**53), "step_seconds": _SECONDS}
+_STEP_OPTIONAL = {
+    "compute_seconds": _SECONDS, "dataloader_wait_seconds": _SECONDS, "optimizer_seconds": _SECONDS,
+    "exposed_collective_seconds": _SECONDS,
+    "pipeline": _object(
+        {"busy_seconds": _SECONDS, "idle_seconds": _SECONDS, "bubble_ratio": _RATIO},
+        {"bubble_ratio_theoretical": _RATIO},
+    ),
+    "collectives": _COLLECTIVES,
+    "gradient_sync_bytes": _COUNT,
+    "collective_calls": _mapping(_label(64), _COUNT, 17),
+    "loss": _LOSS,
+    "grad_norm": _GRAD_NORM,
+    "nonfinite": _BOOLEAN,
+    "loss_scale": _number(),
+    "lr": _number(),
+    "grad_cosine_similarity": _number(-1.0 - COSINE_TOLERANCE, 1.0 + COSINE_TOLERANCE),
+    "param_checksum": _CHECKSUM,
+    "memory": _object(
+        {"kind": _choice(*MEMORY_KINDS), "peak_bytes": _COUNT},
+        dict.fromkeys(MEMORY_COUNTS, _COUNT),
+    ),
+    "tokens": _COUNT,
+    "samples": _COUNT,
+    "unavailable": _mapping(_choice(*UNAVAILABLE_SIGNALS), _choice(*UNAVAILABLE_REASONS), len(UNAVAILABLE_SIGNALS)),
+    "model_flops_per_second": _number(),
+    "mfu": _RATIO,
+    "client": _object({
+        "sent": _COUNT, "dropped": _object({}, dict.fromkeys(CLIENT_DROP_REASONS, _COUNT)),
+    }),
+}
+#: What a folded step keeps of its record (``folded.steps``): what the agent's window of recent steps reads. Of
+#: ``pipeline``, only ``bubble_ratio``.
+FOLDED_STEP_FIELDS = ("step", "time", "step_seconds", "compute_seconds", "dataloader_wait_seconds",
+                      "exposed_collective_seconds", "pipeline", "loss", "grad_norm")
+#: The count-like fields of a step, summed over the folded steps (``folded``).
+FOLDED_COUNTS = ("collectives", "tokens", "samples")
+_FOLDED_STEP_SPECS = {**_COMMON, **_STEP_REQUIRED, **_STEP_OPTIONAL, "pipeline": _object({"bubble_ratio": _RATIO})}
+_FOLDED = _object(
+    {"steps": _list(_object({name: _FOLDED_STEP_SPECS[name] for name in ("step", "time", "step_seconds")},
+                            {name: _FOLDED_STEP_SPECS[name] for name in FOLDED_STEP_FIELDS[3:]}),
+                    MAX_FOLDED_STEPS)},
+    {name: _STEP_OPTIONAL[name] for name in FOLDED_COUNTS},
 )
+_STEP = _kind("step", _STEP_REQUIRED, {**_STEP_OPTIONAL, "folded": _FOLDED})
 
 _PROBE = _kind(
     "probe",
@@ -685,10 +717,20 @@ def _check_probe(body: dict[str, Any]) -> None:
 
 
 def _check_step(body: dict[str, Any]) -> None:
-    """Each op's buckets add up to its call count."""
-    for op, calls in body.get("collectives", {}).items():
+    """Each op's buckets add up to its call count; the steps folded into the record come before it, in order."""
+    _check_buckets(body, "collectives")
+    folded = body.get("folded")
+    if folded is not None:
+        _check_buckets(folded, "folded.collectives")
+        numbers = [point["step"] for point in folded["steps"]] + [body["step"]]
+        if any(earlier >= later for earlier, later in itertools.pairwise(numbers)):
+            raise RecordRejected("out_of_range", "folded.steps")
+
+
+def _check_buckets(counts: dict[str, Any], path: str) -> None:
+    for op, calls in counts.get("collectives", {}).items():
         if sum(calls["buckets"]) != calls["count"]:
-            raise RecordRejected("out_of_range", f"collectives.{op}.buckets")
+            raise RecordRejected("out_of_range", f"{path}.{op}.buckets")
 
 
 _CROSS_CHECKS: Mapping[str, Callable[[dict[str, Any]], None]] = {

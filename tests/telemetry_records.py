@@ -57,6 +57,15 @@ def step(rank: int = 0, number: int = 1, job: str = JOB, **fields: Any) -> dict[
     return record
 
 
+def plain_step(rank: int = 0, number: int = 1, job: str = JOB, **fields: Any) -> dict[str, Any]:
+    """A step with nothing sampled or non-finite in it (no memory reading, gradient similarity or checksum): what the
+    hooks send on most steps, and what a client folds into a later step (``TelemetryClient``'s ``fold_seconds``)."""
+    record = step(rank, number, job, **fields)
+    for news in ("memory", "grad_cosine_similarity", "param_checksum", "nonfinite"):
+        record.pop(news, None)
+    return record
+
+
 def probe(job: str = JOB, interconnect: str = "infiniband", busbw: float = 40e9, **fields: Any) -> dict[str, Any]:
     """A probe record of 2 ranks, one per node: all-reduce and all-gather at 1 and 64 MiB; the 64 MiB all-reduce
     peaks at ``busbw``, all-gather at 90 % of it (n=2: busbw = algbw for all-reduce, algbw / 2 for all-gather)."""

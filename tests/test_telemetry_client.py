@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from telemetry_records import hello, step
+from telemetry_records import hello, plain_step, progress, step
 
 from gpuwatch.protocol.paths import SYSTEM_SOCKET, default_socket_path, socket_path_candidates
 from gpuwatch.protocol.schema import MAX_RECORD_BYTES
@@ -96,6 +96,20 @@ def test_client_follows_an_agent_restart_on_the_same_path(socket_path):
     assert client.drops["no_agent"] == 1
 
 
+def test_an_agent_restarted_between_two_datagrams_gets_the_hello_first(socket_path):
+    """No send failed while it was down (a rank stepping slowly, or its steps held to fold): the socket at the path
+    is a new one all the same, so the hello goes again."""
+    client = TelemetryClient(socket_path, heartbeat_interval=0)
+    first = Receiver(socket_path)
+    client.send(hello())
+    client.send(step(number=1))
+    first.close()
+    second = Receiver(socket_path)  # the same path, very likely the same inode number: a new socket all the same
+    client.send(step(number=2))
+    assert [(r["kind"], r.get("step")) for r in second.records()] == [("hello", None), ("step", 2)]
+    assert client.dropped == 0
+
+
 def test_a_stalled_agent_costs_drops_not_blocking_and_order_is_kept(socket_path):
     agent = Receiver(socket_path)  # never reads until the end: its kernel queue fills
     client = TelemetryClient(socket_path, heartbeat_interval=0)
@@ -168,6 +182,46 @@ def test_submitted_records_are_built_on_the_clients_thread_and_all_sent_in_order
     wait_until(lambda: len(received) == len(expected), timeout=10, what="every record sent")
     assert [record["step"] for record in received] == expected
     assert client.dropped == 0
+
+
+def test_submitted_plain_steps_are_folded_and_anything_else_goes_at_once_after_them(socket_path, tmp_path):
+    agent = Receiver(socket_path)
+    received = _reading(agent)
+    log_path = tmp_path / "rank-00000.jsonl"
+    client = TelemetryClient(socket_path, run_log=log_path, heartbeat_interval=0, fold_seconds=3600)
+    client.submit(lambda: plain_step(number=1, tokens=100 * 1))
+    wait_until(lambda: len(received) == 1, timeout=10, what="the first step, at once: none went for fold_seconds")
+    submitted = [*(plain_step(number=n, tokens=100 * n) for n in range(2, 6)), progress(step=5), step(number=6),
+                 plain_step(number=7, tokens=700)]
+    for record in submitted:
+        client.submit(lambda record=record: record)
+    client.close()  # sends the one step held
+    wait_until(lambda: len(received) == 5, timeout=10, what="every datagram")
+
+    assert [(r["kind"], r.get("step")) for r in received] == [
+        ("step", 1), ("step", 5), ("progress", 5), ("step", 6), ("step", 7)]
+    assert [point["step"] for point in received[1]["folded"]["steps"]] == [2, 3, 4]  # held until the progress record
+    assert received[1]["folded"]["tokens"] == 200 + 300 + 400
+    assert received[1]["folded"]["collectives"]["all_reduce"]["count"] == 3 * 2
+    assert "folded" not in received[3]  # news (a memory reading, sampled signals): at once, nothing held before it
+    assert client.sent == 8 and client.dropped == 0  # records, not datagrams
+    logged = [json.loads(line) for line in log_path.read_text().splitlines()]
+    assert [(r["kind"], r.get("step")) for r in logged] == [("step", 1)] + [(r["kind"], r["step"]) for r in submitted]
+    assert not any("folded" in record for record in logged)  # the run log keeps every record whole
+
+
+def test_held_steps_go_once_fold_seconds_have_passed_without_a_later_record(socket_path):
+    agent = Receiver(socket_path)
+    received = _reading(agent)
+    client = TelemetryClient(socket_path, heartbeat_interval=0, fold_seconds=0.2)
+    for number in range(1, 5):
+        client.submit(lambda number=number: plain_step(number=number, tokens=100 * number))
+
+    def steps() -> list[int]:
+        return [n for r in received for n in [p["step"] for p in r.get("folded", {}).get("steps", [])] + [r["step"]]]
+
+    wait_until(lambda: steps() == [1, 2, 3, 4], timeout=10, what="the held steps, sent by the client's thread")
+    client.close()
 
 
 class BlockedSocket:

@@ -1,6 +1,7 @@
 """The agent side in-process: per-rank store (counters, caps, TTL) and the collector's socket and series."""
 
 import os
+import random
 import socket
 import stat
 import subprocess
@@ -10,15 +11,15 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from telemetry_records import JOB, collectives, coordinates, hello, progress, samples, step
+from telemetry_records import JOB, collectives, coordinates, hello, plain_step, progress, samples, step
 
 from gpuwatch.agent.collectors.base import CollectorContext, CollectorError
 from gpuwatch.agent.collectors.telemetry import RankSeries, TelemetryCollector, families
 from gpuwatch.agent.exposition import Renderer
 from gpuwatch.agent.telemetry.store import TelemetryStore
 from gpuwatch.agent.telemetry.window import WINDOW_SECONDS, WINDOW_STEPS, StepWindow, summarize
-from gpuwatch.protocol.schema import encode
-from gpuwatch.trainer.telemetry import TelemetryClient
+from gpuwatch.protocol.schema import MAX_FOLDED_STEPS, encode
+from gpuwatch.trainer.telemetry import TelemetryClient, fold_steps
 
 from conftest import require_tool, wait_until
 
@@ -49,6 +50,57 @@ def test_store_accumulates_step_increments_and_keeps_the_latest_values():
     assert state.last_step["step"] == 3
     assert state.sampled["grad_cosine_similarity"] == (3, 0.9)
     assert records["accepted", ""] == 4
+
+
+def _plain_steps(count: int, seed: int) -> list[dict]:
+    """Plain steps (nothing sampled, every value finite: what a client folds) of varied timings and counts."""
+    chance = random.Random(seed)
+    records = []
+    for number in range(1, count + 1):
+        calls = {op: [chance.expovariate(1000) for _ in range(chance.randrange(4))]
+                 for op in ("all_reduce", "all_gather", "send")}
+        record = plain_step(0, number, time=1000.0 + number, step_seconds=chance.uniform(0.1, 2),
+                            compute_seconds=chance.uniform(0.05, 1), loss=chance.uniform(1, 3),
+                            grad_norm=chance.uniform(0, 5), tokens=chance.randrange(10_000),
+                            samples=chance.randrange(64), collectives=collectives(calls))
+        if chance.random() < 0.3:
+            del record["pipeline"]
+        records.append(record)
+    return records
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_steps_folded_into_one_record_leave_the_store_as_those_steps_one_by_one(seed):
+    steps = _plain_steps(1 + MAX_FOLDED_STEPS, seed)
+    one_by_one, folded = TelemetryStore(), TelemetryStore()
+    _feed(one_by_one, hello(0), *steps)
+    assert _feed(folded, hello(0), fold_steps(steps[-1], steps[:-1])) == [None, None]
+    (alone,), _ = one_by_one.snapshot()
+    (together,), _ = folded.snapshot()
+    assert together.counters() == alone.counters()
+    assert together.counters()["steps"] == len(steps)
+    for op, totals in alone.collectives.items():
+        assert together.collectives[op].count == totals.count
+        assert together.collectives[op].bytes == totals.bytes
+        assert together.collectives[op].buckets == totals.buckets
+        assert together.collectives[op].seconds == pytest.approx(totals.seconds)
+    assert together.window.points() == alone.window.points()
+    assert together.last_step == alone.last_step  # the step's own fields: ``folded`` is not kept
+
+
+def test_a_snapshot_hands_out_the_same_copy_of_a_rank_until_the_rank_changes():
+    store = TelemetryStore()
+    _feed(store, hello(0), hello(1), step(0, 1), step(1, 1))
+    first, _ = store.snapshot()
+    _feed(store, step(1, 2))
+    store.note_exits(lambda pid: True)  # nobody exited: no change
+    second, _ = store.snapshot()
+    assert second[0] is first[0]
+    assert second[1] is not first[1]
+    assert (first[1].last_step["step"], second[1].last_step["step"]) == (1, 2)  # the copy handed out stays as it was
+    _feed(store, progress(0))
+    third, _ = store.snapshot()
+    assert third[0] is not second[0] and third[0].progress is not None and second[0].progress is None
 
 
 def test_store_keeps_a_bounded_window_of_recent_steps_by_count_by_the_ranks_clock_and_per_run():

@@ -7,12 +7,13 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from telemetry_records import hello, probe, progress, step
+from telemetry_records import hello, plain_step, probe, progress, step
 
 from gpuwatch.agent.telemetry.store import TelemetryStore
 from gpuwatch.protocol import schema
 from gpuwatch.protocol.schema import (
     COLLECTIVE_BUCKETS,
+    MAX_FOLDED_STEPS,
     MAX_RECORD_BYTES,
     REJECT_REASONS,
     RecordRejected,
@@ -21,6 +22,11 @@ from gpuwatch.protocol.schema import (
     encode,
     env_name_allowed,
 )
+from gpuwatch.trainer.telemetry import fold_steps
+
+_NO_CALLS = {"count": 0, "bytes": 0, "seconds": 0.0, "buckets": [0] * (len(COLLECTIVE_BUCKETS) + 1)}
+#: A step with two earlier ones folded into it, as a client sends it.
+_FOLDED = fold_steps(step(number=3), [plain_step(number=1, samples=8), plain_step(number=2, samples=8)])
 
 
 def _reason(datagram: bytes) -> tuple[str, str]:
@@ -157,6 +163,18 @@ def _nested_unknown(levels: int) -> bytes:
      "out_of_range", "collectives.all_reduce.buckets.3"),
     (_mutated(collectives={"all_reduce": {"count": 1, "bytes": 0, "seconds": 0.1, "buckets": [0, True] + [0] * 18}}),
      "bad_type", "collectives.all_reduce.buckets.1"),
+    (encode({**_FOLDED, "folded": {"steps": [{"step": 2, "time": 1.0, "step_seconds": 0.5}] * 2}}),
+     "out_of_range", "folded.steps"),  # each folded step numbered below the next
+    (encode({**_FOLDED, "folded": {"steps": [{"step": 4, "time": 1.0, "step_seconds": 0.5}]}}),
+     "out_of_range", "folded.steps"),  # and below the record's own
+    (encode({**_FOLDED, "folded": {"steps": [{"step": n, "time": 1.0, "step_seconds": 0.5}
+                                             for n in range(-MAX_FOLDED_STEPS, 1)]}}),
+     "out_of_range", "folded.steps"),  # at most MAX_FOLDED_STEPS
+    (encode({**_FOLDED, "folded": {**_FOLDED["folded"], "collectives": {"send": {**_NO_CALLS, "count": 1}}}}),
+     "out_of_range", "folded.collectives.send.buckets"),
+    (encode({**_FOLDED, "folded": {"steps": [{"step": 1, "time": 1.0, "step_seconds": 0.5, "loss_scale": 1.0}],
+                                   "tokens": -1}}),
+     "out_of_range", "folded.tokens"),
     (_mutated(step_seconds=math.nan), "not_finite", "step_seconds"),
     (_mutated(time=math.inf), "not_finite", "time"),
     (_mutated(lr=1e999), "not_finite", "lr"),  # too large for a float: infinite
@@ -235,7 +253,6 @@ def _by_the_checks_alone(datagram: bytes) -> schema.Record:
     return schema._record(schema._checked(datagram))
 
 
-_NO_CALLS = {"count": 0, "bytes": 0, "seconds": 0.0, "buckets": [0] * (len(COLLECTIVE_BUCKETS) + 1)}
 #: Values at and past the schema's bounds, and the shapes a careless client sends.
 _EDGES = st.sampled_from([
     None, True, False, 0, -1, 1, 2**20 - 1, 2**20, 2**53, 2**63 - 1, 2**63, 2**64, -0.0, 0.5, 1.0, 1.001, 1.0011,
@@ -245,7 +262,7 @@ _EDGES = st.sampled_from([
 
 
 @settings(max_examples=1000, deadline=None)
-@given(st.sampled_from([step(), progress(collective={}), probe()]), st.data())
+@given(st.sampled_from([step(), _FOLDED, progress(collective={}), probe()]), st.data())
 def test_msgspec_form_and_the_checks_agree_on_every_record(record, data):
     """decode takes most records through msgspec's form of the fields; whatever it makes of a record, accepted as
     the same body or refused for the same reason and field, must be what the fields' checks alone make of it. A
@@ -271,8 +288,8 @@ def test_msgspec_form_and_the_checks_agree_on_every_record(record, data):
     assert _verdict(decode, datagram) == _verdict(_by_the_checks_alone, datagram)
 
 
-@pytest.mark.parametrize("record", [step(), step(loss=None), progress(collective={}), progress(), probe()],
-                         ids=["step", "step-without-loss", "progress-in-collective", "progress", "probe"])
+@pytest.mark.parametrize("record", [step(), step(loss=None), _FOLDED, progress(collective={}), progress(), probe()],
+                         ids=["step", "step-without-loss", "folded", "progress-in-collective", "progress", "probe"])
 def test_usual_records_take_msgspecs_form(record):
     """The fast form must hold for what clients send (or every record would pay for both): all but the hello,
     whose environment is filtered by name."""

@@ -17,6 +17,9 @@ a rank that is alive but stuck (a hung collective) does not expire from the agen
 The training loop hands its step records over with ``submit`` instead: a callable that builds the
 record, queued (never waiting, not even for the client's lock) and run on that thread, so building
 the record, encoding it, the run log's write and the datagram cost the training thread nothing.
+That thread also folds submitted step records: a plain step waits up to ``FOLD_SECONDS`` on the client
+and goes out folded into a later one (the schema's ``folded``), so that one datagram carries a rank's
+steps of seconds; the run log still gets every record at once, whole.
 
 Imports nothing from torch: the hooks build the records, this module only carries them.
 """
@@ -28,6 +31,7 @@ import contextlib
 import errno
 import json
 import logging
+import math
 import os
 import secrets
 import socket
@@ -41,10 +45,13 @@ from typing import Any, BinaryIO
 from gpuwatch.protocol.paths import socket_path_candidates
 from gpuwatch.protocol.schema import (
     ENV_DENY,
+    FOLDED_COUNTS,
+    FOLDED_STEP_FIELDS,
     MAX_COMMAND_ARG_CHARS,
     MAX_COMMAND_ARGS,
     MAX_ENV_VALUE_CHARS,
     MAX_ENV_VARS,
+    MAX_FOLDED_STEPS,
     MAX_RECORD_BYTES,
     REDACTED,
     encode,
@@ -65,6 +72,14 @@ INBOX_RECORDS = 256
 #: thread takes the GIL from the training thread, and each hand-over costs both threads CPU: one turn per
 #: batch instead of one per step is most of what moving the records off the training thread saves.
 BATCH_SECONDS = 0.05
+#: How long a submitted step record may wait on the client, to reach the agent folded into a later one (the schema's
+#: ``folded``: one datagram carries up to 1 + MAX_FOLDED_STEPS steps). The agent pays per datagram far more than per
+#: step (waking its receiver, decoding, applying with cold caches): 64 ranks stepping once a second cost it ~0.4 % of
+#: a core as 64 datagrams a second, ~0.1 % folded (benchmarks/README.md, Agent cost). 5 s is the agent's default
+#: sampling interval, so at its default a rank's steps arrive as often as they are sampled. The first step after a
+#: quiet spell goes at once; a step carrying news (``_plain``: a memory reading, a sampled signal, ``unavailable``,
+#: a non-finite value) and any other record (a stalled rank's progress) go at once, after the steps held.
+FOLD_SECONDS = 5.0
 #: How much lower than the training thread's the client thread's priority is (nice value; Linux only).
 THREAD_NICENESS = 10
 #: The name each rank's file takes in a run log directory (global rank, 5 digits), as `gpuwatch diagnose` reads it.
@@ -78,6 +93,44 @@ def _encode(record: Mapping[str, Any]) -> bytes:
     return _ENCODER.encode(record).encode()
 
 _BUSY = frozenset({errno.EAGAIN, errno.ENOBUFS})
+
+
+#: Step fields measured every N steps or only when something went wrong: a step carrying one is news, not held.
+_NEWS = ("memory", "grad_cosine_similarity", "param_checksum", "unavailable", "nonfinite")
+
+
+def _plain(step: Mapping[str, Any]) -> bool:
+    """Whether a step record carries no news (``_NEWS``, a non-finite loss or gradient norm): one the client may hold
+    and fold into a later step."""
+    if any(step.get(name) for name in _NEWS):
+        return False
+    return all(type(value) in (int, float) and math.isfinite(value)
+               for value in (step.get("loss", 0.0), step.get("grad_norm", 0.0)))
+
+
+def fold_steps(latest: Mapping[str, Any], earlier: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """``latest`` with ``earlier`` (plain steps, oldest first) folded into it, as the schema's ``folded`` says: what
+    the agent keeps of each, and their count-like fields (``FOLDED_COUNTS``) summed."""
+    points = []
+    ops: dict[str, dict[str, Any]] = {}
+    counts: dict[str, Any] = {}
+    for step in earlier:
+        point = {name: step[name] for name in FOLDED_STEP_FIELDS if step.get(name) is not None}
+        if "pipeline" in point:
+            point["pipeline"] = {"bubble_ratio": point["pipeline"]["bubble_ratio"]}
+        points.append(point)
+        for op, calls in (step.get("collectives") or {}).items():
+            total = ops.get(op)
+            ops[op] = dict(calls) if total is None else {
+                "count": total["count"] + calls["count"], "bytes": total["bytes"] + calls["bytes"],
+                "seconds": total["seconds"] + calls["seconds"],
+                "buckets": [a + b for a, b in zip(total["buckets"], calls["buckets"], strict=True)]}
+        for name in FOLDED_COUNTS[1:]:  # the integers: tokens, samples
+            if step.get(name) is not None:
+                counts[name] = counts.get(name, 0) + step[name]
+    if ops:
+        counts["collectives"] = ops
+    return {**latest, "folded": {"steps": points, **counts}}
 
 
 def captured_command(argv: Sequence[str]) -> list[str]:
@@ -169,7 +222,8 @@ class TelemetryClient:
     (``gpuwatch.protocol.paths``). ``run_log``, when given, receives every record as one
     JSON line, flushed, whether or not the agent got it: the post-mortem copy for diagnosis.
     ``heartbeat_interval=0`` turns the hello heartbeat off. ``send`` is safe to share between
-    threads; ``submit`` is for one thread (the training loop's).
+    threads and sends at once; ``submit`` is for one thread (the training loop's), and folds step records
+    for up to ``fold_seconds`` (``FOLD_SECONDS``; 0 sends each at once).
     """
 
     def __init__(
@@ -178,12 +232,14 @@ class TelemetryClient:
         run_log: str | os.PathLike[str] | None = None,
         *,
         heartbeat_interval: float = HEARTBEAT_INTERVAL,
+        fold_seconds: float = FOLD_SECONDS,
     ) -> None:
         self.sent = 0
         self._drops: collections.Counter[str] = collections.Counter()
         self._inbox: collections.deque[Callable[[], Mapping[str, Any] | None]] = collections.deque()
         self._inbox_overflow = 0  # submissions dropped for a full inbox; written by the submitting thread only
         self.heartbeat_interval = heartbeat_interval
+        self.fold_seconds = fold_seconds
         self.batch_seconds = BATCH_SECONDS
         self._candidates = (Path(socket_path),) if socket_path else socket_path_candidates()
         self._path = self._find_agent()
@@ -192,9 +248,12 @@ class TelemetryClient:
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._socket.setblocking(False)
         self._lock = threading.Lock()
-        self._backlog: collections.deque[bytes] = collections.deque()
+        self._backlog: collections.deque[tuple[bytes, int]] = collections.deque()  # (datagram, records in it)
+        self._held: list[tuple[Mapping[str, Any], bytes]] = []  # submitted step records held to fold, oldest first
+        self._steps_sent_at = -math.inf  # when a datagram of step records last went (monotonic clock)
         self._hello: bytes | None = None
         self._replay_hello = False
+        self._agent_socket: tuple[int, int] | None = None  # inode and ctime of the agent's socket at the last datagram
         self._warned: set[str] = set()
         self._hello_sent_at = 0.0
         self._log: BinaryIO | None = None
@@ -262,7 +321,7 @@ class TelemetryClient:
             with self._lock:  # once for the batch
                 for record in records:
                     try:
-                        self._send_locked(record)
+                        self._send_locked(record, hold=True)
                     except Exception as exc:  # as in `send`
                         self._count_drop("error", exc)
 
@@ -270,9 +329,10 @@ class TelemetryClient:
         with self._lock:
             self._send_locked(record)
 
-    def _send_locked(self, record: Mapping[str, Any]) -> None:
-        """`_send` with the lock held. The background thread sends a batch of steps through here in a row while
-        the training loop runs: the less Python per record, the less it takes the GIL from the training thread."""
+    def _send_locked(self, record: Mapping[str, Any], hold: bool = False) -> None:
+        """`_send` with the lock held; with ``hold``, a plain step record may be held to fold (``FOLD_SECONDS``). The
+        background thread sends a batch of steps through here in a row while the training loop runs: the less
+        Python per record, the less it takes the GIL from the training thread."""
         kind = record.get("kind")
         if kind != "hello" and self._replay_hello and self._hello is not None:
             self._offer_hello()
@@ -287,45 +347,98 @@ class TelemetryClient:
             self._count_drop("encode_error", exc)
             return
         if self._log is not None:
-            self._write_log(payload)
+            self._write_log(payload)  # every record whole, whether held, folded or sent alone
         if len(payload) > MAX_RECORD_BYTES:
             self._count_drop("too_large", f"{len(payload)} bytes > {MAX_RECORD_BYTES}")
             return
+        if kind == "step":
+            if hold and self._hold(record, payload):
+                return
+            self._send_steps(record, payload)
+            return
+        self._send_held()  # the steps before it first: the agent sees a rank's records in order
         if kind == "hello":
             self._hello = payload
             self._hello_sent_at = time.monotonic()
+        self._deliver(payload)
+
+    def _hold(self, record: Mapping[str, Any], payload: bytes) -> bool:
+        """Hold a plain step record to fold it into a later one, unless no step went for ``fold_seconds`` (the first
+        after a quiet spell goes at once). Sends what is held once it is as much as a datagram folds."""
+        if not _plain(record) or (not self._held and time.monotonic() >= self._steps_sent_at + self.fold_seconds):
+            return False
+        self._held.append((record, payload))
+        if len(self._held) > MAX_FOLDED_STEPS:
+            self._send_held()
+        return True
+
+    def _send_held(self) -> None:
+        """Send the held steps now, the newest with the others folded into it."""
+        if self._held:
+            record, payload = self._held.pop()
+            self._send_steps(record, payload)
+
+    def _send_steps(self, record: Mapping[str, Any], payload: bytes) -> None:
+        """Send a step record with the held ones folded into it: alone when nothing is held, one by one in the rare
+        case the folded datagram would not fit."""
+        held, self._held = self._held, []
+        self._steps_sent_at = time.monotonic()
+        if held:
+            folded = _encode(fold_steps(record, [step for step, _ in held]))
+            if len(folded) <= MAX_RECORD_BYTES:
+                self._deliver(folded, 1 + len(held))
+                return
+            for _, alone in held:
+                self._deliver(alone)
+        self._deliver(payload)
+
+    def _deliver(self, payload: bytes, records: int = 1) -> None:
+        """Send a datagram of ``records`` records, or queue it behind the backlog; a new agent gets the hello first."""
+        if payload is not self._hello and self._hello is not None and (self._replay_hello or self._agent_replaced()):
+            self._offer_hello()
         if not self._backlog:  # the usual case: straight out, the backlog untouched
             try:
                 self._socket.sendto(payload, self._address)
             except OSError:
                 pass  # `_flush` tells why, and keeps the record or drops it
             else:
-                self.sent += 1
+                self.sent += records
                 return
-        self._backlog.append(payload)
+        self._backlog.append((payload, records))
         self._flush()
 
     def _flush(self) -> None:
         """Send the backlog oldest first (so the agent sees a rank's records in order) until the
         agent's queue is full; drop everything if the agent is gone."""
         while self._backlog:
-            reason = self._send_datagram(self._backlog[0])
+            reason = self._send_datagram(self._backlog[0][0])
             if reason is None:
-                self._backlog.popleft()
-                self.sent += 1
+                self.sent += self._backlog.popleft()[1]
             elif reason == "busy":
                 while len(self._backlog) > BACKLOG_RECORDS:
-                    self._backlog.popleft()
-                    self._count_drop("busy")
+                    self._count_drop("busy", records=self._backlog.popleft()[1])
                 self._wake.set()  # the background thread retries soon
                 return
             else:
-                for _ in range(len(self._backlog)):
-                    self._count_drop(reason)
+                for _, records in self._backlog:
+                    self._count_drop(reason, records=records)
                 self._backlog.clear()
                 if reason == "no_agent":
                     self._replay_hello = True
                 return
+
+    def _agent_replaced(self) -> bool:
+        """Whether the socket at the agent's path is another one than when a datagram last went: an agent restarted
+        while this client sent nothing (its steps held, or a rank stepping slower than the agent restarts), which no
+        failed send told. One stat a datagram; the creation time too, since a file system reuses a freed inode's
+        number at once."""
+        try:
+            info = os.stat(self._address)
+        except OSError:
+            return False  # no agent: the send fails and says so
+        identity = info.st_ino, info.st_ctime_ns
+        replaced, self._agent_socket = self._agent_socket not in (None, identity), identity
+        return replaced
 
     def _offer_hello(self) -> None:
         """Re-send the hello unless records wait before it. A failed re-send loses nothing new,
@@ -363,8 +476,8 @@ class TelemetryClient:
             self._path = self._find_agent()
             self._address = os.fsencode(self._path)
 
-    def _count_drop(self, reason: str, detail: object = None) -> None:
-        self._drops[reason] += 1
+    def _count_drop(self, reason: str, detail: object = None, records: int = 1) -> None:
+        self._drops[reason] += records
         if detail is not None:
             self._warn_once(reason, f"{detail}")
 
@@ -393,6 +506,9 @@ class TelemetryClient:
         while True:
             with self._lock:
                 timeout = RETRY_SECONDS if self._backlog else (self.heartbeat_interval or None)
+                if self._held:  # wake when they are due
+                    due = max(0.0, self._steps_sent_at + self.fold_seconds - time.monotonic())
+                    timeout = due if timeout is None else min(timeout, due)
             self._wake.wait(timeout)
             self._wake.clear()  # before looking at the inbox: a submission from now on sets it again
             if self._closed.is_set():
@@ -405,6 +521,8 @@ class TelemetryClient:
                 self._send_submitted()
             try:
                 with self._lock:
+                    if self._held and time.monotonic() >= self._steps_sent_at + self.fold_seconds:
+                        self._send_held()
                     if self._backlog:
                         self._flush()
                     elif (self._hello is not None and self.heartbeat_interval
@@ -424,6 +542,8 @@ class TelemetryClient:
         if not self._thread.is_alive():  # else it is stuck in a write of the run log, and sends the rest itself
             self._send_submitted()
         deadline = time.monotonic() + timeout
+        with self._lock:
+            self._send_held()
         while True:
             with self._lock:
                 self._flush()
@@ -431,8 +551,8 @@ class TelemetryClient:
                     break
             time.sleep(RETRY_SECONDS)
         with self._lock:
-            for _ in range(len(self._backlog)):
-                self._count_drop("busy")
+            for _, records in self._backlog:
+                self._count_drop("busy", records=records)
             self._backlog.clear()
             self._socket.close()
             if self._log is not None:

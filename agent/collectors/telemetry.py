@@ -498,6 +498,9 @@ class TelemetryCollector(Collector):
         self._receiver: _Receiver | None = None
         self._error: str | None = None
         self._last: tuple[int, CollectorResult[dict[str, Any]]] | None = None  # the store's changes, what they gave
+        #: Each rank's readings with the store's copy they were made from: the store hands out the same copy while
+        #: the rank does not change, and its readings are then the same too.
+        self._readings: dict[tuple[str, int], tuple[RankState, dict[str, Any]]] = {}
         self._listen()
 
     def _listen(self) -> None:
@@ -543,7 +546,7 @@ class TelemetryCollector(Collector):
             # For per-process attribution (host RSS): the senders' pids as the kernel reported them, in the
             # agent's pid namespace; the pid in a hello is the rank's view, wrong across containers.
             "processes": [{"pid": s.sender_pid, "job": s.job, "rank": s.rank} for s in ranks if s.sender_pid],
-            "ranks": [_rank_readings(state) for state in ranks],
+            "ranks": self._ranks_readings(ranks),
             "probes": probes,
         }
         # Deferred: the ranks are copies and probe bodies are never mutated, so building later is the same.
@@ -551,6 +554,15 @@ class TelemetryCollector(Collector):
                                                   + probe_families(probes)), readings)
         self._last = changes, result
         return result
+
+    def _ranks_readings(self, ranks: Sequence[RankState]) -> list[dict[str, Any]]:
+        readings = {}
+        for state in ranks:
+            key = (state.job, state.rank)
+            last = self._readings.get(key)
+            readings[key] = last if last is not None and last[0] is state else (state, _rank_readings(state))
+        self._readings = readings  # a rank that expired is forgotten
+        return [rank for _, rank in readings.values()]
 
     def close(self) -> None:
         self._exits.close()

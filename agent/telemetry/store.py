@@ -131,6 +131,21 @@ def _nonfinite(body: dict[str, Any]) -> bool:
     return any(not math.isfinite(body[name]) for name in ("loss", "grad_norm") if name in body)
 
 
+def _count_step(state: RankState, step: dict[str, Any]) -> None:
+    """One more step of the rank: a step record's body, or a step folded into one."""
+    state.steps += 1
+    state.nonfinite_steps += _nonfinite(step)
+    state.window.add(step)
+
+
+def _add_counts(state: RankState, counts: dict[str, Any]) -> None:
+    """A step record's count-like fields (this step's increments), or the sums of the steps folded into it."""
+    state.tokens += counts.get("tokens", 0)
+    state.samples += counts.get("samples", 0)
+    for op, stats in counts.get("collectives", {}).items():
+        state.collectives[op] = state.collectives.get(op, _NO_CALLS).plus(stats)
+
+
 class TelemetryStore:
     """Thread-safe per-rank state plus the ``gpuwatch_telemetry_records_total`` counts."""
 
@@ -162,6 +177,10 @@ class TelemetryStore:
         self._pending: list[tuple[bytes, int | None]] = []
         self._pending_bytes = 0
         self._pending_lock = threading.Lock()
+        #: The copy of each rank the last ``snapshot`` handed out, handed out again while the rank's version stands:
+        #: with steps folded, most ranks move only every few seconds, and a copy of each every round was most of a
+        #: round at 64 ranks (a copy holds the rank's window and totals; readers never mutate it).
+        self._copies: dict[tuple[str, int], RankState] = {}
 
     def receive(self, datagram: bytes, sender_pid: int | None = None) -> None:
         """Queue one datagram, to be applied by the next reader (or now, past MAX_PENDING_BYTES)."""
@@ -267,6 +286,11 @@ class TelemetryStore:
             del self._probes[next(iter(self._probes))]
 
     def _apply_step(self, state: RankState, body: dict[str, Any]) -> None:
+        folded = body.pop("folded", None)  # the earlier steps come first; the record kept is the step's own
+        if folded is not None:
+            for point in folded["steps"]:
+                _count_step(state, point)
+            _add_counts(state, folded)
         state.last_step = body
         progress = state.progress
         if progress is not None and body["step"] > progress.get("step", -1):
@@ -274,16 +298,11 @@ class TelemetryStore:
             # already counts (queued on the rank's sender thread while an error record went out at once) is
             # older news and must not erase that error.
             state.progress = None
-        state.steps += 1
-        state.nonfinite_steps += _nonfinite(body)
-        state.tokens += body.get("tokens", 0)
-        state.samples += body.get("samples", 0)
-        state.window.add(body)
+        _count_step(state, body)
+        _add_counts(state, body)
         memory = body.get("memory", {})
         state.alloc_retries += memory.get("alloc_retries", 0)
         state.ooms += memory.get("ooms", 0)
-        for op, stats in body.get("collectives", {}).items():
-            state.collectives[op] = state.collectives.get(op, _NO_CALLS).plus(stats)
         for name in SAMPLED_FIELDS:
             if name in body:
                 state.sampled[name] = (body["step"], body[name])
@@ -334,10 +353,15 @@ class TelemetryStore:
             state.version += 1
 
     def snapshot(self) -> tuple[list[RankState], dict[tuple[str, str], int]]:
-        """Copies of every rank's state, sorted by (job, rank), and the record counts."""
+        """Copies of every rank's state, sorted by (job, rank), and the record counts. Copies are shared between
+        snapshots while their rank does not change: read them, never write them."""
         with self._current():
-            ranks = [self._ranks[key].copy() for key in sorted(self._ranks)]
-            return ranks, dict(self._records)
+            copies = {}
+            for key in sorted(self._ranks):
+                state, copy = self._ranks[key], self._copies.get(key)
+                copies[key] = copy if copy is not None and copy.version == state.version else state.copy()
+            self._copies = copies
+            return list(copies.values()), dict(self._records)
 
     def sender_pids(self) -> dict[int, tuple[str, int]]:
         """pid -> (job, rank) of every rank whose records carried the sender's pid (in the agent's namespace) and

@@ -47,9 +47,12 @@ def series_prefix(name: str, labels: dict[str, str]) -> str:
 
 
 def format_value(value: Any) -> str:
-    """``floatToGoString``, with a fast path for the small integers counters and buckets mostly hold."""
+    """``floatToGoString``, with fast paths for the small integers counters and buckets mostly hold and for floats
+    below 1e6 (a rank's timings and ratios): ~40 values a rank, ~2,400 a render at 64 ranks."""
     if type(value) is int and -1_000_000 < value < 1_000_000:
         return f"{value}.0"  # what repr(float(value)) gives; from 1e6 up Go switches to exponents
+    if type(value) is float and -1e300 < value < 1_000_000.0:  # finite (NaN compares false) and below 1e6
+        return repr(value)  # what floatToGoString writes: it rewrites only positive values from 1e6 up
     return floatToGoString(value)
 
 

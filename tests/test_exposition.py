@@ -2,10 +2,13 @@
 
 import math
 
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
+from prometheus_client.utils import floatToGoString
 
-from gpuwatch.agent.exposition import Renderer
+from gpuwatch.agent.exposition import Renderer, format_value
 
 
 def _families():
@@ -84,3 +87,9 @@ def test_value_changes_between_renders_are_reflected():
         text = renderer.render([gauge]).decode()
     assert 'gpuwatch_test_value{gpu="0"} 2.0' in text
     assert 'gpuwatch_test_value{gpu="0"} 1.0' not in text
+
+
+@given(st.one_of(st.floats(), st.integers(-10**20, 10**20), st.sampled_from([1e6, 999_999.9999999999, -1e300, 1e-5,
+                                                                            -0.0, 1e300, -1e301])))
+def test_format_value_writes_what_prometheus_client_writes(value):
+    assert format_value(value) == floatToGoString(value)

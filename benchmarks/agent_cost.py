@@ -216,6 +216,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> Run:
         sender.start()
         try:
             time.sleep(args.warmup)
+            get(url + "/metrics")  # a scraper at work before the window: it does not pay the agent's first render
             cost = usage(agent.pid, args.seconds, url + "/metrics")
             full = latency(url + "/metrics", args.scrapes)
             fresh = latency(url + "/metrics", args.fresh_scrapes, every=args.interval)

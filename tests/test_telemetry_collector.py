@@ -103,6 +103,18 @@ def test_a_snapshot_hands_out_the_same_copy_of_a_rank_until_the_rank_changes():
     assert third[0] is not second[0] and third[0].progress is not None and second[0].progress is None
 
 
+def test_a_rank_forgotten_and_back_is_not_served_its_old_copy():
+    clock = FakeClock()
+    store = TelemetryStore(ttl=60, clock=clock)
+    _feed(store, hello(0), step(0, 1))
+    (before,), _ = store.snapshot()
+    clock.now += 61
+    assert store.expire()
+    _feed(store, hello(0), step(0, 7))  # as many records as before: the same version number, a new state
+    (after,), _ = store.snapshot()
+    assert after.version == before.version and after.last_step["step"] == 7
+
+
 def test_store_keeps_a_bounded_window_of_recent_steps_by_count_by_the_ranks_clock_and_per_run():
     store = TelemetryStore()
     _feed(store, *(step(0, n, time=1000.0 + n, compute_seconds=0.1 * n) for n in range(1, WINDOW_STEPS + 11)))

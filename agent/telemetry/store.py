@@ -177,10 +177,10 @@ class TelemetryStore:
         self._pending: list[tuple[bytes, int | None]] = []
         self._pending_bytes = 0
         self._pending_lock = threading.Lock()
-        #: The copy of each rank the last ``snapshot`` handed out, handed out again while the rank's version stands:
-        #: with steps folded, most ranks move only every few seconds, and a copy of each every round was most of a
-        #: round at 64 ranks (a copy holds the rank's window and totals; readers never mutate it).
-        self._copies: dict[tuple[str, int], RankState] = {}
+        #: Each rank's state and the copy the last ``snapshot`` handed out, handed out again while that state's version
+        #: stands: with steps folded, most ranks move only every few seconds, and a copy of each every round was most
+        #: of a round at 64 ranks (a copy holds the rank's window and totals; readers never mutate it).
+        self._copies: dict[tuple[str, int], tuple[RankState, RankState]] = {}
 
     def receive(self, datagram: bytes, sender_pid: int | None = None) -> None:
         """Queue one datagram, to be applied by the next reader (or now, past MAX_PENDING_BYTES)."""
@@ -356,12 +356,14 @@ class TelemetryStore:
         """Copies of every rank's state, sorted by (job, rank), and the record counts. Copies are shared between
         snapshots while their rank does not change: read them, never write them."""
         with self._current():
-            copies = {}
+            copies: dict[tuple[str, int], tuple[RankState, RankState]] = {}
             for key in sorted(self._ranks):
-                state, copy = self._ranks[key], self._copies.get(key)
-                copies[key] = copy if copy is not None and copy.version == state.version else state.copy()
+                state, last = self._ranks[key], self._copies.get(key)
+                if last is None or last[0] is not state or last[1].version != state.version:  # a rank back: new state
+                    last = state, state.copy()
+                copies[key] = last
             self._copies = copies
-            return list(copies.values()), dict(self._records)
+            return [copy for _, copy in copies.values()], dict(self._records)
 
     def sender_pids(self) -> dict[int, tuple[str, int]]:
         """pid -> (job, rank) of every rank whose records carried the sender's pid (in the agent's namespace) and

@@ -75,10 +75,11 @@ BATCH_SECONDS = 0.05
 #: How long a submitted step record may wait on the client, to reach the agent folded into a later one (the schema's
 #: ``folded``: one datagram carries up to 1 + MAX_FOLDED_STEPS steps). The agent pays per datagram far more than per
 #: step (waking its receiver, decoding, applying with cold caches): 64 ranks stepping once a second cost it ~0.4 % of
-#: a core as 64 datagrams a second, ~0.1 % folded (benchmarks/README.md, Agent cost). 5 s is the agent's default
-#: sampling interval, so at its default a rank's steps arrive as often as they are sampled. The first step after a
-#: quiet spell goes at once; a step carrying news (``_plain``: a memory reading, a sampled signal, ``unavailable``,
-#: a non-finite value) and any other record (a stalled rank's progress) go at once, after the steps held.
+#: a core as 64 datagrams a second, ~0.25 % as ~15 folded ones (benchmarks/README.md, Agent cost). 5 s is the
+#: agent's default sampling interval, so at its default a rank's steps arrive as often as they are sampled. The first
+#: step after a quiet spell goes at once; a step carrying news (``_plain``: a memory reading, a sampled signal,
+#: ``unavailable``, a non-finite value) and any other record (a stalled rank's progress) go at once, after the steps
+#: held.
 FOLD_SECONDS = 5.0
 #: How much lower than the training thread's the client thread's priority is (nice value; Linux only).
 THREAD_NICENESS = 10

@@ -651,10 +651,12 @@ FOLDED_STEP_FIELDS = ("step", "time", "step_seconds", "compute_seconds", "datalo
                       "exposed_collective_seconds", "pipeline", "loss", "grad_norm")
 #: The count-like fields of a step, summed over the folded steps (``folded``).
 FOLDED_COUNTS = ("collectives", "tokens", "samples")
+_FOLDED_STEP_REQUIRED = ("step", "time", "step_seconds")
 _FOLDED_STEP_SPECS = {**_COMMON, **_STEP_REQUIRED, **_STEP_OPTIONAL, "pipeline": _object({"bubble_ratio": _RATIO})}
 _FOLDED = _object(
-    {"steps": _list(_object({name: _FOLDED_STEP_SPECS[name] for name in ("step", "time", "step_seconds")},
-                            {name: _FOLDED_STEP_SPECS[name] for name in FOLDED_STEP_FIELDS[3:]}),
+    {"steps": _list(_object({name: _FOLDED_STEP_SPECS[name] for name in _FOLDED_STEP_REQUIRED},
+                            {name: _FOLDED_STEP_SPECS[name] for name in FOLDED_STEP_FIELDS
+                             if name not in _FOLDED_STEP_REQUIRED}),
                     MAX_FOLDED_STEPS)},
     {name: _STEP_OPTIONAL[name] for name in FOLDED_COUNTS},
 )

@@ -120,15 +120,19 @@ def fold_steps(latest: Mapping[str, Any], earlier: Sequence[Mapping[str, Any]]) 
         if "pipeline" in point:
             point["pipeline"] = {"bubble_ratio": point["pipeline"]["bubble_ratio"]}
         points.append(point)
-        for op, calls in (step.get("collectives") or {}).items():
-            total = ops.get(op)
-            ops[op] = dict(calls) if total is None else {
-                "count": total["count"] + calls["count"], "bytes": total["bytes"] + calls["bytes"],
-                "seconds": total["seconds"] + calls["seconds"],
-                "buckets": [a + b for a, b in zip(total["buckets"], calls["buckets"], strict=True)]}
-        for name in FOLDED_COUNTS[1:]:  # the integers: tokens, samples
-            if step.get(name) is not None:
-                counts[name] = counts.get(name, 0) + step[name]
+        for name in FOLDED_COUNTS:
+            value = step.get(name)
+            if value is None:
+                continue
+            if name != "collectives":  # an integer: tokens, samples
+                counts[name] = counts.get(name, 0) + value
+                continue
+            for op, calls in value.items():
+                total = ops.get(op)
+                ops[op] = dict(calls) if total is None else {
+                    "count": total["count"] + calls["count"], "bytes": total["bytes"] + calls["bytes"],
+                    "seconds": total["seconds"] + calls["seconds"],
+                    "buckets": [a + b for a, b in zip(total["buckets"], calls["buckets"], strict=True)]}
     if ops:
         counts["collectives"] = ops
     return {**latest, "folded": {"steps": points, **counts}}
@@ -366,12 +370,16 @@ class TelemetryClient:
     def _hold(self, record: Mapping[str, Any], payload: bytes) -> bool:
         """Hold a plain step record to fold it into a later one, unless no step went for ``fold_seconds`` (the first
         after a quiet spell goes at once). Sends what is held once it is as much as a datagram folds."""
-        if not _plain(record) or (not self._held and time.monotonic() >= self._steps_sent_at + self.fold_seconds):
+        if not _plain(record) or (not self._held and time.monotonic() >= self._fold_due()):
             return False
         self._held.append((record, payload))
         if len(self._held) > MAX_FOLDED_STEPS:
             self._send_held()
         return True
+
+    def _fold_due(self) -> float:
+        """When held steps go (monotonic clock): ``fold_seconds`` after the last datagram of steps."""
+        return self._steps_sent_at + self.fold_seconds
 
     def _send_held(self) -> None:
         """Send the held steps now, the newest with the others folded into it."""
@@ -508,7 +516,7 @@ class TelemetryClient:
             with self._lock:
                 timeout = RETRY_SECONDS if self._backlog else (self.heartbeat_interval or None)
                 if self._held:  # wake when they are due
-                    due = max(0.0, self._steps_sent_at + self.fold_seconds - time.monotonic())
+                    due = max(0.0, self._fold_due() - time.monotonic())
                     timeout = due if timeout is None else min(timeout, due)
             self._wake.wait(timeout)
             self._wake.clear()  # before looking at the inbox: a submission from now on sets it again
@@ -522,7 +530,7 @@ class TelemetryClient:
                 self._send_submitted()
             try:
                 with self._lock:
-                    if self._held and time.monotonic() >= self._steps_sent_at + self.fold_seconds:
+                    if self._held and time.monotonic() >= self._fold_due():
                         self._send_held()
                     if self._backlog:
                         self._flush()

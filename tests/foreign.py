@@ -14,7 +14,8 @@ own job is kept from their findings.
 Shared by tests/test_foreign_workloads.py (does the diagnosis name the planted fault, and nothing on a healthy
 run?) and benchmarks/false_alarms.py (how often does it cry wolf, and how soon does it see a straggler?).
 Every process started here is stopped on the way out, torchrun's workers included (they run in sessions of
-their own, out of reach of a process-group signal).
+their own, out of reach of a process-group signal). Each script ends through ``clean_exit.run_then_exit``: torch's
+gloo can abort a finished DDP process at interpreter exit, with or without gpuwatch (that module says why).
 """
 
 from __future__ import annotations

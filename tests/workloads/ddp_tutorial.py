@@ -27,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from clean_exit import run_then_exit
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -109,4 +110,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)

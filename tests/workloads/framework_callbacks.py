@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from clean_exit import run_then_exit
 from plain_ddp import FEATURES, random_dataset
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -71,4 +72,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)

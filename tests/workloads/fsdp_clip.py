@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from clean_exit import run_then_exit
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
@@ -54,11 +55,8 @@ def main() -> None:
     if args.norms is not None:
         args.norms.mkdir(parents=True, exist_ok=True)
         (args.norms / f"rank-{rank}.json").write_text(json.dumps(norms))
-    # Every rank past its last call before any tears the group down (as tests/workloads/parallel_layouts.py does):
-    # gloo aborted a rank here (SIGABRT, "terminate called without an active exception") in ~1 of 10 runs
-    dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)

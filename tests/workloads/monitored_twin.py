@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from clean_exit import run_then_exit
 from torch import nn
 from twin_ddp import train
 
@@ -18,4 +19,4 @@ def monitor_of(model: nn.Module) -> hooks.Monitor:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=30)
-    train(parser.parse_args().steps, monitor_of)
+    run_then_exit(train, parser.parse_args().steps, monitor_of)

@@ -22,6 +22,7 @@ import argparse
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from clean_exit import run_then_exit
 from torch import nn
 from torch.distributed import ProcessGroup
 
@@ -85,12 +86,8 @@ def main() -> None:
         optimizer.zero_grad()
         if rank == 0 and step % 4 == 0:
             print(f"step {step}: loss {loss.item():.4f}", flush=True)
-    # Every rank past its last subgroup call before any tears the groups down: gloo on a loaded CPU machine has been
-    # seen to abort a rank (SIGABRT, "terminate called without an active exception") whose peer destroyed a group
-    # it was still finishing a call on
-    dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from clean_exit import run_then_exit
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -120,9 +121,8 @@ def main() -> None:
     if args.losses is not None:
         args.losses.mkdir(parents=True, exist_ok=True)
         (args.losses / f"rank-{rank}.json").write_text(json.dumps([loss.hex() for loss in losses]))
-    dist.barrier()  # every rank done before the groups go: gloo can abort a rank whose peer tears down first
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)

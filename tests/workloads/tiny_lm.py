@@ -24,6 +24,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from clean_exit import run_then_exit
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -110,4 +111,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from clean_exit import run_then_exit
 from plain_ddp import FEATURES, random_dataset
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -87,4 +88,4 @@ def train(steps: int, seams_for: Callable[[nn.Module], Any] = lambda model: NoSe
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=30)
-    train(parser.parse_args().steps)
+    run_then_exit(train, parser.parse_args().steps)

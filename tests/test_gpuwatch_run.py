@@ -57,6 +57,7 @@ counts = instrument.active.failures.counts
 out = os.path.join(os.environ["FAILURES_DIR"], "rank-" + os.environ["RANK"] + ".json")
 atexit.register(lambda: open(out, "w").write(json.dumps(dict(counts))))
 sys.argv = sys.argv[1:]
+sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # as python3 SCRIPT sets it: its siblings import
 runpy.run_path(sys.argv[0], run_name="__main__")
 '''
 

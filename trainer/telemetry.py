@@ -120,19 +120,15 @@ def fold_steps(latest: Mapping[str, Any], earlier: Sequence[Mapping[str, Any]]) 
         if "pipeline" in point:
             point["pipeline"] = {"bubble_ratio": point["pipeline"]["bubble_ratio"]}
         points.append(point)
+        for op, calls in (step.get("collectives") or {}).items():
+            total = ops.get(op)
+            ops[op] = dict(calls) if total is None else {
+                "count": total["count"] + calls["count"], "bytes": total["bytes"] + calls["bytes"],
+                "seconds": total["seconds"] + calls["seconds"],
+                "buckets": [a + b for a, b in zip(total["buckets"], calls["buckets"], strict=True)]}
         for name in FOLDED_COUNTS:
-            value = step.get(name)
-            if value is None:
-                continue
-            if name != "collectives":  # an integer: tokens, samples
-                counts[name] = counts.get(name, 0) + value
-                continue
-            for op, calls in value.items():
-                total = ops.get(op)
-                ops[op] = dict(calls) if total is None else {
-                    "count": total["count"] + calls["count"], "bytes": total["bytes"] + calls["bytes"],
-                    "seconds": total["seconds"] + calls["seconds"],
-                    "buckets": [a + b for a, b in zip(total["buckets"], calls["buckets"], strict=True)]}
+            if name != "collectives" and step.get(name) is not None:  # the integers: tokens, samples
+                counts[name] = counts.get(name, 0) + step[name]
     if ops:
         counts["collectives"] = ops
     return {**latest, "folded": {"steps": points, **counts}}

@@ -359,7 +359,8 @@ class TelemetryStore:
             copies: dict[tuple[str, int], tuple[RankState, RankState]] = {}
             for key in sorted(self._ranks):
                 state, last = self._ranks[key], self._copies.get(key)
-                if last is None or last[0] is not state or last[1].version != state.version:  # a rank back: new state
+                # a new version, or a new state (a rank forgotten and back starts again at version 0)
+                if last is None or last[0] is not state or last[1].version != state.version:
                     last = state, state.copy()
                 copies[key] = last
             self._copies = copies

@@ -1,13 +1,14 @@
 """What the node agent costs a GPU node, measured from outside its process, beside node_exporter, on any machine.
 
 Why from outside: an operator sizes a DaemonSet's requests/limits from the process's CPU time and RSS as the
-kernel counts them (psutil on the agent's pid), not from timings inside the agent. The agent serves a simulated
-dgx-h100 (8 GPUs, 18 NVLinks each, 8 IB ports) at a 1 s sampling interval while 64 ranks report one step per
-second each through the real telemetry socket (TelemetryClient, from a separate process so the senders' CPU is
-not counted; handed over as the hooks hand them, so the clients fold plain steps for up to ``FOLD_SECONDS``),
-and Prometheus-like scrapes arrive every 15 s. Then ``/metrics`` latency is timed over loopback three ways: back
-to back (most read a snapshot already read); once per sampling interval, each reading a new snapshot; and at
-irregular gaps 0.2 to 3 intervals apart.
+kernel counts them (the process's CPU-time clock; psutil for RSS), not from timings inside the agent. The agent
+serves a simulated dgx-h100 (8 GPUs, 18 NVLinks each, 8 IB ports) at a 1 s sampling interval while 64 ranks report
+one step per second each through the real telemetry socket (TelemetryClient, from a separate process so the
+senders' CPU is not counted; handed over as the hooks hand them, so the clients fold plain steps for up to
+``FOLD_SECONDS``), and Prometheus-like scrapes arrive every 15 s at a steady rhythm, as a Prometheus server's do
+(the window runs from just after one scrape to just after another, so it holds the work of its own scrapes and no
+other). Then ``/metrics`` latency is timed over loopback three ways: back to back (most read a snapshot already
+read); once per sampling interval, each reading a new snapshot; and at irregular gaps 0.2 to 3 intervals apart.
 
 What the agent's CPU share includes that a real node does not pay: ``--simulate`` rewrites the generated sysfs
 tree and advances the scripted NVML before every round, and the collectors' NVML calls run the scripted NVML's
@@ -17,8 +18,8 @@ their threads' CPU clocks), and the agent proper is the total without it. A real
 and the driver's time instead, which no simulation has.
 
 Idle: the agent with every collector enabled on a node with nothing to collect (no NVIDIA driver, an empty sysfs
-tree, no rank reporting), measured from its threads' scheduler statistics (``/proc/PID/task/*/schedstat``, in
-nanoseconds: at ~0.1 % of a core, psutil's 10 ms clock ticks would be most of the figure).
+tree, no rank reporting). CPU time is read from the process's CPU-time clock, in nanoseconds: at ~0.1 % of a
+core, psutil's 10 ms clock ticks would be most of the figure.
 
 Side by side on the same InfiniBand sysfs fixture (tests/fixtures/procfs-infiniband/sys): the agent with only its
 infiniband collector against Debian's ``prometheus-node-exporter`` restricted to its infiniband collector
@@ -30,14 +31,13 @@ Every measurement is repeated ``--runs`` times (default 3) and reported as min /
 ratios against node_exporter, measured in the same run, are what should hold anywhere.
 
     apt-get install prometheus-node-exporter   # for the side-by-side; skipped with a note when missing
-    python benchmarks/agent_cost.py [--runs 3] [--seconds 30] [--scrapes 300]
+    python benchmarks/agent_cost.py [--runs 3] [--seconds 30] [--scrapes 300] [--interval 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import glob
 import multiprocessing
 import os
 import platform
@@ -63,6 +63,7 @@ from gpuwatch.trainer.telemetry import TelemetryClient
 ROOT = Path(__file__).resolve().parent.parent
 IB_FIXTURE = ROOT / "tests" / "fixtures" / "procfs-infiniband" / "sys"
 RANKS = 64
+#: Seconds between the busy agent's scrapes (``--scrape-every``): Prometheus' usual scrape interval.
 SCRAPE_EVERY = 15.0
 #: The steps whose records carry what the hooks measure every N steps (their DEFAULT_EVERY: memory, gradient
 #: similarity, parameter checksum).
@@ -126,23 +127,33 @@ def _simulation_cpu(page: bytes) -> float:
     raise SystemExit("the agent exports no gpuwatch_agent_simulation_cpu_seconds_total: is it simulated?")
 
 
-def usage(pid: int, seconds: float, scrape_url: str) -> Usage:
-    """CPU time and RSS of ``pid`` over ``seconds``, scraping ``scrape_url`` every SCRAPE_EVERY seconds; the
-    simulation's share from the agent's counter, read by the first scrape and by one after the window."""
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds of process ``pid`` so far, every thread's, those that exited too (the agent's HTTP server
+    serves each scrape in a thread of its own), in nanoseconds: the process's CPU-time clock, as
+    clock_getcpuclockid(3) gives it (``MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)`` in Linux's
+    include/linux/posix-timers.h). psutil's figures come in 10 ms clock ticks: ±0.03 % of a core over 30 s, a
+    tenth of the 5 s target."""
+    return time.clock_gettime((~pid << 3) | 2)
+
+
+def usage(pid: int, seconds: float, scrape_url: str, scrape_every: float) -> Usage:
+    """CPU time and RSS of ``pid`` from just after one scrape to just after a scrape ``seconds`` later (a whole
+    number of gaps), scraping every ``scrape_every`` seconds as Prometheus does: the window holds the work of
+    ``seconds / scrape_every`` scrapes, each rendered ahead in the round before it once the agent has seen the
+    rhythm (the caller scraped once ``scrape_every`` before). The simulation's share from the agent's counter on the
+    pages of the scrapes at both ends."""
     proc = psutil.Process(pid)
-    before, started = proc.cpu_times(), time.monotonic()
     simulation_before = _simulation_cpu(get(scrape_url))
-    rss, next_scrape = [], started + SCRAPE_EVERY
-    while (now := time.monotonic()) < started + seconds:
-        if now >= next_scrape:
-            get(scrape_url)
-            next_scrape += SCRAPE_EVERY
-        rss.append(proc.memory_info().rss)
-        time.sleep(1.0)
-    after, elapsed = proc.cpu_times(), time.monotonic() - started
-    simulation = _simulation_cpu(get(scrape_url)) - simulation_before
-    cpu = (after.user + after.system) - (before.user + before.system)
-    return Usage(cpu / elapsed, simulation / elapsed, max(rss) / 1e6, rss[-1] / 1e6)
+    before, started = process_cpu_seconds(pid), time.monotonic()
+    rss, scrapes, page = [], round(seconds / scrape_every), b""
+    for number in range(1, scrapes + 1):
+        while (now := time.monotonic()) < started + number * scrape_every:
+            rss.append(proc.memory_info().rss)
+            time.sleep(min(1.0, started + number * scrape_every - now))
+        page = get(scrape_url)
+    after, elapsed = process_cpu_seconds(pid), time.monotonic() - started
+    simulation = _simulation_cpu(page) - simulation_before
+    return Usage((after - before) / elapsed, simulation / elapsed, max(rss) / 1e6, rss[-1] / 1e6)
 
 
 @dataclass
@@ -168,12 +179,6 @@ def latency(url: str, scrapes: int, every: float = 0.0, irregular: bool = False)
                    len(body) / 1024)
 
 
-def _threads_cpu_seconds(pid: int) -> float:
-    """CPU seconds of the process's live threads, from schedstat's nanosecond counters (exited threads are not in
-    it: for a process whose threads live as long as it does)."""
-    return sum(int(Path(path).read_text().split()[0]) for path in glob.glob(f"/proc/{pid}/task/*/schedstat")) / 1e9
-
-
 def idle_cpu_share(seconds: float, sysfs_root: Path, sock: Path) -> float:
     """The agent with every collector enabled and nothing to collect (on a machine without an NVIDIA driver), at 1 s
     sampling, unscraped."""
@@ -181,9 +186,9 @@ def idle_cpu_share(seconds: float, sysfs_root: Path, sock: Path) -> float:
     command = agent_command(port, sock, "--interval", "1", "--sysfs-root", str(sysfs_root))
     with _process(command, f"http://127.0.0.1:{port}/healthz") as agent:
         time.sleep(3)  # the first rounds: collectors fail once and back off
-        before, started = _threads_cpu_seconds(agent.pid), time.monotonic()
+        before, started = process_cpu_seconds(agent.pid), time.monotonic()
         time.sleep(seconds)
-        return (_threads_cpu_seconds(agent.pid) - before) / (time.monotonic() - started)
+        return (process_cpu_seconds(agent.pid) - before) / (time.monotonic() - started)
 
 
 def node_exporter() -> str | None:
@@ -211,13 +216,16 @@ def measure(args: argparse.Namespace, tmp: Path) -> Run:
     simulated = agent_command(port, sock, "--simulate", "dgx-h100", "--interval", str(args.interval))
     with _process(simulated, url + "/healthz") as agent:
         sender = multiprocessing.Process(target=send_steps,
-                                         args=(str(sock), args.warmup + args.seconds + args.scrapes * 0.05
-                                               + args.fresh_scrapes * args.interval * 3 + 30))
+                                         args=(str(sock), args.warmup + args.scrape_every + args.seconds
+                                               + args.scrapes * 0.05 + args.fresh_scrapes * args.interval * 3 + 30))
         sender.start()
         try:
             time.sleep(args.warmup)
-            get(url + "/metrics")  # a scraper at work before the window: it does not pay the agent's first render
-            cost = usage(agent.pid, args.seconds, url + "/metrics")
+            # A scraper at work before the window, one gap before its first scrape: the window does not pay the
+            # agent's first render, and the agent has seen the rhythm it renders ahead of.
+            get(url + "/metrics")
+            time.sleep(args.scrape_every)
+            cost = usage(agent.pid, args.seconds, url + "/metrics", args.scrape_every)
             full = latency(url + "/metrics", args.scrapes)
             fresh = latency(url + "/metrics", args.fresh_scrapes, every=args.interval)
             irregular = latency(url + "/metrics", args.fresh_scrapes, every=args.interval, irregular=True)
@@ -250,6 +258,11 @@ def measure(args: argparse.Namespace, tmp: Path) -> Run:
     return Run(ranks, records, cost, full, fresh, irregular, idle, agent_ib, exporter_ib)
 
 
+def _window(args: argparse.Namespace) -> float:
+    """The busy window: ``--seconds`` as a whole number of scrape gaps."""
+    return round(args.seconds / args.scrape_every) * args.scrape_every
+
+
 def _spread(values: Sequence[float], unit: str = "", digits: int = 2) -> str:
     """min / median / max, or the one value of a single run."""
     if len(values) == 1:
@@ -268,10 +281,14 @@ def main() -> None:
     parser.add_argument("--scrapes", type=int, default=300, help="scrapes per latency measurement")
     parser.add_argument("--interval", type=float, default=1.0, help="the agent's sampling interval (its default is 5)")
     parser.add_argument("--warmup", type=float, default=8.0, help="seconds before measuring (ranks registered)")
+    parser.add_argument("--scrape-every", type=float, default=SCRAPE_EVERY,
+                        help="seconds between the busy agent's scrapes; its window is a whole number of them")
     parser.add_argument("--fresh-scrapes", type=int, default=20, help="scrapes one sampling interval apart")
     args = parser.parse_args()
     if args.runs < 1:
         parser.error("--runs must be at least 1")
+    if args.scrape_every <= 0 or args.seconds < args.scrape_every:
+        parser.error("--scrape-every must be positive and at most --seconds")
 
     print(f"machine: {os.cpu_count()} CPUs ({_cpu_model()}), Linux {platform.release()}, "
           f"{platform.python_implementation()} {sys.version.split()[0]} ({', '.join(platform.python_build())}, "
@@ -297,7 +314,7 @@ def _report(args: argparse.Namespace, runs: list[Run]) -> None:
     last = runs[-1]
     print(f"\n{args.runs} run(s), min / median / max. Simulated dgx-h100 (8 GPUs × 18 NVLinks, 8 IB ports), "
           f"{last.ranks} ranks reporting 1 step/s each, {args.interval:g} s sampling, a scrape every "
-          f"{SCRAPE_EVERY:.0f} s, {args.seconds:.0f} s window (records accepted "
+          f"{args.scrape_every:g} s at a steady rhythm, {_window(args):g} s window (records accepted "
           f"{_spread(figures(lambda run: run.records['accepted']), digits=0)}, rejected "
           f"{sum(figures(lambda run: run.records['rejected'])):.0f}, dropped "
           f"{sum(figures(lambda run: run.records['dropped'])):.0f}):")

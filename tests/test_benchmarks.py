@@ -122,7 +122,8 @@ def test_offered_load_loses_nothing_it_sent(drained_receiver):
 AGENT_COST = f"""
 import sys
 sys.path.insert(0, {str(BENCHMARKS)!r})
-sys.argv = ["agent_cost.py", "--runs", "2", "--seconds", "2", "--scrapes", "5", "--warmup", "3", "--fresh-scrapes", "3"]
+sys.argv = ["agent_cost.py", "--runs", "2", "--seconds", "2", "--scrape-every", "1", "--scrapes", "5", "--warmup", "3",
+            "--fresh-scrapes", "3"]
 import agent_cost
 command = agent_cost.agent_command
 agent_cost.agent_command = lambda *args: [*command(*args), *{COLLECTOR_TIMEOUT!r}]

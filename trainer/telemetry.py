@@ -75,12 +75,12 @@ BATCH_SECONDS = 0.05
 #: How long a submitted step record may wait on the client, to reach the agent folded into a later one (the schema's
 #: ``folded``: one datagram carries up to 1 + MAX_FOLDED_STEPS steps). The agent pays per datagram far more than per
 #: step (waking its receiver, decoding, applying with cold caches): 64 ranks stepping once a second cost it ~0.4 % of
-#: a core as 64 datagrams a second, ~0.25 % as ~15 folded ones (benchmarks/README.md, Agent cost). 5 s is the
-#: agent's default sampling interval, so at its default a rank's steps arrive as often as they are sampled. The first
-#: step after a quiet spell goes at once; a step carrying news (``_plain``: a memory reading, a sampled signal,
-#: ``unavailable``, a non-finite value) and any other record (a stalled rank's progress) go at once, after the steps
-#: held.
-FOLD_SECONDS = 5.0
+#: a core as 64 datagrams a second, ~0.25 % as ~15 folded ones, and another ~0.08 % less as ~7 (benchmarks/README.md,
+#: Agent cost). 10 s is shorter than the shortest usual scrape interval (15 s), so every scrape still finds each
+#: stepping rank moved since the one before, and no alert or rule looks closer than a minute. The first step after a
+#: quiet spell goes at once; a step carrying news (``_plain``: a memory reading, a sampled signal, ``unavailable``, a
+#: non-finite value) and any other record (a stalled rank's progress) go at once, after the steps held.
+FOLD_SECONDS = 10.0
 #: How much lower than the training thread's the client thread's priority is (nice value; Linux only).
 THREAD_NICENESS = 10
 #: The name each rank's file takes in a run log directory (global rank, 5 digits), as `gpuwatch diagnose` reads it.

@@ -114,10 +114,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._send(404, "text/plain; charset=utf-8", b"not found\n")
 
     def _metrics(self, snapshot: Snapshot) -> None:
+        scraper = self.client_address[0]  # each scraper's rhythm apart (snapshot.ScrapeClock)
         if "gzip" in self.headers.get("Accept-Encoding", ""):
-            self._send(200, CONTENT_TYPE, snapshot.metrics_gzip, {"Content-Encoding": "gzip"})
+            self._send(200, CONTENT_TYPE, snapshot.metrics(gzip=True, scraper=scraper), {"Content-Encoding": "gzip"})
         else:
-            self._send(200, CONTENT_TYPE, snapshot.metrics_text)
+            self._send(200, CONTENT_TYPE, snapshot.metrics(scraper=scraper))
 
     def _healthz(self, snapshot: Snapshot) -> None:
         """Healthy while the sampler keeps publishing; collectors being down is not unhealthy."""

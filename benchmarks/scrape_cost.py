@@ -79,7 +79,7 @@ def main() -> None:
 
         sampler = Sampler(collectors, interval=1.0, node="bench", mode="simulated")
         round_ms = _median_ms(sampler.sample_once, args.rounds)
-        fresh_ms = _median_ms(lambda: sampler.sample_once().metrics_text, args.rounds) - round_ms
+        fresh_ms = _median_ms(lambda: sampler.sample_once().metrics(), args.rounds) - round_ms
         print(f"  sampling round (all collectors; nobody scrapes: no render) {round_ms:7.2f} ms")
         print(f"  render of a new snapshot (for its first scrape)             {fresh_ms:7.2f} ms")
 

@@ -142,6 +142,18 @@ def test_agent_cost_runs_and_counts_every_rank():
     assert "/metrics every 1 s" in result.stdout and "load average after" in result.stdout
 
 
+def test_scrape_pair_measures_both_arms_side_by_side():
+    """benchmarks/scrape_pair.py at tiny sizes: both arms measured in the run, and their ratio (not its value)."""
+    command = [sys.executable, str(BENCHMARKS / "scrape_pair.py"), "--runs", "1", "--every", "2", "--apart", "0.5",
+               "--cycles", "1", "--warmup", "3"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("machine: ") and "load average after" in result.stdout
+    assert "run 1, two addresses (each server's rhythm): agent proper" in result.stdout
+    assert "run 1, one address (one rhythm): agent proper" in result.stdout
+    assert "ratio one address / two, same run: " in result.stdout
+
+
 def test_hang_latency_names_the_culprit_through_every_source(tmp_path):
     """benchmarks/hang_latency.py, one run per fault: the agents, Prometheus and the run log all name the rank
     (how fast is the benchmark's to say, not this test's)."""

@@ -5,10 +5,12 @@ import gzip
 import itertools
 import json
 import threading
+import urllib.request
 
 from prometheus_client.core import GaugeMetricFamily
 
 from gpuwatch.agent import sampler as sampler_module
+from gpuwatch.agent import snapshot as snapshot_module
 from gpuwatch.agent.collectors.base import (
     Collector,
     CollectorContext,
@@ -17,6 +19,7 @@ from gpuwatch.agent.collectors.base import (
     DeferredFamilies,
 )
 from gpuwatch.agent.sampler import Sampler
+from gpuwatch.agent.server import AgentHTTPServer, serve_in_thread
 from gpuwatch.agent.snapshot import CollectorStatus, ScrapeClock
 
 from conftest import wait_until
@@ -60,7 +63,7 @@ def _sampler(*collectors, deadline=10.0):
 def test_failing_collector_is_down_with_its_error_and_others_are_served():
     context = CollectorContext()
     snapshot = _sampler(_Good(context), _Broken(context)).sample_once()
-    text = snapshot.metrics_text.decode()
+    text = snapshot.metrics().decode()
     assert "gpuwatch_good_value 42.0" in text
     assert 'gpuwatch_collector_up{collector="good"} 1.0' in text
     assert 'gpuwatch_collector_up{collector="broken"} 0.0' in text
@@ -89,7 +92,7 @@ def test_hung_collector_misses_deadline_then_is_not_resubmitted_until_it_returns
         hung.release.set()
         third = wait_until(lambda: (snapshot := sampler.sample_once()).collectors["hung"].up and snapshot,
                            what="the released collector back up")
-        assert "gpuwatch_hung_value 1.0" in third.metrics_text.decode()
+        assert "gpuwatch_hung_value 1.0" in third.metrics().decode()
         assert hung.calls == 2  # submitted again only once the stuck call had returned
     finally:
         hung.release.set()
@@ -115,7 +118,7 @@ def test_run_loop_samples_on_interval_and_stops():
     thread.start()
     try:
         wait_until(lambda: collector.calls >= 3, what="three sampling rounds")
-        assert "gpuwatch_good_value" in sampler.snapshot.metrics_text.decode()
+        assert "gpuwatch_good_value" in sampler.snapshot.metrics().decode()
     finally:
         sampler.stop()
         thread.join(30)
@@ -146,9 +149,9 @@ def test_a_round_renders_nothing_until_its_snapshot_is_scraped():
     first = sampler.sample_once()
     second = sampler.sample_once()
     assert collector.builds == 0 and "_text" not in vars(second)
-    assert b"gpuwatch_deferred_value 1.0" in second.metrics_text
-    assert second.metrics_gzip and collector.builds == 1  # gzip compresses the cached text
-    assert b"gpuwatch_deferred_value 2.0" in first.metrics_text  # an older snapshot still renders whole
+    assert b"gpuwatch_deferred_value 1.0" in second.metrics()
+    assert second.metrics(gzip=True) and collector.builds == 1  # gzip compresses the cached text
+    assert b"gpuwatch_deferred_value 2.0" in first.metrics()  # an older snapshot still renders whole
     assert collector.builds == 2
 
 
@@ -177,6 +180,65 @@ def test_scrape_clock_expects_the_next_scrape_at_the_last_gap():
     assert not scrapes.due_within(1.0)  # gone for more than two gaps: stop rendering ahead
 
 
+def _rounds_rendered_ahead(schedule: dict[str, list[int]], until: int = 60) -> list[float]:
+    """Scrapers scraping at the seconds of their ``schedule``, a round (1 s sampling) at each half second: the rounds
+    from 20 s on that a scrape is expected within a second of, the ones a sampler renders ahead."""
+    clock = _Clock()
+    scrapes, start, ahead = ScrapeClock(clock), clock.now, []
+    for second in range(until):
+        clock.now = start + second
+        for scraper, seconds in schedule.items():
+            if second in seconds:
+                scrapes.scraped(scraper)
+        clock.now += 0.5
+        if second >= 20 and scrapes.due_within(1.0):
+            ahead.append(second + 0.5)
+    return ahead
+
+
+def test_each_scraper_keeps_its_own_rhythm():
+    """A highly available Prometheus pair scrapes 3 s apart every 15 s: rounds are rendered ahead just before each
+    server's next scrape. One rhythm for both took the 3 s and 12 s gaps for the interval: it rendered ahead the 5 rounds
+    after each 3 s gap, none of them read, and none of the rounds the pair read."""
+    pair = {"10.0.0.1": [0, 15, 30, 45], "10.0.0.2": [3, 18, 33, 48]}
+    assert _rounds_rendered_ahead(pair) == [29.5, 32.5, 44.5, 47.5, 59.5]
+
+
+def test_the_scrape_clock_forgets_the_longest_silent_scraper_past_its_bound():
+    """10.0.0.1 scrapes at 0 and 15 s, then others once each at 16 s: with as many as the bound holds its next scrape is
+    still expected at 30 s; with one more it is the longest silent, forgotten."""
+    kept = {"10.0.0.1": [0, 15], **{f"10.0.1.{n}": [16] for n in range(snapshot_module.MAX_SCRAPERS - 1)}}
+    assert _rounds_rendered_ahead(kept, until=31) == [29.5, 30.5]
+    forgotten = {"10.0.0.1": [0, 15], **{f"10.0.1.{n}": [16] for n in range(snapshot_module.MAX_SCRAPERS)}}
+    assert _rounds_rendered_ahead(forgotten, until=31) == []
+
+
+def test_the_server_names_each_scraper_by_its_address(monkeypatch):
+    """What the scrape clock keeps a rhythm for is the scraper's address, as the HTTP server saw it."""
+    seen = []
+
+    class Recording(ScrapeClock):
+        def scraped(self, scraper: str = "") -> None:
+            seen.append(scraper)
+            super().scraped(scraper)
+
+    monkeypatch.setattr(sampler_module, "ScrapeClock", Recording)
+    sampler = Sampler([_Good(CollectorContext())], interval=1.0, deadline=10.0, node="n1", mode="simulated")
+    server = AgentHTTPServer(("127.0.0.1", 0), lambda: sampler.snapshot, stale_after=3600.0)
+    serve_in_thread(server)
+    try:
+        sampler.sample_once()
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        for headers in ({}, {"Accept-Encoding": "gzip"}):
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as response:
+                assert response.status == 200
+    finally:
+        server.shutdown()
+        server.server_close()
+        sampler.close()
+    assert seen == ["127.0.0.1", "127.0.0.1"]
+
+
 def test_the_round_a_regular_scraper_will_read_is_rendered_before_it_asks(monkeypatch):
     """Scrapes 0.05 s apart on the sampler's scrape clock (scripted) at a 0.05 s interval: the next round is due."""
     clock = _Clock()
@@ -184,12 +246,12 @@ def test_the_round_a_regular_scraper_will_read_is_rendered_before_it_asks(monkey
     collector = _Deferred(CollectorContext())
     sampler = Sampler([collector], interval=0.05, deadline=10.0, node="n1", mode="simulated")
     for _ in range(2):
-        assert sampler.sample_once().metrics_gzip  # two scrapes 0.05 s apart: one per round
+        assert sampler.sample_once().metrics(gzip=True)  # two scrapes 0.05 s apart: one per round
         clock.now += 0.05
     builds = collector.builds
     ahead = sampler.sample_once()
     assert collector.builds == builds + 1 and "_gzip" in vars(ahead)  # rendered and compressed in the round
-    assert b"gpuwatch_deferred_value" in gzip.decompress(ahead.metrics_gzip)
+    assert b"gpuwatch_deferred_value" in gzip.decompress(ahead.metrics(gzip=True))
     assert collector.builds == builds + 1
     clock.now += 10  # the scraper went away: rounds are no longer rendered ahead
     assert "_gzip" not in vars(sampler.sample_once())
@@ -234,7 +296,7 @@ def test_a_failing_collector_backs_off_until_it_succeeds_then_starts_over():
     # at 105 s: failed at 102 s for the second time, runs again at 106 s
     assert snapshots[5].collectors["absent"] == CollectorStatus(False, 0.0, "CollectorError: no driver",
                                                                 next_attempt_seconds=1.0)
-    assert 'gpuwatch_collector_up{collector="absent"} 0.0' in snapshots[5].metrics_text.decode()
+    assert 'gpuwatch_collector_up{collector="absent"} 0.0' in snapshots[5].metrics().decode()
     state = json.loads(snapshots[5].state_json)["collectors"]["absent"]
     assert state["last_error"] == "CollectorError: no driver" and state["next_attempt_seconds"] == 1.0
 
@@ -315,7 +377,7 @@ def test_a_collector_that_cannot_block_runs_in_the_samplers_thread_and_fails_lik
     assert failed.collectors["in_memory"].last_error == "CollectorError: no driver"
     in_memory.present = True
     clock.now += 2.0  # its back-off
-    assert "gpuwatch_absent_value 1.0" in sampler.sample_once().metrics_text.decode()
+    assert "gpuwatch_absent_value 1.0" in sampler.sample_once().metrics().decode()
 
 
 def test_a_simulated_agent_exports_what_its_simulation_cost_and_a_real_one_does_not():
@@ -324,9 +386,9 @@ def test_a_simulated_agent_exports_what_its_simulation_cost_and_a_real_one_does_
                         simulation_cpu=lambda: next(spent))
     real = Sampler([_Good(CollectorContext())], interval=1.0, node="n1", mode="real")
     try:
-        assert b"gpuwatch_agent_simulation_cpu_seconds_total 0.25\n" in simulated.sample_once().metrics_text
-        assert b"gpuwatch_agent_simulation_cpu_seconds_total 0.75\n" in simulated.sample_once().metrics_text
-        assert b"simulation_cpu" not in real.sample_once().metrics_text
+        assert b"gpuwatch_agent_simulation_cpu_seconds_total 0.25\n" in simulated.sample_once().metrics()
+        assert b"gpuwatch_agent_simulation_cpu_seconds_total 0.75\n" in simulated.sample_once().metrics()
+        assert b"simulation_cpu" not in real.sample_once().metrics()
     finally:
         simulated.close()
         real.close()

@@ -69,8 +69,8 @@ class ScrapeClock:
     next one. Each scraper (its address) keeps its own rhythm: a highly available pair of Prometheus servers scrapes
     the same agent at two offsets, and one rhythm for both took their alternating short and long gaps for the
     interval and rendered ahead rounds nobody read (two scrapers 3 s apart every 15 s at 1 s sampling: 7 renders
-    where 2 were needed, both of those on the scrape's demand). A scraper out of rhythm (a person with curl) is only served a little slower: the
-    snapshot renders on its demand.
+    where 2 were needed, both of those on the scrape's demand). A scraper out of rhythm (a person with curl) is only
+    served a little slower: the snapshot renders on its demand.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:

@@ -198,8 +198,8 @@ def _rounds_rendered_ahead(schedule: dict[str, list[int]], until: int = 60) -> l
 
 def test_each_scraper_keeps_its_own_rhythm():
     """A highly available Prometheus pair scrapes 3 s apart every 15 s: rounds are rendered ahead just before each
-    server's next scrape. One rhythm for both took the 3 s and 12 s gaps for the interval: it rendered ahead the 5 rounds
-    after each 3 s gap, none of them read, and none of the rounds the pair read."""
+    server's next scrape. One rhythm for both took the 3 s and 12 s gaps for the interval: it rendered ahead the 5
+    rounds after each 3 s gap, none of them read, and none of the rounds the pair read."""
     pair = {"10.0.0.1": [0, 15, 30, 45], "10.0.0.2": [3, 18, 33, 48]}
     assert _rounds_rendered_ahead(pair) == [29.5, 32.5, 44.5, 47.5, 59.5]
 

@@ -252,7 +252,8 @@ def test_a_step_record_queued_behind_an_error_record_does_not_erase_it_and_a_res
 def test_received_datagrams_are_applied_in_order_by_the_next_reader_or_by_the_receiver_past_the_byte_bound(
         monkeypatch):
     """The receiver only queues; whoever reads the store next applies what was queued before reading, so an exit mark
-    lands after the records its process sent (a hello queued before a death does not clear the death)."""
+    lands after the records its process sent (a hello queued before a death does not clear the death). Past the byte
+    bound the receiver applies the oldest itself, a few at a time, so it is back at the socket soon."""
     store = TelemetryStore()
     store.receive(encode(hello(0)), 41)
     store.receive(encode(step(0, 1)), 41)
@@ -263,14 +264,21 @@ def test_received_datagrams_are_applied_in_order_by_the_next_reader_or_by_the_re
     assert (state.last_step["step"], state.exited_time, state.sender_pid) == (1, 2000.0, 41)
     assert (records["accepted", ""], records["rejected", "not_json"]) == (2, 1)
 
-    datagrams = [encode(step(0, number)) for number in range(2, 6)]  # lengths vary with the clock's digits
+    datagrams = [encode(step(0, number)) for number in range(2, 8)]  # lengths vary with the clock's digits
     monkeypatch.setattr("gpuwatch.agent.telemetry.store.MAX_PENDING_BYTES", sum(map(len, datagrams[:3])))
+    monkeypatch.setattr("gpuwatch.agent.telemetry.store.RECEIVER_APPLY_BYTES", len(datagrams[0]) + len(datagrams[1]))
     for datagram in datagrams[:3]:
         store.receive(datagram, 41)
     assert len(store._pending) == 3  # at the bound, not past it
     store.receive(datagrams[3], 41)
-    assert len(store._pending) == 0  # the fourth passed the bound: the receiver applied all four itself
-    assert store.snapshot()[0][0].steps == 5
+    assert [datagram for datagram, _ in store._pending] == datagrams[2:4]  # the receiver applied the oldest two
+    monkeypatch.setattr("gpuwatch.agent.telemetry.store.MAX_PENDING_BYTES", 0)
+    monkeypatch.setattr("gpuwatch.agent.telemetry.store.RECEIVER_APPLY_BYTES", 1)
+    store.receive(datagrams[4], 41)
+    store.receive(datagrams[5], 41)
+    assert [datagram for datagram, _ in store._pending] == datagrams[4:6]  # at least one a time, the oldest first
+    (state,), _ = store.snapshot()
+    assert (state.steps, state.last_step["step"], store._pending) == (7, 7, [])
 
 
 def test_silent_ranks_expire_after_the_ttl_and_free_their_slot():

@@ -6,7 +6,7 @@ batch by the next reader, under the store's lock and before it reads, so every r
 before it, in order, as if each had been applied on arrival. Applied one at a time as they arrive (64 ranks' records
 spread over a second, each a wake-up of a thread with cold caches) a step record cost ~90 µs of the receiver's CPU;
 in a batch, ~57 µs with the schema checked in Python, ~40 µs since msgspec checks it in C (benchmarks/README.md,
-Agent cost). Past ``MAX_PENDING_BYTES`` the receiver applies the batch itself.
+Agent cost). Past ``MAX_PENDING_BYTES`` the receiver applies the oldest itself.
 
 Memory is bounded by ``max_ranks`` × one record of each kind (records are at most ``MAX_RECORD_BYTES``), the
 datagrams not yet applied (``MAX_PENDING_BYTES``) and a window of recent steps (``window.StepWindow``), whatever
@@ -46,12 +46,17 @@ log = logging.getLogger(__name__)
 DEFAULT_TTL = 120.0
 DEFAULT_MAX_RANKS = 1024
 DEFAULT_MAX_JOBS = 16
-#: Bytes of datagrams received and not yet applied beyond which the receiver applies them itself (~30 step records:
-#: half a second of 64 ranks stepping once a second). Small, because the receiver does not drain the socket while it
-#: applies and the kernel queues only ``net.unix.max_dgram_qlen`` datagrams (10 by default): a batch of ~30 takes
-#: ~2 ms, the time 10 records take to arrive at 5,000 a second. With 1 MiB, non-waiting senders offered 5,000
-#: records a second lost 16 % of them to a full queue, against 3 % here (benchmarks/README.md, Agent cost).
-MAX_PENDING_BYTES = 32 * 1024
+#: Bytes of datagrams received and not yet applied beyond which the receiver applies the oldest of them itself
+#: (``RECEIVER_APPLY_BYTES`` at a time). Below it the sampler's round applies everything received since the last one in
+#: one batch: a round every 5 s of 64 ranks folding their steps is ~32 datagrams, ~100 KB, and applied there, one
+#: after another with warm caches, a datagram cost ~85–100 µs of CPU against ~200–250 µs in the receiver's batches of
+#: ~11 when it applied past 32 KiB (benchmarks/README.md, Agent cost).
+MAX_PENDING_BYTES = 256 * 1024
+#: What the receiver applies at a time past ``MAX_PENDING_BYTES``. Small, because the receiver does not drain the
+#: socket while it applies and the kernel queues only ``net.unix.max_dgram_qlen`` datagrams (10 by default): ~30
+#: step records take ~2 ms, the time 10 records take to arrive at 5,000 a second. Applying all of 1 MiB at once,
+#: non-waiting senders offered 5,000 records a second lost 16 % of them to a full queue, against 3 % here.
+RECEIVER_APPLY_BYTES = 32 * 1024
 #: Step fields measured every N steps only: their latest value is kept with the step it belongs to (the memory
 #: reading is the record's ``memory`` object whole).
 SAMPLED_FIELDS = ("grad_cosine_similarity", "param_checksum", "memory")
@@ -183,14 +188,14 @@ class TelemetryStore:
         self._copies: dict[tuple[str, int], tuple[RankState, RankState]] = {}
 
     def receive(self, datagram: bytes, sender_pid: int | None = None) -> None:
-        """Queue one datagram, to be applied by the next reader (or now, past MAX_PENDING_BYTES)."""
+        """Queue one datagram, to be applied by the next reader (past MAX_PENDING_BYTES, the oldest now)."""
         with self._pending_lock:
             self._pending.append((datagram, sender_pid))
             self._pending_bytes += len(datagram)
             full = self._pending_bytes > MAX_PENDING_BYTES
         if full and self._lock.acquire(blocking=False):  # a reader applying or reading now: it is not waited for
             try:
-                self._apply_pending()
+                self._apply_pending(RECEIVER_APPLY_BYTES)
             finally:
                 self._lock.release()
 
@@ -207,10 +212,19 @@ class TelemetryStore:
             self._apply_pending()
             yield
 
-    def _apply_pending(self) -> None:
-        """Apply every datagram received so far, in order (with ``_lock`` held, so batches never interleave)."""
+    def _apply_pending(self, at_most_bytes: int | None = None) -> None:
+        """Apply the datagrams received so far, in order: every one, or the oldest up to ``at_most_bytes`` (at least
+        one). With ``_lock`` held, so batches never interleave."""
         with self._pending_lock:
-            pending, self._pending, self._pending_bytes = self._pending, [], 0
+            taken, size = len(self._pending), self._pending_bytes
+            if at_most_bytes is not None:
+                taken, size = 0, 0
+                for datagram, _ in self._pending:
+                    if taken and size + len(datagram) > at_most_bytes:
+                        break
+                    taken, size = taken + 1, size + len(datagram)
+            pending, self._pending = self._pending[:taken], self._pending[taken:]
+            self._pending_bytes -= size
         for datagram, sender_pid in pending:
             try:
                 self._apply(datagram, sender_pid)

@@ -7,6 +7,7 @@ cosine says why."""
 
 import contextlib
 import importlib.util
+import itertools
 import time
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from gpuwatch.trainer.launch import launch
 pytestmark = pytest.mark.integration
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "ddp_train.py"
+#: How late rank 1 enters each all-reduce in `_ddp_steps`.
+RANK_1_LATE_SECONDS = 0.05
 
 
 def _example():
@@ -88,13 +91,17 @@ def test_a_plain_ddp_script_reports_the_core_signals_of_every_rank(start_agent, 
 
 
 def _ddp_steps(device, steps: int, run_log: Path, zero_gradient: bool, bucket_hook: bool,
-               micro_batches: int = 1, bucket_view: bool = False, signals=hooks.SIGNALS) -> dict:
+               micro_batches: int = 1, bucket_view: bool = False, signals=hooks.SIGNALS,
+               rank_1_late: bool = False) -> dict:
     """A DDP linear model, a few SGD steps reporting the loss only, each over `micro_batches` (all but the last
     under `no_sync`, as gradient accumulation does). Per step, as the script sees them itself: the norm of the
     averaged gradient DDP left in .grad, and the cosine between this rank's own gradient (taken beside DDP, with
     `torch.autograd.grad` on the bare module) and that average; then the communication hooks DDP was given.
     With `zero_gradient`, cross-entropy over a single logit: the loss and every gradient are zero. `bucket_view`:
-    DDP's `gradient_as_bucket_view` (the gradients are views of the buckets it averages in place)."""
+    DDP's `gradient_as_bucket_view` (the gradients are views of the buckets it averages in place). `rank_1_late`:
+    rank 1 starts each step's reduced backward only once rank 0 has entered DDP's all-reduce (its `progress` says
+    so, after it marked the end of its computation), and RANK_1_LATE_SECONDS later: rank 0 then waits at least
+    that long in every step by causality, however loaded the machine."""
     torch.manual_seed(0)
     classes = 1 if zero_gradient else 3
     model = DistributedDataParallel(torch.nn.Linear(4, classes), gradient_as_bucket_view=bucket_view)
@@ -104,8 +111,10 @@ def _ddp_steps(device, steps: int, run_log: Path, zero_gradient: bool, bucket_ho
     rank = torch.distributed.get_rank()
     inputs = torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))  # each rank its own data
     targets = torch.randint(classes, (8,), generator=torch.Generator().manual_seed(rank))
+    if rank_1_late and rank == 0:
+        _tell_when_in_the_all_reduce(monitor.progress, run_log)
     norms, cosines = [], []
-    for _ in range(steps):
+    for index in range(steps):
         with monitor.step(samples=len(inputs)) as step:
             own = torch.zeros(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
             with step.compute():
@@ -116,8 +125,10 @@ def _ddp_steps(device, steps: int, run_log: Path, zero_gradient: bool, bucket_ho
                         own_loss, list(model.module.parameters()))]).double()
                     with contextlib.nullcontext() if micro == micro_batches - 1 else model.no_sync():
                         loss = F.cross_entropy(model(inputs[rows]), targets[rows])
-                        if rank == 1:
-                            time.sleep(0.05)  # rank 0 waits for it in the all-reduce: a tail to measure
+                        if rank == 1 and micro == micro_batches - 1:  # the backward DDP reduces
+                            if rank_1_late:
+                                _wait_for_file(run_log / f"rank-0-in-all-reduce-{index + 1}")
+                            time.sleep(RANK_1_LATE_SECONDS)  # rank 0 waits for it in the all-reduce: a tail
                         loss.backward()
             mean = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
             norms.append(mean.norm().item())
@@ -131,11 +142,37 @@ def _ddp_steps(device, steps: int, run_log: Path, zero_gradient: bool, bucket_ho
     return {"norms": norms, "cosines": cosines, "comm_hooks": comm_hooks, "failures": dict(monitor.failures.counts)}
 
 
+def _tell_when_in_the_all_reduce(progress, directory: Path) -> None:
+    """Have `progress` touch ``rank-0-in-all-reduce-<n>`` in `directory` as the training thread enters its n-th
+    collective (DDP's all-reduce: the hooks marked the end of the computation just before). `Progress` has slots,
+    so the object's class is swapped for a subclass with the same layout rather than its method replaced."""
+    count = itertools.count(1)
+
+    class Telling(type(progress)):
+        __slots__ = ()
+
+        def at(self, phase, collective=None):
+            super().at(phase, collective)
+            if phase == "collective":
+                (directory / f"rank-0-in-all-reduce-{next(count)}").touch()
+
+    progress.__class__ = Telling
+
+
+def _wait_for_file(path: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout} s")
+        time.sleep(0.001)
+
+
 @pytest.mark.parametrize(("micro_batches", "bucket_view"), [(1, False), (2, False), (1, True), (2, True)])
 def test_by_default_ddp_gets_no_communication_hook_the_wait_for_its_all_reduce_is_timed_and_the_cosine_taken(
         tmp_path, monkeypatch, micro_batches, bucket_view):
     monkeypatch.setenv("GPUWATCH_SOCKET", str(tmp_path / "no-agent.sock"))
-    ranks = launch(_ddp_steps, 2, 4, tmp_path, False, False, micro_batches, bucket_view, device="cpu", timeout=120)
+    ranks = launch(_ddp_steps, 2, 4, tmp_path, False, False, micro_batches, bucket_view, hooks.SIGNALS, True,
+                   device="cpu", timeout=120)
     assert [result["comm_hooks"] for result in ranks] == [[], []]  # DDP's C++ all-reduce, untouched
     assert [result["failures"] for result in ranks] == [{}, {}]
     n_params = 4 * 3 + 3
@@ -146,8 +183,8 @@ def test_by_default_ddp_gets_no_communication_hook_the_wait_for_its_all_reduce_i
             assert "collectives" not in record  # per-call latencies need the bucket hook
             assert record["gradient_sync_bytes"] == 4 * n_params  # what DDP all-reduces: every fp32 gradient
             assert 0 < record["exposed_collective_seconds"] <= record["step_seconds"] - record["compute_seconds"]
-        if rank == 0:  # it waits ~50 ms for rank 1 at every all-reduce: waiting, not computing
-            assert all(r["exposed_collective_seconds"] > max(0.03, r["compute_seconds"]) for r in steps)
+        if rank == 0:  # rank 1 is late by RANK_1_LATE_SECONDS at every all-reduce: waiting, not computing
+            assert all(r["exposed_collective_seconds"] >= RANK_1_LATE_SECONDS for r in steps)
         # the measuring steps: this rank's gradient (over all its micro-batches) against DDP's average, as the
         # script computes it beside DDP; the gradient norm is the average's
         assert ["grad_norm" in r for r in steps] == ["grad_cosine_similarity" in r for r in steps] == [

@@ -22,11 +22,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from gpuwatch.agent import __version__
 from gpuwatch.agent.collectors.base import Collector, CollectorResult, DeferredFamilies
-from gpuwatch.agent.exposition import Renderer
+from gpuwatch.agent.exposition import CounterFamily, GaugeFamily, Renderer
 from gpuwatch.agent.snapshot import CollectorStatus, ScrapeClock, Snapshot
 
 log = logging.getLogger(__name__)
@@ -199,15 +199,15 @@ class Sampler:
         return result, time.perf_counter() - started
 
     def _self_metrics(self, statuses: dict[str, CollectorStatus]) -> list[Metric]:
-        info = GaugeMetricFamily("gpuwatch_agent_info", "Agent build and mode; mode=simulated marks a "
+        info = GaugeFamily("gpuwatch_agent_info", "Agent build and mode; mode=simulated marks a "
                                  "scripted stand-in node, never real hardware.",
                                  labels=["version", "mode", "node"])
         info.add_metric([__version__, self.agent_info["mode"], self.agent_info["node"]], 1)
-        up = GaugeMetricFamily("gpuwatch_collector_up", "1 when the collector's last run succeeded.",
+        up = GaugeFamily("gpuwatch_collector_up", "1 when the collector's last run succeeded.",
                                labels=["collector"])
-        duration = GaugeMetricFamily("gpuwatch_collector_duration_seconds",
+        duration = GaugeFamily("gpuwatch_collector_duration_seconds",
                                      "Wall time of the collector's last run.", labels=["collector"])
-        partial = GaugeMetricFamily("gpuwatch_collector_partial_errors",
+        partial = GaugeFamily("gpuwatch_collector_partial_errors",
                                     "Items (GPUs, files, ports) the collector could not read in its last run.",
                                     labels=["collector"])
         for name, status in statuses.items():
@@ -216,7 +216,7 @@ class Sampler:
             partial.add_metric([name], len(status.partial_errors))
         families: list[Metric] = [info, up, duration, partial]
         if self._simulation_cpu is not None:
-            families.append(CounterMetricFamily(
+            families.append(CounterFamily(
                 "gpuwatch_agent_simulation_cpu_seconds", "CPU time the agent process spent on --simulate's scripted "
                 "node (advancing it, and inside the scripted NVML's functions), which a real node does not pay: the "
                 "agent's own cost is the process's CPU time without it.", value=self._simulation_cpu()))

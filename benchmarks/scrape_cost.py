@@ -2,9 +2,11 @@
 
 Prints, for the same metric families (a node without ranks: the per-rank families are written by the
 telemetry collector itself, see ``agent_cost.py`` for 64 ranks): prometheus-client's ``generate_latest``
-against gpuwatch's cached renderer (the ratio is the point: absolute times wander on shared machines), the
-cost of one sampling round per collector, the round itself (collection only) and the render of a fresh
-snapshot (what its first scrape pays), and /metrics latency over HTTP from a running agent.
+against gpuwatch's cached renderer (the ratio is the point: absolute times wander on shared machines); the
+same round's series built and rendered anew as prometheus-client's ``GaugeMetricFamily``/``CounterMetricFamily``
+and as the collectors' row families (``exposition.RowFamily``), interleaved, every value changed as counters
+change between rounds; the cost of one sampling round per collector, the round itself (collection only) and the
+render of a fresh snapshot (what its first scrape pays), and /metrics latency over HTTP from a running agent.
 
     python benchmarks/scrape_cost.py [--rounds 50]
 """
@@ -12,17 +14,23 @@ snapshot (what its first scrape pays), and /metrics latency over HTTP from a run
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import statistics
+import sys
 import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
+from agent_cost import _cpu_model, _load, _spread
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gpuwatch.agent.collectors import REGISTRY, CollectorContext
-from gpuwatch.agent.exposition import Renderer
+from gpuwatch.agent.exposition import CounterFamily, GaugeFamily, Renderer, RowFamily
 from gpuwatch.agent.sampler import Sampler
 from gpuwatch.agent.server import AgentHTTPServer, serve_in_thread
 from gpuwatch.agent.simulate import PRESETS, Simulation
@@ -42,11 +50,52 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _as_prometheus_client(family: Metric) -> Metric:
+    """A row family's series as a prometheus-client family (its samples built once); any other family as it is."""
+    if not isinstance(family, RowFamily):
+        return family
+    copy = Metric(family.name, family.documentation, family.type)
+    copy.samples = family.samples
+    return copy
+
+
+def _rebuild(families: Sequence[Metric], row_types: bool, step: int) -> list[Metric]:
+    """The row families among ``families`` built anew, every value moved by ``step``: as the collectors' row
+    families, or as prometheus-client's."""
+    gauge, counter = (GaugeFamily, CounterFamily) if row_types else (GaugeMetricFamily, CounterMetricFamily)
+    built: list[Metric] = []
+    for family in families:
+        if isinstance(family, RowFamily):
+            copy = (counter if family.type == "counter" else gauge)(family.name, family.documentation,
+                                                                  labels=family.label_names)
+            for labels, value in family.rows:
+                copy.add_metric(labels, value + step)
+            built.append(copy)
+    return built
+
+
+def _fresh_families(families: Sequence[Metric], rounds: int) -> dict[str, list[float]]:
+    """ms to build and render the row families anew, as prometheus-client's and as rows, interleaved, each
+    with a renderer that holds the previous round (as the agent's does)."""
+    times: dict[str, list[float]] = {"prometheus-client families": [], "row families (the agent's)": []}
+    renderers = {name: Renderer() for name in times}
+    for step in range(rounds + 1):
+        for (name, spent), row_types in zip(times.items(), (False, True), strict=True):
+            started = time.perf_counter()
+            renderers[name].render(_rebuild(families, row_types, step))
+            if step:  # the first fills the renderer's cache
+                spent.append((time.perf_counter() - started) * 1e3)
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--preset", default="dgx-h100", choices=sorted(PRESETS))
     args = parser.parse_args()
+    print(f"machine: {os.cpu_count()} CPUs ({_cpu_model()}), Linux {platform.release()}, "
+          f"{platform.python_implementation()} {sys.version.split()[0]}")
+    print(f"load average before: {_load()}", flush=True)
 
     with tempfile.TemporaryDirectory() as workdir:
         simulation = Simulation(PRESETS[args.preset], Path(workdir))
@@ -57,9 +106,11 @@ def main() -> None:
         families = [family for c in collectors for family in c.collect().families]
         samples = sum(len(f.samples) for f in families)
 
+        reference = [_as_prometheus_client(family) for family in families]
+
         class _Static:
-            def collect(self):
-                return families
+            def collect(self) -> list[Metric]:
+                return reference
 
         registry = CollectorRegistry()
         registry.register(_Static())
@@ -71,6 +122,11 @@ def main() -> None:
         print(f"  render  prometheus_client.generate_latest  {generic:7.2f} ms (median of {args.rounds})")
         print(f"  render  gpuwatch Renderer, nothing changed {cached:6.2f} ms   ratio {generic / cached:5.1f}x "
               "(every family reused; a fresh snapshot's render is below)")
+        fresh = _fresh_families(families, args.rounds)
+        rows = sum(len(family.rows) for family in families if isinstance(family, RowFamily))
+        print(f"  built and rendered anew, {rows} series, every value changed (min / median / max of {args.rounds}):")
+        for name, spent in fresh.items():
+            print(f"    {name:<28} {_spread(spent, ' ms')}")
 
         for collector in collectors:
             print(f"  collect {collector.name:<12} {_median_ms(collector.collect, args.rounds):7.2f} ms")
@@ -105,6 +161,7 @@ def main() -> None:
         sampler.close()
         print(f"  /metrics over HTTP while sampling at 1 s: p50 {_percentile(latencies, 0.5):.2f} ms, "
               f"p99 {_percentile(latencies, 0.99):.2f} ms ({len(latencies)} scrapes)")
+    print(f"load average after: {_load()}")
 
 
 if __name__ == "__main__":

@@ -2,13 +2,14 @@
 
 import math
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from gpuwatch.agent.exposition import Renderer, format_value
+from gpuwatch.agent.exposition import CounterFamily, GaugeFamily, Renderer, format_value
 
 
 def _families():
@@ -93,3 +94,34 @@ def test_value_changes_between_renders_are_reflected():
                                                                             -0.0, 1e300, -1e301])))
 def test_format_value_writes_what_prometheus_client_writes(value):
     assert format_value(value) == floatToGoString(value)
+
+
+def _row_families(ratio: float = 0.25, links: int = 1):
+    """The collectors' families (GaugeFamily, CounterFamily) and prometheus-client's of the same series."""
+    built = []
+    for gauge_type, counter_type in ((GaugeFamily, CounterFamily), (GaugeMetricFamily, CounterMetricFamily)):
+        gauge = gauge_type("gpuwatch_test_ratio", "A ratio.\nWith a \\ backslash.", labels=["gpu", "job"])
+        gauge.add_metric(["0", 'evil"job\nwith}{newline\\'], ratio)
+        gauge.add_metric(["1", "plain"], math.nan)
+        counter = counter_type("gpuwatch_test_bytes_total", "Bytes.", labels=["link"])
+        for link in range(links):
+            counter.add_metric([str(link)], 12345678901234.0 + link)
+        unlabelled = gauge_type("gpuwatch_test_plain", "No labels.", value=7)
+        built.append([gauge, counter, unlabelled])
+    return built
+
+
+def test_row_families_render_as_prometheus_clients_families_do_and_give_the_same_samples():
+    renderer = Renderer()
+    for ratio, links in ((0.25, 1), (0.5, 1), (0.5, 3), (0.5, 3), (0.75, 2)):  # values, new series, none, gone
+        rows, reference = _row_families(ratio, links)
+        assert renderer.render(rows) == _latest(reference) == _latest(rows)
+        assert [family.samples for family in rows] == [family.samples for family in reference]
+
+
+def test_a_row_family_takes_its_series_only_through_add_metric():
+    gauge = GaugeFamily("gpuwatch_test_ratio", "A ratio.", labels=["gpu"])
+    with pytest.raises(TypeError, match="add_metric"):
+        gauge.samples = [("gpuwatch_test_ratio", {"gpu": "0"}, 1.0)]
+    with pytest.raises(ValueError, match="at most one"):
+        GaugeFamily("gpuwatch_test_ratio", "A ratio.", labels=["gpu"], value=1.0)

@@ -10,8 +10,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
+from gpuwatch.agent.exposition import GaugeFamily
 from gpuwatch.agent.telemetry.store import DEFAULT_MAX_JOBS, DEFAULT_MAX_RANKS, DEFAULT_TTL
 
 
@@ -73,9 +74,9 @@ class MetricSpec:
         if self.unit and f"_{self.unit}" not in self.name:
             raise ValueError(f"{self.name} does not name its unit {self.unit}")
 
-    def gauge(self, labels: Sequence[str] | None = None, value: float | None = None) -> GaugeMetricFamily:
+    def gauge(self, labels: Sequence[str] | None = None, value: float | None = None) -> GaugeFamily:
         """The gauge family, labelled by ``labels``, or unlabelled with its one ``value``."""
-        return GaugeMetricFamily(self.name, self.help, value=value, labels=labels)
+        return GaugeFamily(self.name, self.help, value=value, labels=labels)
 
 
 #: A collector's readings: its typed readings (``collectors.readings``), or the telemetry store's state.

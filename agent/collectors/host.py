@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import psutil
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from gpuwatch.agent.collectors.base import (
     Collector,
@@ -25,6 +25,7 @@ from gpuwatch.agent.collectors.base import (
     MetricSpec,
 )
 from gpuwatch.agent.collectors.readings import AddressReading, HostReadings, InterfaceReading, ProcessReading
+from gpuwatch.agent.exposition import CounterFamily, GaugeFamily
 
 #: Bounds gpuwatch_host_process_*: a buggy feeder cannot create unbounded series.
 MAX_WATCHED_PIDS = 256
@@ -155,16 +156,16 @@ def _families(readings: HostReadings) -> list[Metric]:
     if readings.cpu_ratio is not None:
         families.append(CPU_UTILIZATION.gauge(value=readings.cpu_ratio))
     families.append(CPUS.gauge(value=readings.cpu_count))
-    load = GaugeMetricFamily("gpuwatch_host_load_average", "Run-queue load average over the window.",
+    load = GaugeFamily("gpuwatch_host_load_average", "Run-queue load average over the window.",
                              labels=["window"])
     for window, value in zip(("1m", "5m", "15m"), readings.load_average, strict=True):
         load.add_metric([window], value)
     families.append(load)
     families += [spec.gauge(value=getattr(readings, spec.field)) for spec in _MEMORY_GAUGES]
     labels = ["pid", "name", "job", "rank"]
-    rss = GaugeMetricFamily("gpuwatch_host_process_resident_bytes", "Resident set size of the agent (job and "
+    rss = GaugeFamily("gpuwatch_host_process_resident_bytes", "Resident set size of the agent (job and "
                             "rank empty) and of the training ranks that report to it.", labels=labels)
-    cpu = CounterMetricFamily("gpuwatch_host_process_cpu_seconds", "CPU time, user and system, of the agent "
+    cpu = CounterFamily("gpuwatch_host_process_cpu_seconds", "CPU time, user and system, of the agent "
                               "(job and rank empty) and of the training ranks that report to it.", labels=labels)
     for process in readings.processes:
         names = [str(process.pid), process.name, process.job, process.rank]

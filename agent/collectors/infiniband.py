@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from gpuwatch.agent.collectors.base import (
     Collector,
@@ -40,6 +40,7 @@ from gpuwatch.agent.collectors.base import (
     DeferredFamilies,
 )
 from gpuwatch.agent.collectors.readings import IbDeviceReading, IbPortReading, InfinibandReadings
+from gpuwatch.agent.exposition import CounterFamily, GaugeFamily
 
 CLASS_DIR = "class/infiniband"
 
@@ -393,30 +394,30 @@ class _Scan:
 def _families(readings: InfinibandReadings) -> list[Metric]:
     """The collect's families, built from its readings when the round is rendered."""
     port_labels = ["device", "port"]
-    info = GaugeMetricFamily(
+    info = GaugeFamily(
         "gpuwatch_ib_device_info", "InfiniBand/RoCE HCA (from sysfs); value 1.",
         labels=["device", *_DEVICE_ATTRS])
-    up = GaugeMetricFamily(
+    up = GaugeFamily(
         "gpuwatch_ib_port_up", "1 when the port's logical state is ACTIVE; link_layer Ethernet is RoCE.",
         labels=["device", "port", "link_layer"])
-    state = GaugeMetricFamily(
+    state = GaugeFamily(
         "gpuwatch_ib_port_state_id", _state_help("Logical port state (IB PortState)", PORT_STATES),
         labels=port_labels)
-    phys_state = GaugeMetricFamily(
+    phys_state = GaugeFamily(
         "gpuwatch_ib_port_physical_state_id",
         _state_help("Physical port state (IB PortPhysicalState)", PHYS_STATES), labels=port_labels)
-    rate = GaugeMetricFamily(
+    rate = GaugeFamily(
         "gpuwatch_ib_port_rate_bytes_per_second", "Data rate the port's link trained to, in bytes/s.",
         labels=["device", "port", "link_layer"])
-    traffic = [(key, CounterMetricFamily(f"gpuwatch_ib_port_{key}", help_text, labels=port_labels))
+    traffic = [(key, CounterFamily(f"gpuwatch_ib_port_{key}", help_text, labels=port_labels))
                for key, help_text, _ in TRAFFIC_COUNTERS.values()]
-    errors = CounterMetricFamily(
+    errors = CounterFamily(
         "gpuwatch_ib_port_errors", "Port error counters (IB PortCounters), by kernel counter name.",
         labels=["device", "port", "counter"])
-    hw = CounterMetricFamily(
+    hw = CounterFamily(
         "gpuwatch_ib_port_hw_counters", "Driver counters from the port's hw_counters/, by file name.",
         labels=["device", "port", "counter"])
-    saturated = GaugeMetricFamily(
+    saturated = GaugeFamily(
         "gpuwatch_ib_port_counter_saturated",
         "1 for a fixed-width counter stuck at its maximum (it stopped counting, so it is not exported); "
         "reset it with perfquery -R.", labels=["device", "port", "counter"])

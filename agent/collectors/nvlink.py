@@ -13,11 +13,12 @@ import dataclasses
 from typing import Any, cast
 
 import pynvml
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from gpuwatch.agent.collectors._nvml_common import Device, DeviceQuery, NvmlSession, field_values
 from gpuwatch.agent.collectors.base import Collector, CollectorContext, CollectorResult, DeferredFamilies
 from gpuwatch.agent.collectors.readings import NvlinkReading, NvlinkReadings
+from gpuwatch.agent.exposition import CounterFamily, GaugeFamily
 
 # Read for every link, in this order; throughput counts KiB, speed is in MB/s (10^6 bytes).
 _LINK_FIELDS = (
@@ -124,14 +125,14 @@ class NvlinkCollector(Collector):
 
 def _families(readings: NvlinkReadings) -> list[Metric]:
     labels = ["gpu", "link"]
-    up = GaugeMetricFamily("gpuwatch_nvlink_up", "1 when the NVLink link is active.", labels=labels)
-    speed = GaugeMetricFamily("gpuwatch_nvlink_speed_bytes_per_second",
+    up = GaugeFamily("gpuwatch_nvlink_up", "1 when the NVLink link is active.", labels=labels)
+    speed = GaugeFamily("gpuwatch_nvlink_speed_bytes_per_second",
                               "Rated data rate of the link, one direction.", labels=labels)
-    transmitted = CounterMetricFamily("gpuwatch_nvlink_transmitted_bytes",
+    transmitted = CounterFamily("gpuwatch_nvlink_transmitted_bytes",
                                       "Payload bytes sent over the link.", labels=labels)
-    received = CounterMetricFamily("gpuwatch_nvlink_received_bytes",
+    received = CounterFamily("gpuwatch_nvlink_received_bytes",
                                    "Payload bytes received over the link.", labels=labels)
-    errors = CounterMetricFamily("gpuwatch_nvlink_errors", "Data-link errors on the link: CRC errors, "
+    errors = CounterFamily("gpuwatch_nvlink_errors", "Data-link errors on the link: CRC errors, "
                                  "replays and link recoveries.", labels=[*labels, "error"])
     for link in readings.links:
         key = [str(link.gpu), str(link.link)]
@@ -141,4 +142,4 @@ def _families(readings: NvlinkReadings) -> list[Metric]:
                 family.add_metric(key, value)
         for name, count in link.errors.items():
             errors.add_metric([*key, name], count)
-    return [family for family in (up, speed, transmitted, received, errors) if family.samples]
+    return [family for family in (up, speed, transmitted, received, errors) if family.rows]

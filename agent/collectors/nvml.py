@@ -16,7 +16,7 @@ import dataclasses
 from typing import Any, cast
 
 import pynvml
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from gpuwatch.agent.collectors._nvml_common import Device, DeviceQuery, NvmlSession, field_values, handle_key
 from gpuwatch.agent.collectors.base import (
@@ -34,6 +34,7 @@ from gpuwatch.agent.collectors.readings import (
     PcieReading,
     RemappedRowsReading,
 )
+from gpuwatch.agent.exposition import CounterFamily, GaugeFamily
 
 # GPM metric -> GpuReading field; NVML reports percentages, the readings and metrics hold ratios.
 _GPM_METRICS = (
@@ -138,12 +139,12 @@ def _ratio(percent: float) -> float:
     return min(max(percent / 100, 0.0), 1.0)
 
 
-def _gauge(name: str, text: str, *labels: str) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, text, labels=["gpu", *labels])
+def _gauge(name: str, text: str, *labels: str) -> GaugeFamily:
+    return GaugeFamily(name, text, labels=["gpu", *labels])
 
 
-def _counter(name: str, text: str, *labels: str) -> CounterMetricFamily:
-    return CounterMetricFamily(name, text, labels=["gpu", *labels])
+def _counter(name: str, text: str, *labels: str) -> CounterFamily:
+    return CounterFamily(name, text, labels=["gpu", *labels])
 
 
 def _put(fields: dict[str, Any], key: str, value: float | None, scale: float = 1) -> None:
@@ -421,4 +422,4 @@ def _families(readings: NvmlReadings) -> list[Metric]:
                 processes.add_metric([gpu, str(process.pid)], process.used_memory_bytes)
     families = [info, lost, source, *(family for _, family in gauges), reasons, generation, width, replays,
                 ecc_volatile, ecc_aggregate, remapped, remap_pending, remap_failure, xid, processes]
-    return [family for family in families if family.samples]
+    return [family for family in families if family.rows]

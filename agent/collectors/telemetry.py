@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.utils import floatToGoString
 
 from gpuwatch.agent.collectors.base import (
@@ -47,7 +47,7 @@ from gpuwatch.agent.collectors.base import (
     DeferredFamilies,
     MetricSpec,
 )
-from gpuwatch.agent.exposition import TextFamily, format_value, series_prefix
+from gpuwatch.agent.exposition import CounterFamily, GaugeFamily, TextFamily, format_value, series_prefix
 from gpuwatch.agent.telemetry import listener
 from gpuwatch.agent.telemetry.exits import ExitWatcher
 from gpuwatch.agent.telemetry.store import RankState, TelemetryStore, probe_peaks
@@ -380,13 +380,13 @@ class RankSeries:
 def families(ranks: Sequence[RankState], records: dict[tuple[str, str], int],
              per_rank: RankSeries | None = None) -> list[Metric]:
     """The metric families of one store snapshot (ranks sorted by job and rank, as the store gives them)."""
-    received = CounterMetricFamily(
+    received = CounterFamily(
         "gpuwatch_telemetry_records_total", "Telemetry records by outcome: accepted or rejected by the agent "
         "(reason: why), or dropped by the ranks' clients before sending (reason: no_agent, busy, ...).",
         labels=["result", "reason"])
     for (result, reason), count in sorted(records.items()):
         received.add_metric([result, reason], count)
-    tracked = GaugeMetricFamily("gpuwatch_telemetry_ranks", "Ranks the agent holds telemetry state for.",
+    tracked = GaugeFamily("gpuwatch_telemetry_ranks", "Ranks the agent holds telemetry state for.",
                                 labels=["job"])
     per_job: dict[str, int] = {}
     for state in ranks:
@@ -398,14 +398,14 @@ def families(ranks: Sequence[RankState], records: dict[tuple[str, str], int],
 
 def probe_families(probes: Sequence[dict[str, Any]]) -> list[Metric]:
     """The metric families of the latest probe of each job (record bodies as the store keeps them)."""
-    bandwidth = GaugeMetricFamily(
+    bandwidth = GaugeFamily(
         "gpuwatch_probe_bus_bandwidth_bytes_per_second", "Peak bus bandwidth over the message sizes of the job's "
         "latest gpuwatch probe, per collective (nccl-tests' busbw: comparable with a link's rated speed whatever "
         "the rank count).", labels=["job", "op", "interconnect"])
-    info = GaugeMetricFamily("gpuwatch_probe_info", "Shape of the job's latest gpuwatch probe; value 1.",
+    info = GaugeFamily("gpuwatch_probe_info", "Shape of the job's latest gpuwatch probe; value 1.",
                              labels=["job", "interconnect", "backend", "device", "world_size", "nodes",
                                      "ranks_per_node"])
-    finished = GaugeMetricFamily("gpuwatch_probe_timestamp_seconds", "When the job's latest gpuwatch probe "
+    finished = GaugeFamily("gpuwatch_probe_timestamp_seconds", "When the job's latest gpuwatch probe "
                                  "finished, by the prober's clock: how old its bandwidth figures are.", labels=["job"])
     for probe in probes:
         job, interconnect = probe["job"], probe["interconnect"]

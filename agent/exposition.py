@@ -73,9 +73,9 @@ class RowFamily(Metric):
     """A family whose series are rows of label values and a value, with prometheus-client's ``add_metric``: no
     ``Sample`` and no label dict per series, and the renderer compares and keys its cached lines by the label
     values. An 8-GPU node's NVML, NVLink, InfiniBand and host families are ~1,800 series a round: built and
-    rendered as prometheus-client families they took ~6 ms, as rows ~2 ms (in a process that does nothing else;
-    the agent's render runs colder). ``samples`` gives prometheus-client's samples of the rows, built when asked
-    (``generate_latest``, tests)."""
+    rendered anew as prometheus-client families, a median of 3.5–3.7 ms, as rows 1.6–1.7 ms
+    (``benchmarks/scrape_cost.py``, side by side). ``samples`` gives prometheus-client's samples of the rows, built
+    when asked (``generate_latest``, tests)."""
 
     #: The suffix the family's samples take (a counter's ``_total``).
     suffix = ""

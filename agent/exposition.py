@@ -91,10 +91,18 @@ class RowFamily(Metric):
     def add_metric(self, labels: Sequence[str], value: float) -> None:
         self.rows.append((tuple(labels), value))
 
+    def labelled(self, labels: tuple[str, ...]) -> dict[str, str]:
+        """A row's label values by label name."""
+        return dict(zip(self.label_names, labels, strict=True))
+
+    def line_prefix(self, labels: tuple[str, ...]) -> str:
+        """``name{labels} `` of a row's line (``series_prefix``)."""
+        return series_prefix(self.name + self.suffix, self.labelled(labels))
+
     @property  # type: ignore[override]
     def samples(self) -> list[Sample]:
-        name, label_names = self.name + self.suffix, self.label_names
-        return [Sample(name, dict(zip(label_names, labels, strict=True)), value) for labels, value in self.rows]
+        name = self.name + self.suffix
+        return [Sample(name, self.labelled(labels), value) for labels, value in self.rows]
 
     @samples.setter
     def samples(self, samples: list[Sample]) -> None:
@@ -166,10 +174,7 @@ class Renderer:
         if isinstance(family, RowFamily):
             keys = [labels for labels, _ in family.rows]
             values = [value for _, value in family.rows]
-            name, label_names = family.name + family.suffix, family.label_names
-
-            def prefix_of(labels: tuple[str, ...]) -> str:
-                return series_prefix(name, dict(zip(label_names, labels, strict=True)))
+            prefix_of = family.line_prefix
         else:
             samples = family.samples
             keys = [(sample.name, sample.labels) for sample in samples]

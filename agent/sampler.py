@@ -200,16 +200,16 @@ class Sampler:
 
     def _self_metrics(self, statuses: dict[str, CollectorStatus]) -> list[Metric]:
         info = GaugeFamily("gpuwatch_agent_info", "Agent build and mode; mode=simulated marks a "
-                                 "scripted stand-in node, never real hardware.",
-                                 labels=["version", "mode", "node"])
+                           "scripted stand-in node, never real hardware.",
+                           labels=["version", "mode", "node"])
         info.add_metric([__version__, self.agent_info["mode"], self.agent_info["node"]], 1)
         up = GaugeFamily("gpuwatch_collector_up", "1 when the collector's last run succeeded.",
-                               labels=["collector"])
+                         labels=["collector"])
         duration = GaugeFamily("gpuwatch_collector_duration_seconds",
-                                     "Wall time of the collector's last run.", labels=["collector"])
+                               "Wall time of the collector's last run.", labels=["collector"])
         partial = GaugeFamily("gpuwatch_collector_partial_errors",
-                                    "Items (GPUs, files, ports) the collector could not read in its last run.",
-                                    labels=["collector"])
+                              "Items (GPUs, files, ports) the collector could not read in its last run.",
+                              labels=["collector"])
         for name, status in statuses.items():
             up.add_metric([name], 1.0 if status.up else 0.0)
             duration.add_metric([name], status.duration_seconds)

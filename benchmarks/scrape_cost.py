@@ -104,9 +104,8 @@ def main() -> None:
         collectors = [cls(context) for cls in REGISTRY.values()]
         simulation.advance()
         families = [family for c in collectors for family in c.collect().families]
-        samples = sum(len(f.samples) for f in families)
-
         reference = [_as_prometheus_client(family) for family in families]
+        samples = sum(len(family.samples) for family in reference)
 
         class _Static:
             def collect(self) -> list[Metric]:

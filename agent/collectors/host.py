@@ -157,16 +157,16 @@ def _families(readings: HostReadings) -> list[Metric]:
         families.append(CPU_UTILIZATION.gauge(value=readings.cpu_ratio))
     families.append(CPUS.gauge(value=readings.cpu_count))
     load = GaugeFamily("gpuwatch_host_load_average", "Run-queue load average over the window.",
-                             labels=["window"])
+                       labels=["window"])
     for window, value in zip(("1m", "5m", "15m"), readings.load_average, strict=True):
         load.add_metric([window], value)
     families.append(load)
     families += [spec.gauge(value=getattr(readings, spec.field)) for spec in _MEMORY_GAUGES]
     labels = ["pid", "name", "job", "rank"]
     rss = GaugeFamily("gpuwatch_host_process_resident_bytes", "Resident set size of the agent (job and "
-                            "rank empty) and of the training ranks that report to it.", labels=labels)
+                      "rank empty) and of the training ranks that report to it.", labels=labels)
     cpu = CounterFamily("gpuwatch_host_process_cpu_seconds", "CPU time, user and system, of the agent "
-                              "(job and rank empty) and of the training ranks that report to it.", labels=labels)
+                        "(job and rank empty) and of the training ranks that report to it.", labels=labels)
     for process in readings.processes:
         names = [str(process.pid), process.name, process.job, process.rank]
         rss.add_metric(names, process.rss_bytes)

@@ -127,13 +127,13 @@ def _families(readings: NvlinkReadings) -> list[Metric]:
     labels = ["gpu", "link"]
     up = GaugeFamily("gpuwatch_nvlink_up", "1 when the NVLink link is active.", labels=labels)
     speed = GaugeFamily("gpuwatch_nvlink_speed_bytes_per_second",
-                              "Rated data rate of the link, one direction.", labels=labels)
+                        "Rated data rate of the link, one direction.", labels=labels)
     transmitted = CounterFamily("gpuwatch_nvlink_transmitted_bytes",
-                                      "Payload bytes sent over the link.", labels=labels)
+                                "Payload bytes sent over the link.", labels=labels)
     received = CounterFamily("gpuwatch_nvlink_received_bytes",
-                                   "Payload bytes received over the link.", labels=labels)
+                             "Payload bytes received over the link.", labels=labels)
     errors = CounterFamily("gpuwatch_nvlink_errors", "Data-link errors on the link: CRC errors, "
-                                 "replays and link recoveries.", labels=[*labels, "error"])
+                           "replays and link recoveries.", labels=[*labels, "error"])
     for link in readings.links:
         key = [str(link.gpu), str(link.link)]
         for family, value in ((up, link.up), (speed, link.speed_bytes_per_second),

@@ -387,7 +387,7 @@ def families(ranks: Sequence[RankState], records: dict[tuple[str, str], int],
     for (result, reason), count in sorted(records.items()):
         received.add_metric([result, reason], count)
     tracked = GaugeFamily("gpuwatch_telemetry_ranks", "Ranks the agent holds telemetry state for.",
-                                labels=["job"])
+                          labels=["job"])
     per_job: dict[str, int] = {}
     for state in ranks:
         per_job[state.job] = per_job.get(state.job, 0) + 1
@@ -403,10 +403,10 @@ def probe_families(probes: Sequence[dict[str, Any]]) -> list[Metric]:
         "latest gpuwatch probe, per collective (nccl-tests' busbw: comparable with a link's rated speed whatever "
         "the rank count).", labels=["job", "op", "interconnect"])
     info = GaugeFamily("gpuwatch_probe_info", "Shape of the job's latest gpuwatch probe; value 1.",
-                             labels=["job", "interconnect", "backend", "device", "world_size", "nodes",
-                                     "ranks_per_node"])
+                       labels=["job", "interconnect", "backend", "device", "world_size", "nodes",
+                               "ranks_per_node"])
     finished = GaugeFamily("gpuwatch_probe_timestamp_seconds", "When the job's latest gpuwatch probe "
-                                 "finished, by the prober's clock: how old its bandwidth figures are.", labels=["job"])
+                           "finished, by the prober's clock: how old its bandwidth figures are.", labels=["job"])
     for probe in probes:
         job, interconnect = probe["job"], probe["interconnect"]
         for op, row in sorted(probe_peaks(probe).items()):

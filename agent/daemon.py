@@ -7,7 +7,6 @@ import dataclasses
 import logging
 import os
 import signal
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -59,12 +58,9 @@ def run_agent(config: AgentConfig) -> int:
     with contextlib.ExitStack() as stack:
         if config.simulate:
             from gpuwatch.agent.simulate import PRESETS, Simulation
+            from gpuwatch.agent.simulate.workdir import workdir
 
-            # tmpfs when there is one: the simulated counters are rewritten every round.
-            shm = Path("/dev/shm")
-            workdir = stack.enter_context(tempfile.TemporaryDirectory(
-                prefix="gpuwatch-sim-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
-            simulation = Simulation(PRESETS[config.simulate], Path(workdir))
+            simulation = Simulation(PRESETS[config.simulate], stack.enter_context(workdir()))
             context = CollectorContext(sysfs_root=simulation.sysfs_root, node=config.node,
                                        nvml=simulation.nvml, simulated=True, **telemetry)
             before_round, simulation_cpu = simulation.advance, simulation.cpu_seconds

@@ -2,10 +2,10 @@
 
 Why from outside: an operator sizes a DaemonSet's requests/limits from the process's CPU time and RSS as the
 kernel counts them (the process's CPU-time clock; psutil for RSS), not from timings inside the agent. The agent
-serves a simulated dgx-h100 (8 GPUs, 18 NVLinks each, 8 IB ports) at a 1 s sampling interval while 64 ranks report
-one step per second each through the real telemetry socket (TelemetryClient, from a separate process so the
-senders' CPU is not counted; handed over as the hooks hand them, so the clients fold plain steps for up to
-``FOLD_SECONDS``), and Prometheus-like scrapes arrive every 15 s at a steady rhythm, as a Prometheus server's do
+serves a simulated dgx-h100 (8 GPUs, 18 NVLinks each, 8 IB ports) at a 1 s sampling interval while 64 ranks
+(``--ranks``) report one step per second each through the real telemetry socket (TelemetryClient, from a separate
+process so the senders' CPU is not counted; handed over as the hooks hand them, so the clients fold plain steps for up
+to ``FOLD_SECONDS``), and Prometheus-like scrapes arrive every 15 s at a steady rhythm, as a Prometheus server's do
 (the window runs from just after one scrape to just after another, so it holds the work of its own scrapes and no
 other). Then ``/metrics`` latency is timed over loopback three ways: back to back (most read a snapshot already
 read); once per sampling interval, each reading a new snapshot; and at irregular gaps 0.2 to 3 intervals apart.
@@ -31,7 +31,7 @@ Every measurement is repeated ``--runs`` times (default 3) and reported as min /
 ratios against node_exporter, measured in the same run, are what should hold anywhere.
 
     apt-get install prometheus-node-exporter   # for the side-by-side; skipped with a note when missing
-    python benchmarks/agent_cost.py [--runs 3] [--seconds 30] [--scrapes 300] [--interval 1]
+    python benchmarks/agent_cost.py [--runs 3] [--seconds 30] [--scrapes 300] [--interval 1] [--ranks 64]
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ SCRAPE_EVERY = 15.0
 #: The steps whose records carry what the hooks measure every N steps (their DEFAULT_EVERY: memory, gradient
 #: similarity, parameter checksum).
 MEASURED_EVERY = 10
-#: 64 ranks as tp 8 × dp 4 × pp 2, eight per GPU's worth of local ranks.
-LAYOUT = {"world_size": RANKS, "tp_size": 8, "pp_size": 2, "dp_size": 4, "micro_batches": 8, "faults": []}
+#: Tensor-parallel ranks: one per GPU of the simulated node.
+TP_SIZE = 8
 
 
 @contextlib.contextmanager
@@ -84,18 +84,24 @@ def agent_command(port: int, sock: Path, *extra: str) -> list[str]:
             "--telemetry.socket", str(sock), "--log-level", "warning", *extra]
 
 
-def _rank_layout(rank: int) -> dict:
-    return {**LAYOUT, "local_rank": rank, "tp_rank": rank % 8, "dp_rank": rank // 8 % 4, "pp_stage": rank // 32,
-            "gpu": {"index": rank % 8, "uuid": f"GPU-{rank % 8:08d}-0000-4000-8000-000000000000"}}
+def rank_layout(rank: int, ranks: int = RANKS) -> dict:
+    """The hello's layout of ``rank`` of ``ranks``: tp over the node's 8 GPUs, then pp 2 where the rest is even,
+    then dp (64 ranks: tp 8 × dp 4 × pp 2; 8 ranks, one per GPU: tp 8)."""
+    tp = TP_SIZE if ranks % TP_SIZE == 0 else ranks
+    pp = 2 if ranks // tp % 2 == 0 else 1
+    dp = ranks // (tp * pp)
+    return {"world_size": ranks, "tp_size": tp, "pp_size": pp, "dp_size": dp, "micro_batches": 8, "faults": [],
+            "local_rank": rank, "tp_rank": rank % tp, "dp_rank": rank // tp % dp, "pp_stage": rank // (tp * dp),
+            "gpu": {"index": rank % TP_SIZE, "uuid": f"GPU-{rank % TP_SIZE:08d}-0000-4000-8000-000000000000"}}
 
 
-def send_steps(sock: str, seconds: float) -> None:
-    """64 ranks, one client each as in 64 processes, one step per rank per second, handed over as the hooks do
-    (``submit``: the client folds plain steps). As the hooks' defaults measure them, every 10th step carries a
+def send_steps(sock: str, seconds: float, ranks: int = RANKS) -> None:
+    """``ranks`` ranks, one client each as in as many processes, one step per rank per second, handed over as the
+    hooks do (``submit``: the client folds plain steps). As the hooks' defaults measure them, every 10th step carries a
     memory reading, the gradient similarity and a parameter checksum, the others none."""
-    clients = [TelemetryClient(sock, heartbeat_interval=0) for _ in range(RANKS)]
+    clients = [TelemetryClient(sock, heartbeat_interval=0) for _ in range(ranks)]
     for rank, client in enumerate(clients):
-        client.send(hello(rank, job="bench", **_rank_layout(rank)))
+        client.send(hello(rank, job="bench", **rank_layout(rank, ranks)))
     ops = collectives({"all_reduce": [0.004] * 4, "all_gather": [0.001] * 8, "send": [0.0002] * 8,
                        "recv": [0.0002] * 8})
     deadline, number = time.monotonic() + seconds, 0
@@ -217,7 +223,8 @@ def measure(args: argparse.Namespace, tmp: Path) -> Run:
     with _process(simulated, url + "/healthz") as agent:
         sender = multiprocessing.Process(target=send_steps,
                                          args=(str(sock), args.warmup + args.scrape_every + args.seconds
-                                               + args.scrapes * 0.05 + args.fresh_scrapes * args.interval * 3 + 30))
+                                               + args.scrapes * 0.05 + args.fresh_scrapes * args.interval * 3 + 30,
+                                               args.ranks))
         sender.start()
         try:
             time.sleep(args.warmup)
@@ -280,6 +287,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30.0, help="CPU/RSS measurement window (busy and idle)")
     parser.add_argument("--scrapes", type=int, default=300, help="scrapes per latency measurement")
     parser.add_argument("--interval", type=float, default=1.0, help="the agent's sampling interval (its default is 5)")
+    parser.add_argument("--ranks", type=int, default=RANKS, help="ranks reporting to the busy agent (an 8-GPU node "
+                        "runs 8; the targets are for 64)")
     parser.add_argument("--warmup", type=float, default=8.0, help="seconds before measuring (ranks registered)")
     parser.add_argument("--scrape-every", type=float, default=SCRAPE_EVERY,
                         help="seconds between the busy agent's scrapes; its window is a whole number of them")
@@ -287,6 +296,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.runs < 1:
         parser.error("--runs must be at least 1")
+    if args.ranks < 1:
+        parser.error("--ranks must be at least 1")
     if args.scrape_every <= 0 or args.seconds < args.scrape_every:
         parser.error("--scrape-every must be positive and at most --seconds")
 

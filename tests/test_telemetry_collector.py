@@ -542,3 +542,18 @@ def test_a_round_in_which_nothing_reached_the_store_serves_the_last_result_witho
     assert collector.collect() is second
     collector.store.ingest(b"garbage")  # a rejection is news too: its count moved
     assert collector.collect().readings["records"]["rejected"]["not_json"] == 1
+
+
+def test_an_idle_node_is_served_its_last_result_without_reading_the_store(socket_path, open_collector, monkeypatch):
+    collector = open_collector(socket_path)
+    first = collector.collect()
+
+    def must_not_run(*_args: object) -> None:
+        raise AssertionError("the store was read on an idle node")
+
+    for name in ("expire", "note_exits", "snapshot", "probes"):
+        monkeypatch.setattr(collector.store, name, must_not_run)
+    assert collector.collect() is first  # no rank, nothing received: nothing to expire, mark or apply
+    monkeypatch.undo()
+    collector.store.receive(encode(hello(0)))  # queued, not yet applied: the next round applies it
+    assert [rank["rank"] for rank in collector.collect().readings["ranks"]] == [0]

@@ -522,6 +522,8 @@ class TelemetryCollector(Collector):
             self._listen()
             if self._receiver is None:
                 raise CollectorError(self._error)
+        if self._last is not None and self._last[0] == self.store.changes and self.store.holds_nothing():
+            return self._last[1]  # an idle node: no rank to expire or mark, no datagram to apply, no lock taken
         for state in self.store.expire():
             log.info("telemetry of job %s rank %d expired after %.0fs of silence", state.job, state.rank,
                      self.store.ttl)

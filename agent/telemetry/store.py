@@ -329,6 +329,11 @@ class TelemetryStore:
                 self._records["dropped", reason] += total - previous if total >= previous else total
             state.client_dropped = reported
 
+    def holds_nothing(self) -> bool:
+        """No rank and no datagram waiting: nothing can expire, exit or be applied. Read without the locks, one lookup
+        each: a datagram queued a moment later is its next reader's."""
+        return not self._ranks and not self._pending
+
     def expire(self) -> list[RankState]:
         """Forget ranks silent for longer than the TTL; return what was forgotten."""
         deadline = self._clock() - self.ttl

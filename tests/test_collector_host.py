@@ -5,11 +5,13 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
 from gpuwatch.agent.collectors import host
+from gpuwatch.agent.collectors._procfs import ProcCounters
 from gpuwatch.agent.collectors.base import CollectorContext
 from gpuwatch.agent.collectors.host import MAX_WATCHED_PIDS, HostCollector
 from gpuwatch.agent.collectors.readings import AddressReading, HostReadings
@@ -50,22 +52,72 @@ def test_memory_load_and_own_process_are_present_and_in_range(collector):
     assert HostReadings.from_dict(state["facts"]["host"]) == result.readings
 
 
-def test_cpu_ratio_is_busy_share_since_the_previous_sample(monkeypatch):
-    scputimes = type(psutil.cpu_times())
-    samples = iter([
-        dict(user=100, system=50, idle=800, iowait=50, guest=20),
-        dict(user=160, system=70, idle=860, iowait=70, guest=40),  # +80 busy, +80 idle/iowait; +20 guest
-    ])
+def _procfs(root: Path, cpu_ticks: list[int], meminfo: bytes | None = None) -> Path:
+    """A /proc with the files the host collector keeps open: /proc/stat's cpu line with ``cpu_ticks`` (user nice system
+    idle iowait irq softirq steal guest guest_nice), this machine's /proc/meminfo (or ``meminfo``) and a statm."""
+    (root / "self").mkdir(parents=True, exist_ok=True)
+    (root / "stat").write_text("cpu  " + " ".join(map(str, cpu_ticks)) + "\ncpu0 " + " ".join(map(str, cpu_ticks))
+                               + "\nintr 1 2 3\n")  # rewritten in place: the collector's open file sees it
+    (root / "meminfo").write_bytes(Path("/proc/meminfo").read_bytes() if meminfo is None else meminfo)
+    (root / "self" / "statm").write_text("51234 12800 2400 1 0 9000 0\n")
+    return root
 
-    def cpu_times():
-        times = next(samples)
-        return scputimes(*(float(times.get(name, 0)) for name in scputimes._fields))
 
-    monkeypatch.setattr(host.psutil, "cpu_times", cpu_times)
-    result = HostCollector(CollectorContext()).collect()
+def test_cpu_ratio_is_busy_share_since_the_previous_sample(tmp_path):
+    procfs = _procfs(tmp_path, [100, 0, 50, 800, 50, 0, 0, 0, 20, 0])
+    collector = HostCollector(CollectorContext(), procfs=procfs)
+    _procfs(tmp_path, [160, 0, 70, 860, 70, 0, 0, 0, 40, 0])  # +80 busy, +80 idle/iowait; +20 guest
+    result = collector.collect()
     # Guest time is already inside user time: counted once. Busy 60+20, idle+iowait 60+20.
     assert only(result, "gpuwatch_host_cpu_utilization_ratio") == pytest.approx(0.5)
     assert result.readings.cpu_ratio == pytest.approx(0.5)
+    rss = values(result, "gpuwatch_host_process_resident_bytes")
+    assert list(rss.values()) == [12800 * os.sysconf("SC_PAGE_SIZE")]  # statm's resident pages
+
+
+def test_proc_files_read_what_psutil_reads_from_the_same_files(tmp_path, monkeypatch):
+    procfs = _procfs(tmp_path, [4705, 150, 1120, 95021, 311, 0, 59, 7, 12, 3])
+    monkeypatch.setattr(psutil, "PROCFS_PATH", str(procfs))
+    counters = ProcCounters(procfs)
+    try:
+        virtual = psutil.virtual_memory()
+        assert counters.memory() == (virtual.total, virtual.available, virtual.used)
+        busy, total = counters.cpu_busy_and_total()
+        psutil_busy, psutil_total = host._busy_and_total(psutil.cpu_times())
+        ticks = os.sysconf("SC_CLK_TCK")
+        assert (busy / ticks, total / ticks) == (pytest.approx(psutil_busy), pytest.approx(psutil_total))
+    finally:
+        counters.close()
+    monkeypatch.undo()  # psutil back on the real /proc
+    live = ProcCounters()
+    try:  # this process's resident set, read twice: the same pages, give or take an allocation
+        assert live.own_resident_bytes() == pytest.approx(psutil.Process().memory_info().rss, abs=4 << 20)
+    finally:
+        live.close()
+
+
+@pytest.mark.parametrize("available", [None, 0, 10**9])
+def test_memory_without_a_usable_memavailable_is_left_to_psutil(tmp_path, available):
+    lines = [b"MemTotal:        1000000 kB", b"MemFree:          200000 kB"]
+    if available is not None:
+        lines.append(b"MemAvailable:    %d kB" % available)
+    procfs = _procfs(tmp_path, [1] * 10, b"\n".join(lines) + b"\n")
+    counters = ProcCounters(procfs)
+    try:
+        assert counters.memory() is None  # absent, 0 (a kernel bug psutil works around) or above the total
+    finally:
+        counters.close()
+    readings = HostCollector(CollectorContext(), procfs=procfs).collect().readings
+    assert readings.memory_total_bytes == psutil.virtual_memory().total  # psutil's, from this machine's /proc
+
+
+def test_without_the_proc_files_the_collector_reads_through_psutil(tmp_path):
+    collector = HostCollector(CollectorContext(), procfs=tmp_path / "no-proc")
+    result = collector.collect()
+    assert result.errors == []
+    assert only(result, "gpuwatch_host_memory_total_bytes") == psutil.virtual_memory().total
+    own = (str(os.getpid()), psutil.Process().name(), "", "")
+    assert values(result, "gpuwatch_host_process_resident_bytes")[own] > 1e6
 
 
 def test_real_cpu_ratio_is_in_range(collector):

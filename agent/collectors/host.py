@@ -1,5 +1,6 @@
-"""The host around the GPUs, via psutil: CPU, load, memory, resident memory of watched processes, and
-the network interfaces (readings only, no series: diagnosis checks NCCL_SOCKET_IFNAME against them).
+"""The host around the GPUs, via psutil and, for what it reads every round, /proc files kept open (``_procfs``): CPU,
+load, memory, resident memory of watched processes, and the network interfaces (readings only, no series: diagnosis
+checks NCCL_SOCKET_IFNAME against them).
 
 Which processes are training ranks is not the host's to know: the agent's own process is always
 watched, and whoever learns the ranks' pids (the telemetry collector, from the kernel's credentials on each
@@ -12,11 +13,13 @@ import os
 import socket
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import psutil
 from prometheus_client.core import Metric
 
+from gpuwatch.agent.collectors._procfs import ProcCounters
 from gpuwatch.agent.collectors.base import (
     Collector,
     CollectorContext,
@@ -46,8 +49,9 @@ CPU_UTILIZATION = MetricSpec("gpuwatch_host_cpu_utilization_ratio",
                              "Share of CPU time, all CPUs, not idle or in iowait since the previous sample.",
                              "ratio", "cpu_ratio")
 CPUS = MetricSpec("gpuwatch_host_cpus", "Logical CPUs.", "", "cpu_count")
-_MEMORY_GAUGES = tuple(MetricSpec(f"gpuwatch_host_memory_{kind}_bytes", f"Host memory {kind} (psutil.virtual_memory).",
-                                  "bytes", f"memory_{kind}_bytes") for kind in ("total", "available", "used"))
+_MEMORY_GAUGES = tuple(MetricSpec(f"gpuwatch_host_memory_{kind}_bytes",
+                                  f"Host memory {kind} (/proc/meminfo; used: total less available).", "bytes",
+                                  f"memory_{kind}_bytes") for kind in ("total", "available", "used"))
 
 
 def _busy_and_total(times: Any) -> tuple[float, float]:
@@ -62,14 +66,19 @@ class HostCollector(Collector):
 
     name = "host"
 
-    def __init__(self, context: CollectorContext, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, context: CollectorContext, clock: Callable[[], float] = time.monotonic,
+                 procfs: Path = Path("/proc")) -> None:
         super().__init__(context)
         self._clock = clock
+        try:
+            self._counters: ProcCounters | None = ProcCounters(procfs)
+        except OSError:  # not Linux, or /proc not mounted: psutil, file by file
+            self._counters = None
         self._static: tuple[int | None, tuple[InterfaceReading, ...]] = (None, ())  # CPU count, interfaces
         self._static_read_at: float | None = None
         # Own baseline instead of psutil.cpu_percent's per-thread one: same "since the last call"
         # semantics, independent of which thread samples.
-        self._last_cpu = _busy_and_total(psutil.cpu_times())
+        self._last_cpu = self._cpu_busy_and_total()
         self._own_pid = os.getpid()
         self._own = psutil.Process(self._own_pid)
         self._own_name = self._own.name()
@@ -82,27 +91,46 @@ class HostCollector(Collector):
 
     def collect(self) -> CollectorResult[HostReadings]:
         errors: list[str] = []
-        busy, total = _busy_and_total(psutil.cpu_times())
+        busy, total = self._cpu_busy_and_total()
         last_busy, last_total = self._last_cpu
         self._last_cpu = busy, total
         # Clamped: iowait in /proc/stat can step backwards (a known kernel quirk psutil also works around).
         cpu_ratio = None
         if total > last_total:
             cpu_ratio = min(1.0, max(0.0, (busy - last_busy) / (total - last_total)))
-        memory = psutil.virtual_memory()
+        memory_total, memory_available, memory_used = self._memory()
         cpu_count, interfaces = self._static_facts()
         readings = HostReadings(
             cpu_ratio=cpu_ratio,
             cpu_count=cpu_count,
             load_average=tuple(psutil.getloadavg()),
-            memory_total_bytes=memory.total,
-            memory_available_bytes=memory.available,
-            memory_used_bytes=memory.used,
+            memory_total_bytes=memory_total,
+            memory_available_bytes=memory_available,
+            memory_used_bytes=memory_used,
             processes=self._processes_rss(errors),
             network_interfaces=interfaces,
         )
         # Deferred to the render, like the other collectors': rounds nobody renders never build them.
         return CollectorResult(DeferredFamilies(lambda: _families(readings)), readings, errors)
+
+    def _cpu_busy_and_total(self) -> tuple[float, float]:
+        """CPU time of all CPUs, busy and in all: clock ticks from /proc/stat, or psutil's seconds without it (the
+        ratio of two differences, either way)."""
+        if self._counters is not None:
+            return self._counters.cpu_busy_and_total()
+        return _busy_and_total(psutil.cpu_times())
+
+    def _memory(self) -> tuple[int, int, int]:
+        """Host memory in all, available and used, in bytes."""
+        memory = self._counters.memory() if self._counters is not None else None
+        if memory is None:
+            virtual = psutil.virtual_memory()
+            memory = virtual.total, virtual.available, virtual.used
+        return memory
+
+    def close(self) -> None:
+        if self._counters is not None:
+            self._counters.close()
 
     def _static_facts(self) -> tuple[int | None, tuple[InterfaceReading, ...]]:
         """The CPU count and the network interfaces as read at most STATIC_REFRESH_SECONDS ago."""
@@ -143,12 +171,14 @@ class HostCollector(Collector):
         return tuple(rows)
 
     def _own_reading(self) -> ProcessReading:
-        """The agent's own row: its CPU time from times(2), the same clock ticks /proc/self/stat holds, and its
-        name read once. Through psutil's ``oneshot`` (a parse of /proc/self/stat) the row cost an idle agent's host
-        round ~190 µs of its ~550; now ~80 of ~360 (thread CPU time, 1 s rounds)."""
+        """The agent's own row: its CPU time from times(2), the same clock ticks /proc/self/stat holds, its resident
+        set from /proc/self/statm kept open (``_procfs``), and its name read once. Through psutil's ``oneshot`` (a
+        parse of /proc/self/stat) the row cost an idle agent's host round ~190 µs of its ~550; then ~80 of ~360
+        (thread CPU time, 1 s rounds)."""
         times = os.times()
+        rss = self._counters.own_resident_bytes() if self._counters is not None else self._own.memory_info().rss
         return ProcessReading(pid=self._own_pid, name=self._own_name, job="", rank="",
-                              rss_bytes=self._own.memory_info().rss, cpu_seconds=times.user + times.system)
+                              rss_bytes=rss, cpu_seconds=times.user + times.system)
 
 
 def _families(readings: HostReadings) -> list[Metric]:

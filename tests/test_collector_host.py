@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from gpuwatch.agent.collectors import host
-from gpuwatch.agent.collectors._procfs import ProcCounters
+from gpuwatch.agent.collectors._procfs import ProcCounters, PsutilCounters
 from gpuwatch.agent.collectors.base import CollectorContext
 from gpuwatch.agent.collectors.host import MAX_WATCHED_PIDS, HostCollector
 from gpuwatch.agent.collectors.readings import AddressReading, HostReadings
@@ -77,13 +77,14 @@ def test_cpu_ratio_is_busy_share_since_the_previous_sample(tmp_path):
 
 def test_proc_files_read_what_psutil_reads_from_the_same_files(tmp_path, monkeypatch):
     procfs = _procfs(tmp_path, [4705, 150, 1120, 95021, 311, 0, 59, 7, 12, 3])
+    through_psutil = PsutilCounters()  # its own process found on the real /proc
     monkeypatch.setattr(psutil, "PROCFS_PATH", str(procfs))
     counters = ProcCounters(procfs)
     try:
         virtual = psutil.virtual_memory()
         assert counters.memory() == (virtual.total, virtual.available, virtual.used)
         busy, total = counters.cpu_busy_and_total()
-        psutil_busy, psutil_total = host._busy_and_total(psutil.cpu_times())
+        psutil_busy, psutil_total = through_psutil.cpu_busy_and_total()
         ticks = os.sysconf("SC_CLK_TCK")
         assert (busy / ticks, total / ticks) == (pytest.approx(psutil_busy), pytest.approx(psutil_total))
     finally:

@@ -3,7 +3,6 @@ agent when its own agent was killed without notice (SIGKILL leaves it in tmpfs, 
 
 import os
 import signal
-import tempfile
 from pathlib import Path
 
 from gpuwatch.agent.simulate.workdir import OWNER, PREFIX, default_parent, process_identity, stale_workdirs, workdir
@@ -54,7 +53,7 @@ def test_workdir_is_owned_removed_on_exit_and_removes_what_killed_agents_left(tm
 
 
 def _owned_by(pid: int) -> list[Path]:
-    parent = default_parent() or Path(tempfile.gettempdir())
+    parent = default_parent()
     return [path for path in parent.glob(PREFIX + "*")
             if (path / OWNER).is_file() and (path / OWNER).read_text().split()[0] == str(pid)]
 

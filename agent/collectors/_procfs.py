@@ -6,14 +6,17 @@ collector needs three of them every round, in a thread woken once a round with i
 the host round's ~0.45 ms (thread CPU clock), against 24, 47 and 19 µs warm in a loop (benchmarks/README.md, Agent
 cost). Here each file is opened once and read again with ``pread(2)`` at offset 0, at which procfs generates it anew
 (as the infiniband collector re-reads its sysfs files), and only what the collector exports is parsed. The host
-collector falls back to psutil where the files cannot be opened, and for the memory figures where
-``MemAvailable`` is absent, 0 or above ``MemTotal`` (psutil then estimates them as free(1) does).
+collector falls back to psutil where the files cannot be opened (``open_counters``), and for the memory figures where
+``MemAvailable`` is absent, 0 or above ``MemTotal`` (psutil then estimates them as free(1) does: ``psutil_memory``).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
+
+import psutil
 
 #: Enough for /proc/stat's first line and all of /proc/meminfo and /proc/self/statm.
 READ_BYTES = 8192
@@ -68,3 +71,44 @@ class ProcCounters:
         for fd in self._fds:
             os.close(fd)
         self._fds.clear()
+
+
+def psutil_memory() -> tuple[int, int, int]:
+    """Bytes of memory in all, available and used, as psutil reads them."""
+    memory = psutil.virtual_memory()
+    return memory.total, memory.available, memory.used
+
+
+def _busy_and_total(times: Any) -> tuple[float, float]:
+    """CPU seconds as psutil.cpu_percent counts them: guest is inside user; idle and iowait are not busy."""
+    total = sum(times) - getattr(times, "guest", 0.0) - getattr(times, "guest_nice", 0.0)
+    return total - times.idle - getattr(times, "iowait", 0.0), total
+
+
+class PsutilCounters:
+    """``ProcCounters``' readings through psutil, a file opened and parsed per call: where /proc's files cannot be
+    opened (another OS, no /proc mounted). CPU time comes in seconds rather than clock ticks: the collector only
+    divides differences of it."""
+
+    def __init__(self) -> None:
+        self._own = psutil.Process()
+
+    def cpu_busy_and_total(self) -> tuple[float, float]:
+        return _busy_and_total(psutil.cpu_times())
+
+    def memory(self) -> tuple[int, int, int]:
+        return psutil_memory()
+
+    def own_resident_bytes(self) -> int:
+        return int(self._own.memory_info().rss)
+
+    def close(self) -> None:
+        """Nothing is kept open."""
+
+
+def open_counters(root: Path = Path("/proc")) -> ProcCounters | PsutilCounters:
+    """/proc's files kept open under ``root``, or psutil where they cannot be opened."""
+    try:
+        return ProcCounters(root)
+    except OSError:
+        return PsutilCounters()

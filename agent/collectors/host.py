@@ -14,12 +14,11 @@ import socket
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 import psutil
 from prometheus_client.core import Metric
 
-from gpuwatch.agent.collectors._procfs import ProcCounters
+from gpuwatch.agent.collectors._procfs import open_counters, psutil_memory
 from gpuwatch.agent.collectors.base import (
     Collector,
     CollectorContext,
@@ -54,12 +53,6 @@ _MEMORY_GAUGES = tuple(MetricSpec(f"gpuwatch_host_memory_{kind}_bytes",
                                   f"memory_{kind}_bytes") for kind in ("total", "available", "used"))
 
 
-def _busy_and_total(times: Any) -> tuple[float, float]:
-    """CPU seconds as psutil.cpu_percent counts them: guest is inside user; idle and iowait are not busy."""
-    total = sum(times) - getattr(times, "guest", 0.0) - getattr(times, "guest_nice", 0.0)
-    return total - times.idle - getattr(times, "iowait", 0.0), total
-
-
 class HostCollector(Collector):
     """CPU, load, memory, and the resident memory and CPU time of the agent and of the training ranks that
 ``watch_ranks`` names."""
@@ -70,18 +63,14 @@ class HostCollector(Collector):
                  procfs: Path = Path("/proc")) -> None:
         super().__init__(context)
         self._clock = clock
-        try:
-            self._counters: ProcCounters | None = ProcCounters(procfs)
-        except OSError:  # not Linux, or /proc not mounted: psutil, file by file
-            self._counters = None
+        self._counters = open_counters(procfs)
         self._static: tuple[int | None, tuple[InterfaceReading, ...]] = (None, ())  # CPU count, interfaces
         self._static_read_at: float | None = None
         # Own baseline instead of psutil.cpu_percent's per-thread one: same "since the last call"
         # semantics, independent of which thread samples.
-        self._last_cpu = self._cpu_busy_and_total()
+        self._last_cpu = self._counters.cpu_busy_and_total()
         self._own_pid = os.getpid()
-        self._own = psutil.Process(self._own_pid)
-        self._own_name = self._own.name()
+        self._own_name = psutil.Process(self._own_pid).name()
         self._ranks: Callable[[], RankPids] = dict
         self._processes: dict[int, psutil.Process] = {}
 
@@ -91,14 +80,14 @@ class HostCollector(Collector):
 
     def collect(self) -> CollectorResult[HostReadings]:
         errors: list[str] = []
-        busy, total = self._cpu_busy_and_total()
+        busy, total = self._counters.cpu_busy_and_total()
         last_busy, last_total = self._last_cpu
         self._last_cpu = busy, total
         # Clamped: iowait in /proc/stat can step backwards (a known kernel quirk psutil also works around).
         cpu_ratio = None
         if total > last_total:
             cpu_ratio = min(1.0, max(0.0, (busy - last_busy) / (total - last_total)))
-        memory_total, memory_available, memory_used = self._memory()
+        memory_total, memory_available, memory_used = self._counters.memory() or psutil_memory()
         cpu_count, interfaces = self._static_facts()
         readings = HostReadings(
             cpu_ratio=cpu_ratio,
@@ -113,24 +102,8 @@ class HostCollector(Collector):
         # Deferred to the render, like the other collectors': rounds nobody renders never build them.
         return CollectorResult(DeferredFamilies(lambda: _families(readings)), readings, errors)
 
-    def _cpu_busy_and_total(self) -> tuple[float, float]:
-        """CPU time of all CPUs, busy and in all: clock ticks from /proc/stat, or psutil's seconds without it (the
-        ratio of two differences, either way)."""
-        if self._counters is not None:
-            return self._counters.cpu_busy_and_total()
-        return _busy_and_total(psutil.cpu_times())
-
-    def _memory(self) -> tuple[int, int, int]:
-        """Host memory in all, available and used, in bytes."""
-        memory = self._counters.memory() if self._counters is not None else None
-        if memory is None:
-            virtual = psutil.virtual_memory()
-            memory = virtual.total, virtual.available, virtual.used
-        return memory
-
     def close(self) -> None:
-        if self._counters is not None:
-            self._counters.close()
+        self._counters.close()
 
     def _static_facts(self) -> tuple[int | None, tuple[InterfaceReading, ...]]:
         """The CPU count and the network interfaces as read at most STATIC_REFRESH_SECONDS ago."""
@@ -176,9 +149,8 @@ class HostCollector(Collector):
         parse of /proc/self/stat) the row cost an idle agent's host round ~190 µs of its ~550; then ~80 of ~360
         (thread CPU time, 1 s rounds)."""
         times = os.times()
-        rss = self._counters.own_resident_bytes() if self._counters is not None else self._own.memory_info().rss
         return ProcessReading(pid=self._own_pid, name=self._own_name, job="", rank="",
-                              rss_bytes=rss, cpu_seconds=times.user + times.system)
+                              rss_bytes=self._counters.own_resident_bytes(), cpu_seconds=times.user + times.system)
 
 
 def _families(readings: HostReadings) -> list[Metric]:

@@ -50,17 +50,17 @@ def stale_workdirs(parent: Path) -> list[Path]:
     return stale
 
 
-def default_parent() -> Path | None:
-    """tmpfs when there is one the agent may write to; else None, the system's temporary directory."""
+def default_parent() -> Path:
+    """tmpfs when there is one the agent may write to, else the system's temporary directory."""
     shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
 @contextlib.contextmanager
 def workdir(parent: Path | None = None) -> Iterator[Path]:
     """A new directory for a simulated node in ``parent`` (``default_parent()`` when None), owned by this process and
     removed on exit; the directories left there by agents no longer running are removed first."""
-    parent = parent or default_parent() or Path(tempfile.gettempdir())
+    parent = parent or default_parent()
     for directory in stale_workdirs(parent):
         shutil.rmtree(directory, ignore_errors=True)
         log.info("removed %s, left by a simulated agent that is no longer running", directory)

@@ -5,8 +5,8 @@ Prints three figures for full step records (every field, three collective ops, a
 * decode + store in-process, no socket: the CPU cost of validation and bookkeeping;
 * end to end: a separate sender process pushes the records through the Unix datagram socket into a
   ``TelemetryCollector`` whose receiver thread queues them, applied in batches (by the receiver past
-  ``MAX_PENDING_BYTES``, or by the sampler thread as it reads the store), while the sampler thread
-  renders the store every ``--interval`` seconds as in the agent. The sender blocks when the
+  ``MAX_PENDING_BYTES``, or by the sampler thread as a round's render reads the store), while the sampler thread
+  renders a round every ``--interval`` seconds as in the agent. The sender blocks when the
   socket's queue is full (a rank never would: its client drops instead), so the rate is the
   receiver's, with no record lost.
 

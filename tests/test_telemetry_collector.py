@@ -1,10 +1,12 @@
 """The agent side in-process: per-rank store (counters, caps, TTL) and the collector's socket and series."""
 
+import json
 import os
 import random
 import socket
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from telemetry_records import JOB, collectives, coordinates, hello, plain_step, 
 from gpuwatch.agent.collectors.base import CollectorContext, CollectorError
 from gpuwatch.agent.collectors.telemetry import RankSeries, TelemetryCollector, families
 from gpuwatch.agent.exposition import Renderer
+from gpuwatch.agent.telemetry.exits import ExitWatcher
 from gpuwatch.agent.telemetry.store import TelemetryStore
 from gpuwatch.agent.telemetry.window import WINDOW_SECONDS, WINDOW_STEPS, StepWindow, summarize
 from gpuwatch.protocol.schema import MAX_FOLDED_STEPS, encode
@@ -531,17 +534,60 @@ def test_a_rank_whose_process_exited_is_no_longer_named_to_the_host_collector():
     assert store.sender_pids() == {42: (JOB, 1)}
 
 
-def test_a_round_in_which_nothing_reached_the_store_serves_the_last_result_without_copying_it(socket_path,
-                                                                                             open_collector):
+def _ranks(result) -> list[int]:
+    return [rank["rank"] for rank in result.readings["ranks"]]
+
+
+def test_a_round_serves_the_latest_result_until_it_is_read_and_after_while_nothing_reached_the_store(
+        socket_path, open_collector):
     collector = open_collector(socket_path)
     first = collector.collect()
-    assert collector.collect() is first  # an idle node: no copy, no readings built again
     collector.store.ingest(encode(hello(0)))
+    assert collector.collect() is first  # nobody used it yet: its first use reads the store as it is then
+    assert _ranks(first) == [0]
+    assert collector.collect() is first  # read, and nothing came since: no copy, no readings built again
+    collector.store.ingest(encode(hello(1)))
     second = collector.collect()
-    assert second is not first and [rank["rank"] for rank in second.readings["ranks"]] == [0]
+    assert second is not first and _ranks(second) == [0, 1]
+    assert _ranks(first) == [0]  # a round once read stays as it was read
     assert collector.collect() is second
     collector.store.ingest(b"garbage")  # a rejection is news too: its count moved
     assert collector.collect().readings["records"]["rejected"]["not_json"] == 1
+
+
+def test_the_rounds_nobody_uses_leave_the_queue_to_the_one_that_is_rendered(socket_path, open_collector,
+                                                                             monkeypatch):
+    """At 5 s sampling and a 15 s scrape interval, two rounds in three are never rendered: their datagrams are
+    applied by the third's read, in one batch, and the store is copied once."""
+    collector = open_collector(socket_path)
+    store = collector.store
+    copies = []
+    snapshot = store.snapshot
+    monkeypatch.setattr(store, "snapshot", lambda: copies.append(1) or snapshot())
+    rounds = []
+    for number in range(1, 4):
+        if number == 1:
+            store.receive(encode(hello(0)))
+        store.receive(encode(step(0, number)))
+        rounds.append(collector.collect())
+        assert store.has_queued() and store.changes == 0  # nothing applied, nothing copied
+    text = Renderer().render(rounds[-1].families).decode()
+    assert samples(text, "gpuwatch_train_steps_total") == {coordinates(0): 3}
+    assert not store.has_queued() and copies == [1]
+    assert rounds[-1].readings["ranks"][0]["counters"]["steps"] == 3 and copies == [1]  # the same read
+
+
+def test_a_rank_that_exits_before_the_store_is_read_is_timed_from_its_first_record(socket_path, open_collector):
+    """The receiver has each sender watched as its first datagram arrives, not when a round next reads the store."""
+    collector = open_collector(socket_path)
+    subprocess.run(
+        [sys.executable, "-c", "import json, sys; from gpuwatch.trainer.telemetry import TelemetryClient; "
+         "client = TelemetryClient(sys.argv[1], heartbeat_interval=0); client.send(json.loads(sys.argv[2])); "
+         "client.close()", str(socket_path), json.dumps(hello(0))], check=True, timeout=60)
+    wait_until(lambda: any(state.exited_time is not None for state in collector.store.snapshot()[0]), timeout=10,
+               what="the sender's exit marked")
+    state, = collector.store.snapshot()[0]
+    assert state.hello is not None and state.sender_pid is not None
 
 
 def test_an_idle_node_is_served_its_last_result_without_reading_the_store(socket_path, open_collector, monkeypatch):
@@ -557,3 +603,19 @@ def test_an_idle_node_is_served_its_last_result_without_reading_the_store(socket
     monkeypatch.undo()
     collector.store.receive(encode(hello(0)))  # queued, not yet applied: the next round applies it
     assert [rank["rank"] for rank in collector.collect().readings["ranks"]] == [0]
+
+
+def test_a_pid_whose_exit_was_reported_is_watched_again():
+    """The kernel may give an exited rank's pid to a later process: its exit must be reported too."""
+    exits: list[int] = []
+    watcher = ExitWatcher(lambda pid, _when: exits.append(pid))
+    try:
+        process = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+        watcher.watch([process.pid])
+        watcher.watch([process.pid])  # watched already: not twice
+        process.communicate(b"", timeout=60)
+        wait_until(lambda: exits == [process.pid], timeout=10, what="the exit reported")
+        watcher.watch([process.pid])  # now gone: reported at once, as a new process of that pid would be watched
+        assert exits == [process.pid, process.pid]
+    finally:
+        watcher.close()

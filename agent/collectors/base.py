@@ -6,7 +6,7 @@ import abc
 import dataclasses
 import functools
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -54,6 +54,29 @@ class DeferredFamilies(Sequence[Metric]):
 
     def __len__(self) -> int:
         return len(self._families)
+
+
+class DeferredReadings(Mapping[str, Any]):
+    """A collector's readings read on first use: what ``/api/v1/state`` (``as_dict``) or a test looks up."""
+
+    def __init__(self, read: Callable[[], dict[str, Any]]) -> None:
+        self._read = read
+
+    @functools.cached_property
+    def _readings(self) -> dict[str, Any]:
+        return self._read()
+
+    def as_dict(self) -> dict[str, Any]:
+        return self._readings
+
+    def __getitem__(self, key: str) -> Any:
+        return self._readings[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._readings)
+
+    def __len__(self) -> int:
+        return len(self._readings)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,8 @@ class ExitWatcher:
         self._thread.start()
 
     def watch(self, pids: Iterable[int]) -> None:
-        """Watch the processes not watched yet; one already gone is reported at once."""
+        """Watch the processes not watched yet; one already gone is reported at once (a pid is watched again once
+        its process has exited and been reported: the kernel may give it to another process)."""
         if not self.available:
             return
         added = False
@@ -71,6 +72,7 @@ class ExitWatcher:
                 with self._lock:
                     pid = self._fds.pop(fd, None)
                     self._poll.unregister(fd)
+                    self._watched.discard(pid)  # the pid may be a later process's: watched again when it is
                 os.close(fd)
                 if pid is not None:
                     self._on_exit(pid, now)

@@ -1,12 +1,13 @@
 """Per-rank telemetry state in the agent: latest records and accumulated counters, bounded and expiring.
 
-One ``TelemetryStore`` is written by the receiver thread (``receive``) and read by the sampler
-(``expire`` then ``snapshot``). The receiver only queues each datagram: decoding and applying them is done in a
-batch by the next reader, under the store's lock and before it reads, so every reader sees every record received
-before it, in order, as if each had been applied on arrival. Applied one at a time as they arrive (64 ranks' records
-spread over a second, each a wake-up of a thread with cold caches) a step record cost ~90 µs of the receiver's CPU;
-in a batch, ~57 µs with the schema checked in Python, ~40 µs since msgspec checks it in C (benchmarks/README.md,
-Agent cost). Past ``MAX_PENDING_BYTES`` the receiver applies the oldest itself.
+One ``TelemetryStore`` is written by the receiver thread (``receive``) and read by the telemetry collector
+(``expire`` then ``snapshot``, when a sampling round is first used). The receiver only queues each datagram: decoding
+and applying them is done in a batch by the next reader, under the store's lock and before it reads, so every reader
+(``sender_pids`` excepted) sees every record received before it, in order, as if each had been applied on arrival.
+Applied one at a time as they arrive (64 ranks' records spread over a second, each a wake-up of a thread with cold
+caches) a step record cost ~90 µs of the receiver's CPU; in a batch, ~57 µs with the schema checked in Python, ~40 µs
+since msgspec checks it in C (benchmarks/README.md, Agent cost). Past ``MAX_PENDING_BYTES`` the receiver applies the
+oldest itself.
 
 Memory is bounded by ``max_ranks`` × one record of each kind (records are at most ``MAX_RECORD_BYTES``), the
 datagrams not yet applied (``MAX_PENDING_BYTES``) and a window of recent steps (``window.StepWindow``), whatever
@@ -47,11 +48,13 @@ DEFAULT_TTL = 120.0
 DEFAULT_MAX_RANKS = 1024
 DEFAULT_MAX_JOBS = 16
 #: Bytes of datagrams received and not yet applied beyond which the receiver applies the oldest of them itself
-#: (``RECEIVER_APPLY_BYTES`` at a time). Below it the sampler's round applies everything received since the last one in
-#: one batch: a round every 5 s of 64 ranks folding their steps is ~32 datagrams, ~100 KB, and applied there, one
-#: after another with warm caches, a datagram cost ~85–100 µs of CPU against ~200–250 µs in the receiver's batches of
-#: ~11 when it applied past 32 KiB (benchmarks/README.md, Agent cost).
-MAX_PENDING_BYTES = 256 * 1024
+#: (``RECEIVER_APPLY_BYTES`` at a time). Below it the store's next reader applies everything received since the last
+#: read in one batch: the telemetry collector reads when a round is first used (a render ahead of a scrape, a scrape, a
+#: state request), so at a 15 s scrape interval 64 ranks folding their steps leave ~96 datagrams, ~350 KB, applied one
+#: after another with warm caches at ~85–100 µs of CPU each, against ~200–250 µs in the receiver's batches of ~11 when
+#: it applied past 32 KiB (benchmarks/README.md, Agent cost). 1 MiB is ~45 s of those 64 ranks' records: more than a
+#: 30 s scrape interval.
+MAX_PENDING_BYTES = 1024 * 1024
 #: What the receiver applies at a time past ``MAX_PENDING_BYTES``. Small, because the receiver does not drain the
 #: socket while it applies and the kernel queues only ``net.unix.max_dgram_qlen`` datagrams (10 by default): ~30
 #: step records take ~2 ms, the time 10 records take to arrive at 5,000 a second. Applying all of 1 MiB at once,
@@ -329,6 +332,10 @@ class TelemetryStore:
                 self._records["dropped", reason] += total - previous if total >= previous else total
             state.client_dropped = reported
 
+    def has_queued(self) -> bool:
+        """Whether datagrams wait to be applied by the next reader. Read without the locks, one lookup."""
+        return bool(self._pending)
+
     def holds_nothing(self) -> bool:
         """No rank and no datagram waiting: nothing can expire, exit or be applied. Read without the locks, one lookup
         each: a datagram queued a moment later is its next reader's."""
@@ -387,8 +394,10 @@ class TelemetryStore:
 
     def sender_pids(self) -> dict[int, tuple[str, int]]:
         """pid -> (job, rank) of every rank whose records carried the sender's pid (in the agent's namespace) and
-        whose process has not exited: an exited rank's pid may be another process's next."""
-        with self._current():
+        whose process has not exited: an exited rank's pid may be another process's next. As of the last read: the
+        datagrams queued since are left to the next reader (the host collector asks every round, and applying them
+        there would apply them every round, in another thread, with cold caches)."""
+        with self._lock:
             return {s.sender_pid: (s.job, s.rank) for s in self._ranks.values()
                     if s.sender_pid is not None and s.exited_time is None}
 

@@ -4,7 +4,8 @@ checks NCCL_SOCKET_IFNAME against them).
 
 Which processes are training ranks is not the host's to know: the agent's own process is always
 watched, and whoever learns the ranks' pids (the telemetry collector, from the kernel's credentials on each
-record) is asked for them every round through ``watch_ranks``.
+record) is asked for them every round through ``watch_ranks`` (the ranks as of the store's last read: a rank is
+watched from the first round rendered after its hello).
 """
 
 from __future__ import annotations

@@ -497,13 +497,14 @@ class _Latest(NamedTuple):
     """The collector's latest result, and the store's changes when it was read (None: not read yet)."""
 
     result: CollectorResult[Any]
+    read: _Once
     read_at: int | None = None
 
 
 class _Once:
-    """``read()`` called once, by whichever thread first needs its value; the others wait for it."""
+    """``read(self)`` called once, by whichever thread first needs its value; the others wait for it."""
 
-    def __init__(self, read: Callable[[], _Round]) -> None:
+    def __init__(self, read: Callable[[_Once], _Round]) -> None:
         self._read = read
         self._lock = threading.Lock()
         self._value: _Round | None = None
@@ -511,7 +512,7 @@ class _Once:
     def __call__(self) -> _Round:
         with self._lock:
             if self._value is None:
-                self._value = self._read()
+                self._value = self._read(self)
             return self._value
 
 
@@ -575,10 +576,12 @@ class TelemetryCollector(Collector):
                 self._expire()
                 if latest.read_at == store.changes:
                     return latest.result  # nothing came, expired or exited: not a copy of the same state
-        read = _Once(lambda: self._read(result))
+        # No reference cycle (a result its own read referred to): refcounting frees each round's copies at once, where
+        # the cyclic collector, rarely run (``Sampler.run``), let them pile up, +6.5 MB of RSS at 64 ranks.
+        read = _Once(self._read)
         result: CollectorResult[Any] = CollectorResult(DeferredFamilies(lambda: read().families()),
                                                        DeferredReadings(lambda: read().readings))
-        self._latest = _Latest(result)
+        self._latest = _Latest(result, read)
         return result
 
     def _expire(self) -> None:
@@ -586,10 +589,10 @@ class TelemetryCollector(Collector):
             log.info("telemetry of job %s rank %d expired after %.0fs of silence", state.job, state.rank,
                      self.store.ttl)
 
-    def _read(self, for_result: CollectorResult[Any]) -> _Round:
-        """Apply what was queued, expire the silent ranks and copy the store, for ``for_result``, which the rounds
-        that follow serve again while the store does not change. Hello, step and probe bodies are the telemetry record
-        schema's (``protocol.schema``), so they stay as the schema defines them rather than typed again here."""
+    def _read(self, once: _Once) -> _Round:
+        """Apply what was queued, expire the silent ranks and copy the store, for the result ``once`` reads, which the
+        rounds that follow serve again while the store does not change. Hello, step and probe bodies are the telemetry
+        record schema's (``protocol.schema``), so they stay as the schema defines them rather than typed again here."""
         with self._read_lock:  # rounds read by a render and a state request at once: one at a time
             self._expire()
             changes = self.store.changes  # before the copy: what is applied after it is news to the next round
@@ -610,8 +613,9 @@ class TelemetryCollector(Collector):
                 "ranks": self._ranks_readings(ranks),
                 "probes": probes,
             }
-            if self._latest is not None and self._latest.result is for_result:  # not an older round read late
-                self._latest = _Latest(for_result, changes)
+            latest = self._latest
+            if latest is not None and latest.read is once:  # not an older round read late
+                self._latest = latest._replace(read_at=changes)
         # Built when rendered: the ranks are copies and probe bodies are never mutated, so building later is the same.
         return _Round(lambda: families(ranks, records, self._per_rank) + probe_families(probes), readings)
 

@@ -174,7 +174,9 @@ def test_agent_killed_and_restarted_on_the_same_socket_resumes_delivery(start_ag
     # The flag, not GPUWATCH_SOCKET (a fresh path here), says where the second agent listens.
     second = start_agent(*TELEMETRY_ONLY, "--telemetry.socket", str(first.telemetry_socket))
     client.send(step(3, 4))
-    (rank,) = wait_until(lambda: _telemetry_facts(second)["ranks"], timeout=10, what="rank 3 at the second agent")
+    # Two datagrams: a state request read between them would show the hello alone.
+    (rank,) = wait_until(lambda: [r for r in _telemetry_facts(second)["ranks"] if r["last_step"]], timeout=10,
+                         what="rank 3's step at the second agent")
     assert rank["hello"]["rank"] == 3 and rank["last_step"]["step"] == 4  # the hello was re-sent first
     assert _telemetry_facts(second)["records"]["dropped"]["no_agent"] == 2  # reported by the client
     assert second.state()["collectors"]["telemetry"]["up"] is True

@@ -581,7 +581,8 @@ class TelemetryCollector(Collector):
         read = _Once(self._read)
         result: CollectorResult[Any] = CollectorResult(DeferredFamilies(lambda: read().families()),
                                                        DeferredReadings(lambda: read().readings))
-        self._latest = _Latest(result, read)
+        with self._read_lock:  # not overwritten by a read of the round before, finishing in another thread
+            self._latest = _Latest(result, read)
         return result
 
     def _expire(self) -> None:

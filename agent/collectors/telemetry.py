@@ -564,16 +564,16 @@ class TelemetryCollector(Collector):
             if self._receiver is None:
                 raise CollectorError(self._error)
         store, latest = self.store, self._latest
-        if latest is not None and latest.read_at == store.changes and store.holds_nothing():
-            return latest.result  # an idle node: no rank to expire or mark, no datagram to apply, no lock taken
-        if not self._exits.available:  # else the watcher's thread marks them as they exit
+        idle = store.holds_nothing()  # no rank to expire or mark, no datagram to apply: no lock taken
+        if not self._exits.available and not idle:  # else the watcher's thread marks them as they exit
             for state in store.note_exits(_alive):  # applies what is queued: a round's read, on such kernels
                 log.warning("job %s rank %d: its process (pid %s) is gone", state.job, state.rank, state.sender_pid)
         if latest is not None:
             if latest.read_at is None:
                 return latest.result  # nobody used it yet: whoever does first reads the store then
             if not store.has_queued():
-                self._expire()
+                if not idle:
+                    self._expire()
                 if latest.read_at == store.changes:
                     return latest.result  # nothing came, expired or exited: not a copy of the same state
         # No reference cycle (a result its own read referred to): refcounting frees each round's copies at once, where

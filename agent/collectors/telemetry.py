@@ -227,7 +227,8 @@ class _RankLines:
     def __init__(self, hello: dict[str, Any]) -> None:
         self.hello = hello
         self.version = -1
-        self.parts: dict[str, str] = {}
+        #: The rank's lines of each per-rank family, in ``_PER_RANK`` order.
+        self.parts: list[str] = []
         self._labels = dict(zip(RANK_LABELS, (hello["job"], *(str(hello[name]) for name in RANK_LABELS[1:])),
                                 strict=True))
         self._prefixes: dict[tuple[str, str | None, tuple[tuple[str, str], ...]], str] = {}  # by name and labels
@@ -347,7 +348,7 @@ class _RankLines:
                 value = memory.get(gauge.field)
                 if value is not None:
                     line(lines[gauge.name], gauge.name, value, memory["kind"])
-        self.parts = {name: "".join(part) for name, part in lines.items()}
+        self.parts = [*map("".join, lines.values())]  # made in _PER_RANK order
         self.version = state.version
 
 
@@ -375,8 +376,9 @@ class RankSeries:
                 current[key] = cached
             self._ranks = current  # a rank that expired is forgotten with its lines
             # Joined under the lock: a concurrent render of another snapshot may rewrite a rank's lines.
-            return [TextFamily(name, doc, typ, "".join(rank.parts[name] for rank in current.values()))
-                    for name, typ, doc in _PER_RANK]
+            columns = zip(*(rank.parts for rank in current.values()), strict=True)  # a family's lines of every rank
+            texts = map("".join, columns) if current else [""] * len(_PER_RANK)
+            return [TextFamily(name, doc, typ, text) for (name, typ, doc), text in zip(_PER_RANK, texts, strict=True)]
 
 
 def families(ranks: Sequence[RankState], records: dict[tuple[str, str], int],
@@ -487,10 +489,10 @@ class _Receiver:
 
 
 class _Round(NamedTuple):
-    """One read of the store: its families, built when rendered, and its readings."""
+    """One read of the store: its families, built when rendered, and its readings, built when /api/v1/state asks."""
 
     families: Callable[[], list[Metric]]
-    readings: dict[str, Any]
+    readings: Callable[[], dict[str, Any]]
 
 
 class _Latest(NamedTuple):
@@ -580,7 +582,7 @@ class TelemetryCollector(Collector):
         # the cyclic collector, rarely run (``Sampler.run``), let them pile up, +6.5 MB of RSS at 64 ranks.
         read = _Once(self._read)
         result: CollectorResult[Any] = CollectorResult(DeferredFamilies(lambda: read().families()),
-                                                       DeferredReadings(lambda: read().readings))
+                                                       DeferredReadings(lambda: read().readings()))
         with self._read_lock:  # not overwritten by a read of the round before, finishing in another thread
             self._latest = _Latest(result, read)
         return result
@@ -599,28 +601,34 @@ class TelemetryCollector(Collector):
             changes = self.store.changes  # before the copy: what is applied after it is news to the next round
             ranks, records = self.store.snapshot()
             probes = self.store.probes()
-            readings = {
-                "socket": str(self.path),
-                "queue_limit": self._queue_limit,
-                "ttl_seconds": self.store.ttl,
-                "records": {
-                    "accepted": records["accepted", ""],
-                    **{result: {reason: count for (kind, reason), count in records.items() if kind == result}
-                       for result in ("rejected", "dropped")},
-                },
-                # For per-process attribution (host RSS): the senders' pids as the kernel reported them, in the
-                # agent's pid namespace; the pid in a hello is the rank's view, wrong across containers.
-                "processes": [{"pid": s.sender_pid, "job": s.job, "rank": s.rank} for s in ranks if s.sender_pid],
-                "ranks": self._ranks_readings(ranks),
-                "probes": probes,
-            }
             latest = self._latest
             if latest is not None and latest.read is once:  # not an older round read late
                 self._latest = latest._replace(read_at=changes)
-        # Built when rendered: the ranks are copies and probe bodies are never mutated, so building later is the same.
-        return _Round(lambda: families(ranks, records, self._per_rank) + probe_families(probes), readings)
+        # Built when used: the ranks are copies and probe bodies are never mutated, so building later is the same.
+        return _Round(lambda: families(ranks, records, self._per_rank) + probe_families(probes),
+                      lambda: self._readings_of(ranks, records, probes))
+
+    def _readings_of(self, ranks: Sequence[RankState], records: dict[tuple[str, str], int],
+                     probes: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "socket": str(self.path),
+            "queue_limit": self._queue_limit,
+            "ttl_seconds": self.store.ttl,
+            "records": {
+                "accepted": records["accepted", ""],
+                **{result: {reason: count for (kind, reason), count in records.items() if kind == result}
+                   for result in ("rejected", "dropped")},
+            },
+            # For per-process attribution (host RSS): the senders' pids as the kernel reported them, in the
+            # agent's pid namespace; the pid in a hello is the rank's view, wrong across containers.
+            "processes": [{"pid": s.sender_pid, "job": s.job, "rank": s.rank} for s in ranks if s.sender_pid],
+            "ranks": self._ranks_readings(ranks),
+            "probes": probes,
+        }
 
     def _ranks_readings(self, ranks: Sequence[RankState]) -> list[dict[str, Any]]:
+        """Each rank's readings, made again only for the ranks whose copy is new. Read and replaced whole, never
+        mutated: rounds' readings built at once in two threads at worst leave the cache one round old."""
         readings = {}
         for state in ranks:
             key = (state.job, state.rank)

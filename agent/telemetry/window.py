@@ -18,7 +18,7 @@ import dataclasses
 import math
 import statistics
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 #: Steps a window holds; a fault that starts mid-run moves the medians once it holds half the window.
 WINDOW_STEPS = 64
@@ -36,13 +36,21 @@ TIMINGS: Mapping[str, tuple[str, ...]] = {
 }
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class StepPoint:
-    """What a window keeps of one step record."""
+#: TIMINGS read in one pass, as ``StepPoint.timings`` holds them: the top-level fields, then the nested ones.
+_TOP_LEVEL_TIMINGS = tuple(path[0] for path in TIMINGS.values() if len(path) == 1)
+_NESTED_TIMINGS = tuple(path for path in TIMINGS.values() if len(path) > 1)
+#: The names of ``StepPoint.timings``, in its order.
+TIMING_ORDER = (*_TOP_LEVEL_TIMINGS, *(name for name, path in TIMINGS.items() if len(path) > 1))
+
+
+class StepPoint(NamedTuple):
+    """What a window keeps of one step record. A named tuple, built in C: the agent makes one for every step its
+    ranks report (~10 a datagram, ~1,000 between two scrapes at 64 ranks), and ``of`` took 2.2 µs for a frozen
+    dataclass with its timings read path by path, 0.7 µs for this (``timeit``, one step body)."""
 
     step: int
     time: float
-    timings: tuple[float | None, ...]  # in TIMINGS order
+    timings: tuple[float | None, ...]  # in TIMING_ORDER; finite (the schema rejects others) or None
     loss: float | None = None
     grad_norm: float | None = None
     param_checksum: float | str | None = None
@@ -50,12 +58,14 @@ class StepPoint:
     @classmethod
     def of(cls, body: Mapping[str, Any]) -> StepPoint:
         """The point of a validated step record body (``schema.decode``)."""
-        return cls(body["step"], body["time"], tuple(_lookup(body, path) for path in TIMINGS.values()),
-                   body.get("loss"), body.get("grad_norm"), body.get("param_checksum"))
+        get = body.get
+        return cls(body["step"], body["time"],
+                   (*map(get, _TOP_LEVEL_TIMINGS), *[_lookup(body, path) for path in _NESTED_TIMINGS]),
+                   get("loss"), get("grad_norm"), get("param_checksum"))
 
     def as_dict(self) -> dict[str, Any]:
         """For /api/v1/state: the step record's own field names, absent values left out."""
-        values = {"step": self.step, "time": self.time, **dict(zip(TIMINGS, self.timings, strict=True)),
+        values = {"step": self.step, "time": self.time, **dict(zip(TIMING_ORDER, self.timings, strict=True)),
                   "loss": self.loss, "grad_norm": self.grad_norm, "param_checksum": self.param_checksum}
         return {name: value for name, value in values.items() if value is not None}
 
@@ -63,7 +73,7 @@ class StepPoint:
     def from_dict(cls, values: Mapping[str, Any]) -> StepPoint:
         """The inverse of ``as_dict``, for a point read back from an agent's state, where a non-finite loss or
         gradient norm is written "NaN", "+Inf" or "-Inf"."""
-        return cls(values["step"], values["time"], tuple(values.get(name) for name in TIMINGS),
+        return cls(values["step"], values["time"], tuple(values.get(name) for name in TIMING_ORDER),
                    _number(values.get("loss")), _number(values.get("grad_norm")), values.get("param_checksum"))
 
 
@@ -73,7 +83,7 @@ def _number(value: float | str | None) -> float | None:
 
 def _lookup(body: Mapping[str, Any], path: tuple[str, ...]) -> Any:
     """The value at ``path`` in a validated body (JSON objects are dicts: ``type`` is checked, not the costlier
-    ``isinstance`` of an abstract class, five times a record)."""
+    ``isinstance`` of an abstract class)."""
     value: Any = body
     for key in path:
         value = value.get(key) if type(value) is dict else None
@@ -142,19 +152,19 @@ class WindowSummary:
 
 def summarize(points: Iterable[StepPoint]) -> WindowSummary | None:
     """The summary of a window's points, oldest first; None for an empty window."""
-    points = list(points)
+    points = tuple(points)
     if not points:
         return None
+    _, _, timings, loss_column, norm_column, checksum_column = zip(*points, strict=True)  # a column a field
     medians = {}
-    isfinite = math.isfinite
-    columns = zip(*[point.timings for point in points], strict=True)  # a column a timing
-    for name, column in zip(TIMINGS, columns, strict=True):
-        values = [value for value in column if value is not None and isfinite(value)]
+    for name, column in zip(TIMING_ORDER, zip(*timings, strict=True), strict=True):
+        values = column if None not in column else [value for value in column if value is not None]
         if values:
             medians[name] = statistics.median(values)
-    losses = [p.loss for p in points if p.loss is not None and math.isfinite(p.loss)]
-    norms = [p.grad_norm for p in points if p.grad_norm is not None and math.isfinite(p.grad_norm)]
-    checksums = [p.param_checksum for p in points if p.param_checksum is not None]
+    isfinite = math.isfinite
+    losses = [loss for loss in loss_column if loss is not None and isfinite(loss)]
+    norms = [norm for norm in norm_column if norm is not None and isfinite(norm)]
+    checksums = [checksum for checksum in checksum_column if checksum is not None]
     return WindowSummary(
         steps=len(points), first_step=points[0].step, last_step=points[-1].step,
         seconds=max(0.0, points[-1].time - points[0].time), medians=medians,

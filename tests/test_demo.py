@@ -3,6 +3,7 @@ when it fails or is interrupted (nothing: no process, no bound port)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import signal
@@ -106,18 +107,23 @@ def test_a_planted_hang_is_named_while_the_job_hangs_and_the_job_is_stopped():
 @pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_interrupt_stops_every_process_it_started(signum, status):
     port = free_port()
+    # SIGINT at its default in the demo whoever runs the suite: a shell starting it as a background job ignores SIGINT,
+    # and a child that starts with SIGINT ignored keeps ignoring it (Python installs no KeyboardInterrupt handler).
     process = subprocess.Popen([sys.executable, "-m", "gpuwatch.cli.main", "demo", "--steps", "100000",
-                                "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    parent = psutil.Process(process.pid)
     try:
-        parent = psutil.Process(process.pid)
         # The agent, the trainer and its eight ranks.
         started = wait_until(lambda: (children := parent.children(recursive=True)) and len(children) >= 10
                              and children, timeout=120, what="the agent, the trainer and its ranks")
         process.send_signal(signum)
         _, stderr = process.communicate(timeout=60)
     finally:
-        if process.poll() is None:
-            process.kill()
+        if process.poll() is None:  # failed: nothing it started outlives the test to load the ones after it
+            for child in [*parent.children(recursive=True), parent]:
+                with contextlib.suppress(psutil.Error):
+                    child.kill()
     assert process.returncode == status, stderr
     assert "stopping the processes the demo started" in stderr
     _, alive = psutil.wait_procs(started, timeout=30)  # a generous wait: the demo stops them before it exits

@@ -90,8 +90,9 @@ def test_value_changes_between_renders_are_reflected():
     assert 'gpuwatch_test_value{gpu="0"} 1.0' not in text
 
 
-@given(st.one_of(st.floats(), st.integers(-10**20, 10**20), st.sampled_from([1e6, 999_999.9999999999, -1e300, 1e-5,
-                                                                            -0.0, 1e300, -1e301])))
+@given(st.one_of(st.floats(), st.integers(-10**20, 10**20), st.integers(10**6, 2**53 + 1),
+                 st.sampled_from([1e6, 999_999.9999999999, -1e300, 1e-5, -0.0, 1e300, -1e301, 10**6, 2**53 - 1, 2**53,
+                                  2**53 + 1, 10**15, 4096 * 10**6, -10**7])))
 def test_format_value_writes_what_prometheus_client_writes(value):
     assert format_value(value) == floatToGoString(value)
 

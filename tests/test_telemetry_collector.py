@@ -22,7 +22,15 @@ from gpuwatch.agent.collectors.telemetry import RankSeries, TelemetryCollector, 
 from gpuwatch.agent.exposition import Renderer
 from gpuwatch.agent.telemetry.exits import ExitWatcher
 from gpuwatch.agent.telemetry.store import TelemetryStore
-from gpuwatch.agent.telemetry.window import WINDOW_SECONDS, WINDOW_STEPS, StepWindow, summarize
+from gpuwatch.agent.telemetry.window import (
+    TIMING_ORDER,
+    TIMINGS,
+    WINDOW_SECONDS,
+    WINDOW_STEPS,
+    StepPoint,
+    StepWindow,
+    summarize,
+)
 from gpuwatch.protocol.schema import MAX_FOLDED_STEPS, encode
 from gpuwatch.trainer.telemetry import TelemetryClient, fold_steps
 
@@ -49,9 +57,11 @@ def test_store_accumulates_step_increments_and_keeps_the_latest_values():
     assert state.counters() == {"steps": 3, "nonfinite_steps": 1, "tokens": 4096 + 1000 + 4096, "samples": 0,
                                 "alloc_retries": 3, "ooms": 0}
     all_reduce = state.collectives["all_reduce"]
-    assert (all_reduce.count, all_reduce.bytes) == (5, 5 << 20)
+    assert (all_reduce.calls, all_reduce.bytes) == (5, 5 << 20)
+    assert all_reduce.as_dict() == {"count": 5, "bytes": 5 << 20, "seconds": all_reduce.seconds,
+                                    "buckets": all_reduce.buckets}  # the step record's names, as the state serves
     assert all_reduce.buckets[-1] == 1  # the 20 s call landed in the overflow bucket
-    assert state.collectives["send"].count == 2
+    assert state.collectives["send"].calls == 2
     assert state.last_step["step"] == 3
     assert state.sampled["grad_cosine_similarity"] == (3, 0.9)
     assert records["accepted", ""] == 4
@@ -85,7 +95,7 @@ def test_steps_folded_into_one_record_leave_the_store_as_those_steps_one_by_one(
     assert together.counters() == alone.counters()
     assert together.counters()["steps"] == len(steps)
     for op, totals in alone.collectives.items():
-        assert together.collectives[op].count == totals.count
+        assert together.collectives[op].calls == totals.calls
         assert together.collectives[op].bytes == totals.bytes
         assert together.collectives[op].buckets == totals.buckets
         assert together.collectives[op].seconds == pytest.approx(totals.seconds)
@@ -145,6 +155,23 @@ def test_window_summary_is_robust_to_outliers_and_counts_what_it_judged():
     assert (summary.checksums, summary.distinct_checksums) == (5, 2)
     assert summary.describe() == "5 steps (1-5, 4 s)"
     assert summarize(()) is None
+
+
+def test_a_step_point_reads_every_timing_at_its_path():
+    body: dict = {"step": 7, "time": 1.5, "loss": 2.0, "grad_norm": 3.0, "param_checksum": "ab"}
+    for number, path in enumerate(TIMINGS.values(), 1):
+        *objects, field = path
+        node = body
+        for key in objects:
+            node = node.setdefault(key, {})
+        node[field] = number / 10
+    point = StepPoint.of(body)
+    assert dict(zip(TIMING_ORDER, point.timings, strict=True)) == {
+        name: number / 10 for number, name in enumerate(TIMINGS, 1)}
+    assert (point.step, point.time, point.loss, point.grad_norm, point.param_checksum) == (7, 1.5, 2.0, 3.0, "ab")
+    assert StepPoint.from_dict(point.as_dict()) == point
+    bare = StepPoint.of({"step": 8, "time": 2.0})  # a step without the optional timings or a pipeline
+    assert bare.timings == (None,) * len(TIMINGS) and bare.loss is None
 
 
 def test_unavailable_signals_are_kept_until_measured_again_and_exported_with_their_reason():

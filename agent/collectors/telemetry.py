@@ -429,9 +429,7 @@ def _rank_readings(state: RankState) -> dict[str, Any]:
         "hello": state.hello,
         "last_step": state.last_step,
         "counters": state.counters(),
-        # by hand: dataclasses.asdict recurses into every bucket, a third of the round at 64 ranks
-        "collectives": {op: {"count": t.count, "bytes": t.bytes, "seconds": t.seconds, "buckets": t.buckets}
-                        for op, t in state.collectives.items()},
+        "collectives": {op: totals.as_dict() for op, totals in state.collectives.items()},
         "sampled": {name: {"step": step, "value": value} for name, (step, value) in state.sampled.items()},
         "unavailable": {signal: {"step": step, "reason": reason}
                         for signal, (step, reason) in state.unavailable.items()},

@@ -80,7 +80,7 @@ def read(path: Path) -> Facts:
         facts.ranks.append(rank_facts(
             state.job, state.rank, node=None, hello=state.hello, last_step=state.last_step,
             counters=state.counters(),
-            collectives={op: dataclasses.asdict(totals) for op, totals in state.collectives.items()},
+            collectives={op: totals.as_dict() for op, totals in state.collectives.items()},
             sampled=state.sampled, unavailable=state.unavailable, window=state.window.points(),
             history=series[state.job, state.rank].history(), progress_body=state.progress))
     facts.bandwidth = bandwidth(store.probes(), None)

@@ -7,6 +7,7 @@ data: exactly the planted faults, none missed, none spurious.
 from __future__ import annotations
 
 import contextlib
+import pickle
 import socket
 import subprocess
 import sys
@@ -20,9 +21,11 @@ sys.path.insert(0, str(BENCHMARKS))
 
 import cluster_diagnosis  # noqa: E402
 import hang_latency  # noqa: E402
+import render_instructions  # noqa: E402
 import telemetry_ingest  # noqa: E402
 
 from gpuwatch.agent.telemetry.store import TelemetryStore  # noqa: E402
+from gpuwatch.protocol.schema import decode  # noqa: E402
 
 from conftest import COLLECTOR_TIMEOUT, require_tool  # noqa: E402
 
@@ -140,6 +143,23 @@ def test_agent_cost_runs_and_counts_every_rank():
     assert "agent CPU" in result.stdout and "of which simulation" in result.stdout and "agent proper" in result.stdout
     assert "idle agent" in result.stdout and "/metrics back to back  p50" in result.stdout
     assert "/metrics every 1 s" in result.stdout and "load average after" in result.stdout
+
+
+def test_render_instructions_feeds_the_clients_folds_and_applies_every_step(tmp_path, capsys):
+    """benchmarks/render_instructions.py without valgrind (the count is valgrind's): each round holds one or two
+    folded datagrams of every rank, and its child applies all of their steps and renders them."""
+    rounds = render_instructions.WARM_ROUNDS + 1
+    hellos, per_round = render_instructions.datagrams(rounds, ranks=4)
+    assert len(hellos) == 4 and [len(batch) for batch in per_round[:2]] == [4, 8]  # steps 1-15: one fold; 16-30: two
+    records = [decode(datagram) for batch in per_round for datagram in batch]
+    assert {len(record.body["folded"]["steps"]) for record in records} == {9}
+    workload = tmp_path / "workload.pickle"
+    workload.write_bytes(pickle.dumps((hellos, per_round)))
+    render_instructions.child("render", 1, workload)
+    applied, imported_from = capsys.readouterr().out.splitlines()
+    sent = rounds * render_instructions.SCRAPE_SECONDS // 10 * 10  # the steps after the last tenth wait in the client
+    assert applied == f"steps applied: {4 * sent}"
+    assert Path(imported_from) == render_instructions.ROOT
 
 
 def test_scrape_pair_measures_both_arms_side_by_side():

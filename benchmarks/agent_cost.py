@@ -95,6 +95,13 @@ def rank_layout(rank: int, ranks: int = RANKS) -> dict:
             "gpu": {"index": rank % TP_SIZE, "uuid": f"GPU-{rank % TP_SIZE:08d}-0000-4000-8000-000000000000"}}
 
 
+def step_collectives() -> dict:
+    """A step's collective calls, as a rank of the simulated node's tp 8 × dp × pp layout makes them: four
+    all-reduces, eight all-gathers, eight sends and receives to the next stage."""
+    return collectives({"all_reduce": [0.004] * 4, "all_gather": [0.001] * 8, "send": [0.0002] * 8,
+                        "recv": [0.0002] * 8})
+
+
 def send_steps(sock: str, seconds: float, ranks: int = RANKS) -> None:
     """``ranks`` ranks, one client each as in as many processes, one step per rank per second, handed over as the
     hooks do (``submit``: the client folds plain steps). As the hooks' defaults measure them, every 10th step carries a
@@ -102,8 +109,7 @@ def send_steps(sock: str, seconds: float, ranks: int = RANKS) -> None:
     clients = [TelemetryClient(sock, heartbeat_interval=0) for _ in range(ranks)]
     for rank, client in enumerate(clients):
         client.send(hello(rank, job="bench", **rank_layout(rank, ranks)))
-    ops = collectives({"all_reduce": [0.004] * 4, "all_gather": [0.001] * 8, "send": [0.0002] * 8,
-                       "recv": [0.0002] * 8})
+    ops = step_collectives()
     deadline, number = time.monotonic() + seconds, 0
     while time.monotonic() < deadline:
         number += 1

@@ -52,13 +52,12 @@ def datagrams(rounds: int, ranks: int) -> tuple[list[bytes], list[list[bytes]]]:
     plain steps before it folded in), so a round holds one or two datagrams of each rank."""
     sys.path.insert(0, str(ROOT / "tests"))
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from agent_cost import MEASURED_EVERY, rank_layout
-    from telemetry_records import collectives, hello, plain_step, step
+    from agent_cost import MEASURED_EVERY, rank_layout, step_collectives
+    from telemetry_records import hello, plain_step, step
 
     from gpuwatch.trainer.telemetry import fold_steps
 
-    ops = collectives({"all_reduce": [0.004] * 4, "all_gather": [0.001] * 8, "send": [0.0002] * 8,
-                       "recv": [0.0002] * 8})
+    ops = step_collectives()
     hellos = [json.dumps(hello(rank, job="bench", **rank_layout(rank, ranks))).encode() for rank in range(ranks)]
     per_round: list[list[bytes]] = [[] for _ in range(rounds)]
     for end in range(MEASURED_EVERY, rounds * SCRAPE_SECONDS + 1, MEASURED_EVERY):

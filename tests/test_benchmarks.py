@@ -162,6 +162,17 @@ def test_render_instructions_feeds_the_clients_folds_and_applies_every_step(tmp_
     assert Path(imported_from) == render_instructions.ROOT
 
 
+def test_gzip_cost_checks_and_times_every_writer_on_one_page():
+    """benchmarks/gzip_cost.py at tiny sizes: each writer's gzip gave the page back (else it exits non-zero), and each
+    is reported beside zlib's."""
+    command = [sys.executable, str(BENCHMARKS / "gzip_cost.py"), "--repeats", "2", "--ranks", "4"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("machine: ") and "after" in result.stdout.splitlines()[0]
+    assert "page: 4 ranks' telemetry families" in result.stdout
+    assert "zlib level 1" in result.stdout and "ISA-L level 1" in result.stdout
+
+
 def test_scrape_pair_measures_both_arms_side_by_side():
     """benchmarks/scrape_pair.py at tiny sizes: both arms measured in the run, and their ratio (not its value)."""
     command = [sys.executable, str(BENCHMARKS / "scrape_pair.py"), "--runs", "1", "--every", "2", "--apart", "0.5",

@@ -4,6 +4,8 @@ import concurrent.futures
 import gzip
 import itertools
 import json
+import subprocess
+import sys
 import threading
 import urllib.request
 
@@ -153,6 +155,20 @@ def test_a_round_renders_nothing_until_its_snapshot_is_scraped():
     assert second.metrics(gzip=True) and collector.builds == 1  # gzip compresses the cached text
     assert b"gpuwatch_deferred_value 2.0" in first.metrics()  # an older snapshot still renders whole
     assert collector.builds == 2
+
+
+def test_the_gzip_of_a_page_is_the_page_whichever_writer_the_platform_has():
+    """ISA-L's gzip where its wheel is installed, else the standard library's (a child without isal): either gives
+    back, through the standard gzip reader as Prometheus's Go reader would, exactly the rendered text."""
+    snapshot = _sampler(_Deferred(CollectorContext())).sample_once()
+    assert gzip.decompress(snapshot.metrics(gzip=True)) == snapshot.metrics()
+    fallback = ("import sys; sys.modules['isal'] = None\n"  # import isal raises ImportError
+                "import gzip, gpuwatch.agent.snapshot as s\n"
+                "page = b'gpuwatch_up 1.0\\n' * 1000\n"
+                "assert s.gzip_compress.__module__ == 'gzip', s.gzip_compress.__module__\n"
+                "assert gzip.decompress(s.gzip_compress(page, compresslevel=s.GZIP_LEVEL)) == page\n")
+    result = subprocess.run([sys.executable, "-c", fallback], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
 
 
 class _Clock:

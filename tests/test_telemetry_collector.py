@@ -2,10 +2,12 @@
 
 import gc
 import json
+import math
 import os
 import random
 import socket
 import stat
+import statistics
 import subprocess
 import sys
 import time
@@ -13,6 +15,8 @@ import weakref
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from telemetry_records import JOB, collectives, coordinates, hello, plain_step, progress, samples, step
@@ -155,6 +159,28 @@ def test_window_summary_is_robust_to_outliers_and_counts_what_it_judged():
     assert (summary.checksums, summary.distinct_checksums) == (5, 2)
     assert summary.describe() == "5 steps (1-5, 4 s)"
     assert summarize(()) is None
+
+
+_REPORTED = st.none() | st.floats(-1e3, 1e3)  # a timing: reported or not
+_LOSS = st.none() | st.floats(allow_nan=True, allow_infinity=True)  # any float: NaN, infinities, sums that overflow
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.lists(_REPORTED, min_size=len(TIMING_ORDER), max_size=len(TIMING_ORDER)), _LOSS, _LOSS),
+                min_size=1, max_size=70))
+def test_window_summary_takes_every_median_and_finite_range_by_their_definition(rows):
+    """The summary's shortcuts (sorting a column whole, summing it to test it finite) against the definitions: the
+    median of the steps that reported a timing, and the finite losses and gradient norms only."""
+    points = [StepPoint(n, float(n), tuple(timings), loss, norm) for n, (timings, loss, norm) in enumerate(rows)]
+    summary = summarize(points)
+    for index, name in enumerate(TIMING_ORDER):
+        reported = [point.timings[index] for point in points if point.timings[index] is not None]
+        assert summary.median(name) == (statistics.median(reported) if reported else None)
+    losses = [point.loss for point in points if point.loss is not None and math.isfinite(point.loss)]
+    norms = [point.grad_norm for point in points if point.grad_norm is not None and math.isfinite(point.grad_norm)]
+    assert (summary.loss_steps, summary.loss_min, summary.loss_max) == (len(losses), min(losses, default=None),
+                                                                        max(losses, default=None))
+    assert (summary.grad_norm_steps, summary.grad_norm_max) == (len(norms), max(norms, default=None))
 
 
 def test_a_step_point_reads_every_timing_at_its_path():

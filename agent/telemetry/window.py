@@ -16,8 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 #: Steps a window holds; a fault that starts mid-run moves the medians once it holds half the window.
@@ -153,12 +152,11 @@ def summarize(points: Iterable[StepPoint]) -> WindowSummary | None:
     _, _, timings, loss_column, norm_column, checksum_column = zip(*points, strict=True)  # a column a field
     medians = {}
     for name, column in zip(TIMING_ORDER, zip(*timings, strict=True), strict=True):
-        values = column if None not in column else [value for value in column if value is not None]
-        if values:
-            medians[name] = statistics.median(values)
-    isfinite = math.isfinite
-    losses = [loss for loss in loss_column if loss is not None and isfinite(loss)]
-    norms = [norm for norm in norm_column if norm is not None and isfinite(norm)]
+        ordered = _sorted_reported(column)
+        if ordered:
+            middle = len(ordered) // 2  # the median as statistics.median takes it
+            medians[name] = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    losses, norms = _finite(loss_column), _finite(norm_column)
     checksums = [checksum for checksum in checksum_column if checksum is not None]
     return WindowSummary(
         steps=len(points), first_step=points[0].step, last_step=points[-1].step,
@@ -166,3 +164,27 @@ def summarize(points: Iterable[StepPoint]) -> WindowSummary | None:
         loss_steps=len(losses), loss_min=min(losses, default=None), loss_max=max(losses, default=None),
         grad_norm_steps=len(norms), grad_norm_max=max(norms, default=None),
         checksums=len(checksums), distinct_checksums=len(set(checksums)))
+
+
+# The agent summarises every rank's window for each scrape. A test per value of its 64 points was most of a summary's
+# ~290,000 instructions; these two take the common case, every value reported and finite, in C.
+
+def _sorted_reported(column: tuple[float | None, ...]) -> list[float]:
+    """The values of the steps that reported the timing, in order. Sorted as they come: a None beside a number cannot
+    be sorted (TypeError), and only then is each value tested."""
+    try:
+        ordered: list[Any] = sorted(column)  # type: ignore[type-var]  # a None beside a number raises
+    except TypeError:
+        return sorted(value for value in column if value is not None)
+    return ordered if ordered[-1] is not None else []  # a window of one step that did not report it
+
+
+def _finite(column: tuple[float | None, ...]) -> Sequence[float]:
+    """The finite values of a column. Summed first: a sum of finite numbers is finite unless it overflows, and a None
+    (TypeError), a NaN or an infinity, or an overflow, sends the column to a test per value."""
+    try:
+        if math.isfinite(sum(column)):  # type: ignore[arg-type]  # a None raises
+            return column  # type: ignore[return-value]  # no None: the sum would have raised
+    except TypeError:
+        pass
+    return [value for value in column if value is not None and math.isfinite(value)]

@@ -25,7 +25,7 @@ from gpuwatch.agent.collectors.base import CollectorContext, CollectorError
 from gpuwatch.agent.collectors.telemetry import RankSeries, TelemetryCollector, families
 from gpuwatch.agent.exposition import Renderer
 from gpuwatch.agent.telemetry.exits import ExitWatcher
-from gpuwatch.agent.telemetry.store import TelemetryStore
+from gpuwatch.agent.telemetry.store import OpTotals, TelemetryStore
 from gpuwatch.agent.telemetry.window import (
     TIMING_ORDER,
     TIMINGS,
@@ -35,7 +35,7 @@ from gpuwatch.agent.telemetry.window import (
     StepWindow,
     summarize,
 )
-from gpuwatch.protocol.schema import MAX_FOLDED_STEPS, encode
+from gpuwatch.protocol.schema import COLLECTIVE_BUCKETS, MAX_FOLDED_STEPS, encode
 from gpuwatch.trainer.telemetry import TelemetryClient, fold_steps
 
 from conftest import require_tool, wait_until
@@ -181,6 +181,22 @@ def test_window_summary_takes_every_median_and_finite_range_by_their_definition(
     assert (summary.loss_steps, summary.loss_min, summary.loss_max) == (len(losses), min(losses, default=None),
                                                                         max(losses, default=None))
     assert (summary.grad_norm_steps, summary.grad_norm_max) == (len(norms), max(norms, default=None))
+
+
+_CALLS = st.lists(st.integers(0, 3) | st.integers(0, 2**40), min_size=len(COLLECTIVE_BUCKETS) + 1,
+                  max_size=len(COLLECTIVE_BUCKETS) + 1)  # mostly empty buckets, as an op's calls leave them
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_CALLS, min_size=1, max_size=6))
+def test_op_totals_add_up_every_bucket_of_every_step(steps):
+    totals = OpTotals()
+    for buckets in steps:
+        totals = totals.plus({"count": sum(buckets), "bytes": 8 * sum(buckets), "seconds": 0.5, "buckets": buckets})
+    assert totals.buckets == tuple(map(sum, zip(*steps, strict=True)))
+    assert (totals.calls, totals.bytes, totals.seconds) == (sum(map(sum, steps)), 8 * sum(map(sum, steps)),
+                                                           0.5 * len(steps))
+    assert type(totals) is OpTotals and totals.as_dict()["count"] == totals.calls
 
 
 def test_a_step_point_reads_every_timing_at_its_path():

@@ -22,7 +22,7 @@ from prometheus_client.core import Metric
 
 from gpuwatch.agent.exposition import Renderer
 
-try:  # ISA-L's deflate (python-isal): zlib's gzip at its fastest level, for a tenth of its CPU (benchmarks/gzip_cost.py)
+try:  # ISA-L's deflate (python-isal): zlib's gzip at its fastest level for a tenth of the CPU (benchmarks/gzip_cost.py)
     from isal.igzip import compress as gzip_compress
 except ImportError:  # a platform without its wheel: the standard library's zlib
     from gzip import compress as gzip_compress  # type: ignore[assignment]  # the same call, typed by typeshed

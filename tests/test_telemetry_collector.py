@@ -562,9 +562,13 @@ def test_rank_lines_are_what_prometheus_client_writes_and_follow_every_change():
     the per-rank lines are exposition as the library writes it (sorted, escaped labels; Go float format)."""
     store, per_rank = TelemetryStore(), RankSeries()
     env = {"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": 'ib0,"odd"\\name', "NCCL_DEBUG": "INFO"}
+    many = collectives({"all_gather": [0.001, 0.2]})["all_gather"]  # an op past a million calls: Go's exponents
+    many.update(count=2_345_678, buckets=[count * 1_172_839 for count in many["buckets"]])
     _feed(store, hello(0, env=env), step(0, 1, collectives=collectives({"all_reduce": [0.002, 30.0]})),
-          hello(1), step(1, 1, loss=float("nan"), tokens=3_000_000), hello(2))
+          hello(1), step(1, 1, loss=float("nan"), tokens=3_000_000, collectives={"all_gather": many}), hello(2))
     first = _rendered(store, per_rank)
+    counts = samples(first.decode(), "gpuwatch_train_collective_seconds_count")
+    assert counts[coordinates(1, op="all_gather")] == 2_345_678 and b"} 2.345678e+06\n" in first
     registry = CollectorRegistry()
     registry.register(_Static(list(text_string_to_metric_families(first.decode()))))
     assert generate_latest(registry) == first

@@ -216,6 +216,23 @@ _PER_RANK: tuple[tuple[str, str, str], ...] = (
 )
 
 
+class _OpLines(NamedTuple):
+    """One op's lines of a rank, as templates: the latency histogram's lines (its buckets, count and sum) with an empty
+    place for each value, which the render fills in C (a slice assignment, a join) rather than formatting ~23 lines
+    one by one in Python: ~15,000 instructions an op against ~69,000 (valgrind, 21 buckets)."""
+
+    #: For counts below 1e6, written as ``str`` writes them, the template adding format_value's ".0"
+    small_counts: list[str]
+    #: For any counts, written by format_value
+    any_counts: list[str]
+    volume: str  # the prefix of the op's bytes line
+
+
+#: Where an op's template takes its counts (the buckets' then the calls) and its sum of seconds.
+_OP_COUNTS = slice(1, 2 * (len(_LE) + 1), 2)
+_OP_SUM = 2 * (len(_LE) + 1) + 1
+
+
 class _RankLines:
     """One rank's exposition lines of every per-rank family, and the label prefixes they start with.
 
@@ -232,7 +249,7 @@ class _RankLines:
         self._labels = dict(zip(RANK_LABELS, (hello["job"], *(str(hello[name]) for name in RANK_LABELS[1:])),
                                 strict=True))
         self._prefixes: dict[tuple[str, str | None, tuple[tuple[str, str], ...]], str] = {}  # by name and labels
-        self._ops: dict[str, tuple[list[str], str, str, str]] = {}  # bucket, count, sum and bytes prefixes by op
+        self._ops: dict[str, _OpLines] = {}
         self._hello_lines = self._from_hello()
         # The families of one series per rank, with the rank's labels only: (family, prefix, what it exports).
         self._counters = [(counter.name.removesuffix("_total"), self._prefix(counter.name), counter.field)
@@ -275,14 +292,21 @@ class _RankLines:
             prefix = self._prefixes[key] = self._prefix(name, ((("kind", kind),) if kind else ()) + extra)
         lines.append(f"{prefix}{format_value(value)}\n")
 
-    def _op(self, op: str) -> tuple[list[str], str, str, str]:
-        prefixes = self._ops.get(op)
-        if prefixes is None:
+    def _op(self, op: str) -> _OpLines:
+        lines = self._ops.get(op)
+        if lines is None:
             key = (("op", op),)
-            prefixes = self._ops[op] = ([self._prefix(_LATENCY + "_bucket", (("le", le), *key)) for le in _LE],
-                                        self._prefix(_LATENCY + "_count", key), self._prefix(_LATENCY + "_sum", key),
-                                        self._prefix(_VOLUME + "_total", key))
-        return prefixes
+            prefixes = [*(self._prefix(_LATENCY + "_bucket", (("le", le), *key)) for le in _LE),
+                        self._prefix(_LATENCY + "_count", key), self._prefix(_LATENCY + "_sum", key)]
+
+            def template(count_end: str) -> list[str]:
+                """Each line's prefix after the previous line's end, a value's place (empty) after each."""
+                ends = ["", *([count_end] * (len(prefixes) - 1))]
+                return [*itertools.chain.from_iterable((end + prefix, "") for end, prefix in zip(ends, prefixes,
+                                                                                                  strict=True)), "\n"]
+
+            lines = self._ops[op] = _OpLines(template(".0\n"), template("\n"), self._prefix(_VOLUME + "_total", key))
+        return lines
 
     def update(self, state: RankState) -> None:
         """Rewrite the lines from ``state`` (whose hello is this one's)."""
@@ -293,17 +317,17 @@ class _RankLines:
             lines[family].append(f"{prefix}{format_value(getattr(state, field))}\n")
         latency, volume = lines[_LATENCY], lines[_VOLUME]
         for op, totals in sorted(state.collectives.items()):
-            buckets, count, total, moved = self._op(op)
-            cumulative = list(itertools.accumulate(totals.buckets))
-            if cumulative[-1] < 1_000_000:  # the largest: every count is written as format_value's fast path does
-                latency.append("".join([f"{prefix}{number}.0\n"
-                                        for prefix, number in zip(buckets, cumulative, strict=True)]))
+            lines_of = self._op(op)
+            counts = [*itertools.accumulate(totals.buckets), totals.calls]  # the buckets' cumulative counts, then all
+            if totals.calls < 1_000_000:  # the largest: every count is written as format_value's fast path does
+                parts = lines_of.small_counts.copy()
+                parts[_OP_COUNTS] = map(str, counts)  # and ".0" follows each in the template
             else:
-                latency.extend(f"{prefix}{format_value(number)}\n"
-                               for prefix, number in zip(buckets, cumulative, strict=True))
-            latency.append(f"{count}{format_value(cumulative[-1])}\n")
-            latency.append(f"{total}{format_value(totals.seconds)}\n")
-            volume.append(f"{moved}{format_value(totals.bytes)}\n")
+                parts = lines_of.any_counts.copy()
+                parts[_OP_COUNTS] = map(format_value, counts)
+            parts[_OP_SUM] = format_value(totals.seconds)
+            latency.append("".join(parts))
+            volume.append(f"{lines_of.volume}{format_value(totals.bytes)}\n")
         for family, name in ((_COSINE, "grad_cosine_similarity"), (_CHECKSUM, "param_checksum")):
             value = state.sampled.get(name, (None, None))[1]
             if isinstance(value, float):  # a hex-digest checksum stays in /api/v1/state

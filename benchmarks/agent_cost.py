@@ -102,6 +102,24 @@ def step_collectives() -> dict:
                         "recv": [0.0002] * 8})
 
 
+def step_record(rank: int, number: int, ops: dict, **fields: float) -> dict:
+    """Step ``number`` of ``rank`` as the hooks report it: every ``MEASURED_EVERY``-th with what they measure, the
+    others plain. Its timings, loss and gradient norm vary from step to step by a few per cent (seeded by rank and step,
+    so every run and tree gets the same), as a real job's do: the agent writes, sorts and compares figures of all their
+    digits, which cost it twice what the test records' round numbers do (``repr`` of 0.5 against 0.4837...)."""
+    record = (step if number % MEASURED_EVERY == 0 else plain_step)(rank, number, job="bench", collectives=ops,
+                                                                     **fields)
+    jitter = random.Random(rank * 1_000_003 + number).uniform
+    for name in ("step_seconds", "compute_seconds", "dataloader_wait_seconds", "optimizer_seconds", "loss",
+                 "grad_norm"):
+        record[name] *= jitter(0.95, 1.05)
+    pipeline = record["pipeline"]
+    pipeline["busy_seconds"] *= jitter(0.95, 1.05)
+    pipeline["idle_seconds"] *= jitter(0.95, 1.05)
+    pipeline["bubble_ratio"] = pipeline["idle_seconds"] / (pipeline["busy_seconds"] + pipeline["idle_seconds"])
+    return record
+
+
 def send_steps(sock: str, seconds: float, ranks: int = RANKS) -> None:
     """``ranks`` ranks, one client each as in as many processes, one step per rank per second, handed over as the
     hooks do (``submit``: the client folds plain steps). As the hooks' defaults measure them, every 10th step carries a
@@ -114,9 +132,8 @@ def send_steps(sock: str, seconds: float, ranks: int = RANKS) -> None:
     while time.monotonic() < deadline:
         number += 1
         tick = time.monotonic()
-        shape = step if number % MEASURED_EVERY == 0 else plain_step
         for rank, client in enumerate(clients):
-            record = shape(rank, number, job="bench", collectives=ops)
+            record = step_record(rank, number, ops)
             client.submit(lambda record=record: record)
         time.sleep(max(0.0, 1.0 - (time.monotonic() - tick)))
     for client in clients:

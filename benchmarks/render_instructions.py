@@ -52,8 +52,8 @@ def datagrams(rounds: int, ranks: int) -> tuple[list[bytes], list[list[bytes]]]:
     plain steps before it folded in), so a round holds one or two datagrams of each rank."""
     sys.path.insert(0, str(ROOT / "tests"))
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from agent_cost import MEASURED_EVERY, rank_layout, step_collectives
-    from telemetry_records import hello, plain_step, step
+    from agent_cost import MEASURED_EVERY, rank_layout, step_collectives, step_record
+    from telemetry_records import hello
 
     from gpuwatch.trainer.telemetry import fold_steps
 
@@ -62,9 +62,8 @@ def datagrams(rounds: int, ranks: int) -> tuple[list[bytes], list[list[bytes]]]:
     per_round: list[list[bytes]] = [[] for _ in range(rounds)]
     for end in range(MEASURED_EVERY, rounds * SCRAPE_SECONDS + 1, MEASURED_EVERY):
         for rank in range(ranks):
-            earlier = [plain_step(rank, n, job="bench", collectives=ops, time=1e9 + n)
-                       for n in range(end - MEASURED_EVERY + 1, end)]
-            measured = step(rank, end, job="bench", collectives=ops, time=1e9 + end)
+            earlier = [step_record(rank, n, ops, time=1e9 + n) for n in range(end - MEASURED_EVERY + 1, end)]
+            measured = step_record(rank, end, ops, time=1e9 + end)
             per_round[(end - 1) // SCRAPE_SECONDS].append(json.dumps(fold_steps(measured, earlier)).encode())
     return hellos, per_round
 

@@ -219,13 +219,21 @@ _PER_RANK: tuple[tuple[str, str, str], ...] = (
 class _OpLines(NamedTuple):
     """One op's lines of a rank, as templates: the latency histogram's lines (its buckets, count and sum) with an empty
     place for each value, which the render fills in C (a slice assignment, a join) rather than formatting ~23 lines
-    one by one in Python: ~15,000 instructions an op against ~69,000 (valgrind, 21 buckets)."""
+    one by one in Python: ~11,000 fewer instructions an op (valgrind, a rank's lines with 4 ops, 800,000 -> 757,000)."""
 
     #: For counts below 1e6, written as ``str`` writes them, the template adding format_value's ".0"
     small_counts: list[str]
     #: For any counts, written by format_value
     any_counts: list[str]
     volume: str  # the prefix of the op's bytes line
+
+
+def _template(prefixes: list[str], count_end: str) -> list[str]:
+    """Lines with an empty place for each value: each prefix after the previous line's end (``count_end`` after a
+    count, the last line's a sum of seconds that format_value writes whole)."""
+    ends = ["", *([count_end] * (len(prefixes) - 1))]
+    places = ((end + prefix, "") for end, prefix in zip(ends, prefixes, strict=True))
+    return [*itertools.chain.from_iterable(places), "\n"]
 
 
 #: Where an op's template takes its counts (the buckets' then the calls) and its sum of seconds.
@@ -298,14 +306,8 @@ class _RankLines:
             key = (("op", op),)
             prefixes = [*(self._prefix(_LATENCY + "_bucket", (("le", le), *key)) for le in _LE),
                         self._prefix(_LATENCY + "_count", key), self._prefix(_LATENCY + "_sum", key)]
-
-            def template(count_end: str) -> list[str]:
-                """Each line's prefix after the previous line's end, a value's place (empty) after each."""
-                ends = ["", *([count_end] * (len(prefixes) - 1))]
-                return [*itertools.chain.from_iterable((end + prefix, "") for end, prefix in zip(ends, prefixes,
-                                                                                                  strict=True)), "\n"]
-
-            lines = self._ops[op] = _OpLines(template(".0\n"), template("\n"), self._prefix(_VOLUME + "_total", key))
+            lines = self._ops[op] = _OpLines(_template(prefixes, ".0\n"), _template(prefixes, "\n"),
+                                             self._prefix(_VOLUME + "_total", key))
         return lines
 
     def update(self, state: RankState) -> None:

@@ -171,7 +171,7 @@ _LOSS = st.none() | st.floats(allow_nan=True, allow_infinity=True)  # any float:
 def test_window_summary_takes_every_median_and_finite_range_by_their_definition(rows):
     """The summary's shortcuts (sorting a column whole, summing it to test it finite) against the definitions: the
     median of the steps that reported a timing, and the finite losses and gradient norms only."""
-    points = [StepPoint(n, float(n), tuple(timings), loss, norm) for n, (timings, loss, norm) in enumerate(rows)]
+    points = [StepPoint(n, float(n), *timings, loss, norm) for n, (timings, loss, norm) in enumerate(rows)]
     summary = summarize(points)
     for index, name in enumerate(TIMING_ORDER):
         reported = [point.timings[index] for point in points if point.timings[index] is not None]
@@ -208,7 +208,10 @@ def test_a_step_point_reads_every_timing_at_its_path():
             node = node.setdefault(key, {})
         node[field] = number / 10
     point = StepPoint.of(body)
+    assert StepPoint._fields[2:2 + len(TIMING_ORDER)] == TIMING_ORDER  # each timing in the field of its name
     assert dict(zip(TIMING_ORDER, point.timings, strict=True)) == {
+        name: number / 10 for number, name in enumerate(TIMINGS, 1)}
+    assert {name: getattr(point, name) for name in TIMINGS} == {
         name: number / 10 for number, name in enumerate(TIMINGS, 1)}
     assert (point.step, point.time, point.loss, point.grad_norm, point.param_checksum) == (7, 1.5, 2.0, 3.0, "ab")
     assert StepPoint.from_dict(point.as_dict()) == point

@@ -214,6 +214,8 @@ _PER_RANK: tuple[tuple[str, str, str], ...] = (
     (_LATENCY, "histogram", "Latency of the rank's collective calls."),
     (_VOLUME, "counter", "Bytes the rank's collective calls moved (the rank's buffer size per call)."),
 )
+#: Where each per-rank family's text sits in a rank's parts.
+_FAMILY_INDEX = {name: index for index, (name, _, _) in enumerate(_PER_RANK)}
 
 
 class _OpLines(NamedTuple):
@@ -258,12 +260,16 @@ class _RankLines:
                                 strict=True))
         self._prefixes: dict[tuple[str, str | None, tuple[tuple[str, str], ...]], str] = {}  # by name and labels
         self._ops: dict[str, _OpLines] = {}
-        self._hello_lines = self._from_hello()
-        # The families of one series per rank, with the rank's labels only: (family, prefix, what it exports).
-        self._counters = [(counter.name.removesuffix("_total"), self._prefix(counter.name), counter.field)
-                          for counter in COUNTERS]
-        self._window = [(gauge.name, self._prefix(gauge.name), gauge.field) for gauge in WINDOW_GAUGES]
-        self._steps = [(gauge.name, self._prefix(gauge.name), gauge.field, gauge.group) for gauge in STEP_GAUGES]
+        #: The parts of a rank that has reported nothing since its hello: the hello's lines, the rest empty.
+        self._hello_parts = [""] * len(_PER_RANK)
+        for name, text in self._from_hello().items():
+            self._hello_parts[_FAMILY_INDEX[name]] = text
+        # The families of one series per rank, with the rank's labels only: (family's index, prefix, what it exports).
+        self._counters = [(_FAMILY_INDEX[counter.name.removesuffix("_total")], self._prefix(counter.name),
+                           counter.field) for counter in COUNTERS]
+        self._window = [(_FAMILY_INDEX[gauge.name], self._prefix(gauge.name), gauge.field) for gauge in WINDOW_GAUGES]
+        self._steps = [(_FAMILY_INDEX[gauge.name], self._prefix(gauge.name), gauge.field, gauge.group)
+                       for gauge in STEP_GAUGES]
 
     def _from_hello(self) -> dict[str, str]:
         """The lines that depend on the hello only: written once per hello."""
@@ -290,15 +296,14 @@ class _RankLines:
     def _prefix(self, name: str, extra: tuple[tuple[str, str], ...] = ()) -> str:
         return series_prefix(name, {**self._labels, **dict(extra)})
 
-    def _line(self, lines: list[str], name: str, value: Any, kind: str | None = None,
-              extra: tuple[tuple[str, str], ...] = ()) -> None:
+    def _line(self, name: str, value: Any, kind: str | None = None, extra: tuple[tuple[str, str], ...] = ()) -> str:
         """One sample of a series with the rank's labels, and the memory ``kind`` for memory gauges or other
         ``extra`` labels (from bounded sets: timings, signals and reasons)."""
         key = (name, kind, extra)
         prefix = self._prefixes.get(key)
         if prefix is None:
             prefix = self._prefixes[key] = self._prefix(name, ((("kind", kind),) if kind else ()) + extra)
-        lines.append(f"{prefix}{format_value(value)}\n")
+        return f"{prefix}{format_value(value)}\n"
 
     def _op(self, op: str) -> _OpLines:
         lines = self._ops.get(op)
@@ -311,70 +316,73 @@ class _RankLines:
         return lines
 
     def update(self, state: RankState) -> None:
-        """Rewrite the lines from ``state`` (whose hello is this one's)."""
+        """Rewrite the lines from ``state`` (whose hello is this one's): each family's text at its index, one line for
+        most, the lines joined for the few with several series a rank."""
         line = self._line
-        lines: dict[str, list[str]] = {name: [] for name, _, _ in _PER_RANK}
-        lines.update((name, [text]) for name, text in self._hello_lines.items())
-        for family, prefix, field in self._counters:
-            lines[family].append(f"{prefix}{format_value(getattr(state, field))}\n")
-        latency, volume = lines[_LATENCY], lines[_VOLUME]
+        parts = self._hello_parts.copy()
+        for index, prefix, field in self._counters:
+            parts[index] = f"{prefix}{format_value(getattr(state, field))}\n"
+        latency, volume = [], []
         for op, totals in sorted(state.collectives.items()):
             lines_of = self._op(op)
             counts = [*itertools.accumulate(totals.buckets), totals.calls]  # the buckets' cumulative counts, then all
             if totals.calls < 1_000_000:  # the largest: every count is written as format_value's fast path does
-                parts = lines_of.small_counts.copy()
-                parts[_OP_COUNTS] = map(str, counts)  # and ".0" follows each in the template
+                op_parts = lines_of.small_counts.copy()
+                op_parts[_OP_COUNTS] = map(str, counts)  # and ".0" follows each in the template
             else:
-                parts = lines_of.any_counts.copy()
-                parts[_OP_COUNTS] = map(format_value, counts)
-            parts[_OP_SUM] = format_value(totals.seconds)
-            latency.append("".join(parts))
+                op_parts = lines_of.any_counts.copy()
+                op_parts[_OP_COUNTS] = map(format_value, counts)
+            op_parts[_OP_SUM] = format_value(totals.seconds)
+            latency.append("".join(op_parts))
             volume.append(f"{lines_of.volume}{format_value(totals.bytes)}\n")
+        parts[_FAMILY_INDEX[_LATENCY]], parts[_FAMILY_INDEX[_VOLUME]] = "".join(latency), "".join(volume)
         for family, name in ((_COSINE, "grad_cosine_similarity"), (_CHECKSUM, "param_checksum")):
             value = state.sampled.get(name, (None, None))[1]
             if isinstance(value, float):  # a hex-digest checksum stays in /api/v1/state
-                line(lines[family], family, value)
-        for signal, (at, reason) in sorted(state.unavailable.items()):
-            if at >= state.sampled.get(signal, (-1, None))[0]:  # not measured again since
-                line(lines[UNAVAILABLE], UNAVAILABLE, at, extra=(("signal", signal), ("reason", reason)))
+                parts[_FAMILY_INDEX[family]] = line(family, value)
+        parts[_FAMILY_INDEX[UNAVAILABLE]] = "".join(
+            line(UNAVAILABLE, at, extra=(("signal", signal), ("reason", reason)))
+            for signal, (at, reason) in sorted(state.unavailable.items())
+            if at >= state.sampled.get(signal, (-1, None))[0])  # not measured again since
         window = summarize(state.window.points())
         if window is not None:
-            for family, prefix, field in self._window:
+            for index, prefix, field in self._window:
                 value = getattr(window, field)
                 if value is not None:
-                    lines[family].append(f"{prefix}{format_value(value)}\n")
-            for timing in WINDOW_TIMINGS:
-                if timing in window.medians:
-                    line(lines[WINDOW_MEDIAN], WINDOW_MEDIAN, window.medians[timing], extra=(("timing", timing),))
+                    parts[index] = f"{prefix}{format_value(value)}\n"
+            medians = window.medians
+            parts[_FAMILY_INDEX[WINDOW_MEDIAN]] = "".join(
+                line(WINDOW_MEDIAN, medians[timing], extra=(("timing", timing),))
+                for timing in WINDOW_TIMINGS if timing in medians)
         progress = state.progress
         if progress is not None:
-            line(lines[STALLED], STALLED, progress["stalled_seconds"])
-            line(lines[PHASE], PHASE, 1, extra=(("phase", progress["phase"]),))
+            parts[_FAMILY_INDEX[STALLED]] = line(STALLED, progress["stalled_seconds"])
+            parts[_FAMILY_INDEX[PHASE]] = line(PHASE, 1, extra=(("phase", progress["phase"]),))
             collective = progress.get("collective")
             if collective is not None:
-                line(lines[IN_FLIGHT], IN_FLIGHT, collective["seq"],
-                     extra=(("op", collective["op"]), ("group", collective["group"])))
+                parts[_FAMILY_INDEX[IN_FLIGHT]] = line(
+                    IN_FLIGHT, collective["seq"], extra=(("op", collective["op"]), ("group", collective["group"])))
             error = progress.get("error")
             if error is not None:
-                line(lines[RAISED], RAISED, progress["time"],
-                     extra=(("type", error["type"]), ("message", error["message"])))
+                parts[_FAMILY_INDEX[RAISED]] = line(
+                    RAISED, progress["time"], extra=(("type", error["type"]), ("message", error["message"])))
         if state.exited_time is not None:
-            line(lines[EXITED], EXITED, state.exited_time)
+            parts[_FAMILY_INDEX[EXITED]] = line(EXITED, state.exited_time)
         step = state.last_step
         if step is not None:
-            for family, prefix, field, group in self._steps:
+            for index, prefix, field, group in self._steps:
                 value = (step if group is None else step.get(group, {})).get(field)
                 if value is not None:
-                    lines[family].append(f"{prefix}{format_value(value)}\n")
-            for group, calls in sorted(step.get("collective_calls", {}).items()):
-                line(lines[CALLS], CALLS, calls, extra=(("group", group),))
+                    parts[index] = f"{prefix}{format_value(value)}\n"
+            parts[_FAMILY_INDEX[CALLS]] = "".join(line(CALLS, calls, extra=(("group", group),))
+                                                  for group, calls in sorted(step.get("collective_calls", {}).items()))
         memory = state.sampled.get("memory", (None, None))[1]
         if memory is not None:
             for gauge in MEMORY_GAUGES:
                 value = memory.get(gauge.field)
                 if value is not None:
-                    line(lines[gauge.name], gauge.name, value, memory["kind"])
-        self.parts = [*map("".join, lines.values())]  # made in _PER_RANK order
+                    parts[_FAMILY_INDEX[gauge.name]] = line(gauge.name, value, memory["kind"])
+        self.parts = parts
         self.version = state.version
 
 

@@ -46,14 +46,19 @@ _NO_OBJECT: Mapping[str, Any] = {}
 
 
 class StepPoint(NamedTuple):
-    """What a window keeps of one step record. A named tuple, built in C: the agent makes one for every step its
-    ranks report (~10 a datagram, ~1,000 between two scrapes at 64 ranks). ``of`` executes 8,300 instructions
-    (valgrind, one step body), against 13,300 when its nested timing was read by a path walk and the tuple made through
-    the named tuple's ``__new__``, and ~2.2 µs as a frozen dataclass before that."""
+    """What a window keeps of one step record: its number, clock, the timings of ``TIMINGS`` (one field each, in
+    ``TIMING_ORDER``: finite, the schema rejects others, or None), loss, gradient norm and parameter checksum.
+
+    A named tuple, built in C: the agent makes one for every step its ranks report (~10 a datagram, ~1,000 between two
+    scrapes at 64 ranks). Flat, so that ``summarize`` takes every column of a window in one transposition."""
 
     step: int
     time: float
-    timings: tuple[float | None, ...]  # in TIMING_ORDER; finite (the schema rejects others) or None
+    step_seconds: float | None = None
+    compute_seconds: float | None = None
+    dataloader_wait_seconds: float | None = None
+    exposed_collective_seconds: float | None = None
+    bubble_ratio: float | None = None
     loss: float | None = None
     grad_norm: float | None = None
     param_checksum: float | str | None = None
@@ -62,22 +67,30 @@ class StepPoint(NamedTuple):
     def of(cls, body: Mapping[str, Any]) -> StepPoint:
         """The point of a validated step record body (``schema.decode``)."""
         get = body.get
-        timings = (*map(get, _TOP_LEVEL_TIMINGS), (get(_BUBBLE_OBJECT) or _NO_OBJECT).get(_BUBBLE_FIELD))
-        return tuple.__new__(cls, (body["step"], body["time"], timings, get("loss"), get("grad_norm"),
-                                   get("param_checksum")))
+        return tuple.__new__(cls, (body["step"], body["time"], *map(get, _TOP_LEVEL_TIMINGS),
+                                   (get(_BUBBLE_OBJECT) or _NO_OBJECT).get(_BUBBLE_FIELD), get("loss"),
+                                   get("grad_norm"), get("param_checksum")))
+
+    @property
+    def timings(self) -> tuple[float | None, ...]:
+        """The timings, in ``TIMING_ORDER``."""
+        return tuple(getattr(self, name) for name in TIMING_ORDER)
 
     def as_dict(self) -> dict[str, Any]:
         """For /api/v1/state: the step record's own field names, absent values left out."""
-        values = {"step": self.step, "time": self.time, **dict(zip(TIMING_ORDER, self.timings, strict=True)),
-                  "loss": self.loss, "grad_norm": self.grad_norm, "param_checksum": self.param_checksum}
-        return {name: value for name, value in values.items() if value is not None}
+        return {name: value for name, value in self._asdict().items() if value is not None}
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> StepPoint:
         """The inverse of ``as_dict``, for a point read back from an agent's state, where a non-finite loss or
         gradient norm is written "NaN", "+Inf" or "-Inf"."""
-        return cls(values["step"], values["time"], tuple(values.get(name) for name in TIMING_ORDER),
-                   _number(values.get("loss")), _number(values.get("grad_norm")), values.get("param_checksum"))
+        return cls(values["step"], values["time"], **{name: values.get(name) for name in TIMING_ORDER},
+                   loss=_number(values.get("loss")), grad_norm=_number(values.get("grad_norm")),
+                   param_checksum=values.get("param_checksum"))
+
+
+#: Where a point holds its timings, in ``TIMING_ORDER`` (a test holds the fields to it).
+_TIMINGS_AT = slice(2, 2 + len(TIMING_ORDER))
 
 
 def _number(value: float | str | None) -> float | None:
@@ -149,9 +162,10 @@ def summarize(points: Iterable[StepPoint]) -> WindowSummary | None:
     points = tuple(points)
     if not points:
         return None
-    _, _, timings, loss_column, norm_column, checksum_column = zip(*points, strict=True)  # a column a field
+    columns = tuple(zip(*points, strict=True))  # a column a field
+    loss_column, norm_column, checksum_column = columns[_TIMINGS_AT.stop:]
     medians = {}
-    for name, column in zip(TIMING_ORDER, zip(*timings, strict=True), strict=True):
+    for name, column in zip(TIMING_ORDER, columns[_TIMINGS_AT], strict=True):
         ordered = _sorted_reported(column)
         if ordered:
             middle = len(ordered) // 2  # the median as statistics.median takes it

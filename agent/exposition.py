@@ -55,17 +55,28 @@ _EXACT_INTEGERS = 2**53
 
 def format_value(value: Any) -> str:
     """``floatToGoString``, with fast paths for the small integers counters and buckets mostly hold, for floats
-    below 1e6 (a rank's timings and ratios), and for the larger integers that byte counts hold (a rank's memory and
-    collective volumes, 8 of its ~9 values from 1e6 up): ~140 values a rank, ~9,000 a render at 64 ranks."""
+    below 1e6 (a rank's timings and ratios), and for the values from 1e6 up that Go writes with an exponent: the
+    integers of byte counts (a rank's memory and collective volumes) and the floats of clocks and FLOP/s: ~140 values
+    a rank, ~9,000 a render at 64 ranks."""
     if type(value) is int:
         if -1_000_000 < value < 1_000_000:
             return f"{value}.0"  # what repr(float(value)) gives; from 1e6 up Go switches to exponents
-        if 0 < value < _EXACT_INTEGERS:  # repr(float(value)) is its digits and ".0": Go's exponent form of them
-            digits = str(value)
-            return f"{(digits[0] + '.' + digits[1:]).rstrip('0.')}e+{len(digits) - 1:02d}"
-    if type(value) is float and -1e300 < value < 1_000_000.0:  # finite (NaN compares false) and below 1e6
-        return repr(value)  # what floatToGoString writes: it rewrites only positive values from 1e6 up
+        if 0 < value < _EXACT_INTEGERS:  # repr(float(value)) is its digits and ".0"
+            return _go_exponent(str(value))
+    elif type(value) is float:
+        if -1e300 < value < 1_000_000.0:  # finite (NaN compares false) and below 1e6
+            return repr(value)  # what floatToGoString writes: it rewrites only positive values from 1e6 up
+        if 1_000_000.0 <= value < 1e16:  # repr writes its digits without an exponent
+            whole, fraction = repr(value).split(".")
+            return _go_exponent(whole + fraction, len(whole) - 1)
     return floatToGoString(value)
+
+
+def _go_exponent(digits: str, exponent: int | None = None) -> str:
+    """Go's form of a number from 1e6 up, from its decimal ``digits`` (the point after the first ``exponent + 1``, by
+    default after them all): one digit before the point, no trailing zeros, a two-digit exponent at least."""
+    exponent = len(digits) - 1 if exponent is None else exponent
+    return f"{(digits[0] + '.' + digits[1:]).rstrip('0.')}e+{exponent:02d}"
 
 
 class TextFamily(Metric):

@@ -158,7 +158,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-import itertools
 import json
 import math
 import operator
@@ -725,7 +724,7 @@ def _check_step(body: dict[str, Any]) -> None:
     if folded is not None:
         _check_buckets(folded, "folded.collectives")
         numbers = [point["step"] for point in folded["steps"]] + [body["step"]]
-        if any(earlier >= later for earlier, later in itertools.pairwise(numbers)):
+        if any(map(operator.ge, numbers, numbers[1:])):  # an earlier number not below the next
             raise RecordRejected("out_of_range", "folded.steps")
 
 

@@ -91,8 +91,10 @@ def test_value_changes_between_renders_are_reflected():
 
 
 @given(st.one_of(st.floats(), st.integers(-10**20, 10**20), st.integers(10**6, 2**53 + 1),
+                 st.floats(1e5, 1e17),  # the floats Go writes with an exponent from 1e6 up: clocks, FLOP/s
                  st.sampled_from([1e6, 999_999.9999999999, -1e300, 1e-5, -0.0, 1e300, -1e301, 10**6, 2**53 - 1, 2**53,
-                                  2**53 + 1, 10**15, 4096 * 10**6, -10**7])))
+                                  2**53 + 1, 10**15, 4096 * 10**6, -10**7, 1e16, 9_999_999_999_999_998.0,
+                                  1_000_000_040.0, 1_733_280_000.123456, 1.5e12])))
 def test_format_value_writes_what_prometheus_client_writes(value):
     assert format_value(value) == floatToGoString(value)
 

@@ -258,7 +258,7 @@ class _RankLines:
         self.parts: list[str] = []
         self._labels = dict(zip(RANK_LABELS, (hello["job"], *(str(hello[name]) for name in RANK_LABELS[1:])),
                                 strict=True))
-        self._prefixes: dict[tuple[str, str | None, tuple[tuple[str, str], ...]], str] = {}  # by name and labels
+        self._prefixes: dict[tuple[str, tuple[tuple[str, str], ...]], str] = {}  # by name and extra labels
         self._ops: dict[str, _OpLines] = {}
         #: The parts of a rank that has reported nothing since its hello: the hello's lines, the rest empty.
         self._hello_parts = [""] * len(_PER_RANK)
@@ -270,6 +270,11 @@ class _RankLines:
         self._window = [(_FAMILY_INDEX[gauge.name], self._prefix(gauge.name), gauge.field) for gauge in WINDOW_GAUGES]
         self._steps = [(_FAMILY_INDEX[gauge.name], self._prefix(gauge.name), gauge.field, gauge.group)
                        for gauge in STEP_GAUGES]
+        self._sampled = [(_FAMILY_INDEX[family], self._prefix(family), name)
+                         for family, name in ((_COSINE, "grad_cosine_similarity"), (_CHECKSUM, "param_checksum"))]
+        self._medians = [(timing, self._prefix(WINDOW_MEDIAN, (("timing", timing),))) for timing in WINDOW_TIMINGS]
+        #: Each memory ``kind``'s lines: (family's index, prefix, what it exports), made when the kind first reports.
+        self._memory: dict[str, list[tuple[int, str, str]]] = {}
 
     def _from_hello(self) -> dict[str, str]:
         """The lines that depend on the hello only: written once per hello."""
@@ -296,14 +301,21 @@ class _RankLines:
     def _prefix(self, name: str, extra: tuple[tuple[str, str], ...] = ()) -> str:
         return series_prefix(name, {**self._labels, **dict(extra)})
 
-    def _line(self, name: str, value: Any, kind: str | None = None, extra: tuple[tuple[str, str], ...] = ()) -> str:
-        """One sample of a series with the rank's labels, and the memory ``kind`` for memory gauges or other
-        ``extra`` labels (from bounded sets: timings, signals and reasons)."""
-        key = (name, kind, extra)
+    def _line(self, name: str, value: Any, extra: tuple[tuple[str, str], ...] = ()) -> str:
+        """One sample of a series with the rank's labels and ``extra`` labels (from bounded sets: signals and reasons,
+        phases, groups)."""
+        key = (name, extra)
         prefix = self._prefixes.get(key)
         if prefix is None:
-            prefix = self._prefixes[key] = self._prefix(name, ((("kind", kind),) if kind else ()) + extra)
+            prefix = self._prefixes[key] = self._prefix(name, extra)
         return f"{prefix}{format_value(value)}\n"
+
+    def _memory_lines(self, kind: str) -> list[tuple[int, str, str]]:
+        lines = self._memory.get(kind)
+        if lines is None:  # a kind of the schema's two (cuda, host_rss)
+            lines = self._memory[kind] = [(_FAMILY_INDEX[gauge.name], self._prefix(gauge.name, (("kind", kind),)),
+                                           gauge.field) for gauge in MEMORY_GAUGES]
+        return lines
 
     def _op(self, op: str) -> _OpLines:
         lines = self._ops.get(op)
@@ -336,10 +348,10 @@ class _RankLines:
             latency.append("".join(op_parts))
             volume.append(f"{lines_of.volume}{format_value(totals.bytes)}\n")
         parts[_FAMILY_INDEX[_LATENCY]], parts[_FAMILY_INDEX[_VOLUME]] = "".join(latency), "".join(volume)
-        for family, name in ((_COSINE, "grad_cosine_similarity"), (_CHECKSUM, "param_checksum")):
+        for index, prefix, name in self._sampled:
             value = state.sampled.get(name, (None, None))[1]
             if isinstance(value, float):  # a hex-digest checksum stays in /api/v1/state
-                parts[_FAMILY_INDEX[family]] = line(family, value)
+                parts[index] = f"{prefix}{format_value(value)}\n"
         parts[_FAMILY_INDEX[UNAVAILABLE]] = "".join(
             line(UNAVAILABLE, at, extra=(("signal", signal), ("reason", reason)))
             for signal, (at, reason) in sorted(state.unavailable.items())
@@ -352,8 +364,7 @@ class _RankLines:
                     parts[index] = f"{prefix}{format_value(value)}\n"
             medians = window.medians
             parts[_FAMILY_INDEX[WINDOW_MEDIAN]] = "".join(
-                line(WINDOW_MEDIAN, medians[timing], extra=(("timing", timing),))
-                for timing in WINDOW_TIMINGS if timing in medians)
+                f"{prefix}{format_value(medians[timing])}\n" for timing, prefix in self._medians if timing in medians)
         progress = state.progress
         if progress is not None:
             parts[_FAMILY_INDEX[STALLED]] = line(STALLED, progress["stalled_seconds"])
@@ -378,10 +389,10 @@ class _RankLines:
                                                   for group, calls in sorted(step.get("collective_calls", {}).items()))
         memory = state.sampled.get("memory", (None, None))[1]
         if memory is not None:
-            for gauge in MEMORY_GAUGES:
-                value = memory.get(gauge.field)
+            for index, prefix, field in self._memory_lines(memory["kind"]):
+                value = memory.get(field)
                 if value is not None:
-                    parts[_FAMILY_INDEX[gauge.name]] = line(gauge.name, value, memory["kind"])
+                    parts[index] = f"{prefix}{format_value(value)}\n"
         self.parts = parts
         self.version = state.version
 

@@ -159,7 +159,7 @@ class _Family:
     prefixes: list[str]  # 'name{labels} ' of each line
     values: list[Any]
     lines: list[str]
-    text: str
+    text: str  # the lines, joined: the page is each family's header and text in turn, copied once, by the join
 
 
 class Renderer:
@@ -180,7 +180,7 @@ class Renderer:
             texts = []
             for family in families:
                 rendered = current[family.name] = self._render(family, previous.get(family.name))
-                texts.append(rendered.text)
+                texts += (rendered.header, rendered.text)
             self._families = current
             return "".join(texts).encode()
 
@@ -188,7 +188,7 @@ class Renderer:
         header_key = (family.type, family.documentation)
         if isinstance(family, TextFamily):
             header = cached.header if cached is not None and cached.header_key == header_key else self._header(family)
-            return _Family(header_key, header, [], [], [], [], header + family.text)
+            return _Family(header_key, header, [], [], [], [], family.text)
         keys: list[Any]
         prefix_of: Callable[[Any], str]
         if isinstance(family, RowFamily):
@@ -212,7 +212,7 @@ class Renderer:
             lines = [line if value == old else f"{prefix}{format_value(value)}\n"
                      for prefix, value, old, line in zip(prefixes, values, cached.values, cached.lines, strict=True)]
         header = cached.header if cached is not None and cached.header_key == header_key else self._header(family)
-        return _Family(header_key, header, keys, prefixes, values, lines, header + "".join(lines))
+        return _Family(header_key, header, keys, prefixes, values, lines, "".join(lines))
 
     @staticmethod
     def _header(family: Metric) -> str:

@@ -39,8 +39,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import multiprocessing
-import os
-import platform
 import random
 import shutil
 import statistics
@@ -48,14 +46,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from _harness import free_port, get, running, wait_until
+from _harness import free_port, get, load_average, machine, running, spread, wait_until
 from telemetry_records import collectives, hello, plain_step, step
 
 from gpuwatch.trainer.telemetry import TelemetryClient
@@ -293,17 +291,6 @@ def _window(args: argparse.Namespace) -> float:
     return round(args.seconds / args.scrape_every) * args.scrape_every
 
 
-def _spread(values: Sequence[float], unit: str = "", digits: int = 2) -> str:
-    """min / median / max, or the one value of a single run."""
-    if len(values) == 1:
-        return f"{values[0]:.{digits}f}{unit}"
-    return (f"{min(values):.{digits}f} / {statistics.median(values):.{digits}f} / {max(values):.{digits}f}{unit}")
-
-
-def _load() -> str:
-    return " ".join(f"{value:.2f}" for value in os.getloadavg())
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="times every measurement is repeated")
@@ -324,10 +311,8 @@ def main() -> None:
     if args.scrape_every <= 0 or args.seconds < args.scrape_every:
         parser.error("--scrape-every must be positive and at most --seconds")
 
-    print(f"machine: {os.cpu_count()} CPUs ({_cpu_model()}), Linux {platform.release()}, "
-          f"{platform.python_implementation()} {sys.version.split()[0]} ({', '.join(platform.python_build())}, "
-          f"{platform.python_compiler()})")
-    print(f"load average before: {_load()}", flush=True)
+    print(f"machine: {machine()}")
+    print(f"load average before: {load_average()}", flush=True)
     runs = []
     for number in range(1, args.runs + 1):
         with tempfile.TemporaryDirectory(prefix="gpuwatch-cost-") as tmp:
@@ -336,8 +321,8 @@ def main() -> None:
         proper = (run.cost.cpu_share - run.cost.simulation_share) * 100
         print(f"run {number}: agent {run.cost.cpu_share * 100:.2f} % (proper {proper:.2f} %), "
               f"idle {run.idle * 100:.3f} %, fresh p50/p99 {run.fresh.p50_ms:.2f}/{run.fresh.p99_ms:.2f} ms, "
-              f"load {_load()}", flush=True)
-    print(f"load average after: {_load()}")
+              f"load {load_average()}", flush=True)
+    print(f"load average after: {load_average()}")
     _report(args, runs)
 
 
@@ -349,47 +334,39 @@ def _report(args: argparse.Namespace, runs: list[Run]) -> None:
     print(f"\n{args.runs} run(s), min / median / max. Simulated dgx-h100 (8 GPUs × 18 NVLinks, 8 IB ports), "
           f"{last.ranks} ranks reporting 1 step/s each, {args.interval:g} s sampling, a scrape every "
           f"{args.scrape_every:g} s at a steady rhythm, {_window(args):g} s window (records accepted "
-          f"{_spread(figures(lambda run: run.records['accepted']), digits=0)}, rejected "
+          f"{spread(figures(lambda run: run.records['accepted']), digits=0)}, rejected "
           f"{sum(figures(lambda run: run.records['rejected'])):.0f}, dropped "
           f"{sum(figures(lambda run: run.records['dropped'])):.0f}):")
-    print(f"  agent CPU      {_spread(figures(lambda run: run.cost.cpu_share * 100), ' %')} of one core, end to end")
+    print(f"  agent CPU      {spread(figures(lambda run: run.cost.cpu_share * 100), ' %')} of one core, end to end")
     simulation = figures(lambda run: run.cost.simulation_share * 100)
     proper = figures(lambda run: (run.cost.cpu_share - run.cost.simulation_share) * 100)
-    print(f"    of which simulation {_spread(simulation, ' %')} (sysfs rewrites, scripted NVML; not on a real node)")
-    print(f"    agent proper {_spread(proper, ' %')}   (target ≤ 1 % at 1 s, ≤ 0.3 % at 5 s)")
-    print(f"  agent RSS      {_spread(figures(lambda run: run.cost.rss_max_mb), ' MB', 1)} max   (target ≤ 60 MB)")
-    print(f"  idle agent     {_spread(figures(lambda run: run.idle * 100), ' %', 3)} of one core: every collector, "
+    print(f"    of which simulation {spread(simulation, ' %')} (sysfs rewrites, scripted NVML; not on a real node)")
+    print(f"    agent proper {spread(proper, ' %')}   (target ≤ 1 % at 1 s, ≤ 0.3 % at 5 s)")
+    print(f"  agent RSS      {spread(figures(lambda run: run.cost.rss_max_mb), ' MB', 1)} max   (target ≤ 60 MB)")
+    print(f"  idle agent     {spread(figures(lambda run: run.idle * 100), ' %', 3)} of one core: every collector, "
           "nothing to collect (no driver, empty sysfs), 1 s sampling   (target ≤ 0.1 %)")
     for name, scrapes in (("/metrics back to back", [run.full for run in runs]),
                           (f"/metrics every {args.interval:g} s", [run.fresh for run in runs]),
                           ("/metrics irregular", [run.irregular for run in runs])):
-        print(f"  {name:<22} p50 {_spread([scrape.p50_ms for scrape in scrapes], ' ms')}  "
-              f"p99 {_spread([scrape.p99_ms for scrape in scrapes], ' ms')}")
+        print(f"  {name:<22} p50 {spread([scrape.p50_ms for scrape in scrapes], ' ms')}  "
+              f"p99 {spread([scrape.p99_ms for scrape in scrapes], ' ms')}")
     print(f"    ({last.full.samples} samples, {last.full.kbytes:.0f} KiB; {args.scrapes} back to back, "
           f"{args.fresh_scrapes} a new snapshot each, {args.fresh_scrapes} at 0.2-3 intervals; "
           "target for a new snapshot: p50 ≤ 5 ms, p99 ≤ 10 ms)")
     print(f"\nInfiniBand only, same sysfs fixture ({IB_FIXTURE.relative_to(ROOT)}), {args.scrapes} scrapes:")
-    print(f"  gpuwatch agent       p50 {_spread(figures(lambda run: run.agent_ib.p50_ms), ' ms')}  "
-          f"p99 {_spread(figures(lambda run: run.agent_ib.p99_ms), ' ms')}  ({last.agent_ib.samples} samples)")
+    print(f"  gpuwatch agent       p50 {spread(figures(lambda run: run.agent_ib.p50_ms), ' ms')}  "
+          f"p99 {spread(figures(lambda run: run.agent_ib.p99_ms), ' ms')}  ({last.agent_ib.samples} samples)")
     compared = [run for run in runs if run.exporter_ib is not None]
     if not compared:
         print("  node_exporter        not installed: apt-get install prometheus-node-exporter")
         return
     exporter = [run.exporter_ib for run in compared if run.exporter_ib is not None]
-    print(f"  node_exporter        p50 {_spread([e.p50_ms for e in exporter], ' ms')}  "
-          f"p99 {_spread([e.p99_ms for e in exporter], ' ms')}  ({exporter[-1].samples} samples)")
+    print(f"  node_exporter        p50 {spread([e.p50_ms for e in exporter], ' ms')}  "
+          f"p99 {spread([e.p99_ms for e in exporter], ' ms')}  ({exporter[-1].samples} samples)")
     print(f"  ratio agent / node_exporter, same run: "
-          f"p50 {_spread([run.agent_ib.p50_ms / e.p50_ms for run, e in zip(compared, exporter, strict=True)], '×')}, "
-          f"p99 {_spread([run.agent_ib.p99_ms / e.p99_ms for run, e in zip(compared, exporter, strict=True)], '×')}"
+          f"p50 {spread([run.agent_ib.p50_ms / e.p50_ms for run, e in zip(compared, exporter, strict=True)], '×')}, "
+          f"p99 {spread([run.agent_ib.p99_ms / e.p99_ms for run, e in zip(compared, exporter, strict=True)], '×')}"
           "   (target ≤ 1)")
-
-
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 if __name__ == "__main__":

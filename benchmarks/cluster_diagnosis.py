@@ -32,7 +32,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import re
 import shutil
 import statistics
@@ -45,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from _harness import free_port, get, running, wait_until
+from _harness import free_port, get, load_average, machine, running, wait_until
 from telemetry_records import collectives, hello, step
 
 from gpuwatch.agent.diagnosis.sources import prometheus
@@ -365,17 +364,6 @@ def measure(template: list[Series], nodes: int, repeat: int, workdir: Path, full
                source["queries"], full_bytes, full_s, found, info, not_run, slowest)
 
 
-def machine() -> str:
-    """CPU model and count, for the figures' context (shared 2-core machines wander)."""
-    model = "unknown CPU"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return f"{os.cpu_count()} × {model}, Python {sys.version.split()[0]}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", default="64,256,1024", help="comma-separated cluster sizes")
@@ -384,7 +372,7 @@ def main() -> None:
                         help="also run the full pull (the bytes' yardstick) once at sizes up to this")
     args = parser.parse_args()
     sizes = [int(n) for n in args.nodes.split(",")]
-    load_before = os.getloadavg()
+    load_before = load_average()
     with tempfile.TemporaryDirectory(prefix="gpuwatch-cluster-") as tmp:
         workdir = Path(tmp)
         template = capture_template(workdir)
@@ -419,7 +407,7 @@ def main() -> None:
             more_bytes = run.bytes_received / base.bytes_received
             print(f"  {run.nodes:5d} nodes: {growth:5.2f}× time, {more_bytes:5.2f}× bytes "
                   f"for {run.series / base.series:5.1f}× series")
-        print(f"\nmachine: {machine()}; load average before {load_before}, after {os.getloadavg()}")
+        print(f"\nmachine: {machine()}; load average before {load_before}, after {load_average()}")
         print("targets: exactly the planted faults at every size; 4,096 nodes in under 10 s; outlier bytes at 1,024 "
               "nodes ≤ 5 % of the full pull's and ≤ 2× from 1,024 to 4,096 nodes")
 

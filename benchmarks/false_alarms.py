@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import foreign
-from cluster_diagnosis import machine
+from _harness import load_average, machine
 
 from gpuwatch.agent.diagnosis.registry import REGISTRY
 
@@ -198,7 +198,7 @@ def main() -> None:
     parser.add_argument("--latency-steps", type=int, default=60, help="steps of each straggler run (0.3 s each)")
     args = parser.parse_args()
 
-    print(f"machine: {machine()}; load average before {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"machine: {machine()}; load average before {load_average()}")
     print(f"{args.runs} healthy runs of {args.steps} steps ({', '.join(foreign.SCRIPTS)} × 1-4 ranks, gloo), "
           f"agent {' '.join(foreign.AGENT_ARGS[:4])}", flush=True)
     started = time.monotonic()
@@ -224,8 +224,7 @@ def main() -> None:
             if latencies:
                 print(f"  min {min(latencies):.2f} s  median {statistics.median(latencies):.2f} s  "
                       f"max {max(latencies):.2f} s  ({len(latencies)} of {args.latency_repeats} named)")
-    print(f"\n{time.monotonic() - started:.0f} s in all; load average after "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"\n{time.monotonic() - started:.0f} s in all; load average after {load_average()}")
 
 
 if __name__ == "__main__":

@@ -17,15 +17,13 @@ from __future__ import annotations
 import argparse
 import gzip
 import itertools
-import os
-import platform
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from agent_cost import _cpu_model, _load, _spread
+from _harness import load_average, machine, spread
 from render_instructions import WARM_ROUNDS, datagrams
 
 from gpuwatch.agent.collectors.base import CollectorContext
@@ -66,7 +64,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 1 or args.ranks < 1:
         parser.error("--repeats and --ranks must be at least 1")
-    load_before = _load()
+    load_before = load_average()
     text = page(args.ranks)
     writers = compressors()
     times: dict[str, list[float]] = {name: [] for name in writers}
@@ -81,13 +79,12 @@ def main() -> None:
             started = time.perf_counter()
             compress(text)
             times[name].append((time.perf_counter() - started) * 1e3)
-    print(f"machine: {os.cpu_count()} CPUs ({_cpu_model()}), Linux {platform.release()}, CPython "
-          f"{platform.python_version()}; load {load_before} before, {_load()} after")
+    print(f"machine: {machine()}; load {load_before} before, {load_average()} after")
     print(f"page: {args.ranks} ranks' telemetry families, {len(text) / 1e6:.2f} MB; {args.repeats} compressions each, "
           "interleaved; ms min / median / max")
     baseline = statistics.median(times["zlib level 1"])
     for name, samples in times.items():
-        print(f"  {name:13s} {_spread(samples, ' ms')}   {len(text) / sizes[name]:4.1f}x smaller   "
+        print(f"  {name:13s} {spread(samples, ' ms')}   {len(text) / sizes[name]:4.1f}x smaller   "
               f"median {statistics.median(samples) / baseline:.2f}x zlib's")
 
 

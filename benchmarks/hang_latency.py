@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -31,8 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from _harness import free_port, get, running, wait_until
-from cluster_diagnosis import machine
+from _harness import free_port, get, load_average, machine, running, wait_until
 
 from conftest import PrometheusServer
 
@@ -152,7 +150,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=3, help="Runs per fault.")
     args = parser.parse_args()
-    print(f"machine: {machine()}; load average before {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    print(f"machine: {machine()}; load average before {load_average()}", flush=True)
     print(f"layout: 2 agents (node-0, node-1), tp 1 x pp 2 x dp 2 as 2 torchrun nodes x 2 ranks; culprit rank "
           f"{CULPRIT}, fault at step {FAULT_STEP}; {args.repeat} run(s) per fault", flush=True)
     table = []
@@ -165,7 +163,7 @@ def main() -> None:
         spread = (f"{min(values):7.1f} {statistics.median(values):7.1f} {max(values):7.1f}" if values
                   else "      -       -       -")
         print(f"{fault:15} {source:28} {len(values):>3}/{args.repeat}   {spread:>28}")
-    print(f"load average after {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"load average after {load_average()}")
 
 
 if __name__ == "__main__":

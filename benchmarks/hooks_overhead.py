@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import socket
 import statistics
 import tempfile
@@ -52,6 +51,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _harness import load_average, machine
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -147,14 +147,9 @@ def _fixed_cost(device, rounds: int, steps: int, width: int, bucket_hook: bool =
     return out
 
 
-def _machine() -> str:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor() or "unknown CPU")
-    return f"{model}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
-
-
-def _load() -> str:
-    return " ".join(f"{load:.2f}" for load in os.getloadavg())
+def machine_and_load() -> str:
+    """The lines the script's figures start with: the machine, torch's version, the load average before."""
+    return f"machine: {machine(f'torch {torch.__version__}')}\nload average before: {load_average()}"
 
 
 def _spread(values: list[float]) -> str:
@@ -166,7 +161,7 @@ def fixed_cost(rounds: int, steps: int, width: int, bucket_hook: bool = False) -
     hook, if asked)."""
     print(f"fixed cost: MLP 128-{width}-16, batch {FIXED_BATCH}, SGD; default signals (similarity and checksum "
           f"every {DEFAULT_EVERY} steps); {rounds} rounds of {steps} steps each: off, on, off again (the floor), "
-          f"after a warm-up round\nmachine: {_machine()}\nload average before: {_load()}", flush=True)
+          f"after a warm-up round\n{machine_and_load()}", flush=True)
     print(f"{'µs per step':28} {'off':>7} {'on':>7}   {'on - off: min  median    max':>28}   {'floor (median)':>14}")
     layouts = [("one process", 1, False), ("DDP, 2 ranks (rank 0)", 2, False)]
     if bucket_hook:
@@ -182,7 +177,7 @@ def fixed_cost(rounds: int, steps: int, width: int, bucket_hook: bool = False) -
                   f"{statistics.median(times['off']):7.1f} {statistics.median(times['on']):7.1f}   "
                   f"{_spread(cost):>28}   {statistics.median(floor):14.1f}", flush=True)
         print(f"  telemetry client's thread: {result['client_us_per_step']:.1f} µs of CPU per step", flush=True)
-    print(f"load average after: {_load()}")
+    print(f"load average after: {load_average()}")
 
 
 def _alternating(device, cfg: TrainConfig, signals) -> dict[bool, list[tuple[float, float]]]:
@@ -253,7 +248,7 @@ def trainer_overhead(args: argparse.Namespace) -> None:
     layout = dict(tp=args.tp, pp=args.pp, dp=args.dp, micro_batches=args.micro_batches)
     print(f"tp {args.tp} × pp {args.pp} × dp {args.dp}, {args.micro_batches} micro-batches, the default model; "
           f"{args.rounds} rounds of {args.steps} steps per configuration, alternating off and on\n"
-          f"machine: {_machine()}\nload average before: {_load()}", flush=True)
+          f"{machine_and_load()}", flush=True)
     pooled = {name: {False: [], True: []} for name in names}
     ratios: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(args.rounds):
@@ -273,7 +268,7 @@ def trainer_overhead(args: argparse.Namespace) -> None:
         print(f"{name:31} {wall_off:8.2f} {wall_on:7.2f} {wall_on / wall_off:6.3f} {spread:>11} "
               f"{wall_on - wall_off:6.2f}   {cpu_off:7.2f} {cpu_on:7.2f} {cpu_on / cpu_off:6.3f} "
               f"{cpu_on - cpu_off:6.2f}")
-    print(f"load average after: {_load()}")
+    print(f"load average after: {load_average()}")
 
 
 if __name__ == "__main__":

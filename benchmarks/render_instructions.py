@@ -30,7 +30,6 @@ import itertools
 import json
 import os
 import pickle
-import platform
 import re
 import shutil
 import subprocess
@@ -144,11 +143,10 @@ def main() -> None:
     for tree in trees:
         if not (tree / "agent" / "collectors" / "telemetry.py").is_file():
             sys.exit(f"render_instructions: {tree} is not a checkout of this repository")
-    from agent_cost import _cpu_model
+    from _harness import machine
 
     valgrind = subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout.strip()
-    print(f"machine: {os.cpu_count()} CPUs ({_cpu_model()}), Linux {platform.release()}, CPython "
-          f"{platform.python_version()}, {valgrind}")
+    print(f"machine: {machine(valgrind)}")
     print(f"{args.ranks} ranks, {SCRAPE_SECONDS} steps each a round, "
           f"{args.rounds} counted rounds after {WARM_ROUNDS}; instructions a round (deterministic: one run each)")
     with tempfile.TemporaryDirectory() as tmp:

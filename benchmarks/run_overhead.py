@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _harness import load_average
+
 #: name → (hidden width, batch, steps measured, warm-up steps): a ~2 ms step and a ≥ 50 ms one on 2 CPU cores.
 SIZES = {"small": (512, 64, 400, 50), "large": (16384, 256, 40, 5)}
 ARMS = ("off", "on", "floor")
@@ -96,10 +98,10 @@ def main() -> None:
         worker(args.width, args.batch, args.steps, args.warmup, args.worker)
         return
 
-    from hooks_overhead import _load, _machine
+    from hooks_overhead import machine_and_load
 
     print(f"gpuwatch run overhead: plain DDP loop, 2 ranks (gloo), rank 0's training thread; {args.rounds} rounds "
-          f"of off / on / off again\nmachine: {_machine()}\nload average before: {_load()}", flush=True)
+          f"of off / on / off again\n{machine_and_load()}", flush=True)
     with tempfile.TemporaryDirectory() as scratch:
         for size in ([args.only] if args.only else SIZES):
             width, batch, steps, _ = SIZES[size]
@@ -116,7 +118,7 @@ def main() -> None:
                   f"wall (off, median)\n  µs of training-thread CPU per step: off {off:.1f}, on {on:.1f}\n"
                   f"  on - off    (min median max): {_spread(cost)}\n"
                   f"  floor - off (min median max): {_spread(floor)}", flush=True)
-    print(f"load average after: {_load()}")
+    print(f"load average after: {load_average()}")
 
 
 if __name__ == "__main__":

@@ -14,10 +14,7 @@ render of a fresh snapshot (what its first scrape pays), and /metrics latency ov
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -25,7 +22,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from agent_cost import _cpu_model, _load, _spread
+from _harness import load_average, machine, spread
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -93,9 +90,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--preset", default="dgx-h100", choices=sorted(PRESETS))
     args = parser.parse_args()
-    print(f"machine: {os.cpu_count()} CPUs ({_cpu_model()}), Linux {platform.release()}, "
-          f"{platform.python_implementation()} {sys.version.split()[0]}")
-    print(f"load average before: {_load()}", flush=True)
+    print(f"machine: {machine()}")
+    print(f"load average before: {load_average()}", flush=True)
 
     with tempfile.TemporaryDirectory() as workdir:
         simulation = Simulation(PRESETS[args.preset], Path(workdir))
@@ -125,7 +121,7 @@ def main() -> None:
         rows = sum(len(family.rows) for family in families if isinstance(family, RowFamily))
         print(f"  built and rendered anew, {rows} series, every value changed (min / median / max of {args.rounds}):")
         for name, spent in fresh.items():
-            print(f"    {name:<28} {_spread(spent, ' ms')}")
+            print(f"    {name:<28} {spread(spent, ' ms')}")
 
         for collector in collectors:
             print(f"  collect {collector.name:<12} {_median_ms(collector.collect, args.rounds):7.2f} ms")
@@ -160,7 +156,7 @@ def main() -> None:
         sampler.close()
         print(f"  /metrics over HTTP while sampling at 1 s: p50 {_percentile(latencies, 0.5):.2f} ms, "
               f"p99 {_percentile(latencies, 0.99):.2f} ms ({len(latencies)} scrapes)")
-    print(f"load average after: {_load()}")
+    print(f"load average after: {load_average()}")
 
 
 if __name__ == "__main__":

@@ -18,20 +18,14 @@ import argparse
 import gzip
 import http.client
 import multiprocessing
-import os
-import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _harness import free_port
+from _harness import free_port, load_average, machine, spread
 from agent_cost import (
-    _cpu_model,
-    _load,
     _process,
     _simulation_cpu,
-    _spread,
     agent_command,
     process_cpu_seconds,
     send_steps,
@@ -97,23 +91,22 @@ def main() -> None:
     if not 0 < args.apart < args.every:
         parser.error("--apart must be between 0 and --every")
 
-    print(f"machine: {os.cpu_count()} CPUs ({_cpu_model()}), Linux {platform.release()}, "
-          f"{platform.python_implementation()} {sys.version.split()[0]}")
-    print(f"load average before: {_load()}", flush=True)
+    print(f"machine: {machine()}")
+    print(f"load average before: {load_average()}", flush=True)
     arms = {"two addresses (each server's rhythm)": (PAIR[0], PAIR[1]), "one address (one rhythm)": (PAIR[0], PAIR[0])}
     shares: dict[str, list[float]] = {name: [] for name in arms}
     for number in range(1, args.runs + 1):
         for name, sources in arms.items():
             shares[name].append(agent_proper(args, sources) * 100)
-            print(f"run {number}, {name}: agent proper {shares[name][-1]:.3f} %, load {_load()}", flush=True)
-    print(f"load average after: {_load()}")
+            print(f"run {number}, {name}: agent proper {shares[name][-1]:.3f} %, load {load_average()}", flush=True)
+    print(f"load average after: {load_average()}")
     print(f"\n{args.runs} run(s), min / median / max. Simulated dgx-h100, 64 ranks stepping once a second, "
           f"{args.interval:g} s sampling, two servers scraping every {args.every:g} s, {args.apart:g} s apart, "
           f"{args.cycles} intervals measured:")
     for name, values in shares.items():
-        print(f"  {name:<38} agent proper {_spread(values, ' %', 3)}")
+        print(f"  {name:<38} agent proper {spread(values, ' %', 3)}")
     print(f"  ratio one address / two, same run: "
-          f"{_spread([one / two for two, one in zip(*shares.values(), strict=True)], '×')}")
+          f"{spread([one / two for two, one in zip(*shares.values(), strict=True)], '×')}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ def test_fixed_cost_prints_thread_wall_and_client_cost_with_the_noise_floor_for_
     monkeypatch.setenv("GPUWATCH_SOCKET", str(tmp_path / "no-agent.sock"))
     hooks_overhead.fixed_cost(rounds=2, steps=10, width=16)
     out = capsys.readouterr().out
-    assert "machine: " in out and "cores" in out
+    assert "machine: " in out and " CPUs (" in out and "torch " in out  # the cores, CPU model and torch it ran on
     assert "load average before: " in out and "load average after: " in out
     for layout in ("one process", "DDP, 2 ranks (rank 0)"):
         section = out.split(layout, 1)[1].splitlines()[1:4]

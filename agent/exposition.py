@@ -177,7 +177,7 @@ class Renderer:
     def render(self, families: Iterable[Metric]) -> bytes:
         with self._lock:
             previous, current = self._families, {}
-            texts = []
+            texts: list[str] = []
             for family in families:
                 rendered = current[family.name] = self._render(family, previous.get(family.name))
                 texts += (rendered.header, rendered.text)

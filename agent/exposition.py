@@ -62,7 +62,8 @@ def format_value(value: Any) -> str:
         if -1_000_000 < value < 1_000_000:
             return f"{value}.0"  # what repr(float(value)) gives; from 1e6 up Go switches to exponents
         if 0 < value < _EXACT_INTEGERS:  # repr(float(value)) is its digits and ".0"
-            return _go_exponent(str(value))
+            digits = str(value)
+            return _go_exponent(digits, len(digits) - 1)
     elif type(value) is float:
         if -1e300 < value < 1_000_000.0:  # finite (NaN compares false) and below 1e6
             return repr(value)  # what floatToGoString writes: it rewrites only positive values from 1e6 up
@@ -72,10 +73,9 @@ def format_value(value: Any) -> str:
     return floatToGoString(value)
 
 
-def _go_exponent(digits: str, exponent: int | None = None) -> str:
-    """Go's form of a number from 1e6 up, from its decimal ``digits`` (the point after the first ``exponent + 1``, by
-    default after them all): one digit before the point, no trailing zeros, a two-digit exponent at least."""
-    exponent = len(digits) - 1 if exponent is None else exponent
+def _go_exponent(digits: str, exponent: int) -> str:
+    """Go's form of a number from 1e6 up, from its decimal ``digits`` (the point after the first ``exponent + 1``):
+    one digit before the point, no trailing zeros, a two-digit exponent at least."""
     return f"{(digits[0] + '.' + digits[1:]).rstrip('0.')}e+{exponent:02d}"
 
 

@@ -173,8 +173,8 @@ def test_window_summary_takes_every_median_and_finite_range_by_their_definition(
     median of the steps that reported a timing, and the finite losses and gradient norms only."""
     points = [StepPoint(n, float(n), *timings, loss, norm) for n, (timings, loss, norm) in enumerate(rows)]
     summary = summarize(points)
-    for index, name in enumerate(TIMING_ORDER):
-        reported = [point.timings[index] for point in points if point.timings[index] is not None]
+    for name in TIMING_ORDER:
+        reported = [getattr(point, name) for point in points if getattr(point, name) is not None]
         assert summary.median(name) == (statistics.median(reported) if reported else None)
     losses = [point.loss for point in points if point.loss is not None and math.isfinite(point.loss)]
     norms = [point.grad_norm for point in points if point.grad_norm is not None and math.isfinite(point.grad_norm)]
@@ -209,14 +209,12 @@ def test_a_step_point_reads_every_timing_at_its_path():
         node[field] = number / 10
     point = StepPoint.of(body)
     assert StepPoint._fields[2:2 + len(TIMING_ORDER)] == TIMING_ORDER  # each timing in the field of its name
-    assert dict(zip(TIMING_ORDER, point.timings, strict=True)) == {
-        name: number / 10 for number, name in enumerate(TIMINGS, 1)}
     assert {name: getattr(point, name) for name in TIMINGS} == {
         name: number / 10 for number, name in enumerate(TIMINGS, 1)}
     assert (point.step, point.time, point.loss, point.grad_norm, point.param_checksum) == (7, 1.5, 2.0, 3.0, "ab")
     assert StepPoint.from_dict(point.as_dict()) == point
     bare = StepPoint.of({"step": 8, "time": 2.0})  # a step without the optional timings or a pipeline
-    assert bare.timings == (None,) * len(TIMINGS) and bare.loss is None
+    assert [getattr(bare, name) for name in TIMINGS] == [None] * len(TIMINGS) and bare.loss is None
 
 
 def test_unavailable_signals_are_kept_until_measured_again_and_exported_with_their_reason():

@@ -155,6 +155,7 @@ class RankState:
 #: A rank's fields, in the order ``RankState`` takes them.
 _FIELD_VALUES = operator.attrgetter(*(field.name for field in dataclasses.fields(RankState)))
 
+
 def _nonfinite(body: dict[str, Any]) -> bool:
     """The client's flag, or a non-finite loss/grad norm it forgot to flag."""
     return bool(body.get("nonfinite")) or not (math.isfinite(body.get("loss", 0.0))

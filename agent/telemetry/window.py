@@ -35,12 +35,12 @@ TIMINGS: Mapping[str, tuple[str, ...]] = {
 }
 
 
-#: TIMINGS as ``StepPoint.timings`` holds them: the top-level fields, then the one nested, the pipeline's bubble, which
+#: TIMINGS as a ``StepPoint`` holds them: the top-level fields, then the one nested, the pipeline's bubble, which
 #: ``StepPoint.of`` reads by its two names (walking its path was a third of a point's cost; a test holds ``of`` to
 #: every path of TIMINGS).
 _TOP_LEVEL_TIMINGS = tuple(path[0] for path in TIMINGS.values() if len(path) == 1)
 _BUBBLE_OBJECT, _BUBBLE_FIELD = TIMINGS["bubble_ratio"]
-#: The names of ``StepPoint.timings``, in its order.
+#: The names of a ``StepPoint``'s timing fields, in their order.
 TIMING_ORDER = (*_TOP_LEVEL_TIMINGS, "bubble_ratio")
 _NO_OBJECT: Mapping[str, Any] = {}
 
@@ -70,11 +70,6 @@ class StepPoint(NamedTuple):
         return tuple.__new__(cls, (body["step"], body["time"], *map(get, _TOP_LEVEL_TIMINGS),
                                    (get(_BUBBLE_OBJECT) or _NO_OBJECT).get(_BUBBLE_FIELD), get("loss"),
                                    get("grad_norm"), get("param_checksum")))
-
-    @property
-    def timings(self) -> tuple[float | None, ...]:
-        """The timings, in ``TIMING_ORDER``."""
-        return tuple(getattr(self, name) for name in TIMING_ORDER)
 
     def as_dict(self) -> dict[str, Any]:
         """For /api/v1/state: the step record's own field names, absent values left out."""

@@ -41,13 +41,22 @@ that restarted learns the rank's layout and a hung-but-alive rank does not expir
     unavailable_from_outside?  [signal]  what a rank instrumented from outside (``gpuwatch run``) cannot
                                      measure, signals of ``UNAVAILABLE_FROM_OUTSIDE``: the rules that need
                                      them say so instead of judging
+    notes?              [str]        what the instrumentation found but could not use, a line each (at most
+                                     MAX_NOTES of MAX_TEXT_CHARS), e.g. a device mesh it cannot place: diagnosis
+                                     repeats them
 
 ``step`` — one per reported step. Count-like fields (collectives, tokens, alloc_retries, ooms) are
 *this step's* increments; the agent accumulates them into counters::
 
     step                int          the step number
     step_seconds        float ≥ 0    wall time of the whole step
-    compute_seconds?, dataloader_wait_seconds?, optimizer_seconds?   float ≥ 0
+    compute_seconds?, dataloader_wait_seconds?, optimizer_seconds?, outside_model_seconds?   float ≥ 0
+                                     the step's phases (STEP_PHASES), each net of the collectives waited
+                                     for inside it: the time in the data loader's ``__next__``; forward and
+                                     backward (one run inside an optimizer closure too); the update; and
+                                     outside the model, the rest of the host's time (callbacks, logging,
+                                     evaluation, checkpointing). With ``exposed_collective_seconds`` they
+                                     sum to ``step_seconds``.
     exposed_collective_seconds?  float ≥ 0   time the training thread waited on collectives this step:
                                      blocking calls whole, overlapped ones (DDP buckets) from the last
                                      launch to the end of the phase. Waiting for late peers and the
@@ -87,7 +96,8 @@ that restarted learns the rank's layout and a hung-but-alive rank does not expir
     client?             {sent: int, dropped: {reason: int}}   the client's cumulative send
                                      counters, added by ``TelemetryClient`` (CLIENT_DROP_REASONS)
     folded?             {steps: [{step, time, step_seconds, compute_seconds?, dataloader_wait_seconds?,
-                                  exposed_collective_seconds?, pipeline?: {bubble_ratio}, loss?, grad_norm?}],
+                                  optimizer_seconds?, outside_model_seconds?, exposed_collective_seconds?,
+                                  pipeline?: {bubble_ratio}, loss?, grad_norm?}],
                          collectives?, tokens?, samples?}
                         earlier steps the client folded into this record, oldest first (at most
                         MAX_FOLDED_STEPS, each numbered below the next and below this record's step): what the
@@ -184,15 +194,22 @@ COLLECTIVE_BUCKETS: tuple[float, ...] = (
     1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3,
     0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
 )
-COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast", "barrier")
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "gather",
+                  "scatter", "barrier", "send", "recv")
 #: The point-to-point ops among them: pairs of ranks, not the whole group, take part (not in ``collective_calls``).
 P2P_OPS = frozenset({"send", "recv"})
 MEMORY_KINDS = ("cuda", "host_rss")
 #: What a rank's training thread can be in, as a progress record says.
 PHASES = ("data", "compute", "optimizer", "collective", "step", "idle", "closed")
+#: A step record's phases, in the order they are listed: each field's seconds, net of the collectives waited for
+#: inside it; with ``exposed_collective_seconds`` they sum to ``step_seconds``.
+STEP_PHASES = {"data": "dataloader_wait_seconds", "compute": "compute_seconds", "optimizer": "optimizer_seconds",
+               "outside_model": "outside_model_seconds"}
 #: The innermost frames of a stalled rank's stack that a progress record carries, and a frame's text fields.
 MAX_STACK_FRAMES = 32
 MAX_TEXT_CHARS = 512
+#: The most notes a hello carries.
+MAX_NOTES = 8
 #: Optional memory fields: allocator state on CUDA; host_rss reports only peak_bytes.
 MEMORY_COUNTS = ("allocated_bytes", "reserved_bytes", "inactive_split_bytes", "alloc_retries", "ooms")
 #: Why a client dropped a record instead of sending it.
@@ -610,13 +627,14 @@ _HELLO = _kind(
         "framework": _choice(*FRAMEWORKS),
         "command": _list(_text(MAX_COMMAND_ARG_CHARS), MAX_COMMAND_ARGS),
         "unavailable_from_outside": _list(_choice(*UNAVAILABLE_FROM_OUTSIDE), len(UNAVAILABLE_FROM_OUTSIDE)),
+        "notes": _list(_text(MAX_TEXT_CHARS), MAX_NOTES),
     },
 )
 
 _STEP_REQUIRED = {"step": _integer(0, 2**53), "step_seconds": _SECONDS}
 _STEP_OPTIONAL = {
     "compute_seconds": _SECONDS, "dataloader_wait_seconds": _SECONDS, "optimizer_seconds": _SECONDS,
-    "exposed_collective_seconds": _SECONDS,
+    "outside_model_seconds": _SECONDS, "exposed_collective_seconds": _SECONDS,
     "pipeline": _object(
         {"busy_seconds": _SECONDS, "idle_seconds": _SECONDS, "bubble_ratio": _RATIO},
         {"bubble_ratio_theoretical": _RATIO},
@@ -647,7 +665,8 @@ _STEP_OPTIONAL = {
 #: What a folded step keeps of its record (``folded.steps``): what the agent's window of recent steps reads. Of
 #: ``pipeline``, only ``bubble_ratio``.
 FOLDED_STEP_FIELDS = ("step", "time", "step_seconds", "compute_seconds", "dataloader_wait_seconds",
-                      "exposed_collective_seconds", "pipeline", "loss", "grad_norm")
+                      "optimizer_seconds", "outside_model_seconds", "exposed_collective_seconds", "pipeline", "loss",
+                      "grad_norm")
 #: The count-like fields of a step, summed over the folded steps (``folded``).
 FOLDED_COUNTS = ("collectives", "tokens", "samples")
 _FOLDED_STEP_REQUIRED = ("step", "time", "step_seconds")

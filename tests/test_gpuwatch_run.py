@@ -157,7 +157,11 @@ def test_an_exception_inside_the_injected_code_is_counted_and_never_reaches_trai
     for rank in (0, 1):
         counts = json.loads((failures / f"rank-{rank}.json").read_text())
         assert counts == {"AutoMonitor._after_optimizer_step": STEPS}
-    assert result.stderr.count("RuntimeError: planted in the injected code") == 2  # once per rank, not per step
+    log, summary = result.stderr.rstrip("\n").rsplit("\n", 1)
+    assert log.count("RuntimeError: planted in the injected code") == 2  # logged once per rank, not per step
+    # every step's record failed: nothing was measured, and the end-of-run line says why
+    assert summary == ("gpuwatch run: 0 of 2 ranks measured: AutoMonitor._after_optimizer_step raised RuntimeError: "
+                       "planted in the injected code (in 2 processes)")
 
 
 def test_a_sleeping_rank_is_named_as_the_straggler(runs):
@@ -513,7 +517,8 @@ def test_a_framework_adapter_counts_each_optimizer_steps_samples(tmp_path, frame
 
 @pytest.mark.parametrize("clipping", [(), ("--as-torchtitan",)])
 def test_an_fsdp_models_gradient_norm_is_the_clipped_one_and_the_rest_is_said_unavailable(tmp_path, clipping):
-    """FSDP2 (fully_shard, gloo): no rank holds a whole gradient or the whole parameters, so no gradient cosine or
+    """FSDP2 (fully_shard, gloo) on its default mesh, one dimension without names over the world: data parallel. No
+    rank holds a whole gradient or the whole parameters, so no gradient cosine or
     checksum is measured (they would be a shard's) and the hello says why; the norm clip_grad_norm_ returned (whole:
     FSDP reduced it), or the one clip_grads_with_norm_ was given (torchtitan's way), is each step's grad_norm, bit for
     bit what the script read; the rules needing the rest say so."""
@@ -523,7 +528,9 @@ def test_an_fsdp_models_gradient_norm_is_the_clipped_one_and_the_rest_is_said_un
     hellos, records = _records(tmp_path / "log")
     assert sorted(hellos) == sorted(records) == [0, 1]
     for rank in (0, 1):
-        assert {"gradients", "layout"} <= set(hellos[rank]["unavailable_from_outside"])
+        assert "gradients" in hellos[rank]["unavailable_from_outside"]
+        assert "layout" not in hellos[rank]["unavailable_from_outside"]
+        assert (hellos[rank]["dp_size"], hellos[rank]["dp_rank"], hellos[rank]["tp_size"]) == (2, rank, 1)
         norms = json.loads((tmp_path / "norms" / f"rank-{rank}.json").read_text())
         assert [float(r["grad_norm"]).hex() for r in records[rank]] == norms
         assert all("loss" in r and "grad_cosine_similarity" not in r and "param_checksum" not in r

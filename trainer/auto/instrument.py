@@ -3,31 +3,43 @@ instead of the training loop's own calls, so the records, the DDP watching, the 
 Monitor's, and every rule judges both alike.
 
 Idle until the process has a process group (`torch.distributed.init_process_group` returns, or an optimizer step
-finds one that came another way, as from `init_device_mesh`); then the first forward of a module makes the Monitor
-with that module (a DistributedDataParallel model gets the Monitor's DDP watching: the all-reduce tail every step,
-the gradient cosine and norm on measuring steps). From then on one step per optimizer step:
+finds one that came another way, as from `init_device_mesh`); then the first forward of a module in training mode
+makes the Monitor with that module (a DistributedDataParallel model gets the Monitor's DDP watching: the all-reduce
+tail every step, the gradient cosine and norm on measuring steps). From then on one step per optimizer step, from
+the end of one `optimizer.step()` to the end of the next (`register_optimizer_step_pre_hook`,
+`register_optimizer_step_post_hook`, global: https://pytorch.org/docs/stable/optim.html); with several optimizers,
+the first one that steps sets the steps. Gradient accumulation is one step per optimizer step.
 
-* the step runs from the end of one `optimizer.step()` to the end of the next (`register_optimizer_step_pre_hook`,
-  `register_optimizer_step_post_hook`, global: https://pytorch.org/docs/stable/optim.html); with several optimizers,
-  the first one that steps sets the steps. Gradient accumulation is one step per optimizer step;
-* its data wait runs from the start to the first module forward (`register_module_forward_pre_hook`, global:
-  https://pytorch.org/docs/stable/generated/torch.nn.modules.module.register_module_forward_pre_hook.html),
-  registered for one call a step so that the model's own modules run their forwards without it; compute from there
-  to the optimizer step, optimizer the step itself;
-* its loss is the sum of the one-element tensors `backward()` was called on in it (`torch.autograd.backward`,
-  wrapped, which `Tensor.backward` calls):
-  the loss itself with one backward a step, the step's mean loss where each micro-batch's loss is divided by the
-  micro-batches, as gradient accumulation does. Under AMP's loss scaling the tensor backward() runs on is
-  `GradScaler.scale(loss)` (wrapped): the loss reported is the one it was given, bit for bit, and the scaler's scale
-  is the record's `loss_scale`. Read as the Monitor reads a reported tensor: on the CPU with the record, on a GPU
-  copied without a sync and read a step or two later;
+Each phase is measured where it happens, whatever framework runs the loop (the schema's STEP_PHASES):
+
+* *data*: the time inside a DataLoader iterator's `__next__` (`_BaseDataLoaderIter`, which Hugging Face's and
+  accelerate's loaders and Lightning's fetchers all call) while the model trains; a loader read while the model is
+  in eval mode (an evaluation) is not the step's input;
+* *compute*: from a forward of the model in training mode (a pre-hook on the Monitor's model) to the end of the
+  backward (`torch.autograd.backward`, wrapped, which `Tensor.backward` calls), including a forward and backward run
+  inside the closure an optimizer step is given (Lightning's automatic optimization): the closure is wrapped, and
+  only the step's time outside it is the update;
+* *optimizer*: `optimizer.step()` outside its closure, and gradient clipping (`clip_grad_norm_`, wrapped);
+* the collectives waited for inside each phase are taken out of it (the Monitor's exposed communication), and
+  *outside the model* is the rest of the step: callbacks, logging, evaluation (a forward in eval mode), checkpoints.
+
+Values:
+
+* its loss is the sum of the one-element tensors `backward()` was called on in it: the loss itself with one backward
+  a step, the step's mean loss where each micro-batch's loss is divided by the micro-batches, as gradient
+  accumulation does. Under AMP's loss scaling the tensor backward() runs on is `GradScaler.scale(loss)` (wrapped):
+  the loss reported is the one it was given, bit for bit, and the scaler's scale is the record's `loss_scale`. Read
+  as the Monitor reads a reported tensor: on the CPU with the record, on a GPU copied without a sync and read a
+  step or two later;
 * its learning rate is the optimizer's first parameter group's `lr`;
 * its gradient norm, where the job clips, is the norm `torch.nn.utils.clip_grad_norm_` returns (FSDP1's
   `clip_grad_norm_` method too) or the one `clip_grads_with_norm_` is given, where it is whole on the rank;
-* blocking collectives called through `torch.distributed` (`all_reduce`, `broadcast`, `all_gather`,
-  `reduce_scatter`, `barrier`, `send`, `recv` and their tensor variants) are timed as `Monitor.collective` times
-  them, which also makes each the collective in flight on its group, numbered, for the hang diagnosis. Calls with
-  `async_op=True` return before the transfer and are left alone, as are the calls one collective makes inside another;
+* every collective `torch.distributed` exports is timed as `Monitor.collective` times it, which also makes it the
+  collective in flight on its group, numbered, for the hang diagnosis: the set is read from the installed torch
+  (`collective_functions`: every public function taking `async_op`, `*_single`, `*_into_tensor` and `*_coalesced`
+  among them, and the point-to-point calls), not a hand list. A blocking call is timed whole; an asynchronous one
+  (`async_op=True`, `isend`, `irecv`: FSDP2's all-gathers and reduce-scatters) is numbered when launched and timed
+  while its `Work.wait()` blocks the training thread; calls one collective makes inside another are its own;
 * a framework adapter (gpuwatch.trainer.auto.adapters) may add the step's samples (`count`).
 
 The Monitor is made with the job's layout where one is known (gpuwatch.trainer.auto.layout: `--layout`, Megatron's
@@ -37,7 +49,9 @@ none is known (then diagnosis compares no ranks as peers: a pipeline's stages di
 see the same data), and "gradients" where no DDP model holds each replica's whole gradient (FSDP shards it, tensor
 and pipeline parallelism split it): the gradient cosine and the parameter checksum would be a shard's, so they are
 not measured. The hello also carries the framework found and the rank's command line. Every hook is guarded: an
-exception inside it is counted in `failures` and logged once, and training goes on untouched.
+exception inside it is counted in `failures` and logged once, and training goes on untouched. What the process went
+through (instrumented, a process group, measuring, its first step, a failure, closed) is noted for `gpuwatch run`'s
+end-of-run line (gpuwatch.trainer.auto.status).
 """
 
 from __future__ import annotations
@@ -46,7 +60,9 @@ import functools
 import inspect
 import multiprocessing.util
 import sys
+import weakref
 from collections.abc import Callable, Iterable, Mapping
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -54,21 +70,24 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils.data import dataloader
 from torch.utils.hooks import RemovableHandle
 
 from gpuwatch.protocol.schema import UNAVAILABLE_FROM_OUTSIDE
+from gpuwatch.trainer.auto import status
 from gpuwatch.trainer.auto.layout import detect_layout
 from gpuwatch.trainer.hooks._safety import Failures
 from gpuwatch.trainer.hooks.identity import Layout
 from gpuwatch.trainer.hooks.monitor import SIGNALS, Monitor, Step, _Collective, _Phase
 from gpuwatch.trainer.telemetry import captured_command
 
-#: The torch.distributed functions timed, and the op (schema.COLLECTIVE_OPS) each counts as.
-COLLECTIVES: Mapping[str, str] = {
-    "all_reduce": "all_reduce", "broadcast": "broadcast", "all_gather": "all_gather",
-    "all_gather_into_tensor": "all_gather", "reduce_scatter": "reduce_scatter",
-    "reduce_scatter_tensor": "reduce_scatter", "barrier": "barrier", "send": "send", "recv": "recv",
-}
+#: The ops a collective's name starts with (schema.COLLECTIVE_OPS), longest first: `reduce_scatter_tensor` is a
+#: reduce-scatter, not a reduce.
+_OPS_BY_PREFIX = ("reduce_scatter", "all_reduce", "all_gather", "all_to_all", "broadcast", "barrier", "reduce",
+                  "gather", "scatter")
+#: torch.distributed's point-to-point calls, which take no `async_op`: `isend`/`irecv` return a Work to wait for.
+POINT_TO_POINT: Mapping[str, str] = {"send": "send", "recv": "recv", "isend": "send", "irecv": "recv"}
+ASYNCHRONOUS_POINT_TO_POINT = frozenset({"isend", "irecv"})
 #: The module a framework is known by, in the order they are told apart (Hugging Face's Trainer imports accelerate,
 #: Lightning may import transformers): the hello's `framework`, "plain" when none is loaded.
 FRAMEWORK_MODULES = (("torchtitan", "torchtitan"), ("megatron", "megatron"), ("lightning", "lightning"),
@@ -85,8 +104,32 @@ def install() -> AutoMonitor:
     if active is None:
         active = AutoMonitor()
         active.install()
+        status.note("instrumented")
     return active
 
+
+def op_of(name: str) -> str | None:
+    """The op (schema.COLLECTIVE_OPS) a torch.distributed function's name counts as, None for no collective."""
+    if name in POINT_TO_POINT:
+        return POINT_TO_POINT[name]
+    return next((op for op in _OPS_BY_PREFIX if name == op or name.startswith(op + "_")), None)
+
+
+def takes_async_op(function: object) -> bool:
+    """Whether `function` takes `async_op`: what every collective of torch.distributed has in common."""
+    try:
+        return callable(function) and "async_op" in inspect.signature(function).parameters  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+
+
+def collective_functions(module: ModuleType = dist.distributed_c10d) -> dict[str, str]:
+    """Every collective the installed torch.distributed exports, by name, with the op it counts as: its public
+    functions that take `async_op`, whatever their entry point, and the point-to-point calls. A function of that
+    kind whose name fits no op is left out here: tests/test_gpuwatch_run.py fails on it."""
+    names = [name for name in dir(module) if not name.startswith("_") and takes_async_op(getattr(module, name))]
+    names += [name for name in POINT_TO_POINT if callable(getattr(module, name, None))]
+    return {name: op for name in names if (op := op_of(name)) is not None}
 
 
 def unavailable_from_outside(layout: Layout | None, whole_gradients: bool, counted: Iterable[str] = ()) -> list[str]:
@@ -115,19 +158,32 @@ class AutoMonitor:
     """Drives a Monitor's step, phases and report from torch's global hooks (see the module's docstring).
 
     Its state moves with the training thread: `step` is the step open now (None until the first forward after a
-    process group exists), `phase` its phase open now; `losses` the tensors backward() was called on in it."""
+    process group exists), `phase` its phase open now (None: outside the model); `losses` the tensors backward() was
+    called on in it."""
 
     def __init__(self) -> None:
-        self.failures = Failures()
+        self.failures = Failures(on_first=_note_failure)
         self.monitor: Monitor | None = None
+        self.model: nn.Module | None = None
         self.step: Step | None = None
         self.phase: _Phase | None = None
         self.losses: list[torch.Tensor] = []
         #: the optimizer whose steps are the steps (the first to step), and how many it has made
         self.optimizer: torch.optim.Optimizer | None = None
         self.optimizer_steps = 0
-        self._first_forward: RemovableHandle | None = None  # registered while the next forward is awaited
+        self._noted_step = False  # the first step record told to gpuwatch run's status
+        #: inside that optimizer's step(), and inside the closure it was given: the update is the step's time
+        #: outside the closure
+        self._in_optimizer = False
+        self._in_closure = False
+        #: by id, whether a dataset's batches were last fed to the model training (True) or evaluating; the dataset
+        #: of the latest batch read
+        self._feeds: dict[int, bool] = {}
+        self._fetched: int | None = None
+        self._first_forward: RemovableHandle | None = None  # registered while the first forward is awaited
         self._in_collective = False  # inside a timed collective: the collectives it calls are its own
+        #: asynchronous collectives launched and not yet waited for: their timers, started by Work.wait()
+        self._launched: weakref.WeakKeyDictionary[Any, _Collective] = weakref.WeakKeyDictionary()
         #: the device meshes init_device_mesh made (a framework's world mesh among them: the layout)
         self.meshes: list[Any] = []
         #: this step's losses scaled by a GradScaler: (the scaled tensor, the loss before scaling, the scale)
@@ -143,11 +199,13 @@ class AutoMonitor:
         register_optimizer_step_pre_hook(self._before_optimizer_step)
         register_optimizer_step_post_hook(self._after_optimizer_step)
         torch.autograd.backward = self._wrap_backward(torch.autograd.backward)  # Tensor.backward calls it too
+        self._patch(dataloader._BaseDataLoaderIter, "__next__", self._wrap_next_batch)
         if dist.is_available():
             self._patch(dist.distributed_c10d, "init_process_group", self._wrap_init_process_group)
             self._patch(dist.distributed_c10d, "destroy_process_group", self._wrap_destroy_process_group)
-            for name, op in COLLECTIVES.items():
-                self._patch(dist.distributed_c10d, name, functools.partial(self._wrap_collective, op))
+            for name, op in collective_functions().items():
+                self._patch(dist.distributed_c10d, name, functools.partial(self._wrap_collective, name, op))
+            self._patch(dist.Work, "wait", self._wrap_wait)
             from torch.distributed import device_mesh  # imported by torch.distributed already: no cost
 
             self._patch(device_mesh, "init_device_mesh", self._wrap_init_device_mesh)
@@ -168,7 +226,7 @@ class AutoMonitor:
             if getattr(namespace, name, None) is original:
                 setattr(namespace, name, wrapped)
 
-    # -- process group and first forward -----------------------------------------------------------
+    # -- process group, the model, shutdown ----------------------------------------------------------
 
     def _wrap_init_process_group(self, init_process_group: Callable) -> Callable:
         @functools.wraps(init_process_group)
@@ -180,9 +238,11 @@ class AutoMonitor:
         return wrapper
 
     def _wrap_destroy_process_group(self, destroy_process_group: Callable) -> Callable:
+        place = _places(destroy_process_group)
+
         @functools.wraps(destroy_process_group)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if not args and kwargs.get("group") is None:  # the default group: training is over
+            if _argument("group", place, args, kwargs) is None:  # the default group, however given: training is over
                 self._close()
             return destroy_process_group(*args, **kwargs)
 
@@ -200,40 +260,47 @@ class AutoMonitor:
                 self._first_forward = None
             if monitor is not None:
                 monitor.close()
+                status.note("closed", rank=monitor.layout.rank, steps=self.optimizer_steps)
         except Exception as error:
             self.failures.record("AutoMonitor._close", error)
 
     def _await_forward(self) -> None:
-        """Have the next module forward call `_on_first_forward`."""
+        """Have the next module forward in training mode call `_on_first_forward`."""
         try:
-            if self._first_forward is None:
+            if self._first_forward is None and self.monitor is None:
+                status.note("process_group", rank=dist.get_rank(), world_size=dist.get_world_size())
                 self._first_forward = register_module_forward_pre_hook(self._on_first_forward)
         except Exception as error:
             self.failures.record("AutoMonitor._await_forward", error)
 
     def _on_first_forward(self, module: nn.Module, inputs: Any) -> None:
-        """The step's first forward: the data wait ends and compute begins. The very first makes the Monitor, with
-        the module called (the outermost: a DDP model where there is one), and opens the first step."""
+        """The first forward of a module in training mode after a process group exists: the Monitor, made with the
+        module called (the outermost: a DDP model where there is one), which from now on is the model whose
+        forwards are the compute; the first step opens. A forward in eval mode (Lightning's sanity check) waits."""
         try:
+            if not _training(module):
+                return
             if self._first_forward is not None:
                 self._first_forward.remove()
                 self._first_forward = None
-            if self.monitor is None:
-                self.monitor = self._make_monitor(module)
-                # A multiprocessing child (a launcher's forked or spawned rank) ends in os._exit, past atexit: its
-                # last steps would be lost without closing at multiprocessing's own exit
-                multiprocessing.util.Finalize(self.monitor, self.monitor.close, exitpriority=0)
-                self._open_step()
-            if self.step is not None:
-                self._enter(self.step.compute())
+            self.monitor = self._make_monitor(module)
+            self.model = module
+            module.register_forward_pre_hook(self._on_forward)
+            # A multiprocessing child (a launcher's forked or spawned rank) ends in os._exit, past atexit: its
+            # last steps would be lost without closing at multiprocessing's own exit
+            multiprocessing.util.Finalize(self.monitor, self.monitor.close, exitpriority=0)
+            status.note("monitor", rank=self.monitor.layout.rank, framework=detect_framework())
+            self._open_step()
+            self._on_forward(module, inputs)
         except Exception as error:
             self.failures.record("AutoMonitor._on_first_forward", error)
 
     def _make_monitor(self, model: nn.Module) -> Monitor:
         """The Monitor of `model`, the outermost module of the first forward, with the job's layout where it is
         known; without whole gradients, no gradient similarity or checksum (see `whole_gradients`)."""
+        notes: list[str] = []
         try:
-            layout, _ = detect_layout(model, self.meshes)
+            layout, _ = detect_layout(model, self.meshes, notes=notes)
         except Exception as error:  # a framework's state not as expected: measure on, the layout unknown
             self.failures.record("AutoMonitor.detect_layout", error)
             layout = None
@@ -242,9 +309,13 @@ class AutoMonitor:
         if fsdp is not None and isinstance(model, fsdp.FullyShardedDataParallel):
             self._patch(type(model), "clip_grad_norm_", self._wrap_clip_grad_norm)
         signals = SIGNALS if whole else SIGNALS - {"grad_similarity", "checksum"}
-        return Monitor(model, layout=layout, signals=signals,
-                       hello={"framework": detect_framework(), "command": captured_command(sys.orig_argv),
-                              "unavailable_from_outside": unavailable_from_outside(layout, whole, self.counted)})
+        hello: dict[str, Any] = {"framework": detect_framework(), "command": captured_command(sys.orig_argv),
+                                 "unavailable_from_outside": unavailable_from_outside(layout, whole, self.counted)}
+        if notes:
+            hello["notes"] = notes
+        monitor = Monitor(model, layout=layout, signals=signals, hello=hello)
+        monitor.failures.on_first = _note_failure
+        return monitor
 
     def _wrap_init_device_mesh(self, init_device_mesh: Callable) -> Callable:
         @functools.wraps(init_device_mesh)
@@ -289,10 +360,15 @@ class AutoMonitor:
 
     def _wrap_clip_grad_norm(self, clip_grad_norm: Callable) -> Callable:
         """`torch.nn.utils.clip_grad_norm_`, keeping the total norm it returns: the gradient norm of a job that
-        clips, whole even where the gradients are sharded (FSDP2 returns it replicated), at no cost of its own."""
+        clips, whole even where the gradients are sharded (FSDP2 returns it replicated), at no cost of its own.
+        Clipping is part of the update: timed as the optimizer's."""
         @functools.wraps(clip_grad_norm)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            norm = clip_grad_norm(*args, **kwargs)
+            outer = self._enter_named("optimizer")
+            try:
+                norm = clip_grad_norm(*args, **kwargs)
+            finally:
+                self._enter_named(outer)
             self._keep_grad_norm(norm)
             return norm
 
@@ -332,7 +408,7 @@ class AutoMonitor:
                 return unscaled
         return loss.detach()
 
-    # -- steps ---------------------------------------------------------------------------------------
+    # -- steps and phases ------------------------------------------------------------------------------
 
     def _open_step(self) -> Step:
         assert self.monitor is not None
@@ -340,32 +416,127 @@ class AutoMonitor:
         self.step = self.monitor.step(number=self.optimizer_steps + 1, **early).__enter__()
         return self.step
 
-    def _enter(self, phase: _Phase) -> None:
-        """Close the phase open now and open `phase`."""
+    def _enter_named(self, name: str | None) -> str | None:
+        """Close the phase open now and open the phase `name` ("data", "compute", "optimizer"; None: outside the
+        model, no phase) in the step open now; the name of the phase that was open, to come back to."""
+        outer = self.phase.name if self.phase is not None else None
+        step = self.step
+        if step is None or name == outer:
+            return outer
         self._close_phase()
-        phase.__enter__()
-        self.phase = phase
+        if name is not None:
+            phase = step.data() if name == "data" else step.compute() if name == "compute" else step.optimizer()
+            phase.__enter__()
+            self.phase = phase
+        return outer
+
+    def _resume(self) -> None:
+        """Back to the phase the training thread is in when it is neither fetching nor computing: the update inside
+        the optimizer's step (outside its closure), else outside the model."""
+        self._enter_named("optimizer" if self._in_optimizer and not self._in_closure else None)
 
     def _close_phase(self) -> None:
         phase, self.phase = self.phase, None
         if phase is not None:
             phase.__exit__(None, None, None)
 
-    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _on_forward(self, module: nn.Module, inputs: Any) -> None:
+        """A forward of the model: compute begins, unless the model evaluates (eval mode: outside the model)."""
+        try:
+            training = _training(module)
+            if self._fetched is not None:
+                self._feeds[self._fetched] = training
+            if training:
+                self._enter_named("compute")
+        except Exception as error:
+            self.failures.record("AutoMonitor._on_forward", error)
+
+    def _wrap_next_batch(self, next_batch: Callable) -> Callable:
+        """A DataLoader iterator's `__next__`: the step's input when its dataset feeds the training, not when it
+        feeds an evaluation (`_feeds`); a dataset not seen yet by a forward by the model's mode now (Hugging Face's
+        Trainer reads the next step's batches before it puts the model back in training mode after evaluating)."""
+        @functools.wraps(next_batch)
+        def wrapper(iterator: Any) -> Any:
+            model = self.model
+            if self.step is None or model is None or self._in_collective:
+                return next_batch(iterator)
+            self._fetched = dataset = id(getattr(iterator, "_dataset", iterator))
+            if not self._feeds.get(dataset, _training(model)):
+                return next_batch(iterator)
+            outer = self._phase_safely("data")
+            try:
+                return next_batch(iterator)
+            finally:
+                self._back_safely(outer)
+
+        return wrapper
+
+    def _phase_safely(self, name: str) -> str | None:
+        try:
+            return self._enter_named(name)
+        except Exception as error:
+            self.failures.record("AutoMonitor._enter_named", error)
+            return None
+
+    def _back_safely(self, outer: str | None) -> None:
+        """Back to the phase a fetch or a backward interrupted: compute where a forward's time is (a batch read
+        inside a forward), else wherever the training thread now is (`_resume`)."""
+        try:
+            if outer == "compute":
+                self._enter_named(outer)
+            else:
+                self._resume()
+        except Exception as error:
+            self.failures.record("AutoMonitor._resume", error)
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any,
+                               kwargs: Any) -> tuple[Any, Any] | None:
+        """The update begins, unless the step was given a closure: then the update is what the step does outside
+        the closure (`_wrap_closure`), and the closure's forward and backward are compute."""
         try:
             if self.optimizer is None:
                 self.optimizer = optimizer
-            if optimizer is self.optimizer and self.step is not None:
-                self._enter(self.step.optimizer())
+            if optimizer is not self.optimizer or self.step is None:
+                return None
+            self._in_optimizer = True
+            # `args` begins with the optimizer itself: step(self, closure=None)
+            closure = args[1] if len(args) > 1 else kwargs.get("closure")
+            if not callable(closure):
+                self._enter_named("optimizer")
+                return None
+            self._close_phase()
+            wrapped = self._wrap_closure(closure)
+            return ((args[0], wrapped, *args[2:]), kwargs) if len(args) > 1 else (args, {**kwargs, "closure": wrapped})
         except Exception as error:
             self.failures.record("AutoMonitor._before_optimizer_step", error)
+            return None
+
+    def _wrap_closure(self, closure: Callable) -> Callable:
+        @functools.wraps(closure)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self._in_closure = True
+            self._close_phase_safely()
+            try:
+                return closure(*args, **kwargs)
+            finally:
+                self._in_closure = False
+                self._back_safely(None)
+
+        return wrapper
+
+    def _close_phase_safely(self) -> None:
+        try:
+            self._close_phase()
+        except Exception as error:
+            self.failures.record("AutoMonitor._close_phase", error)
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """The step ends: its loss and learning rate reported, its record handed over; the next step opens, waiting
-        for data until its first forward."""
+        """The step ends: its loss and learning rate reported, its record handed over; the next step opens, outside
+        the model until its first batch or forward."""
         try:
             if optimizer is not self.optimizer:
                 return
+            self._in_optimizer = False
             self.optimizer_steps += 1
             step = self.step
             if step is None:  # no Monitor yet: a process group made without init_process_group starts it
@@ -379,38 +550,51 @@ class AutoMonitor:
             self._scaled, self._loss_scale, self._grad_norm = [], None, None
             self.step = None
             step.__exit__(None, None, None)
-            self._enter(self._open_step().data())
-            self._await_forward()
+            if not self._noted_step:
+                self._noted_step = True
+                status.note("step", rank=step.monitor.layout.rank, step=step.number)
+            self._open_step()
         except Exception as error:
             self.failures.record("AutoMonitor._after_optimizer_step", error)
 
     def _wrap_backward(self, backward: Callable) -> Callable:
-        """`torch.autograd.backward`, keeping a loss: the one one-element tensor a backward starts from with the
-        implicit gradient 1 (`loss.backward()`, or a pipeline's last stage calling autograd itself); a backward
-        from activations and their gradients (a pipeline's other stages) is no loss."""
+        """`torch.autograd.backward`: compute until it returns, and a loss kept: the one one-element tensor a
+        backward starts from with the implicit gradient 1 (`loss.backward()`, or a pipeline's last stage calling
+        autograd itself); a backward from activations and their gradients (a pipeline's other stages) is no loss."""
         @functools.wraps(backward)
         def wrapper(tensors: Any, grad_tensors: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if self.step is None:
+                return backward(tensors, grad_tensors, *args, **kwargs)
             try:
-                if self.step is not None and grad_tensors is None:
+                if grad_tensors is None:
                     loss = tensors[0] if isinstance(tensors, (list, tuple)) and len(tensors) == 1 else tensors
                     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
                         self.losses.append(self._unscaled(loss))
             except Exception as error:
                 self.failures.record("AutoMonitor.backward", error)
-            return backward(tensors, grad_tensors, *args, **kwargs)
+            self._phase_safely("compute")
+            try:
+                return backward(tensors, grad_tensors, *args, **kwargs)
+            finally:
+                self._back_safely(None)
 
         return wrapper
 
     # -- collectives ---------------------------------------------------------------------------------
 
-    def _wrap_collective(self, op: str, collective: Callable) -> Callable:
-        place = {name: index for index, name in enumerate(inspect.signature(collective).parameters)}
+    def _wrap_collective(self, name: str, op: str, collective: Callable) -> Callable:
+        place = _places(collective)
+        asynchronous_always = name in ASYNCHRONOUS_POINT_TO_POINT
 
         @functools.wraps(collective)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             timer = self._timer(op, place, args, kwargs)
             if timer is None:
                 return collective(*args, **kwargs)
+            if asynchronous_always or _argument("async_op", place, args, kwargs):
+                work = collective(*args, **kwargs)
+                self._launch(work, timer)
+                return work
             self._in_collective = True
             try:
                 with timer:
@@ -421,10 +605,10 @@ class AutoMonitor:
         return wrapper
 
     def _timer(self, op: str, place: Mapping[str, int], args: tuple, kwargs: Mapping[str, Any]) -> _Collective | None:
-        """The Monitor's timer for this call, or None for a call left alone (no step open, an async call, a call
-        inside a timed one)."""
+        """The Monitor's timer for this call, numbered on its group now, or None for a call left alone (no step
+        open, a call inside a timed one)."""
         try:
-            if self.step is None or self._in_collective or _argument("async_op", place, args, kwargs):
+            if self.step is None or self._in_collective:
                 return None
             assert self.monitor is not None
             first = args[0] if args else next(iter(kwargs.values()), None)
@@ -433,6 +617,62 @@ class AutoMonitor:
         except Exception as error:
             self.failures.record("AutoMonitor._timer", error)
             return None
+
+    def _launch(self, work: Any, timer: _Collective) -> None:
+        """An asynchronous collective launched: timed when its Work is waited for (a call whose Work is never
+        waited for, or that returned none, stays numbered but untimed)."""
+        try:
+            if work is not None:
+                self._launched[work] = timer
+        except Exception as error:
+            self.failures.record("AutoMonitor._launch", error)
+
+    def _wrap_wait(self, wait: Callable) -> Callable:
+        """`Work.wait()`: for an asynchronous collective launched in a step, the time the training thread waits for
+        it, in the step and phase open now; it is the collective in flight while it waits."""
+        @functools.wraps(wait)
+        def wrapper(work: Any, *args: Any, **kwargs: Any) -> Any:
+            timer = self._waited(work)
+            if timer is None:
+                return wait(work, *args, **kwargs)
+            self._in_collective = True
+            try:
+                with timer:
+                    return wait(work, *args, **kwargs)
+            finally:
+                self._in_collective = False
+
+        return wrapper
+
+    def _waited(self, work: Any) -> _Collective | None:
+        try:
+            if not self._launched or self._in_collective:
+                return None
+            timer = self._launched.pop(work, None)
+            if timer is None or self.step is None:
+                return None
+            timer.step = self.step  # waited for in the step open now, whichever launched it
+            return timer
+        except Exception as error:
+            self.failures.record("AutoMonitor._waited", error)
+            return None
+
+
+def _training(module: nn.Module) -> bool:
+    """Whether a model trains: a DDP wrapper by the module it wraps, whose mode a framework sets (Lightning puts
+    the LightningModule in eval mode to validate and back, and leaves the wrapper as it is)."""
+    if isinstance(module, nn.parallel.DistributedDataParallel):
+        return module.module.training
+    return module.training
+
+
+def _note_failure(where: str, error: BaseException) -> None:
+    status.note("failure", where=where, error=f"{type(error).__name__}: {error}")
+
+
+def _places(function: Callable) -> dict[str, int]:
+    """Each parameter's position in `function`'s signature."""
+    return {name: index for index, name in enumerate(inspect.signature(function).parameters)}
 
 
 def _argument(name: str, place: Mapping[str, int], args: tuple, kwargs: Mapping[str, Any]) -> Any:

@@ -13,12 +13,15 @@
    `ParallelDims` builds its world mesh (`mesh_dim_names` among "pp", "dp_replicate", "dp_shard", "dp", "tp";
    https://docs.pytorch.org/docs/stable/distributed.html#torch.distributed.device_mesh.init_device_mesh). The
    AutoMonitor wraps `init_device_mesh` and hands the meshes it returned here; the groups come from the mesh's
-   own rank grid, so no order is assumed.
+   own rank grid, so no order is assumed. A one-dimensional mesh without names over the world is data parallel:
+   it is the mesh FSDP2's `fully_shard` makes when given none (its default `(world_size,)` mesh shards the model
+   over every rank, each rank a replica's shard fed its own data).
 4. A DistributedDataParallel model over every rank: plain data parallelism, the Monitor's default layout.
 
 None of these: the layout is unknown (`None`), and the hello says so ("layout" in `unavailable_from_outside`).
 A layout whose sizes do not multiply to the world size (context or expert parallelism, a mesh dimension of
-another name) is no layout of the Monitor's kind (tp × pp × dp), and is unknown too, rather than half right.
+another name) is no layout of the Monitor's kind (tp × pp × dp), and is unknown too, rather than half right; the
+hello then says in a line what could not be placed (its `notes`), so the user can give `--layout`.
 """
 
 from __future__ import annotations
@@ -45,9 +48,12 @@ MESH_DIMENSIONS: Mapping[str, str] = {"tp": "tp", "pp": "pp", "dp": "dp", "dp_re
 
 
 def detect_layout(model: nn.Module, meshes: Sequence[Any] = (), environ: Mapping[str, str] = os.environ,
-                  modules: Mapping[str, Any] = sys.modules) -> tuple[Layout | None, str]:
+                  modules: Mapping[str, Any] = sys.modules,
+                  notes: list[str] | None = None) -> tuple[Layout | None, str]:
     """The job's layout, seen from this rank once a process group exists, and where it came from ("option",
-    "megatron", "device_mesh", "ddp"; "unknown" with None)."""
+    "megatron", "device_mesh", "ddp"; "unknown" with None). What was found but could not be placed is added to
+    `notes`, a line each."""
+    notes = notes if notes is not None else []
     world, rank = dist.get_world_size(), dist.get_rank()
     local_rank = int(environ.get("LOCAL_RANK", "0"))
     option = environ.get(LAYOUT_VARIABLE)
@@ -55,20 +61,24 @@ def detect_layout(model: nn.Module, meshes: Sequence[Any] = (), environ: Mapping
         tp, pp, dp = parse_layout(option)
         if tp * pp * dp == world:
             return _from_sizes(tp, pp, dp, rank, world, local_rank), "option"
-        log.warning("gpuwatch run: --layout %s multiplies to %d, but the job has %d ranks: layout left unknown",
-                    option, tp * pp * dp, world)
+        notes.append(f"--layout {option} multiplies to {tp * pp * dp}, but the job has {world} ranks: layout unknown")
+        log.warning("gpuwatch run: %s", notes[-1])
         return None, "unknown"
     state = modules.get(MEGATRON_STATE)
     if state is not None and state.model_parallel_is_initialized():
         found = _from_megatron(state, rank, world, local_rank)
         if found is not None:
             return found, "megatron"
+        notes.append("Megatron's parallel state has sizes that do not multiply to the world size "
+                     "(context or expert parallelism): layout unknown")
     for mesh in reversed(meshes):  # the latest mesh over the whole world: torchtitan's world mesh
         found = _from_mesh(mesh, rank, world, local_rank)
         if found is not None:
             return found, "device_mesh"
     if isinstance(model, nn.parallel.DistributedDataParallel) and dist.get_world_size(model.process_group) == world:
         return Layout.data_parallel(), "ddp"
+    notes += [f"a device mesh over the {world} ranks with dimensions {_shape_text(mesh)} is no tp × pp × dp "
+              "layout: layout unknown (give gpuwatch run --layout)" for mesh in meshes if mesh.mesh.numel() == world]
     return None, "unknown"
 
 
@@ -98,8 +108,8 @@ def _from_megatron(state: Any, rank: int, world: int, local_rank: int) -> Layout
 def _from_mesh(mesh: Any, rank: int, world: int, local_rank: int) -> Layout | None:
     """From a DeviceMesh over every rank whose dimensions are all of MESH_DIMENSIONS (or of size 1): each kind's
     members are the ranks of the mesh's grid that differ from this rank only along that kind's dimensions."""
-    names: tuple[str, ...] = tuple(mesh.mesh_dim_names or ())
     grid: torch.Tensor = mesh.mesh
+    names: tuple[str, ...] = tuple(mesh.mesh_dim_names or ()) or (("dp",) if grid.dim() == 1 else ())
     coordinate = mesh.get_coordinate()
     if grid.numel() != world or len(names) != grid.dim() or coordinate is None:
         return None
@@ -114,6 +124,15 @@ def _from_mesh(mesh: Any, rank: int, world: int, local_rank: int) -> Layout | No
             sizes[kind] *= size
     members = {kind: _along(grid, coordinate, [k == kind for k in kinds]) for kind in sizes}
     return _layout(rank, world, local_rank, sizes, ranks, members, dict.fromkeys(sizes, dist.get_backend()))
+
+
+def _shape_text(mesh: Any) -> str:
+    """A mesh's dimensions as "(dp_shard=2, cp=2)", or its sizes where it names none."""
+    sizes = tuple(mesh.mesh.shape)
+    names = tuple(mesh.mesh_dim_names or ())
+    if len(names) != len(sizes):
+        return str(sizes)
+    return "(" + ", ".join(f"{name}={size}" for name, size in zip(names, sizes, strict=True)) + ")"
 
 
 def _along(grid: torch.Tensor, coordinate: Sequence[int], free: Iterable[bool]) -> tuple[int, ...]:

@@ -16,14 +16,21 @@ F = TypeVar("F", bound=Callable)
 class Failures:
     """What went wrong inside the hooks, counted by where; each place is logged once, with its traceback."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_first: Callable[[str, BaseException], None] | None = None) -> None:
         self.counts: collections.Counter[str] = collections.Counter()
+        #: told of the first failure in each place, besides the log (`gpuwatch run`'s end-of-run summary)
+        self.on_first = on_first
 
     def record(self, where: str, error: BaseException) -> None:
         self.counts[where] += 1
         if self.counts[where] == 1:
             log.warning("gpuwatch hooks: %s failed (training goes on; further failures here are only counted)",
                         where, exc_info=error)
+            if self.on_first is not None:
+                try:
+                    self.on_first(where, error)
+                except Exception:  # a failure to tell of a failure: the log above has it
+                    log.debug("gpuwatch hooks: could not pass on the failure in %s", where, exc_info=True)
 
 
 def guarded(method: F) -> F:

@@ -52,7 +52,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
-from gpuwatch.protocol.schema import P2P_OPS, SCHEMA_VERSION, RecordRejected, decode, encode
+from gpuwatch.protocol.schema import P2P_OPS, SCHEMA_VERSION, STEP_PHASES, RecordRejected, decode, encode
 from gpuwatch.trainer.hooks._safety import Failures, guarded
 from gpuwatch.trainer.hooks.clock import Clock, Mark, WallClock, clock_for
 from gpuwatch.trainer.hooks.collectives import Call, exposed_seconds, histogram, resolve
@@ -395,12 +395,15 @@ class Monitor:
         for phase, start, end in step.waits:  # DDP's all-reduce tail, waited for whole
             exposed[phase] = exposed.get(phase, 0.0) + (
                 max(0.0, end - start) if on_host else clock.seconds(start, end))
-        if "compute" in phases:
-            record["compute_seconds"] = max(0.0, phases["compute"] - exposed.get("compute", 0.0))
-        if "data" in phases:
-            record["dataloader_wait_seconds"] = phases["data"]
-        if "optimizer" in phases:
-            record["optimizer_seconds"] = phases["optimizer"]
+        # Each phase net of the collectives waited for inside it, and outside the model the rest of the step:
+        # with the exposed collectives they sum to the step (schema.STEP_PHASES)
+        accounted = sum(exposed.values())
+        for phase, field in STEP_PHASES.items():
+            if phase in phases:
+                record[field] = seconds = max(0.0, phases[phase] - exposed.get(phase, 0.0))
+                accounted += seconds
+        if phases:
+            record["outside_model_seconds"] = max(0.0, step_seconds - accounted)
         if step.pipeline is not None:
             pipeline = step.pipeline.result()
             if pipeline is not None:

@@ -21,7 +21,10 @@ timeout: a call that hangs in the driver costs its check, never the run. Checks,
 * diagnose-fragmentation: `--fault fragment-memory` makes MEM001 fire with its evidence;
 * diagnose-fp16: fp16 without a loss scaler makes CONV001 fire;
 * diagnose-healthy: a healthy run draws no warning or critical finding;
-* probe: `gpuwatch probe` on NCCL reports bus bandwidth (needs 2 GPUs).
+* probe: `gpuwatch probe` on NCCL reports bus bandwidth (needs 2 GPUs);
+* frameworks-gpu: the frameworks that need CUDA to run at all (torchtitan, Megatron-core), where installed, train a
+  few steps under `gpuwatch run` (benchmarks/gpu_framework_job.py): each is named in the hello, its layout read from
+  its groups, every optimizer step recorded with the collectives timed.
 
 `--dry-run` runs the same orchestration against a simulated node (`gpuwatch agent --simulate dgx-h100`) and the CPU
 (gloo): what only a GPU can show is reported as skipped with its reason, the rest runs for real, so that the kit
@@ -579,6 +582,41 @@ def probe(ctx: Context) -> Outcome:
                    {"ranks": ranks, "average_busbw_gbps": float(average), "peak_busbw_gbps": max(busbw)})
 
 
+#: The frameworks frameworks-gpu runs where they are installed, by the hello's name: the module each is imported as.
+GPU_FRAMEWORKS = {"megatron": "megatron.core", "torchtitan": "torchtitan"}
+FRAMEWORK_STEPS = 5
+
+
+def frameworks_gpu(ctx: Context) -> Outcome:
+    ctx.needs_gpu("torchtitan and Megatron-core (they run on CUDA only)")
+    import importlib.util
+
+    installed = [name for name, module in GPU_FRAMEWORKS.items() if importlib.util.find_spec(module.split(".")[0])]
+    if not installed:
+        raise Skipped(f"none of {', '.join(GPU_FRAMEWORKS.values())} is installed here")
+    ranks = min(ctx.gpus(1, "a framework job"), 2)
+    figures: dict[str, Any] = {}
+    for name in installed:
+        run_log = ctx.raw / f"{name}-run-log"
+        gpuwatch(ctx, f"{name}.log", "run", "--run-log", str(run_log), "--", sys.executable, "-m",
+                 "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                 str(Path(__file__).resolve().parent / "gpu_framework_job.py"), "--framework", name, "--steps",
+                 str(FRAMEWORK_STEPS))
+        for path in sorted(run_log.glob("rank-*.jsonl")):
+            records = [json.loads(line) for line in path.read_text().splitlines()]
+            hello = next(r for r in records if r["kind"] == "hello")
+            steps = [r for r in records if r["kind"] == "step"]
+            require(hello.get("framework") == name, f"{name}: the hello names {hello.get('framework')!r}")
+            require("layout" not in hello.get("unavailable_from_outside", ()),
+                    f"{name}: layout unknown ({hello.get('notes', 'no note')})")
+            require([s["step"] for s in steps] == list(range(1, FRAMEWORK_STEPS + 1)),
+                    f"{name}: steps {[s['step'] for s in steps]}")
+            require(all("exposed_collective_seconds" in s for s in steps[1:]), f"{name}: no collective timed")
+        figures[name] = {"ranks": ranks, "steps": FRAMEWORK_STEPS}
+    return Outcome(f"{', '.join(installed)}: {FRAMEWORK_STEPS} steps on {ranks} GPU(s), named, layout known",
+                   figures)
+
+
 #: Every check in the order it runs, with its timeout (seconds, Python start-up included). They add up to more than
 #: the budget: a timeout bounds a hang, and the budget the run.
 CHECKS = (
@@ -594,6 +632,7 @@ CHECKS = (
     Check("diagnose-fp16", diagnose_fp16, 60),
     Check("diagnose-healthy", diagnose_healthy, 60),
     Check("probe", probe, 90),
+    Check("frameworks-gpu", frameworks_gpu, 120),
 )
 CHECKS_BY_NAME = {check.name: check for check in CHECKS}
 

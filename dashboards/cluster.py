@@ -65,14 +65,14 @@ def _jobs() -> list[PanelBuilder]:
 
 def _findings() -> list[PanelBuilder]:
     checksum = f"gpuwatch_train_param_checksum{{{RANKS}}}"
-    window_compute = f'gpuwatch_train_window_median_seconds{{{RANKS}, timing="compute_seconds"}}'
+    window_busy = f'gpuwatch_train_window_median_seconds{{{RANKS}, timing="busy_seconds"}}'
     replicas = "by (job, tp_rank, pp_stage)"
     return [
-        timeseries("Straggler ratio", NONE, "Slowest rank's median compute time over its window of recent steps, "
-                   "against the median of its pipeline stage (PERF002 and the TrainingStraggler alert fire above "
-                   "1.25 when the excess is also a tenth of the step).",
-                   Query(f"max by (job) ({window_compute} / on (job, pp_stage) group_left () "
-                         f"quantile by (job, pp_stage) (0.5, {window_compute}))", "{{job}}"),
+        timeseries("Straggler ratio", NONE, "Slowest rank's median busy time (its step without its waits in "
+                   "collectives) over its window of recent steps, against the median of its pipeline stage (PERF002 "
+                   "and the TrainingStraggler alert fire above 1.25 when the excess is also a tenth of the step).",
+                   Query(f"max by (job) ({window_busy} / on (job, pp_stage) group_left () "
+                         f"quantile by (job, pp_stage) (0.5, {window_busy}))", "{{job}}"),
                    width=6, limits=red_above(1.25)),
         timeseries("Pipeline bubble", PERCENT, "Largest measured bubble of any stage against the schedule's "
                    "theory, (p-1)/(m+p-1) (PERF001 above 20 %).",

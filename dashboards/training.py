@@ -26,6 +26,7 @@ from gpuwatch.dashboards.panels import (
     thresholds,
     timeseries,
 )
+from gpuwatch.protocol.schema import STEP_PHASES
 
 UID = "gpuwatch-training"
 PER_RANK = "{{job}} rank {{rank}}"
@@ -113,10 +114,18 @@ def _memory() -> list[PanelBuilder]:
 def _timing() -> list[PanelBuilder]:
     return [
         timeseries("Step time per rank", SECONDS, "Wall time of each rank's latest step; data-parallel "
-                   "all-reduce evens these out.", _per_rank("gpuwatch_train_step_seconds")),
-        timeseries("Compute time per rank", SECONDS, "Forward and backward without collective waits: the "
-                   "straggler shows here (PERF002, 1.25x its stage's median).",
-                   _per_rank("gpuwatch_train_compute_seconds")),
+                   "all-reduce evens these out.", _per_rank("gpuwatch_train_step_seconds"), width=8),
+        timeseries("Busy time per rank", SECONDS, "Median over each rank's window of its step without its waits "
+                   "in collectives (the sum of its phases): the straggler the others wait for shows here (PERF002, "
+                   "1.25x its stage's median).",
+                   Query(f'gpuwatch_train_window_median_seconds{{{RANKS}, timing="busy_seconds"}}', PER_RANK),
+                   width=8),
+        timeseries("Phases per rank", SECONDS, "Each rank's latest step split into data, compute, optimizer and "
+                   "the host's work outside the model (callbacks, logging, checkpointing), each without collective "
+                   "waits: the phase where a straggler's extra time is says where to look (PERF002).",
+                   *(Query(f"gpuwatch_train_{field}{{{RANKS}}}", f"{PER_RANK} {phase.replace('_', ' ')}")
+                     for phase, field in STEP_PHASES.items()),
+                   width=8),
     ]
 
 

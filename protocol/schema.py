@@ -43,7 +43,7 @@ that restarted learns the rank's layout and a hung-but-alive rank does not expir
                                      them say so instead of judging
     notes?              [str]        what the instrumentation found but could not use, a line each (at most
                                      MAX_NOTES of MAX_TEXT_CHARS), e.g. a device mesh it cannot place: diagnosis
-                                     repeats them
+                                     from an agent or a run log repeats them in its notes
 
 ``step`` — one per reported step. Count-like fields (collectives, tokens, alloc_retries, ooms) are
 *this step's* increments; the agent accumulates them into counters::

@@ -14,7 +14,7 @@ from gpuwatch.agent.diagnosis.facts import (
     RankFacts,
     StepFacts,
 )
-from gpuwatch.agent.telemetry.window import TIMINGS, WindowSummary
+from gpuwatch.agent.telemetry.window import BUSY, PHASE_TIMINGS, TIMINGS, WindowSummary
 
 GIB = 2**30
 NDR = 400e9 / 8  # bytes/s
@@ -64,9 +64,12 @@ def rank(number: int, *, tp: int = 1, pp: int = 1, dp: int = 1, host: str = "nod
 
 
 def window(last: StepFacts | None = None, steps: int = 20, **fields) -> WindowSummary:
-    """A rank's window of ``steps`` steps whose medians are ``last``'s timings, of a model that learns (the loss
-    moves, gradients are not zero, parameters change), unless ``fields`` say otherwise."""
+    """A rank's window of ``steps`` steps whose medians are ``last``'s timings (its busy time the sum of its phases),
+    of a model that learns (the loss moves, gradients are not zero, parameters change), unless ``fields`` say
+    otherwise."""
     medians = {name: value for name in TIMINGS if (value := getattr(last, name, None)) is not None}
+    if phases := [medians[field] for field in PHASE_TIMINGS if field in medians]:
+        medians[BUSY] = sum(phases)
     values = dict(steps=steps, first_step=100 - steps + 1, last_step=100, seconds=steps * 0.5, medians=medians,
                   loss_steps=steps, loss_min=1.9, loss_max=2.1, grad_norm_steps=steps, grad_norm_max=1.0, checksums=2,
                   distinct_checksums=2)

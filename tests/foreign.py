@@ -44,6 +44,9 @@ WORKLOADS = Path(__file__).resolve().parent / "workloads"
 SCRIPTS = ("ddp_tutorial", "grad_accumulation", "tiny_lm")
 #: Scripts with no gpuwatch import, measured only from outside (run under GPUWATCH_RUN), same options.
 UNMODIFIED_SCRIPTS = ("plain_ddp",)
+#: Jobs on the real frameworks (Hugging Face Trainer, accelerate, Lightning, FSDP2), no gpuwatch import either, run
+#: under GPUWATCH_RUN: the same options, their faults those of workloads/framework_job.py (tests/test_frameworks.py).
+FRAMEWORK_SCRIPTS = ("hf_trainer", "accelerate_loop", "lightning_fit", "fsdp2_loop")
 #: The command a workload runs under to be measured from outside.
 GPUWATCH_RUN = (sys.executable, "-m", "gpuwatch.cli.main", "run", "--")
 #: A finding at these severities on a healthy run is a false alarm.
@@ -167,8 +170,9 @@ class Workload:
     wrapper: tuple[str, ...] = ()  # what torchrun runs under, e.g. GPUWATCH_RUN
 
     def __post_init__(self) -> None:
-        if self.script not in SCRIPTS + UNMODIFIED_SCRIPTS:
-            raise ValueError(f"unknown workload {self.script!r}; known: {', '.join(SCRIPTS + UNMODIFIED_SCRIPTS)}")
+        known = SCRIPTS + UNMODIFIED_SCRIPTS + FRAMEWORK_SCRIPTS
+        if self.script not in known:
+            raise ValueError(f"unknown workload {self.script!r}; known: {', '.join(known)}")
         self.job = self.job or f"{self.script}-{self.nproc}r-{self.fault}-{uuid.uuid4().hex[:6]}"
 
     @property
@@ -211,14 +215,21 @@ class Run:
 
     def run_log_steps(self) -> dict[int, list[dict]]:
         """{rank: its step records} from the run log directory (empty when the hooks wrote none)."""
-        steps: dict[int, list[dict]] = {}
+        return self._run_log_records("step")
+
+    def run_log_hellos(self) -> dict[int, list[dict]]:
+        """{rank: its hellos} from the run log directory (a rank says hello again when its layout changes)."""
+        return self._run_log_records("hello")
+
+    def _run_log_records(self, kind: str) -> dict[int, list[dict]]:
+        records: dict[int, list[dict]] = {}
         for path in sorted(self.run_log.glob("*.jsonl")):
             for line in path.read_text().splitlines():
                 with contextlib.suppress(ValueError):
                     record = json.loads(line)
-                    if record.get("kind") == "step" and record.get("job") == self.job:
-                        steps.setdefault(record["rank"], []).append(record)
-        return steps
+                    if record.get("kind") == kind and record.get("job") == self.job:
+                        records.setdefault(record["rank"], []).append(record)
+        return records
 
 
 @contextlib.contextmanager
@@ -279,6 +290,9 @@ def run(workload: Workload, agent: AgentProcess, workdir: Path, prometheus: Prom
         if returncode != 0:
             raise RuntimeError(f"{' '.join(workload.command())} "
                                f"{'timed out' if returncode is None else f'exited {returncode}'}:\n{output[-4000:]}")
+        if not any(path.stat().st_size for path in run_log.glob("*.jsonl")):  # the agent cannot hold what was not sent
+            raise RuntimeError(f"{' '.join(workload.command())} ended, but no rank wrote a record to its run log "
+                               f"(not measured):\n{output[-4000:]}")
 
     def settled() -> list[dict] | None:
         ranks = job_ranks(agent, workload.job)
@@ -296,9 +310,9 @@ def run(workload: Workload, agent: AgentProcess, workdir: Path, prometheus: Prom
     return Run(workload, agent.url, run_log, output, ranks, prometheus.url if prometheus is not None else None)
 
 
-def compute_ratios(series: Mapping[int, list[float]]) -> dict[int, float]:
-    """{rank: its median compute time / the median of the other ranks' medians}: the noise a straggler rule
-    must see through on a healthy run (1.0 everywhere on a perfectly even machine)."""
+def busy_ratios(series: Mapping[int, list[float]]) -> dict[int, float]:
+    """{rank: its median busy time (its steps' phases summed) / the median of the other ranks' medians}: the noise a
+    straggler rule must see through on a healthy run (1.0 everywhere on a perfectly even machine)."""
     medians = {rank: statistics.median(values) for rank, values in series.items() if values}
     ratios = {}
     for rank, own in medians.items():
@@ -308,13 +322,13 @@ def compute_ratios(series: Mapping[int, list[float]]) -> dict[int, float]:
     return ratios
 
 
-def straggler_closeness(compute: Mapping[int, list[float]], step: Mapping[int, list[float]], ratio: float,
+def straggler_closeness(busy: Mapping[int, list[float]], step: Mapping[int, list[float]], ratio: float,
                         share: float) -> dict[int, float]:
-    """{rank: how close PERF002 came to naming it}, from per-step compute and step times: a straggler must be
+    """{rank: how close PERF002 came to naming it}, from per-step busy and step times: a straggler must be
     ``ratio`` times its peers' median *and* slower by ``share`` of the job's median step, so closeness is the
     smaller of (own / peers) / ratio and (own - peers) / (share × step). Below 1 on every rank of a healthy run
     means silent; how far below is the margin the noise leaves."""
-    medians = {rank: statistics.median(values) for rank, values in compute.items() if values}
+    medians = {rank: statistics.median(values) for rank, values in busy.items() if values}
     steps = [statistics.median(values) for values in step.values() if values]
     if len(medians) < 2 or not steps:
         return {}

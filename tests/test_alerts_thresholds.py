@@ -51,7 +51,7 @@ PARITY = [
      _threshold("PERF002", "straggler_ratio")),
     ("TrainingStraggler", "PERF002 min_step_share", _number(r"group_left \(\) ([\d.]+) \* gpuwatch:train_window_step"),
      _threshold("PERF002", "min_step_share")),
-    ("gpuwatch:train_window_compute_seconds:judged", "the fewest steps a window is judged on",
+    ("gpuwatch:train_window_busy_seconds:judged", "the fewest steps a window is judged on",
      _number(r"gpuwatch_train_window_steps >= (\d+)"), MIN_WINDOW_STEPS),
     ("TrainingPipelineBubbleHigh", "PERF001 max_bubble_ratio", _number(r"\) > ([\d.]+)"),
      _threshold("PERF001", "max_bubble_ratio")),

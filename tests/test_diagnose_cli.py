@@ -127,7 +127,7 @@ def test_list_rules_text_and_json():
     result = invoke("--list-rules")
     assert result.exit_code == 0
     rows = [line.split()[0] for line in result.output.splitlines()[1:]]
-    assert rows == [r.code for r in engine.catalogue()] and len(rows) == 30
+    assert rows == [r.code for r in engine.catalogue()] and len(rows) == 31
     assert "PERF001  warning   performance     Pipeline bubble ratio high" in result.output
     listed = json.loads(invoke("--list-rules", "--format", "json", "--select", "HW").output)
     assert [r["code"] for r in listed] == ["HW001", "HW002", "HW003", "HW004", "HW005"]
@@ -211,8 +211,9 @@ def test_text_report_is_grouped_by_severity_and_coloured_only_on_a_tty(monkeypat
     assert lines[0] == "gpuwatch diagnose: 1 critical, 1 warning, 0 info"
     assert lines.index("CRITICAL") < lines.index("  CONV001  non-finite loss in job job-1 on 4 rank(s)") \
         < lines.index("WARNING")
-    assert ("      evidence  rank 2 (node-a) computes 0.9 s per step (median of 20 steps (81-100, 10 s)), 3.00x the "
-            "median 0.3 s of its peers, in a 0.5 s step") in lines
+    assert ("      evidence  rank 2 (node-a) is busy 0.9 s per step (median of 20 steps (81-100, 10 s)), 3.00x the "
+            "median 0.3 s of its peers, in a 0.5 s step; the extra is in compute (forward and backward): 0.9 s "
+            "against 0.3 s") in lines
     assert any(line.startswith("      fix       ") for line in lines)
     coloured = invoke("--select", "PERF002,CONV001", color=True)
     assert "\x1b[31m" in coloured.output and coloured.exit_code == 1

@@ -31,7 +31,7 @@ CATALOGUE = {
     "CONV005": ("convergence", "info"), "CONV006": ("convergence", "critical"),
     "TOPO001": ("topology", "critical"), "TOPO002": ("topology", "warning"),
     "HANG001": ("hangs", "critical"), "HANG002": ("hangs", "critical"), "HANG003": ("hangs", "critical"),
-    "HANG004": ("hangs", "critical"),
+    "HANG004": ("hangs", "critical"), "HANG005": ("hangs", "warning"),
 }
 
 
@@ -141,3 +141,11 @@ def test_no_facts_means_every_rule_not_run_and_no_findings():
     result = engine.run(Facts())
     assert result.findings == [] and result.ran == []
     assert sorted(s.code for s in result.skipped) == sorted(CATALOGUE)
+
+
+def test_what_a_ranks_instrumentation_noted_in_its_hello_is_in_the_report_once_per_job_and_note():
+    note = "a device mesh over the 8 ranks with dimensions (dp_shard=2, cp=2, tp=2) is no tp × pp × dp layout"
+    ranks = [rank(r, dp=2, hello_notes=(note,)) for r in (0, 1)] + [rank(0, dp=1, job="job-2")]
+    report = engine.run(facts(ranks=ranks), rules=[])
+    assert report.notes == [f"job job-1, ranks 0-1: {note}"]
+    assert engine.run(facts(ranks=ranks), rules=[]).notes == report.notes  # judging twice adds nothing

@@ -1,11 +1,13 @@
 """The hang rules on facts built by hand: who waits for whom, mismatched sequence numbers, a transport that stopped,
-deaths and their consequences, and what must stay quiet (a pause shorter than the stall threshold, a job whose
-ranks all moved on)."""
+deaths and their consequences, ranks that said hello and never stepped, and what must stay quiet (a pause shorter
+than the stall threshold, a job whose ranks all moved on)."""
 
 from __future__ import annotations
 
+import math
+
 from diagnose_facts import facts, rank, step
-from test_diagnose_rules import fired, silent
+from test_diagnose_rules import fired, not_run, silent
 
 from gpuwatch.agent.diagnosis.facts import InFlightFacts, ProgressFacts
 
@@ -160,3 +162,63 @@ def test_a_rank_just_joining_the_wait_is_not_taken_for_the_missing_one():
     """Rank 1 entered the all-reduce a moment ago (below the stall threshold): it waits too; rank 3 is missing."""
     (finding,) = fired("HANG001", facts(ranks=[waiting(0), waiting(1, stalled=1.0), waiting(2), elsewhere(3)]))
     assert [e.where.rank for e in finding.evidence if e.where.rank is not None] == [3]
+
+
+def unmeasured(number: int, age: float | None = 300.0, **fields):
+    """A rank whose hello reached the source ``age`` seconds ago and no step after it."""
+    return rank(number, dp=4, last=None, window=None, steps=0, hello_age_seconds=age, **fields)
+
+
+def test_hang005_a_job_that_said_hello_and_never_stepped_is_not_silent():
+    (finding,) = fired("HANG005", facts(ranks=[unmeasured(n, age=300.0 - n) for n in DP]))
+    assert finding.severity.label == "warning"
+    assert finding.title == ("job job-1: ranks 0-3 said hello but reported no step: gpuwatch measured nothing of its "
+                             "training")
+    (evidence,) = finding.evidence
+    assert evidence.text == ("ranks 0-3 on node-a: no step record since the hello, 300 s ago (the oldest, by the "
+                             "source's clock)")
+    assert evidence.values == {"ranks": [0, 1, 2, 3], "hello_age_seconds": 300.0}
+    assert "`gpuwatch run`" in finding.fix and "monitor.step()" in finding.fix
+
+
+def test_hang005_waits_for_a_first_step_after_a_recent_hello():
+    silent("HANG005", facts(ranks=[unmeasured(n, age=119.0) for n in DP]))  # starting: under the threshold
+    silent("HANG005", facts(ranks=[rank(n, dp=4) for n in DP]))  # stepping
+
+
+def test_hang005_is_certain_when_the_run_ended_and_says_when_the_age_is_unknown():
+    closed = ProgressFacts(step=0, phase="closed", stalled_seconds=0, overdue_seconds=0)
+    ranks = [unmeasured(0, age=5.0, progress=closed), unmeasured(1, age=math.inf), unmeasured(2, age=None)]
+    (finding,) = fired("HANG005", facts(ranks=ranks))
+    assert [e.text for e in finding.evidence] == [
+        "rank 0 on node-a: hooks closed at the end of the run, no step record before",
+        "rank 1 on node-a: the run log ends after the hello without a step record",
+        "rank 2 on node-a: no step record; when the hello came is unknown to this source"]
+    assert all(e.values["hello_age_seconds"] is None for e in finding.evidence)
+
+
+def test_hang005_names_the_ranks_whose_steps_are_not_seen_beside_those_stepping():
+    (finding,) = fired("HANG005", facts(ranks=[rank(0, dp=4), rank(1, dp=4), unmeasured(2), unmeasured(3)]))
+    assert finding.title == "job job-1: ranks 2-3 of 4 said hello but reported no step"
+    assert finding.evidence[-1].values == {"ranks": [0, 1]}
+    assert "up to step 100" in finding.evidence[-1].text
+
+
+def test_hang005_leaves_hung_and_dead_ranks_to_the_other_hang_rules():
+    """A job with ranks waiting in a collective is hung (HANG001 names who they wait for), a dead rank died (HANG004);
+    a rank overdue outside any collective, and no one waiting for it, has no other rule: HANG005 says how still."""
+    in_collective = ProgressFacts(step=0, phase="collective", stalled_seconds=90, overdue_seconds=60,
+                                  collective=InFlightFacts("all_reduce", "dp", DP, 1))
+    outside = ProgressFacts(step=0, phase="compute", stalled_seconds=90, overdue_seconds=60)
+    hung = [unmeasured(n, progress=in_collective) for n in (0, 1, 2)] + [unmeasured(3, progress=outside)]
+    silent("HANG005", facts(ranks=hung))
+    assert fired("HANG001", facts(ranks=hung))
+    silent("HANG005", facts(ranks=[unmeasured(0, exited_at=1000.0)]))
+    (finding,) = fired("HANG005", facts(ranks=[unmeasured(0, progress=outside), unmeasured(1)]))
+    assert finding.evidence[-1].text == ("rank 0 overdue: no progress for up to 90 s, in phase compute (a long "
+                                         "compilation, or a loop the hooks see nothing of)")
+    assert finding.evidence[-1].values == {"ranks": [0], "stalled_seconds": 90}
+
+
+def test_hang005_not_run_without_telemetry():
+    not_run("HANG005", facts(), "no training telemetry")

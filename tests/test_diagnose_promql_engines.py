@@ -11,6 +11,7 @@ import math
 import shutil
 import subprocess
 import threading
+import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -85,6 +86,15 @@ def _feed(agents, faults: dict[int, dict]) -> None:
                     client.send(step(rank, number, memory=fault.get("memory", MEMORY), loss=fault.get("loss", 2.0)))
 
 
+def _feed_unmeasured(agent) -> None:
+    """A second job of two ranks whose hellos came five minutes ago and no step since (HANG005)."""
+    with TelemetryClient(agent.telemetry_socket, heartbeat_interval=0) as client:
+        for rank in range(2):
+            client.send(hello(rank, job="unmeasured", hostname="node-0", local_rank=rank, world_size=2, tp_size=1,
+                              pp_size=1, dp_size=2, tp_rank=0, pp_stage=0, dp_rank=rank, gpu=None, env={},
+                              time=time.time() - 300))
+
+
 def _diagnose(url: str, *extra: str) -> tuple[int, dict | None, str]:
     result = CliRunner().invoke(main, ["diagnose", "--prometheus", url, "--format", "json", *extra])
     try:
@@ -101,8 +111,8 @@ def _judged(document: dict) -> set[tuple[str, str]]:
 
 @pytest.fixture
 def cluster(start_agent, prometheus_server, tmp_path) -> Iterator[tuple[list[str], object, VictoriaMetrics]]:
-    """Two simulated nodes, a NaN rank, a fragmented rank and one rank with NCCL_IB_DISABLE=1 on node-1, scraped
-    by Prometheus and by VictoriaMetrics."""
+    """Two simulated nodes, a NaN rank, a fragmented rank and one rank with NCCL_IB_DISABLE=1 on node-1, and a job
+    whose ranks never stepped on node-0, scraped by Prometheus and by VictoriaMetrics."""
     agents = [start_agent("--simulate", "dgx-h100", "--interval", "0.5", "--node", f"node-{i}") for i in range(2)]
     targets = [f"127.0.0.1:{agent.port}" for agent in agents]
     # Prometheus evaluates the shipped recording rules (the outlier fetch uses them); VictoriaMetrics single-node
@@ -113,6 +123,7 @@ def cluster(start_agent, prometheus_server, tmp_path) -> Iterator[tuple[list[str
     vm = VictoriaMetrics(tmp_path, targets)
     try:
         _feed(agents, {5: {"loss": math.nan}, 6: {"memory": FRAGMENTED}, 7: {"env": {"NCCL_IB_DISABLE": "1"}}})
+        _feed_unmeasured(agents[0])
         wait_until(lambda: _count(prometheus.url, "count(gpuwatch:diagnose:recording_rules)") > 0,
                    timeout=90, what="the recording rules evaluated")
         for url in (prometheus.url, vm.url):
@@ -124,7 +135,7 @@ def cluster(start_agent, prometheus_server, tmp_path) -> Iterator[tuple[list[str
         wait_until(lambda: all(_count(prometheus.url, f"count({name})") == count for name, count in (
             ("gpuwatch:train_nonfinite:by_instance", 1), ("gpuwatch:train_alloc_trouble:by_instance", 1),
             ("gpuwatch:train_env_info:count_by_value", 1))) and _count(
-                prometheus.url, "sum(gpuwatch:train_window_compute_seconds:count_by_stage)") == 8,
+                prometheus.url, "sum(gpuwatch:train_window_busy_seconds:count_by_stage)") == 8,
                    timeout=90, what="the recording rules over the planted faults")
         yield targets, prometheus, vm
     finally:
@@ -133,7 +144,7 @@ def cluster(start_agent, prometheus_server, tmp_path) -> Iterator[tuple[list[str
 
 def test_outlier_fetch_finds_what_the_full_pull_finds_on_prometheus_and_victoriametrics(cluster, tmp_path):
     _, prometheus, vm = cluster
-    planted = {("CONV001", "node-1"), ("MEM001", "node-1"), ("NCCL001", "node-1")}
+    planted = {("CONV001", "node-1"), ("MEM001", "node-1"), ("NCCL001", "node-1"), ("HANG005", "node-0")}
     for url in (prometheus.url, vm.url):
         documents = {}
         for mode in ("full", "outliers"):
@@ -150,7 +161,7 @@ def test_outlier_fetch_finds_what_the_full_pull_finds_on_prometheus_and_victoria
                                                   if code not in not_fetched}, url
         assert not [item for item in documents["outliers"]["not_run"] if item["cause"] == "source"]
     sent = (tmp_path / "queries.log").read_text()  # the fixture's Prometheus logs every query it ran
-    assert "gpuwatch:train_window_compute_seconds:median_by_stage" in sent
+    assert "gpuwatch:train_window_busy_seconds:median_by_stage" in sent
 
 
 def _proxy(upstream: str, tenant: str) -> tuple[str, http.server.ThreadingHTTPServer]:

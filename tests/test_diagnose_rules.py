@@ -19,12 +19,14 @@ from gpuwatch.agent.diagnosis.facts import (
     Facts,
     History,
     NvlinkFacts,
+    Peers,
     RankFacts,
     Sampled,
     StepFacts,
     medians_of_others,
 )
 from gpuwatch.agent.diagnosis.registry import Severity
+from gpuwatch.protocol.schema import STEP_PHASES
 
 
 def run(code: str, f: Facts, overrides=None) -> engine.Report:
@@ -169,10 +171,18 @@ def _all_reduce(p50: float, p99: float, count: int = 200) -> dict:
 
 def test_nccl005_heavy_tail_on_a_multi_node_job():
     ranks = [rank(0, dp=2, host="node-a", collectives=_all_reduce(0.083, 0.142)),
-             rank(1, dp=2, host="node-b", collectives=_all_reduce(0.031, 0.045))]
+             rank(1, dp=2, host="node-b", collectives=_all_reduce(0.085, 0.160)),
+             rank(2, dp=2, host="node-b", env={"NCCL_ALGO": "Tree"}, collectives=_all_reduce(0.031, 0.045))]
     (finding,) = fired("NCCL005", facts([node("node-a"), node("node-b")], ranks))
     assert "rank 0: all-reduce p50 83.00 ms, p99 142.00 ms (1.7x)" in texts([finding])
-    assert "rank 1" not in texts([finding]) and "NCCL_ALGO=Tree" in finding.fix
+    assert "rank 2" not in texts([finding]) and "NCCL_ALGO=Tree" in finding.fix
+
+
+def test_nccl005_leaves_a_tail_on_some_ranks_only_to_the_peer_they_waited_for():
+    """Rank 1 came late to some calls (its checkpoint): rank 0's all-reduces waited for it, rank 1's did not."""
+    ranks = [rank(0, dp=2, host="node-a", collectives=_all_reduce(0.083, 0.500)),
+             rank(1, dp=2, host="node-b", collectives=_all_reduce(0.083, 0.090))]
+    silent("NCCL005", facts([node("node-a"), node("node-b")], ranks))
 
 
 def test_nccl005_silent_below_ratio_with_tree_or_on_one_node():
@@ -347,23 +357,101 @@ def test_perf001_not_run_without_bubble_or_micro_batches():
 
 def _compute(times: dict[int, float], dp: int = 8, pp: int = 1, hosts=None) -> list[RankFacts]:
     hosts = hosts or {}
-    # Whole-step times are even (the all-reduce waits for the slowest): only compute time tells.
+    # Whole-step times are even (the all-reduce waits for the slowest): only busy time tells, here all compute.
     return [rank(r, dp=dp, pp=pp, host=hosts.get(r, "node-a"), last=step(step_seconds=1.0, compute_seconds=t))
             for r, t in times.items()]
 
 
-def test_perf002_straggler_from_compute_time_not_step_time():
+def _phased(slow: dict[str, float], dp: int = 4) -> list[RankFacts]:
+    """A data-parallel job whose steps take 1 s everywhere: each rank busy 0.4 s (data 0.05, compute 0.25, optimizer
+    0.05, outside the model 0.05) and waiting the rest in collectives, but rank 3, whose phases in ``slow`` take that
+    long instead, and who waits for no one."""
+    def phases(number: int) -> dict[str, float]:
+        usual = {"dataloader_wait_seconds": 0.05, "compute_seconds": 0.25, "optimizer_seconds": 0.05,
+                 "outside_model_seconds": 0.05}
+        own = {**usual, **slow} if number == 3 else usual
+        return {**own, "exposed_collective_seconds": 1.0 - sum(own.values())}
+
+    return [rank(r, dp=dp, last=step(step_seconds=1.0, **phases(r))) for r in range(dp)]
+
+
+def test_perf002_straggler_from_busy_time_not_step_time():
     ranks = _compute({r: 0.6 if r == 5 else 0.3 for r in range(8)}, hosts={r: "node-b" for r in range(4, 8)})
     (finding,) = fired("PERF002", facts(ranks=ranks))
-    assert finding.title == "straggler in job job-1: rank 5 on node-b computes up to 2.00x the median"
+    assert finding.title == ("straggler in job job-1: rank 5 on node-b is busy up to 2.00x the median, the extra in "
+                             "compute (forward and backward)")
     assert finding.evidence[0].where.rank == 5 and finding.evidence[0].where.node == "node-b"
+    assert "HW005" in finding.fix and "the node" in finding.fix
+
+
+#: (phase, its step record field, how PERF002's title names it, a part of its fix): every phase of the schema.
+PHASES = [
+    ("data", "dataloader_wait_seconds", "loading its data", "DataLoader workers"),
+    ("compute", "compute_seconds", "compute (forward and backward)", "throttling (HW005)"),
+    ("optimizer", "optimizer_seconds", "the optimizer step", "offloaded to the CPU"),
+    ("outside_model", "outside_model_seconds", "work outside the model (callbacks, logging, evaluation, "
+                                               "checkpointing)", "rank-0-only work"),
+]
+
+
+def test_perf002_knows_every_phase_of_the_schema():
+    assert {(phase, field) for phase, field, _, _ in PHASES} == set(STEP_PHASES.items())
+
+
+@pytest.mark.parametrize(("phase", "field", "named", "advice"), PHASES)
+def test_perf002_names_the_phase_that_holds_the_extra_time_and_its_fix(phase, field, named, advice):
+    """Rank 3 spends 0.5 s more in one phase: the others wait for it in their collectives, its step is as long as
+    theirs, and its busy time (0.9 s against 0.4 s) names it, with that phase and the fix there."""
+    usual = {"dataloader_wait_seconds": 0.05, "compute_seconds": 0.25, "optimizer_seconds": 0.05,
+             "outside_model_seconds": 0.05}
+    ranks = _phased({field: usual[field] + 0.5})
+    (finding,) = fired("PERF002", facts(ranks=ranks))
+    assert finding.title == f"straggler in job job-1: rank 3 on node-a is busy up to 2.25x the median, the extra in " \
+                            f"{named}"
+    straggler = finding.evidence[0]
+    assert straggler.where.rank == 3
+    assert straggler.text.endswith(f"the extra is in {named}: {usual[field] + 0.5:.3g} s against "
+                                   f"{usual[field]:.3g} s")
+    values = straggler.values
+    assert values["phase"] == phase and values["ratio"] == pytest.approx(0.9 / 0.4)
+    assert (values["busy_seconds"], values["median_seconds"]) == (pytest.approx(0.9), pytest.approx(0.4))
+    assert {name: values[name] for name in usual} == pytest.approx({**usual, field: usual[field] + 0.5})
+    assert {name: values[f"peers_{name}"] for name in usual} == pytest.approx(usual)
+    assert finding.evidence[1].text.startswith("ranks 0-2 wait a median 0.5 s per step in collectives")
+    assert advice in finding.fix and "rank 3" in finding.fix
+    # the fast ranks' wait is the straggler's finding, not the network's
+    silent("PERF004", facts(ranks=ranks))
+    silent("PERF003", facts(ranks=ranks))
+
+
+def test_perf002_gives_one_finding_per_phase():
+    ranks = _phased({"outside_model_seconds": 0.5})
+    ranks[2] = dataclasses.replace(_phased({"compute_seconds": 0.7})[3], rank=2)
+    titles = sorted(f.title for f in fired("PERF002", facts(ranks=ranks)))
+    assert [title.split(", the extra in ")[1] for title in titles] == [
+        "compute (forward and backward)", "work outside the model (callbacks, logging, evaluation, checkpointing)"]
+
+
+def test_perf002_silent_just_under_the_ratio_whatever_the_phase():
+    """Busy 0.49 s against 0.4 s is 1.225x, under 1.25: quiet, with a margin (0.09 s) over the step share asked."""
+    margin = {"PERF002": {"min_step_share": 0.05}}
+    assert run("PERF002", facts(ranks=_phased({"outside_model_seconds": 0.14})), margin).findings == []
+    assert len(run("PERF002", facts(ranks=_phased({"outside_model_seconds": 0.16})), margin).findings) == 1
+
+
+def test_perf002_judges_ranks_that_report_compute_only():
+    """An older client reports compute alone: busy is that, and the phase is compute."""
+    (finding,) = fired("PERF002", facts(ranks=_compute({0: 0.3, 1: 0.3, 2: 0.9}, dp=3)))
+    assert finding.evidence[0].values["phase"] == "compute"
+    assert "outside_model_seconds" not in finding.evidence[0].values
 
 
 def test_perf002_compares_a_rank_with_the_others_of_its_stage():
     """Two replicas: the slow one is judged against the other alone, not a median that includes itself."""
     (finding,) = fired("PERF002", facts(ranks=_compute({0: 0.3, 1: 1.2}, dp=2)))
-    assert finding.evidence[0].text == ("rank 1 (node-a) computes 1.2 s per step (median of 20 steps (81-100, 10 s)), "
-                                        "4.00x the median 0.3 s of its peers, in a 1 s step")
+    assert finding.evidence[0].text == ("rank 1 (node-a) is busy 1.2 s per step (median of 20 steps (81-100, 10 s)), "
+                                        "4.00x the median 0.3 s of its peers, in a 1 s step; the extra is in compute "
+                                        "(forward and backward): 1.2 s against 0.3 s")
 
 
 def test_perf002_on_an_oversubscribed_node_needs_a_larger_gap():
@@ -398,7 +486,7 @@ def test_perf002_judges_window_medians_not_the_latest_step():
     slow = [rank(r, dp=2, last=step(compute_seconds=0.3), window=window(step(compute_seconds=0.3 if r == 0 else 0.9)))
             for r in range(2)]
     (finding,) = fired("PERF002", facts(ranks=slow))
-    assert "computes 0.9 s per step (median of 20 steps (81-100, 10 s)), 3.00x the median 0.3 s" in \
+    assert "is busy 0.9 s per step (median of 20 steps (81-100, 10 s)), 3.00x the median 0.3 s" in \
         finding.evidence[0].text
     assert finding.evidence[0].values["window_steps"] == 20
 
@@ -435,6 +523,7 @@ def test_perf002_names_a_node_whose_ranks_are_all_slow():
     times = {r: 0.6 if r >= 6 else 0.3 for r in range(8)}
     (finding,) = fired("PERF002", facts(ranks=_compute(times, hosts={6: "node-c", 7: "node-c"})))
     assert "node node-c" in finding.title
+    assert "replace or exclude node node-c" in finding.fix
 
 
 def test_perf002_silent_under_ratio_and_across_unequal_stages():
@@ -443,21 +532,51 @@ def test_perf002_silent_under_ratio_and_across_unequal_stages():
     silent("PERF002", facts(ranks=_compute({r: 0.6 if r >= 4 else 0.3 for r in range(8)}, dp=4, pp=2)))
 
 
-def test_perf002_not_run_without_compute_time():
-    not_run("PERF002", facts(ranks=[rank(0, last=step(compute_seconds=None))]), "step records lack compute_seconds")
+def test_perf002_takes_the_stage_yardsticks_of_ranks_it_was_not_given():
+    """An outlier fetch brings one rank and the stage's medians over all 64 of its ranks (facts.peers): the rank is
+    judged against them, phase by phase."""
+    (slow,) = [r for r in _phased({"dataloader_wait_seconds": 0.5}) if r.rank == 3]
+    peers = {("job-1", 0, name): Peers(value, 64) for name, value in (
+        ("busy_seconds", 0.4), ("dataloader_wait_seconds", 0.05), ("compute_seconds", 0.25),
+        ("optimizer_seconds", 0.05), ("outside_model_seconds", 0.05))}
+    peers["job-1", None, "step_seconds"] = Peers(1.0, 64)
+    (finding,) = fired("PERF002", facts(ranks=[slow], peers=peers))
+    assert finding.evidence[0].values["phase"] == "data"
+    assert finding.evidence[0].values["peers_dataloader_wait_seconds"] == 0.05
+
+
+def test_perf002_not_run_without_any_phase():
+    not_run("PERF002", facts(ranks=[rank(0, last=step(compute_seconds=None))]), "step records lack every phase")
+
+
+def _input(waits: dict[int, float], pp: int = 1) -> list[RankFacts]:
+    return [rank(r, dp=len(waits) // pp, pp=pp, last=step(dataloader_wait_seconds=w)) for r, w in waits.items()]
 
 
 def test_perf003_input_stall_with_low_gpu_activity():
     gpus = [gpu(i, sm_active_ratio=0.2 if i == 1 else 0.9) for i in range(8)]
-    ranks = [rank(r, dp=2, last=step(dataloader_wait_seconds=0.15 if r == 1 else 0.01)) for r in range(2)]
-    (finding,) = fired("PERF003", facts([node(gpus=gpus)], ranks))
+    (finding,) = fired("PERF003", facts([node(gpus=gpus)], _input({0: 0.12, 1: 0.15})))
     assert finding.evidence[0].text == ("rank 1: waits 0.15 s for input in a 0.5 s step (30%, median of 20 steps "
                                         "(81-100, 10 s)); its GPU is 20% busy (low)")
     assert "num_workers" in finding.fix
 
 
+def test_perf003_leaves_a_wait_few_ranks_have_to_perf002():
+    """Half of the ranks waiting, the others not, is not the job's input pipeline: their own loaders, stragglers."""
+    silent("PERF003", facts(ranks=_input({0: 0.15, 1: 0.15, 2: 0.01, 3: 0.01})))
+    (finding,) = fired("PERF003", facts(ranks=_input({0: 0.15, 1: 0.15, 2: 0.15, 3: 0.01})))
+    assert "3 of 4 rank(s)" in finding.title
+    assert len(run("PERF003", facts(ranks=_input({0: 0.15, 1: 0.01})), {"PERF003": {"rank_share": 0.4}}).findings) == 1
+
+
+def test_perf003_judges_the_share_within_a_pipeline_stage():
+    """Only the first stage loads data: its ranks all waiting is the job's input, though they are half of the job."""
+    (finding,) = fired("PERF003", facts(ranks=_input({0: 0.15, 1: 0.15, 2: 0.0, 3: 0.0}, pp=2)))
+    assert {e.where.rank for e in finding.evidence} == {0, 1}
+
+
 def test_perf003_on_an_oversubscribed_node_is_information():
-    ranks = _on_cpu([rank(r, dp=4, last=step(dataloader_wait_seconds=0.15 if r == 1 else 0.01)) for r in range(4)])
+    ranks = _on_cpu(_input({0: 0.15, 1: 0.15, 2: 0.15, 3: 0.01}))
     (finding,) = fired("PERF003", facts([node(cpus=2)], ranks))
     assert finding.severity == Severity.INFO and finding.title.endswith("on a node with fewer CPUs than ranks")
     assert finding.evidence[-1].values == {"ranks": 4, "cpus": 2}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -68,7 +69,8 @@ def test_agent_source_finds_ib_disabled_straggler_and_nan(start_agent, monkeypat
     assert [e["where"]["port"] for e in ib["evidence"][1:]] == [f"mlx5_{i}/1" for i in range(8)]
     assert "400 Gb/s" in ib["evidence"][1]["text"]
     (straggler,) = findings(document, "PERF002")
-    assert straggler["title"] == f"straggler in job {JOB}: rank 5 on sim-a computes up to 2.00x the median"
+    assert straggler["title"] == (f"straggler in job {JOB}: rank 5 on sim-a is busy up to 1.91x the median, the "
+                                  "extra in compute (forward and backward)")  # 0.63 s of phases against 0.33 s
     (nan,) = findings(document, "CONV001")
     assert nan["evidence"][0]["where"]["rank"] == 2 and "loss nan at step 5" in nan["evidence"][0]["text"]
     # The simulated hardware is healthy: every hardware rule ran and said nothing.
@@ -149,12 +151,34 @@ def test_run_log_directory_of_one_file_per_rank(tmp_path):
     assert [(r.rank, r.steps, r.window.steps) for r in facts.ranks] == [(0, 10, 10), (1, 10, 10)]
     _, document = diagnose("--run-log", str(tmp_path), "--select", "PERF002")
     (straggler,) = findings(document, "PERF002")
-    assert "rank 1 (node-1) computes 1.2 s per step (median of 10 steps (1-10, " in straggler["evidence"][0]["text"]
+    assert "rank 1 (node-1) is busy 1.23 s per step (median of 10 steps (1-10, " in straggler["evidence"][0]["text"]
     assert straggler["evidence"][0]["values"]["window_steps"] == 10
 
     (tmp_path / "empty").mkdir()
     result = CliRunner().invoke(main, ["diagnose", "--run-log", str(tmp_path / "empty")])
     assert result.exit_code == 2 and "holds no *.jsonl file" in result.output
+
+
+def test_ranks_that_said_hello_and_never_stepped_are_a_finding_not_zero_ranks(start_agent, tmp_path):
+    """A job whose steps the instrumentation never saw: its ranks' hellos reached the agent five minutes ago, and the
+    run log, and no step followed. Both sources say so (HANG005) instead of judging nothing: from the agent with the
+    hello's age, from the run log (read after the run) for certain."""
+    agent = start_agent(*FAST, "--node", "sim-c")
+    layout = {"world_size": 2, "tp_size": 1, "pp_size": 1, "dp_size": 2, "tp_rank": 0, "pp_stage": 0, "gpu": None}
+    with TelemetryClient(agent.telemetry_socket, run_log=tmp_path / "run.jsonl", heartbeat_interval=0) as client:
+        for rank in range(2):
+            client.send(hello(rank, local_rank=rank, dp_rank=rank, hostname="sim-c", time=time.time() - 300, **layout))
+    wait_until(lambda: len(agent.state()["facts"]["telemetry"]["ranks"]) == 2, what="2 ranks in the agent's state")
+    told = {}
+    for source in (("--agent", agent.url), ("--run-log", str(tmp_path / "run.jsonl"))):
+        _, document = diagnose(*source, "--select", "HANG005")
+        (finding,) = findings(document, "HANG005")
+        assert finding["title"] == (f"job {JOB}: ranks 0-1 said hello but reported no step: gpuwatch measured "
+                                    "nothing of its training")
+        (told[source[0]],) = finding["evidence"]
+    assert told["--agent"]["values"]["hello_age_seconds"] == pytest.approx(300, abs=10)  # by the agent's round
+    assert "no step record since the hello" in told["--agent"]["text"]
+    assert told["--run-log"]["text"] == "ranks 0-1 on sim-c: the run log ends after the hello without a step record"
 
 
 def test_prometheus_over_two_simulated_nodes_names_the_straggler(start_agent, prometheus_server):
@@ -183,7 +207,8 @@ def test_prometheus_over_two_simulated_nodes_names_the_straggler(start_agent, pr
     status, slow = diagnose("--prometheus", prometheus.url, "--fail-on", "warning")
     assert status == 1
     (straggler,) = findings(slow, "PERF002")
-    assert straggler["title"] == f"straggler in job {JOB}: rank 6 on node-b computes up to 2.00x the median"
+    assert straggler["title"] == (f"straggler in job {JOB}: rank 6 on node-b is busy up to 1.91x the median, the "
+                                  "extra in compute (forward and backward)")
     assert straggler["evidence"][0]["where"] == {"node": "node-b", "job": JOB, "rank": 6}
     assert [f["code"] for f in slow["findings"] if f["severity"] != "info"] == ["PERF002"]
 
@@ -199,7 +224,9 @@ def test_agent_source_finds_the_rules_no_trainer_fault_reproduces(start_agent):
     tail = collectives({"all_reduce": [0.001] * 90 + [0.01] * 10})  # p99 10x its p50, over 100 calls a step
     fragmented = {**HEALTHY_MEMORY, "reserved_bytes": 40 << 30, "allocated_bytes": 20 << 30,
                   "inactive_split_bytes": 12 << 30, "alloc_retries": 7}
-    unusual = {2: {"collectives": tail}, 3: {"dataloader_wait_seconds": 0.3}, 4: {"memory": fragmented}}
+    # every rank of pipeline stage 1 waits for its input: the job's input pipeline (a lone one would be a straggler)
+    unusual = {rank: {"dataloader_wait_seconds": 0.3} for rank in range(4, 8)}
+    unusual[2], unusual[4]["memory"] = {"collectives": tail}, fragmented
     with TelemetryClient(agent.telemetry_socket, heartbeat_interval=0) as client:
         for rank in range(8):
             client.send(hello(rank, hostname="sim-b", world_size=16, dp_size=4,
@@ -216,7 +243,7 @@ def test_agent_source_finds_the_rules_no_trainer_fault_reproduces(start_agent):
                                                          "CONV005"}, document["findings"]
     ranks = {f["code"]: {e["where"].get("rank") for e in f["evidence"]} - {None} for f in document["findings"]}
     assert ranks["NCCL003"] == {0} and ranks["NCCL004"] == {1} and ranks["NCCL005"] == {2}
-    assert ranks["PERF003"] == {3} and ranks["MEM001"] == {4}
+    assert ranks["PERF003"] == {4, 5, 6, 7} and ranks["MEM001"] == {4}
     (ifname,) = findings(document, "NCCL003")
     assert "ib9" in ifname["title"] + ifname["evidence"][0]["text"]
     assert ifname["fix"].startswith("export NCCL_SOCKET_IFNAME=")

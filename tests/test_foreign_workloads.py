@@ -171,7 +171,7 @@ def test_the_harness_keeps_the_runs_own_findings_and_the_nodes():
     diagnosis = foreign.Diagnosis("agent", "mine", report)
     assert diagnosis.codes() == {"PERF002", "HW003"}
     assert ranks_named(diagnosis.serious()["PERF002"][0]) == {1}
-    assert foreign.compute_ratios({0: [1.0, 1.0, 9.0], 1: [2.0, 2.0], 2: [1.0]}) == {0: 1 / 1.5, 1: 2.0, 2: 1 / 1.5}
+    assert foreign.busy_ratios({0: [1.0, 1.0, 9.0], 1: [2.0, 2.0], 2: [1.0]}) == {0: 1 / 1.5, 1: 2.0, 2: 1 / 1.5}
     # PERF002's two conditions: rank 1 is 2x its peer (1.6 of the 1.25 needed) and 1 s slower in a 10 s step (1.0
     # of the tenth needed): the margin decides, exactly at the bar; the faster rank is nowhere near
     assert foreign.straggler_closeness({0: [1.0, 1.0], 1: [2.0, 2.0]}, {0: [10.0], 1: [10.0]}, 1.25, 0.1) == \

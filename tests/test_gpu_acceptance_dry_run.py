@@ -17,7 +17,7 @@ import gpu_acceptance  # noqa: E402
 
 NAMES = [check.name for check in gpu_acceptance.CHECKS]
 #: What only a GPU can show: skipped in the dry run, with the reason.
-GPU_ONLY = {"agent-load", "diagnose-fragmentation", "hooks-overhead"}
+GPU_ONLY = {"agent-load", "diagnose-fragmentation", "hooks-overhead", "frameworks-gpu"}
 #: The check the dry-run test gives a timeout too short to start in.
 TIMED_OUT = "agent-cost"
 

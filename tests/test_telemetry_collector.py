@@ -27,6 +27,8 @@ from gpuwatch.agent.exposition import Renderer
 from gpuwatch.agent.telemetry.exits import ExitWatcher
 from gpuwatch.agent.telemetry.store import OpTotals, TelemetryStore
 from gpuwatch.agent.telemetry.window import (
+    BUSY,
+    PHASE_TIMINGS,
     TIMING_ORDER,
     TIMINGS,
     WINDOW_SECONDS,
@@ -176,6 +178,10 @@ def test_window_summary_takes_every_median_and_finite_range_by_their_definition(
     for name in TIMING_ORDER:
         reported = [getattr(point, name) for point in points if getattr(point, name) is not None]
         assert summary.median(name) == (statistics.median(reported) if reported else None)
+    # busy: each step's phases that it reported, summed in their order; the steps that reported none left out
+    busy = [sum(phases) for point in points
+            if (phases := [getattr(point, name) for name in PHASE_TIMINGS if getattr(point, name) is not None])]
+    assert summary.median(BUSY) == (statistics.median(busy) if busy else None)
     losses = [point.loss for point in points if point.loss is not None and math.isfinite(point.loss)]
     norms = [point.grad_norm for point in points if point.grad_norm is not None and math.isfinite(point.grad_norm)]
     assert (summary.loss_steps, summary.loss_min, summary.loss_max) == (len(losses), min(losses, default=None),
@@ -230,13 +236,18 @@ def test_unavailable_signals_are_kept_until_measured_again_and_exported_with_the
 
 def test_window_figures_are_exported_per_rank():
     store, per_rank = TelemetryStore(), RankSeries()
-    _feed(store, hello(0, backends={"default": "gloo"}),
-          *(step(0, n, time=100.0 + n, compute_seconds=0.2, exposed_collective_seconds=0.05, samples=32)
-            for n in range(1, 6)))
+    _feed(store, hello(0, backends={"default": "gloo"}, time=90.0),
+          *(step(0, n, time=100.0 + n, compute_seconds=0.2, outside_model_seconds=0.1 * n,
+                 exposed_collective_seconds=0.05, samples=32) for n in range(1, 6)))
     text = _rendered(store, per_rank).decode()
     medians = samples(text, "gpuwatch_train_window_median_seconds")
     assert medians[coordinates(0, timing="compute_seconds")] == 0.2
     assert medians[coordinates(0, timing="exposed_collective_seconds")] == 0.05
+    assert medians[coordinates(0, timing="outside_model_seconds")] == pytest.approx(0.3)
+    # the steps' phases summed (data 0.01, compute 0.2, optimizer 0.02, outside the model 0.1 n), their median
+    assert medians[coordinates(0, timing="busy_seconds")] == pytest.approx(0.53)
+    assert samples(text, "gpuwatch_train_outside_model_seconds") == {coordinates(0): pytest.approx(0.5)}
+    assert samples(text, "gpuwatch_train_hello_timestamp_seconds") == {coordinates(0): 90.0}
     assert samples(text, "gpuwatch_train_window_steps") == {coordinates(0): 5}
     assert samples(text, "gpuwatch_train_window_bubble_ratio") == {coordinates(0): 0.2}
     assert samples(text, "gpuwatch_train_window_param_checksums_distinct") == {coordinates(0): 5}

@@ -53,7 +53,7 @@ from gpuwatch.agent.exposition import CounterFamily, GaugeFamily, TextFamily, fo
 from gpuwatch.agent.telemetry import listener
 from gpuwatch.agent.telemetry.exits import ExitWatcher
 from gpuwatch.agent.telemetry.store import RankState, TelemetryStore, probe_peaks
-from gpuwatch.agent.telemetry.window import WINDOW_SECONDS, WINDOW_STEPS, summarize
+from gpuwatch.agent.telemetry.window import BUSY, MEDIAN_SECONDS, WINDOW_SECONDS, WINDOW_STEPS, summarize
 from gpuwatch.protocol.paths import default_socket_path
 from gpuwatch.protocol.ranks import members_text
 from gpuwatch.protocol.schema import COLLECTIVE_BUCKETS, EXPORTED_ENV, MAX_EXPORTED_ENV_VALUE_CHARS
@@ -78,12 +78,15 @@ STEP_GAUGES: tuple[StepGauge, ...] = (
     StepGauge("gpuwatch_train_step_seconds", "Wall time of the rank's latest reported step.", "seconds",
               "step_seconds"),
     StepGauge("gpuwatch_train_compute_seconds", "Forward and backward time of the latest step, excluding time spent "
-              "waiting on collectives (a data-parallel all-reduce evens out whole-step times; this finds the slow "
-              "rank).", "seconds", "compute_seconds"),
-    StepGauge("gpuwatch_train_dataloader_wait_seconds", "Time the latest step waited for its input batch.", "seconds",
-              "dataloader_wait_seconds"),
-    StepGauge("gpuwatch_train_optimizer_seconds", "Optimizer time of the latest step.", "seconds",
-              "optimizer_seconds"),
+              "waiting on collectives.", "seconds", "compute_seconds"),
+    StepGauge("gpuwatch_train_dataloader_wait_seconds", "Time the latest step waited for its input batch, excluding "
+              "time spent waiting on collectives.", "seconds", "dataloader_wait_seconds"),
+    StepGauge("gpuwatch_train_optimizer_seconds", "Optimizer time of the latest step, excluding time spent waiting on "
+              "collectives.", "seconds", "optimizer_seconds"),
+    StepGauge("gpuwatch_train_outside_model_seconds", "Host time of the latest step outside the model (callbacks, "
+              "logging, evaluation, checkpointing), excluding time spent waiting on collectives: with the data, "
+              "compute and optimizer time and the exposed collective time it adds up to the step.", "seconds",
+              "outside_model_seconds"),
     StepGauge("gpuwatch_train_pipeline_busy_seconds", "Time this pipeline stage computed during the latest step.",
               "seconds", "busy_seconds", "pipeline"),
     StepGauge("gpuwatch_train_pipeline_idle_seconds", "Time this pipeline stage waited during the latest step.",
@@ -157,9 +160,11 @@ WINDOW_GAUGES: tuple[MetricSpec, ...] = (
     MetricSpec("gpuwatch_train_window_param_checksums_distinct", f"Distinct parameter checksums {_WINDOW}: 1 when "
                "several were measured means the parameters did not change.", "", "distinct_checksums"),
 )
-#: The median timings of the window, one series per timing (label ``timing``: the step record's field).
+#: The median timings of the window, one series per timing (label ``timing``: the step record's field, or
+#: ``busy_seconds``, the sum of the step's phases: a data-parallel all-reduce evens out whole-step times, and this
+#: finds the slow rank).
 WINDOW_MEDIAN = "gpuwatch_train_window_median_seconds"
-WINDOW_TIMINGS = ("step_seconds", "compute_seconds", "dataloader_wait_seconds", "exposed_collective_seconds")
+WINDOW_TIMINGS = MEDIAN_SECONDS
 #: A signal a measuring step could not compute (labels signal and reason).
 UNAVAILABLE = "gpuwatch_train_signal_unavailable"
 #: What an overdue rank is doing, from its latest progress record (``schema`` "progress"): gone once it steps again.
@@ -177,6 +182,8 @@ _RANK_INFO = "gpuwatch_train_rank_info"
 _ENV_INFO = "gpuwatch_train_env_info"
 #: The hello's process groups (labels group and members, ``protocol.ranks.members_text``)
 GROUP_INFO = "gpuwatch_train_process_group_info"
+#: When the rank said hello, by its clock (the hello's ``time``; its heartbeat repeats that hello)
+HELLO_TIME = "gpuwatch_train_hello_timestamp_seconds"
 _GPU_JOB = "gpuwatch_gpu_job_info"
 _COSINE = "gpuwatch_train_grad_cosine_similarity"
 _CHECKSUM = "gpuwatch_train_param_checksum"
@@ -190,14 +197,17 @@ _PER_RANK: tuple[tuple[str, str, str], ...] = (
     (_GPU_JOB, "gauge", "Which job and rank run on which GPU; join it on uuid (or gpu) to label GPU series by job."),
     (GROUP_INFO, "gauge", "A process group of the rank, from its hello (group: its name; members: its ranks as runs, "
      "first-last/stride); value 1."),
+    (HELLO_TIME, "gauge", "Rank's wall clock when it said hello (its heartbeat repeats that hello): with no step "
+     "reported since, how long it has run without a step being seen."),
     *((gauge.name, "gauge", gauge.help) for gauge in (*STEP_GAUGES, *MEMORY_GAUGES)),
     *((counter.name.removesuffix("_total"), "counter", counter.help) for counter in COUNTERS),
     (_COSINE, "gauge", "Cosine between this data-parallel rank's local gradient and the DP-mean gradient, latest "
      "measurement."),
     (_CHECKSUM, "gauge", "Parameter checksum, latest measurement; data-parallel replicas must agree."),
     *((gauge.name, "gauge", gauge.help) for gauge in WINDOW_GAUGES),
-    (WINDOW_MEDIAN, "gauge", f"Median of a step timing {_WINDOW} (timing: step_seconds, compute_seconds, "
-     "dataloader_wait_seconds, exposed_collective_seconds)."),
+    (WINDOW_MEDIAN, "gauge", f"Median of a step timing {_WINDOW} (timing: {', '.join(WINDOW_TIMINGS)}; "
+     f"{BUSY}: the sum of the step's phases, the step without its waits in collectives, by which a straggler is "
+     "judged)."),
     (UNAVAILABLE, "gauge", "A signal the rank's latest measuring step could not compute, and why (reason: "
      "zero_gradient, no_data_parallel_group, ...); value: that step's number."),
     (STALLED, "gauge", "Seconds since an overdue rank's training thread last made progress, as its latest progress "
@@ -283,7 +293,8 @@ class _RankLines:
                 ("backend", hello.get("backends", {}).get("default", "")),
                 ("faults", ",".join(hello.get("faults", ()))),
                 ("unavailable_from_outside", ",".join(hello.get("unavailable_from_outside", ()))))
-        lines = {_RANK_INFO: f"{self._prefix(_RANK_INFO, info)}1.0\n"}
+        lines = {_RANK_INFO: f"{self._prefix(_RANK_INFO, info)}1.0\n",
+                 HELLO_TIME: f"{self._prefix(HELLO_TIME)}{format_value(hello['time'])}\n"}
         environment = hello.get("env", {})
         lines[_ENV_INFO] = "".join(
             f"{self._prefix(_ENV_INFO, (('name', name), ('value', environment[name])))}1.0\n"

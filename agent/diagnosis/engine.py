@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from gpuwatch.agent.diagnosis import rules as _catalogue  # noqa: F401 - importing registers every rule
-from gpuwatch.agent.diagnosis.facts import Facts
+from gpuwatch.agent.diagnosis.facts import Facts, RankFacts, describe_ranks
 from gpuwatch.agent.diagnosis.registry import REGISTRY, Evidence, Finding, Rule
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,11 @@ class Report:
     ran: list[str]
     skipped: list[Skipped]
 
+    @property
+    def notes(self) -> list[str]:
+        """The sources' notes, then what the ranks' instrumentation said in its hellos."""
+        return [*self.facts.notes, *_hello_notes(self.facts)]
+
 
 def _failure(rule: Rule, error: Exception) -> Finding:
     """A rule that raised: a finding at the rule's own severity, so that ``--fail-on`` cannot pass a job the rule
@@ -149,3 +154,12 @@ def run(facts: Facts, rules: Iterable[Rule] | None = None, overrides: Overrides 
                              issue.evidence, issue.fix, issue.reason) for issue in issues]
     findings.sort(key=lambda finding: (-finding.severity, _order(finding.code)))
     return Report(facts, findings, ran, skipped)
+
+
+def _hello_notes(facts: Facts) -> list[str]:
+    """Each job's ranks' hello notes, a line per note with the ranks that sent it: "job J, ranks 0-7: …"."""
+    by_note: dict[tuple[str, str], list[RankFacts]] = {}
+    for rank in facts.ranks:
+        for note in rank.hello_notes:
+            by_note.setdefault((rank.job, note), []).append(rank)
+    return [f"job {job}, {describe_ranks(ranks)}: {note}" for (job, note), ranks in by_note.items()]

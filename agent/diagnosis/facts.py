@@ -182,8 +182,11 @@ class StepFacts:
 
     step: int
     step_seconds: float | None = None
-    compute_seconds: float | None = None
+    #: the step's phases (``schema.STEP_PHASES``), each net of the collectives waited for inside it
     dataloader_wait_seconds: float | None = None
+    compute_seconds: float | None = None
+    optimizer_seconds: float | None = None
+    outside_model_seconds: float | None = None
     exposed_collective_seconds: float | None = None
     gradient_sync_bytes: float | None = None  # DDP's all-reduce volume, where its calls are not timed
     #: collective calls (not send/recv) made on each process group (hello names) by the step's end
@@ -299,6 +302,13 @@ class RankFacts:
     faults: tuple[str, ...] = ()
     #: What the rank, measured from outside (`gpuwatch run`), could not measure (``schema.UNAVAILABLE_FROM_OUTSIDE``).
     unavailable_from_outside: tuple[str, ...] = ()
+    #: What the rank's instrumentation found but could not use, a line each (the hello's ``notes``, e.g. a device
+    #: mesh `gpuwatch run` cannot place): the report repeats them.
+    hello_notes: tuple[str, ...] = ()
+    #: How long ago the rank said hello, by the source's clock (the agent's round, the PromQL engine's evaluation): a
+    #: rank that has not stepped a moment after its hello is starting, not unmeasured. ``math.inf`` from a run log,
+    #: which is read after the run: no step came after the hello. None where the source cannot tell.
+    hello_age_seconds: float | None = None
     last: StepFacts | None = None
     #: Robust figures over the rank's recent steps (``telemetry.window``): what the timing rules judge.
     window: WindowSummary | None = None

@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 from gpuwatch.agent.diagnosis.facts import RATED_BY, Facts, RankFacts, describe_ranks, group_by, may_use_nccl
 from gpuwatch.agent.diagnosis.registry import Need
-from gpuwatch.agent.telemetry.window import MIN_WINDOW_STEPS
+from gpuwatch.agent.telemetry.window import BUSY as BUSY_SECONDS
+from gpuwatch.agent.telemetry.window import MIN_WINDOW_STEPS, PHASE_TIMINGS
 from gpuwatch.protocol.schema import UNAVAILABLE_FROM_OUTSIDE, UNAVAILABLE_REASONS
 
 
@@ -157,6 +158,8 @@ _FEW_STEPS = (f"or fewer than {MIN_WINDOW_STEPS} steps in every rank's window (o
               "to judge)")
 COMPUTE = _rank_fact("compute time over a window", _windowed("compute_seconds"),
                      f"step records lack compute_seconds, {_FEW_STEPS}")
+BUSY = _rank_fact("busy time (the step's phases) over a window", _windowed(BUSY_SECONDS),
+                  f"step records lack every phase ({', '.join(PHASE_TIMINGS)}), {_FEW_STEPS}")
 DATALOADER = _rank_fact("data-loader wait over a window", _windowed("dataloader_wait_seconds"),
                         f"step records lack dataloader_wait_seconds, {_FEW_STEPS}")
 EXPOSED_COLLECTIVES = _rank_fact("exposed collective time over a window",

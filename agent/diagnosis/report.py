@@ -42,7 +42,7 @@ def to_json(report: Report) -> dict[str, Any]:
         "findings": [_finding_json(finding) for finding in report.findings],
         "not_run": [{"code": skipped.code, "reason": skipped.reason, "cause": skipped.cause}
                     for skipped in report.skipped],
-        "notes": list(facts.notes),
+        "notes": report.notes,
     })
 
 
@@ -89,9 +89,9 @@ def render_text(report: Report) -> str:
             marker = "the source could not answer: " if cause == "source" else ""
             lines.append(f"  {', '.join(s.code for s in skipped)}: {marker}{reason}")
         lines.append("")
-    if facts.notes:
+    if report.notes:
         lines.append("Notes:")
-        lines += [f"  {note}" for note in facts.notes]
+        lines += [f"  {note}" for note in report.notes]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -19,20 +19,31 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from gpuwatch.protocol.schema import STEP_PHASES
+
 #: Steps a window holds; a fault that starts mid-run moves the medians once it holds half the window.
 WINDOW_STEPS = 64
 #: Seconds of the rank's clock a window spans at most: slow steps are not judged on hour-old company.
 WINDOW_SECONDS = 300.0
 #: Steps a window needs before its medians are judged: a median of 5 stands however wrong 2 of them are.
 MIN_WINDOW_STEPS = 5
+#: The step's phases (``schema.STEP_PHASES``: data, compute, optimizer, outside the model), each net of the collectives
+#: waited for inside it.
+PHASE_TIMINGS = tuple(STEP_PHASES.values())
 #: The per-step timings summarised by their median: step record field -> path in the record body.
 TIMINGS: Mapping[str, tuple[str, ...]] = {
     "step_seconds": ("step_seconds",),
-    "compute_seconds": ("compute_seconds",),
-    "dataloader_wait_seconds": ("dataloader_wait_seconds",),
+    **{field: (field,) for field in PHASE_TIMINGS},
     "exposed_collective_seconds": ("exposed_collective_seconds",),
     "bubble_ratio": ("pipeline", "bubble_ratio"),
 }
+#: A timing no record carries, summarised beside TIMINGS: the step's busy time, the sum of the phases it reported.
+#: With every phase reported it is the step without its waits in collectives; where a rank waits there for a late
+#: peer, the late peer's busy time is what makes the others wait, so a straggler is judged by it (PERF002). A step
+#: that reported only some phases (an older client: compute alone) is busy for those.
+BUSY = "busy_seconds"
+#: The timings in seconds whose medians a summary holds, TIMINGS' then BUSY.
+MEDIAN_SECONDS = (*(name for name in TIMINGS if name.endswith("_seconds")), BUSY)
 
 
 #: TIMINGS as a ``StepPoint`` holds them: the top-level fields, then the one nested, the pipeline's bubble, which
@@ -55,8 +66,10 @@ class StepPoint(NamedTuple):
     step: int
     time: float
     step_seconds: float | None = None
-    compute_seconds: float | None = None
     dataloader_wait_seconds: float | None = None
+    compute_seconds: float | None = None
+    optimizer_seconds: float | None = None
+    outside_model_seconds: float | None = None
     exposed_collective_seconds: float | None = None
     bubble_ratio: float | None = None
     loss: float | None = None
@@ -84,8 +97,9 @@ class StepPoint(NamedTuple):
                    param_checksum=values.get("param_checksum"))
 
 
-#: Where a point holds its timings, in ``TIMING_ORDER`` (a test holds the fields to it).
+#: Where a point holds its timings, in ``TIMING_ORDER`` (a test holds the fields to it), and its phases among them.
 _TIMINGS_AT = slice(2, 2 + len(TIMING_ORDER))
+_PHASES_AT = [TIMING_ORDER.index(field) for field in PHASE_TIMINGS]
 
 
 def _number(value: float | str | None) -> float | None:
@@ -129,7 +143,7 @@ class WindowSummary:
     first_step: int
     last_step: int
     seconds: float
-    medians: Mapping[str, float]  # TIMINGS name -> median
+    medians: Mapping[str, float]  # TIMINGS name or BUSY -> median
     loss_steps: int = 0  # steps with a finite loss
     loss_min: float | None = None
     loss_max: float | None = None
@@ -159,8 +173,10 @@ def summarize(points: Iterable[StepPoint]) -> WindowSummary | None:
         return None
     columns = tuple(zip(*points, strict=True))  # a column a field
     loss_column, norm_column, checksum_column = columns[_TIMINGS_AT.stop:]
+    timings = columns[_TIMINGS_AT]
     medians = {}
-    for name, column in zip(TIMING_ORDER, columns[_TIMINGS_AT], strict=True):
+    for name, column in (*zip(TIMING_ORDER, timings, strict=True),
+                         (BUSY, _busy([timings[index] for index in _PHASES_AT]))):
         ordered = _sorted_reported(column)
         if ordered:
             middle = len(ordered) // 2  # the median as statistics.median takes it
@@ -185,7 +201,21 @@ def _sorted_reported(column: tuple[float | None, ...]) -> list[float]:
         ordered: list[Any] = sorted(column)  # type: ignore[type-var]  # a None beside a number raises
     except TypeError:
         return sorted(value for value in column if value is not None)
-    return ordered if ordered[-1] is not None else []  # a window of one step that did not report it
+    # empty: a window of one step that did not report it, or a busy column of steps that reported no phase
+    return ordered if ordered and ordered[-1] is not None else []
+
+
+def _busy(phases: list[tuple[float | None, ...]]) -> tuple[float | None, ...]:
+    """Each step's busy time (``BUSY``): the sum of the phases it reported, None for a step that reported none; no
+    column where no step reported a phase. Summed in C while every step reported the same phases, value by value
+    only where a phase's column mixes reported and missing."""
+    present = [column for column in phases if column.count(None) < len(column)]
+    if not present:
+        return ()
+    if not any(None in column for column in present):
+        return tuple(map(sum, zip(*present, strict=True)))
+    return tuple(sum(value for value in row if value is not None) if row.count(None) < len(row) else None
+                 for row in zip(*present, strict=True))
 
 
 def _finite(column: tuple[float | None, ...]) -> Sequence[float]:

@@ -73,7 +73,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils.data import dataloader
 from torch.utils.hooks import RemovableHandle
 
-from gpuwatch.protocol.schema import UNAVAILABLE_FROM_OUTSIDE
+from gpuwatch.protocol.schema import MAX_NOTES, MAX_TEXT_CHARS, UNAVAILABLE_FROM_OUTSIDE
 from gpuwatch.trainer.auto import status
 from gpuwatch.trainer.auto.layout import detect_layout
 from gpuwatch.trainer.hooks._safety import Failures
@@ -312,7 +312,7 @@ class AutoMonitor:
         hello: dict[str, Any] = {"framework": detect_framework(), "command": captured_command(sys.orig_argv),
                                  "unavailable_from_outside": unavailable_from_outside(layout, whole, self.counted)}
         if notes:
-            hello["notes"] = notes
+            hello["notes"] = [note[:MAX_TEXT_CHARS] for note in notes[:MAX_NOTES]]
         monitor = Monitor(model, layout=layout, signals=signals, hello=hello)
         monitor.failures.on_first = _note_failure
         return monitor

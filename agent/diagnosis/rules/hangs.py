@@ -1,5 +1,5 @@
 """Hangs: ranks stuck in a collective, who they wait for and what that rank does instead; mismatched collectives;
-a transport that stopped; ranks that died.
+a transport that stopped; ranks that died; ranks that said hello and never reported a step.
 
 Every rule reads the ranks' progress records (schema "progress"), which the hooks send only while a rank is overdue:
 it has made no progress (no phase, collective or step began or ended) for longer than its own rhythm allows, a
@@ -15,12 +15,22 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import re
 import types
 from collections.abc import Iterator
 
 from gpuwatch.agent.diagnosis import needs
-from gpuwatch.agent.diagnosis.facts import Facts, InFlightFacts, RankFacts, describe_ranks, group_members, rank_list
+from gpuwatch.agent.diagnosis.facts import (
+    Facts,
+    InFlightFacts,
+    RankFacts,
+    Where,
+    describe_ranks,
+    group_by,
+    group_members,
+    rank_list,
+)
 from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
 from gpuwatch.agent.diagnosis.rules.common import capped
 from gpuwatch.protocol.schema import P2P_OPS
@@ -392,3 +402,83 @@ def rank_died(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
                 "launcher's exit status: -9 is SIGKILL); make the launcher end the whole job when one rank dies "
                 "(torchrun does; a process-group timeout bounds the wait) and resume from the last checkpoint",
             reason="the job cannot go on without the rank: its peers wait for it in every collective it belongs to")
+
+
+def _never_stepped(rank: RankFacts) -> bool:
+    """The rank said hello (a rank is known by its hello or a record after it) and reported no step since, and is
+    neither dead (HANG004's) nor waiting in a collective (HANG001-003's): it runs, or ran to its end, unmeasured."""
+    return rank.last is None and not rank.steps and not _dead(rank) and _collective_of(rank) is None
+
+
+def _silence(rank: RankFacts) -> tuple[str, float | None]:
+    """How sure the silence of a rank without a step is, in words (``{age}``: the oldest hello's age among the ranks
+    one evidence line names), and how long ago it said hello where the source knows."""
+    age = rank.hello_age_seconds
+    if _closed(rank):
+        return "hooks closed at the end of the run, no step record before", None
+    if age is None:
+        return "no step record; when the hello came is unknown to this source", None
+    if math.isinf(age):
+        return "the run log ends after the hello without a step record", None
+    return "no step record since the hello, {age:.0f} s ago (the oldest, by the source's clock)", age
+
+
+@rule("HANG005", family=FAMILY, severity=Severity.WARNING, title="Ranks said hello but reported no step",
+      needs=(needs.TELEMETRY,),
+      thresholds={"min_age_seconds": Threshold(
+          120.0, "twice the hooks' allowance for a first step: until 3 steps have ended, a rank that makes no "
+                 "progress for 60 s (compilation, the first collectives' set-up) is reported overdue; a rank that said "
+                 "hello twice that long ago and ended no step runs without its steps being seen")})
+def never_stepped(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
+    """A rank whose hello reached the source but no step record after it: the instrumentation runs in the rank's
+    process and measured nothing of its training. Under `gpuwatch run` a step is an optimizer step, so a loop that
+    never steps a torch optimizer (a hand-written update, a framework's own) ends none; or the rank's steps were not
+    seen (its instrumentation failed after the hello). Without this finding the job would look like one with nothing
+    to judge: every timing and learning rule silent, "0 steps". A rank that said hello a moment ago is starting, not
+    silent: where the source knows the hello's age (the agent, Prometheus) a rank is judged once it said hello
+    min_age_seconds ago, by then past the hooks' own allowance for a first step, and the evidence says how long ago;
+    a rank whose hooks were closed ended its run without a step, and a run log, read after the run, holds all the
+    rank ever sent, so both are certain. A job with a rank waiting in a collective is hung, and a dead rank died:
+    HANG001-004 judge those. A rank overdue outside any collective before its first step (its loop moves nothing the
+    hooks see, or it compiles for minutes) is named here, with how long it has been still."""
+    for job, members in facts.jobs().items():
+        if any(_collective_of(r) is not None for r in members):
+            continue
+        quiet = [r for r in members if _never_stepped(r) and (
+            _closed(r) or r.hello_age_seconds is None or r.hello_age_seconds >= t.min_age_seconds)]
+        if not quiet:
+            continue
+        evidence = []
+        for (host, how), ranks in group_by(quiet, lambda r: (r.host, _silence(r)[0])):
+            ages = [age for r in ranks if (age := _silence(r)[1]) is not None]
+            oldest = max(ages, default=None)
+            evidence.append(Evidence(
+                f"{describe_ranks(ranks)} on {host or 'an unknown node'}: " + how.format(age=oldest),
+                Where(node=host, job=job, rank=ranks[0].rank if len(ranks) == 1 else None),
+                {"ranks": [r.rank for r in ranks], "hello_age_seconds": oldest}))
+        still = [r for r in quiet if r.progress is not None and not _closed(r)]
+        if still:
+            stalled = max(r.progress.stalled_seconds for r in still if r.progress is not None)
+            phases = sorted({r.progress.phase for r in still if r.progress is not None})
+            evidence.append(Evidence(
+                f"{describe_ranks(still)} overdue: no progress for up to {stalled:.0f} s, in phase {', '.join(phases)} "
+                "(a long compilation, or a loop the hooks see nothing of)", Where(job=job),
+                {"ranks": [r.rank for r in still], "stalled_seconds": stalled}))
+        stepped = [r for r in members if r.last is not None]
+        if stepped:
+            evidence.append(Evidence(
+                f"{describe_ranks(stepped)} of the job reported steps (up to step "
+                f"{max(r.last.step for r in stepped if r.last is not None)}): their steps are seen, these ranks' "
+                "are not", Where(job=job), {"ranks": [r.rank for r in stepped]}))
+        what = f"{describe_ranks(quiet)} of {len(members)}" if stepped else describe_ranks(quiet)
+        yield Issue(
+            title=f"job {job}: {what} said hello but reported no step"
+                  + ("" if stepped else ": gpuwatch measured nothing of its training"),
+            evidence=capped(evidence, what="groups of ranks"),
+            fix="read the end-of-run line `gpuwatch run` prints (how many ranks were instrumented, and why not: "
+                "-I/-E/-S, torch never imported, no process group, an exception in the instrumentation); a loop "
+                "that never calls a torch optimizer's step() (a hand-written update, a framework's own) ends no "
+                "step `gpuwatch run` can see: mark its steps with the explicit hooks (`with monitor.step():`, "
+                "README \"Training hooks\")",
+            reason="a rank without step records is measured by no timing, learning or memory rule: the job would "
+                   "look healthy only because nothing of it was seen")

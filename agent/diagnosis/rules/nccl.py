@@ -217,21 +217,25 @@ def ring_latency_tail(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]
     31 ms and p99 from 142 ms to 45 ms.
     The rule compares each rank's all-reduce p99 with its p50, only for jobs that span nodes (inside a
     node NCCL rings over NVLink and Tree does not help) and only where NCCL_ALGO does not already allow
-    Tree. The per-op histogram mixes message sizes, hence the minimum call count."""
+    Tree. The per-op histogram mixes message sizes, hence the minimum call count.
+    A slow ring stretches the same calls on every rank; a tail on some ranks only is their wait for the others,
+    who came late to those calls (a checkpoint, a straggling step): a wait on a peer, not the network, which the
+    rule leaves to PERF002 and the hang rules rather than send the user to NCCL_ALGO."""
     for job, ranks in facts.jobs().items():
         if not facts.spans_nodes(job) or not may_use_nccl(ranks):
             continue
-        tailed = []
+        tailed, timed = [], 0
         for rank in ranks:
             stats = (rank.collectives or {}).get("all_reduce")
             if (stats is None or stats.count < t.min_calls or not stats.p50_seconds or stats.p99_seconds is None
                     or _allows_tree(rank.env)):
                 continue
+            timed += 1
             p50, p99 = stats.p50_seconds, stats.p99_seconds
             ratio = p99 / p50
             if ratio >= t.tail_ratio:
                 tailed.append((ratio, rank, stats.count, p50, p99))
-        if not tailed:
+        if not tailed or len(tailed) < timed:  # some timed ranks without the tail: the others waited for them
             continue
         tailed.sort(key=lambda item: -item[0])
         unknown_env = any(rank.env is None for _, rank, *_ in tailed)

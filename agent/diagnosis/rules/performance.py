@@ -3,6 +3,7 @@ interconnects that deliver less than they are rated for."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import types
 from collections.abc import Iterator
@@ -22,6 +23,8 @@ from gpuwatch.agent.diagnosis.facts import (
 )
 from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
 from gpuwatch.agent.diagnosis.rules.common import capped, cpu_sharing, ratio_text, window_text, windowed
+from gpuwatch.agent.telemetry.window import BUSY, PHASE_TIMINGS
+from gpuwatch.protocol.schema import STEP_PHASES
 
 FAMILY = "performance"
 
@@ -132,40 +135,106 @@ def _waiting(ranks: list[RankFacts]) -> tuple[float, RankFacts, dict[int, float]
     return transfer, last, {rank: seconds - transfer for rank, seconds in exposed.items()}
 
 
+#: Where a straggler's extra time can be, by phase (``schema.STEP_PHASES``): the words a finding names it with, and
+#: the fix there ({who}: the slow ranks or node; {node}: the node to take out, where the device is the cause).
+_PHASE_ADVICE = {
+    "data": ("loading its data",
+             "look at the input of {who}: its DataLoader workers (num_workers, prefetch_factor), the storage it reads "
+             "from (a slower or remote disk, a cold page cache: `iostat`) and whether its shard is larger or slower to "
+             "decode than the others'; their input keeps up, so the job's input pipeline is not the cause"),
+    "compute": ("compute (forward and backward)",
+                "check the GPU(s) of {who} for throttling (HW005), a degraded PCIe link (HW002) and competing "
+                "processes (`nvidia-smi`, `top`); replace or exclude {node} if it persists"),
+    "optimizer": ("the optimizer step",
+                  "compare the optimizer step of {who} with its peers': an optimizer, precision or offload setting "
+                  "that differs there (optimizer state offloaded to the CPU, another optimizer), or a slower host for "
+                  "an offloaded update"),
+    "outside_model": ("work outside the model (callbacks, logging, evaluation, checkpointing)",
+                      "look at what {who} does between steps besides the model: callbacks, logging, evaluation or "
+                      "checkpointing that only it runs (rank-0-only work is the usual case); move it off the critical "
+                      "path (a background thread, asynchronous checkpointing), do it less often, or share it among "
+                      "the ranks"),
+}
+_PHASE_OF = {field: phase for phase, field in STEP_PHASES.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Straggler:
+    """A rank busy beyond its peers, with each phase it reports: (its median, its peers' median of that phase; 0 for
+    a phase none of its peers reports)."""
+
+    rank: RankFacts
+    busy: float
+    typical: float
+    phases: dict[str, tuple[float, float]]  # by step record field
+
+    @property
+    def ratio(self) -> float:
+        return self.busy / self.typical
+
+    @property
+    def field(self) -> str:
+        """The phase holding most of its extra time: the one whose median exceeds its peers' by the most."""
+        return max(self.phases, key=lambda field: self.phases[field][0] - self.phases[field][1])
+
+    @property
+    def phase(self) -> str:
+        return _PHASE_OF[self.field]
+
+
+def _peer_medians(facts: Facts, job: str, stage: int, peers: list[RankFacts], timing: str) -> dict[int, float]:
+    """Each peer's yardstick for a window ``timing``, by rank: the median of the other peers' medians, or the stage's
+    median over all its ranks where the source fetched only some of them (``facts.peers``: then it includes the
+    judged rank). Ranks that do not report the timing, or have no peer that does, have none."""
+    values = {r.rank: v for r in peers if (v := windowed(r, timing)) is not None}
+    whole = facts.peers.get((job, stage, timing))
+    if whole is not None and whole.ranks > len(values):
+        return dict.fromkeys(values, whole.median)
+    if len(values) < 2:
+        return {}
+    return dict(zip(values, medians_of_others(list(values.values())), strict=True))
+
+
 @rule("PERF002", family=FAMILY, severity=Severity.WARNING, title="Straggler rank or node",
-      needs=(needs.COMPUTE, needs.LAYOUT),
+      needs=(needs.BUSY, needs.LAYOUT),
       thresholds={
           "straggler_ratio": Threshold(
-              1.25, "a rank computing 25 % longer than the median of its peers holds every synchronous step back "
-                    "by that much"),
+              1.25, "a rank busy 25 % longer than the median of its peers holds every synchronous step back by that "
+                    "much"),
           "min_step_share": Threshold(
-              0.1, "the straggler's extra compute must cost a tenth of the job's median step: below that, a "
+              0.1, "the straggler's extra busy time must cost a tenth of the job's median step: below that, a "
                    "sub-millisecond difference on a shared CPU is noise (benchmarks/false_alarms.py), and a "
                    "real one costs too little to act on"),
           "shared_cpu_ratio": Threshold(
               3.0, "ranks that compute on CPUs share the cores with each other and everything else on the host, so "
-                   "their compute time includes waiting for a core: healthy ranks, 4 or 8 to a 2-CPU node, measured up "
+                   "their timings include waiting for a core: healthy ranks, 4 or 8 to a 2-CPU node, measured up "
                    "to 1.9x apart, and users' scripts on a busy 2-CPU machine up to 1.36x over their window medians "
                    "(benchmarks/false_alarms.py)"),
       })
 def straggler(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
-    """A straggler is found from each rank's compute time (forward and backward without waiting on
-    collectives), not its step time: the data-parallel all-reduce makes every rank wait for the slowest,
-    so whole-step times come out even. Each rank's median compute time over its window of recent steps
-    is compared with the median of its peers, the other ranks doing the same work (the same pipeline
-    stage of the same job: stages differ in layers). A straggler must be slower by a ratio
-    (straggler_ratio) and by a margin that matters against the step (min_step_share of the job's median
-    step time). When every rank of a node is slow, the node is named instead: a node reading from slow
-    disks, or a slow GPU, sets the pace of the whole job. The other ranks' waiting for it in collectives
-    (their exposed collective time beyond the straggler's) is its evidence, not a network problem. Ranks that
-    compute on CPUs (no GPU: a test, a demo, a CPU job) share the host's cores, so their compute times include
+    """A straggler is the rank the others wait for. In synchronous training every rank's step takes as long as the
+    slowest rank's, since the others wait for it in the next collective, so whole-step times come out even; a
+    straggler is found from each rank's busy time instead: its step without the time it waited in collectives (the
+    sum of its phases: data, compute, optimizer, and the host's work outside the model, each net of the collectives
+    waited for inside it; a rank that reports only some phases, an older client's compute alone, is busy for
+    those). Each rank's median busy time over its window of recent steps is compared with the median of its peers,
+    the other ranks doing the same work (the same pipeline stage of the same job: stages differ in layers). A
+    straggler must be slower by a ratio (straggler_ratio) and by a margin that matters against the step
+    (min_step_share of the job's median step time). Whatever phase holds its extra time, it holds the job back; the
+    finding names the phase whose median exceeds the peers' median of that phase by the most, and the fix follows
+    it: compute is the device (throttling, PCIe, competing processes), data that rank's own loader or storage,
+    outside the model that rank's own callbacks, logging, evaluation or checkpointing (rank-0-only work), optimizer
+    that rank's update. One finding per phase. When every rank of a node is slow, the node is named instead: a node
+    reading from slow disks, or a slow GPU, sets the pace of the whole job. The other ranks' waiting for it in
+    collectives (their exposed collective time beyond the straggler's) is its evidence, not a network problem. Ranks
+    that compute on CPUs (no GPU: a test, a demo, a CPU job) share the host's cores, so their timings include
     waiting for one, and only a larger gap (shared_cpu_ratio) tells a straggler from that noise. Ranks whose layout
     is unknown (measured by `gpuwatch run` without a DDP model over every rank) have no known peers and are not
     compared."""
     for job, ranks in facts.jobs().items():
-        computes = {r.rank: c for r in ranks  # peers only where the layout says which ranks do the same work
-                    if r.layout is not None and (c := windowed(r, "compute_seconds")) is not None and c > 0}
-        timed = [r for r in ranks if r.rank in computes]
+        busy = {r.rank: b for r in ranks  # peers only where the layout says which ranks do the same work
+                if r.layout is not None and (b := windowed(r, BUSY)) is not None and b > 0}
+        timed = [r for r in ranks if r.rank in busy]
         step_times = [s for r in timed if (s := windowed(r, "step_seconds")) is not None]
         if not step_times:
             continue
@@ -181,58 +250,76 @@ def straggler(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
                                 "the rest of the host: their timings include waiting for a core", Where(job=job),
                                 {"cpu_ranks": len(timed)})]
         threshold = max(t.straggler_ratio, t.shared_cpu_ratio) if sharing else t.straggler_ratio
-        slow: list[tuple[float, RankFacts, float]] = []
+        slow: list[_Straggler] = []
         for stage, peers in group_by(timed, lambda r: r.layout.pp_stage):
-            seconds = [computes[r.rank] for r in peers]
-            whole = facts.peers.get((job, stage, "compute_seconds"))
-            if whole is not None and whole.ranks > len(peers):
-                typicals = [whole.median] * len(peers)
-            elif len(peers) < 2:
-                continue
-            else:
-                typicals = medians_of_others(seconds)
-            for rank, own, typical in zip(peers, seconds, typicals, strict=True):
-                if own >= threshold * typical and own - typical >= t.min_step_share * step:
-                    slow.append((own / typical, rank, typical))
+            typicals = _peer_medians(facts, job, stage, peers, BUSY)
+            by_phase = {field: _peer_medians(facts, job, stage, peers, field) for field in PHASE_TIMINGS}
+            for rank in peers:
+                own, typical = busy[rank.rank], typicals.get(rank.rank)
+                if typical is None or own < threshold * typical or own - typical < t.min_step_share * step:
+                    continue
+                phases = {field: (seconds, by_phase[field].get(rank.rank, 0.0)) for field in PHASE_TIMINGS
+                          if (seconds := windowed(rank, field)) is not None}
+                slow.append(_Straggler(rank, own, typical, phases))
         if not slow:
             continue
-        slow.sort(key=lambda item: -item[0])
-        by_node = {host: members for host, members in group_by(timed, lambda r: r.host) if host is not None}
-        slow_ranks = {r.rank for _, r, _ in slow}
-        whole_nodes = [host for host, members in by_node.items()
-                       if len(members) > 1 and {r.rank for r in members} <= slow_ranks]
-        evidence = [Evidence(
+        slow.sort(key=lambda s: -s.ratio)
+        waiting = _waiting_evidence(job, ranks, {s.rank.rank for s in slow})
+        for phase, members in group_by(slow, lambda s: s.phase):
+            yield _straggler_issue(job, ranks, timed, phase, members, step, [*waiting, *sharing])
+
+
+def _waiting_evidence(job: str, ranks: list[RankFacts], slow: set[int]) -> list[Evidence]:
+    """The other ranks' wait in collectives for the slow ones (their exposed time beyond the least), if measured."""
+    split = _waiting(ranks)
+    if split is None:
+        return []
+    _, _, waits = split
+    waiting = [r for r in ranks if r.rank not in slow and waits.get(r.rank, 0) > 0]
+    if not waiting:
+        return []
+    typical = median(waits[r.rank] for r in waiting)
+    return [Evidence(f"{describe_ranks(waiting)} wait a median {typical:.3g} s per step in collectives for the slow "
+                     "rank(s): waiting, not transfer", Where(job=job),
+                     {"wait_seconds": typical, "ranks": [r.rank for r in waiting]})]
+
+
+def _straggler_issue(job: str, ranks: list[RankFacts], timed: list[RankFacts], phase: str,
+                     members: list[_Straggler], step: float, context: list[Evidence]) -> Issue:
+    """One finding for the ranks of a job slow in the same phase: each with its busy time and phases, the node when
+    all its ranks are among them, the fix of that phase."""
+    by_node = {host: nodes for host, nodes in group_by(timed, lambda r: r.host) if host is not None}
+    named = {s.rank.rank for s in members}
+    whole_nodes = [host for host, on_node in by_node.items()
+                   if len(on_node) > 1 and {r.rank for r in on_node} <= named]
+    where, fix = _PHASE_ADVICE[phase]
+    evidence = []
+    for straggler in members:
+        r = straggler.rank
+        own, usual = straggler.phases[straggler.field]
+        values: dict[str, float | int | str | None] = {
+            "busy_seconds": straggler.busy, "median_seconds": straggler.typical, "ratio": straggler.ratio,
+            "step_seconds": step, "window_steps": r.window.steps if r.window else None, "phase": phase}
+        for field, (seconds, peers) in straggler.phases.items():
+            values[field], values[f"peers_{field}"] = seconds, peers
+        evidence.append(Evidence(
             f"rank {r.rank} ({r.host or 'unknown node'}"
             + (f", stage {r.layout.pp_stage}" if r.layout and r.layout.pp_size > 1 else "")
-            + f") computes {computes[r.rank]:.3g} s per step ({window_text(r)}), {ratio:.2f}x the median "
-              f"{typical:.3g} s of its peers, in a {step:.3g} s step", r.where,
-            {"compute_seconds": computes[r.rank], "median_seconds": typical, "ratio": ratio, "step_seconds": step,
-             "window_steps": r.window.steps if r.window else None})
-            for ratio, r, typical in slow]
-        evidence = [*capped(evidence, what="slow ranks")]
-        split = _waiting(ranks)
-        if split is not None:
-            _, _, waits = split
-            waiting = [r for r in ranks if r.rank not in slow_ranks and waits.get(r.rank, 0) > 0]
-            if waiting:
-                typical_wait = median(waits[r.rank] for r in waiting)
-                evidence.append(Evidence(
-                    f"{describe_ranks(waiting)} wait a median {typical_wait:.3g} s per step in collectives for the "
-                    "slow rank(s): waiting, not transfer", Where(job=job),
-                    {"wait_seconds": typical_wait, "ranks": [r.rank for r in waiting]}))
-        evidence += sharing
-        culprit = f"node {', '.join(whole_nodes)}" if whole_nodes else \
-            f"rank {slow[0][1].rank} on {slow[0][1].host or 'an unknown node'}" if len(slow) == 1 else \
-            f"{len(slow)} ranks"
-        yield Issue(
-            title=f"straggler in job {job}: {culprit} computes up to {slow[0][0]:.2f}x the median",
-            evidence=tuple(evidence),
-            fix=("check the straggling GPU(s) for throttling (HW005), a degraded PCIe link (HW002) and competing "
-                 "processes (`nvidia-smi`, `top`); replace or exclude " + (culprit if whole_nodes else "the node")
-                 + " if it persists"),
-            reason=f"Synchronous training runs at the pace of its slowest rank: all {len(ranks)} ranks of the job "
-                   "wait for it at every collective.",
-        )
+            + f") is busy {straggler.busy:.3g} s per step ({window_text(r)}), {straggler.ratio:.2f}x the median "
+              f"{straggler.typical:.3g} s of its peers, in a {step:.3g} s step; the extra is in {where}: {own:.3g} s "
+              f"against {usual:.3g} s", r.where, values))
+    first = members[0]
+    culprit = f"node {', '.join(whole_nodes)}" if whole_nodes else \
+        f"rank {first.rank.rank} on {first.rank.host or 'an unknown node'}" if len(members) == 1 else \
+        f"{len(members)} ranks"
+    who = culprit if whole_nodes else describe_ranks(s.rank for s in members)
+    return Issue(
+        title=f"straggler in job {job}: {culprit} is busy up to {first.ratio:.2f}x the median, the extra in {where}",
+        evidence=(*capped(evidence, what="slow ranks"), *context),
+        fix=fix.format(who=who, node=culprit if whole_nodes else "the node"),
+        reason=f"Synchronous training runs at the pace of its slowest rank: all {len(ranks)} ranks of the job wait "
+               "for it at every collective, whichever phase holds its extra time.",
+    )
 
 
 @rule("PERF003", family=FAMILY, severity=Severity.WARNING, title="Input pipeline stall",
@@ -245,31 +332,32 @@ def straggler(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
                                                "much), which more loader workers do not remove"),
           "low_sm_active": Threshold(0.3, "GPU activity below 30 % while the process mostly waits for data: the "
                                           "GPU starves"),
+          "rank_share": Threshold(0.5, "a job's input pipeline (the same loader code, data set and storage on every "
+                                       "rank) slows most of its ranks alike; a wait on half of the ranks of a stage "
+                                       "or fewer, while the others do not wait, is those ranks' own loader or "
+                                       "storage, and it makes them stragglers the others wait for: PERF002 names "
+                                       "them, with their extra time in loading data"),
       })
 def input_stall(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """When the data loader cannot keep up, the GPU idles at the start of every step. The rule measures each
     rank's data-loader wait as a share of its step (medians over its window of recent steps; a wait shorter than
-    min_wait_seconds is overhead no loader setting removes), and adds the
-    rank's GPU activity as corroboration where the node's GPUs are known. Where CPU ranks outnumber their
-    node's CPUs, a rank that waits for a CPU while it fetches its batch counts as waiting for input, so a
-    stall is only reported as information there."""
+    min_wait_seconds is overhead no loader setting removes), and adds the rank's GPU activity as corroboration where
+    the node's GPUs are known. A stall of the job's input pipeline is shared: it must hold for more than rank_share
+    of the ranks doing the same work (a pipeline stage of the job; the whole job where the layout is unknown), since
+    in pipeline parallelism only the first stage loads data. One rank or a few waiting while their peers do not are
+    stragglers, PERF002's finding with the phase data, and their own loader is the fix, not the job's. Where CPU
+    ranks outnumber their node's CPUs, a rank that waits for a CPU while it fetches its batch counts as waiting for
+    input, so a stall is only reported as information there."""
     for job, ranks in facts.jobs().items():
         stalled = []
-        for rank in ranks:
-            wait, step = windowed(rank, "dataloader_wait_seconds"), windowed(rank, "step_seconds")
-            if wait is None or not step:
-                continue
-            share = wait / step
-            if share < t.max_wait_share or wait < t.min_wait_seconds:
-                continue
-            gpu = facts.gpu_of(rank)
-            activity = "" if gpu is None or gpu.busy is None else \
-                f"; its GPU is {ratio_text(gpu.busy)} busy" + (" (low)" if gpu.busy < t.low_sm_active else "")
-            stalled.append((share, Evidence(
-                f"rank {rank.rank}: waits {wait:.3g} s for input in a {step:.3g} s step ({ratio_text(share)}, "
-                f"{window_text(rank)}){activity}", rank.where,
-                {"dataloader_wait_seconds": wait, "step_seconds": step, "share": share,
-                 "gpu_busy": gpu.busy if gpu else None})))
+        for _, peers in group_by(ranks, lambda r: r.layout.pp_stage if r.layout is not None else None):
+            judged = [(r, wait, step) for r in peers
+                      if (wait := windowed(r, "dataloader_wait_seconds")) is not None
+                      and (step := windowed(r, "step_seconds"))]
+            waiting = [(r, wait, step) for r, wait, step in judged
+                       if wait / step >= t.max_wait_share and wait >= t.min_wait_seconds]
+            if len(waiting) > t.rank_share * len(judged):
+                stalled += [(wait / step, _stall_evidence(facts, r, wait, step, t)) for r, wait, step in waiting]
         if not stalled:
             continue
         stalled.sort(key=lambda item: -item[0])
@@ -286,6 +374,17 @@ def input_stall(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
                    "wait directly into throughput.",
             severity=Severity.INFO if sharing else None,
         )
+
+
+def _stall_evidence(facts: Facts, rank: RankFacts, wait: float, step: float, t: types.SimpleNamespace) -> Evidence:
+    share = wait / step
+    gpu = facts.gpu_of(rank)
+    activity = "" if gpu is None or gpu.busy is None else \
+        f"; its GPU is {ratio_text(gpu.busy)} busy" + (" (low)" if gpu.busy < t.low_sm_active else "")
+    return Evidence(f"rank {rank.rank}: waits {wait:.3g} s for input in a {step:.3g} s step ({ratio_text(share)}, "
+                    f"{window_text(rank)}){activity}", rank.where,
+                    {"dataloader_wait_seconds": wait, "step_seconds": step, "share": share,
+                     "gpu_busy": gpu.busy if gpu else None})
 
 
 def _bytes_per_step(rank: RankFacts) -> float | None:

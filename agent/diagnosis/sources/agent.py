@@ -57,6 +57,7 @@ def facts_from_state(state: Any, location: str) -> Facts:
                                       collectives=raw.get("collectives") or {}, sampled=sampled,
                                       unavailable=unavailable,
                                       window=[StepPoint.from_dict(point) for point in raw.get("window") or ()],
-                                      progress_body=raw.get("progress"), exited_at=raw.get("exited")))
+                                      progress_body=raw.get("progress"), exited_at=raw.get("exited"),
+                                      now=state.get("timestamp")))
     facts.bandwidth = bandwidth(collected.get("telemetry", {}).get("probes", ()), name)
     return facts

@@ -3,7 +3,7 @@
 A cluster of 12,000 nodes exports millions of series; pulling them into one process to take medians does not
 scale. Here the engine computes the per-job and per-stage yardsticks (medians, counts per value) and answers
 *selectors*: PromQL expressions that return only the nodes or jobs where a rule could find something (ranks
-computing beyond k × their stage's median, ports not ACTIVE, GPUs with Xids, links down, non-finite losses, env
+busy beyond k × their stage's median, ports not ACTIVE, GPUs with Xids, links down, non-finite losses, env
 values differing from the job's majority). Each answer is one row per deviating node or job, so bytes and time grow
 with anomalies and jobs, not nodes. The Prometheus source then reads those nodes in full (the same reads, and so
 the same Facts, as a full pull), plus one node per job so that every rule has ranks of every job to stand on.
@@ -35,12 +35,20 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from gpuwatch.agent.collectors.infiniband import PORT_STATES
-from gpuwatch.agent.collectors.telemetry import EXITED, RAISED, STALLED, WINDOW_MEDIAN
+from gpuwatch.agent.collectors.telemetry import (
+    EXITED,
+    HELLO_TIME,
+    LAST_STEP,
+    PHASE,
+    RAISED,
+    STALLED,
+    WINDOW_MEDIAN,
+)
 from gpuwatch.agent.diagnosis import rules as _catalogue  # noqa: F401 - the thresholds of every rule, registered
 from gpuwatch.agent.diagnosis.facts import SLOWDOWN_REASONS, Peers, Unjudged
 from gpuwatch.agent.diagnosis.registry import REGISTRY
 from gpuwatch.agent.diagnosis.sources import QueryError
-from gpuwatch.agent.telemetry.window import MIN_WINDOW_STEPS
+from gpuwatch.agent.telemetry.window import BUSY, MIN_WINDOW_STEPS, PHASE_TIMINGS
 
 #: The window of the error-counter increases: the same as the full pull's (``prometheus.WINDOW``).
 WINDOW = "10m"
@@ -64,7 +72,7 @@ def _nonfinite(name: str) -> str:
 
 #: Version of the recording rules below; ``SENTINEL`` records it, so the fetch knows the rule file it reads was
 #: loaded whole (a sparse signal's empty answer then means "nothing deviates", not "not recorded").
-RECORDING_RULES_VERSION = 3
+RECORDING_RULES_VERSION = 4
 SENTINEL = "gpuwatch:diagnose:recording_rules"
 #: Recording rules the fetch uses when the engine evaluates them, and the expression each records (the same text as
 #: in alerts/gpuwatch.rules.yml; tests/test_alerts.py holds the two equal). None holds a threshold: the yardsticks,
@@ -72,13 +80,17 @@ SENTINEL = "gpuwatch:diagnose:recording_rules"
 #: few series instead of scanning 18 NVLinks, a dozen clock-event reasons and 8 ports per GPU or node).
 RECORDED = {
     SENTINEL: f"vector({RECORDING_RULES_VERSION})",
-    "gpuwatch:train_window_compute_seconds:judged":
-        f'{WINDOW_MEDIAN}{{timing="compute_seconds"}} and on (instance, job, rank) '
+    "gpuwatch:train_window_busy_seconds:judged":
+        f'{WINDOW_MEDIAN}{{timing="{BUSY}"}} and on (instance, job, rank) '
         f"gpuwatch_train_window_steps >= {MIN_WINDOW_STEPS}",
-    "gpuwatch:train_window_compute_seconds:median_by_stage":
-        "quantile by (job, pp_stage) (0.5, gpuwatch:train_window_compute_seconds:judged)",
-    "gpuwatch:train_window_compute_seconds:count_by_stage":
-        "count by (job, pp_stage) (gpuwatch:train_window_compute_seconds:judged)",
+    "gpuwatch:train_window_busy_seconds:median_by_stage":
+        "quantile by (job, pp_stage) (0.5, gpuwatch:train_window_busy_seconds:judged)",
+    "gpuwatch:train_window_busy_seconds:count_by_stage":
+        "count by (job, pp_stage) (gpuwatch:train_window_busy_seconds:judged)",
+    # Each stage's median of each phase: where a straggler's extra time is, against peers not fetched.
+    "gpuwatch:train_window_phase_seconds:median_by_stage":
+        f'quantile by (job, pp_stage, timing) (0.5, {WINDOW_MEDIAN}{{timing=~"{"|".join(PHASE_TIMINGS)}"}} '
+        f"and on (instance, job, rank) gpuwatch_train_window_steps >= {MIN_WINDOW_STEPS})",
     "gpuwatch:train_window_step_seconds:median_by_job":
         f'quantile by (job) (0.5, {WINDOW_MEDIAN}{{timing="step_seconds"}})',
     "gpuwatch:train_rank_info:count_by_job": "count by (job) (gpuwatch_train_rank_info)",
@@ -108,17 +120,17 @@ RECORDED = {
         "group by (instance) (gpuwatch_train_alloc_retries_total > 0 or gpuwatch_train_ooms_total > 0)",
     # Each node's largest per-rank figure that a rule compares with a threshold: one series per node, so that the
     # selector (which holds the threshold) reads a node's worth of samples, not a rank's or a histogram's.
-    "gpuwatch:train_compute_over_stage_median:max_by_instance":
-        "max by (instance) (gpuwatch:train_window_compute_seconds:judged / on (job, pp_stage) group_left () "
-        "gpuwatch:train_window_compute_seconds:median_by_stage)",
+    "gpuwatch:train_busy_over_stage_median:max_by_instance":
+        "max by (instance) (gpuwatch:train_window_busy_seconds:judged / on (job, pp_stage) group_left () "
+        "gpuwatch:train_window_busy_seconds:median_by_stage)",
     "gpuwatch:train_input_wait_share:max_by_instance":
         f'max by (instance) ({WINDOW_MEDIAN}{{timing="dataloader_wait_seconds"}} / ignoring (timing) '
         f'{WINDOW_MEDIAN}{{timing="step_seconds"}})',
     "gpuwatch:train_cuda_peak_share:max_by_instance":
         'max by (instance) (gpuwatch_train_memory_peak_bytes{kind="cuda"} / on (instance) group_left () '
         "min by (instance) (gpuwatch_gpu_memory_total_bytes))",
-    "gpuwatch:train_collective_tail:max_by_instance":
-        "max by (instance) (histogram_quantile(0.99, gpuwatch_train_collective_seconds_bucket)"
+    "gpuwatch:train_collective_tail:max_by_job":
+        "max by (job) (histogram_quantile(0.99, gpuwatch_train_collective_seconds_bucket)"
         " / histogram_quantile(0.5, gpuwatch_train_collective_seconds_bucket))",
     "gpuwatch:train_grad_cosine:max_by_instance": "max by (instance) (gpuwatch_train_grad_cosine_similarity)",
     "gpuwatch:train_grad_norm:max_by_instance": "max by (instance) (gpuwatch_train_grad_norm)",
@@ -168,17 +180,21 @@ SELECTORS = (
              ("MEM001", "MEM002"), lambda t, y: (
                  f'{y["gpuwatch:train_alloc_trouble:by_instance"]} or '
                  f'{y["gpuwatch:train_cuda_peak_share:max_by_instance"]} > {t("MEM002").max_peak_share:g}')),
-    Selector("ranks computing beyond k × their stage's median", ("PERF002",), lambda t, y: (
-        f'{y["gpuwatch:train_compute_over_stage_median:max_by_instance"]} > '
+    Selector("ranks busy beyond k × their stage's median", ("PERF002",), lambda t, y: (
+        f'{y["gpuwatch:train_busy_over_stage_median:max_by_instance"]} > '
         f"{min(t('PERF002').straggler_ratio, t('PERF002').shared_cpu_ratio):g}")),
     Selector("ranks waiting on input for a large share of their step", ("PERF003",), lambda t, y: (
         f'{y["gpuwatch:train_input_wait_share:max_by_instance"]} > {t("PERF003").max_wait_share:g}')),
-    Selector("ranks with a heavy collective latency tail", ("NCCL005",), lambda t, y: (
-        f'{y["gpuwatch:train_collective_tail:max_by_instance"]} > {t("NCCL005").tail_ratio:g}')),
+    Selector("jobs with a heavy collective latency tail (read whole: a tail on some ranks only is a wait on the "
+             "others)", ("NCCL005",), lambda t, y: (
+                 f'{y["gpuwatch:train_collective_tail:max_by_job"]} > {t("NCCL005").tail_ratio:g}'), by=_JOB),
     Selector("ranks with gradients too alike across data-parallel replicas", ("CONV004",), lambda t, y: (
         f'{y["gpuwatch:train_grad_cosine:max_by_instance"]} > {t("CONV004").min_cosine:g}')),
     Selector("jobs with an overdue, dead or failed rank", ("HANG001", "HANG002", "HANG003", "HANG004"),
              lambda t, y: f"{STALLED} or {EXITED} or {RAISED}", by=_JOB),
+    Selector("jobs with ranks that said hello long ago, or ended, and reported no step", ("HANG005",), lambda t, y: (
+        f'(time() - {HELLO_TIME} >= {t("HANG005").min_age_seconds:g} or {PHASE}{{phase="closed"}}) '
+        f"unless on ({_RANK}) {LAST_STEP.name}"), by=_JOB),
     Selector("jobs whose replicas of one shard hold different parameter checksums", ("CONV003",), lambda t, y: (
         f'{y["gpuwatch:train_param_checksum:distinct_by_shard"]} > 1'), by=_JOB),
     Selector("jobs whose median pipeline bubble is high", ("PERF001",), lambda t, y: (
@@ -329,18 +345,22 @@ def _env_minorities(engine: Engine, y: Mapping[str, str], result: Plan) -> None:
 
 
 def _stage_peers(engine: Engine, y: Mapping[str, str], result: Plan) -> None:
-    """Each (job, stage)'s median compute time and how many ranks it is over, and each job's median step: PERF002's
+    """Each (job, stage)'s median busy time and of each phase, with how many ranks it is over (a phase's counted as
+    its busy time's: every rank reports the phases its busy time is the sum of), and each job's median step: PERF002's
     yardsticks for the ranks it has without their peers."""
     try:
         counts = {(row["metric"].get("job", ""), row["metric"].get("pp_stage")): int(float(row["value"][1]))
-                  for row in engine.query(y["gpuwatch:train_window_compute_seconds:count_by_stage"])}
-        for row in engine.query(y["gpuwatch:train_window_compute_seconds:median_by_stage"]):
+                  for row in engine.query(y["gpuwatch:train_window_busy_seconds:count_by_stage"])}
+        medians = [(row, BUSY) for row in engine.query(y["gpuwatch:train_window_busy_seconds:median_by_stage"])]
+        medians += [(row, row["metric"].get("timing", ""))
+                    for row in engine.query(y["gpuwatch:train_window_phase_seconds:median_by_stage"])]
+        for row, timing in medians:
             job, stage = row["metric"].get("job", ""), row["metric"].get("pp_stage")
-            result.peers[job, int(stage) if stage else None, "compute_seconds"] = Peers(
+            result.peers[job, int(stage) if stage else None, timing] = Peers(
                 float(row["value"][1]), counts.get((job, stage), 0))
         for row in engine.query(y["gpuwatch:train_window_step_seconds:median_by_job"]):
             job = row["metric"].get("job", "")
             result.peers[job, None, "step_seconds"] = Peers(float(row["value"][1]), sum(
                 count for (name, _), count in counts.items() if name == job))
     except QueryError as exc:
-        result.fail(("PERF002",), "the stages' median compute times", exc)
+        result.fail(("PERF002",), "the stages' median busy and phase times", exc)

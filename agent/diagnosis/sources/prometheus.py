@@ -27,6 +27,7 @@ from gpuwatch.agent.collectors.telemetry import (
     COUNTERS,
     EXITED,
     GROUP_INFO,
+    HELLO_TIME,
     IN_FLIGHT,
     LAST_STEP,
     MEMORY_GAUGES,
@@ -87,7 +88,7 @@ _RANK_SERIES = "|".join(["gpuwatch_train_rank_info", "gpuwatch_train_env_info", 
                          "gpuwatch_train_param_checksum", "gpuwatch_train_grad_cosine_similarity",
                          "gpuwatch_train_collective_seconds_count", "gpuwatch_train_collective_seconds_sum",
                          "gpuwatch_train_collective_bytes_total", WINDOW_MEDIAN, UNAVAILABLE, STALLED, PHASE,
-                         IN_FLIGHT, EXITED, RAISED, CALLS, GROUP_INFO,
+                         IN_FLIGHT, EXITED, RAISED, CALLS, GROUP_INFO, HELLO_TIME,
                          *(spec.name for spec in WINDOW_GAUGES), *_STEP_GAUGES, *_RANK_COUNTERS])
 _RANK_KEY = "instance, job, exported_job, rank"
 
@@ -421,6 +422,8 @@ class _Reader:
                 series[key].setdefault("process_groups", {})[labels["group"]] = list(parse_members(labels["members"]))
             elif name == RAISED:
                 series[key]["raised"] = (f"{labels['type']}: {labels['message']}", _value(sample))
+            elif name == HELLO_TIME:  # its age by the engine's clock: the time the query was evaluated at
+                series[key]["hello_age"] = max(0.0, float(sample["value"][0]) - _value(sample))
             else:
                 series[key][name] = _value(sample)
                 if name in _MEMORY_SERIES:
@@ -507,7 +510,7 @@ class _Reader:
             env=values.get("env"), process_groups=values.get("process_groups"),
             backends={"default": backend} if backend else None,
             faults=tuple(filter(None, labels.get("faults", "").split(","))), unavailable_from_outside=outside,
-            last=last,
+            hello_age_seconds=values.get("hello_age"), last=last,
             window=_window(values), unavailable=values.get("unavailable"),
             collectives=collectives or None, param_checksum=sampled("gpuwatch_train_param_checksum"),
             grad_cosine=sampled("gpuwatch_train_grad_cosine_similarity"), history=history,

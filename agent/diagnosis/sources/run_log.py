@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from pathlib import Path
 
 from gpuwatch.agent.diagnosis.facts import Facts, History, SourceInfo
@@ -82,7 +83,7 @@ def read(path: Path) -> Facts:
             counters=state.counters(),
             collectives={op: totals.as_dict() for op, totals in state.collectives.items()},
             sampled=state.sampled, unavailable=state.unavailable, window=state.window.points(),
-            history=series[state.job, state.rank].history(), progress_body=state.progress))
+            history=series[state.job, state.rank].history(), progress_body=state.progress, now=math.inf))
     facts.bandwidth = bandwidth(store.probes(), None)
     return facts
 

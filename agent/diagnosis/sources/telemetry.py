@@ -21,7 +21,7 @@ from gpuwatch.agent.diagnosis.facts import (
 )
 from gpuwatch.agent.telemetry.store import probe_peaks
 from gpuwatch.agent.telemetry.window import StepPoint, summarize
-from gpuwatch.protocol.schema import COLLECTIVE_BUCKETS
+from gpuwatch.protocol.schema import COLLECTIVE_BUCKETS, STEP_PHASES
 
 
 def histogram_quantile(quantile: float, buckets: Sequence[int]) -> float | None:
@@ -67,8 +67,8 @@ def step(body: Mapping[str, Any], memory: Mapping[str, Any] | None) -> StepFacts
     pipeline = body.get("pipeline") or {}
     memory = memory or {}
     return StepFacts(
-        step=body["step"], step_seconds=body.get("step_seconds"), compute_seconds=body.get("compute_seconds"),
-        dataloader_wait_seconds=body.get("dataloader_wait_seconds"),
+        step=body["step"], step_seconds=body.get("step_seconds"),
+        **{field: body.get(field) for field in STEP_PHASES.values()},
         exposed_collective_seconds=body.get("exposed_collective_seconds"),
         gradient_sync_bytes=body.get("gradient_sync_bytes"),
         collective_calls=dict(body["collective_calls"]) if "collective_calls" in body else None,
@@ -113,10 +113,12 @@ def rank_facts(
     history: History | None = None,
     progress_body: Mapping[str, Any] | None = None,
     exited_at: float | None = None,
+    now: float | None = None,
 ) -> RankFacts:
     """One rank. Counters and collectives are totals since the agent (or the log) first saw the rank; the
     window is its latest steps; ``unavailable`` maps a signal to the step and reason it last could not be
-    computed, which stands unless a later step measured it."""
+    computed, which stands unless a later step measured it. ``now`` is the moment the source's view is of (the
+    agent's round; ``math.inf`` for a run log, read after the run), against which the hello's age is told."""
     hello = hello or {}
     gpu = hello.get("gpu") or {}
     sampled_facts = {name: Sampled(value=value, step=at) for name, (at, value) in sampled.items()}
@@ -131,6 +133,8 @@ def rank_facts(
         cpus=hello.get("cpus"), backends=dict(hello["backends"]) if "backends" in hello else None,
         faults=tuple(hello.get("faults", ())),
         unavailable_from_outside=tuple(hello.get("unavailable_from_outside", ())),
+        hello_notes=tuple(hello.get("notes", ())),
+        hello_age_seconds=max(0.0, now - hello["time"]) if hello and now is not None else None,
         last=step(last_step, sampled.get("memory", (0, None))[1]) if last_step else None,
         window=summarize(window),
         unavailable=missing or None,

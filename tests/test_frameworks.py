@@ -119,7 +119,10 @@ def runs(agent, workdir) -> Callable[..., Run]:
             rank = SLOW_RANK if fault.startswith("slow-") else None
             workload = _workload(variant, workdir, f"{variant}-{fault}", fault, steps, rank, wrapped=True)
             try:
-                made[key] = foreign.run(workload, agent, workdir)
+                made[key] = run = foreign.run(workload, agent, workdir)
+                # judged at once: the agent forgets a rank silent for its TTL (120 s), sooner than the module's
+                # later runs are done
+                JUDGED.update({(run.job, source): run.diagnosis(source) for source in SOURCES})
             except Exception as error:  # kept, and raised again for every test of this run
                 made[key] = error
         if isinstance(made[key], Exception):
@@ -138,8 +141,12 @@ def _results(directory: Path) -> dict[int, dict]:
     return results
 
 
+#: Each run's diagnosis by (job, source), made as the run ended (`runs`).
+JUDGED: dict[tuple[str, str], foreign.Diagnosis] = {}
+
+
 def _judged(run: Run, source: str) -> foreign.Diagnosis:
-    diagnosis = run.diagnosis(source)
+    diagnosis = JUDGED[run.job, source]
     assert diagnosis.report is not None, diagnosis.describe()
     assert diagnosis.report["summary"]["ranks"] >= run.workload.nproc, diagnosis.describe()
     return diagnosis

@@ -149,3 +149,21 @@ def test_what_a_ranks_instrumentation_noted_in_its_hello_is_in_the_report_once_p
     report = engine.run(facts(ranks=ranks), rules=[])
     assert report.notes == [f"job job-1, ranks 0-1: {note}"]
     assert engine.run(facts(ranks=ranks), rules=[]).notes == report.notes  # judging twice adds nothing
+
+
+def test_every_rule_has_its_cluster_scale_coverage_and_one_without_is_not_run_by_the_outlier_fetch(monkeypatch):
+    """Above 64 nodes the Prometheus source reads in detail only the nodes some selector picks: a rule that no
+    selector, whole-job read or environment minority covers would be judged on those alone, silently. Every rule
+    of the catalogue is covered; a new one that is not is reported as not run, with the reason."""
+    from gpuwatch.agent.diagnosis.sources import outliers
+
+    assert outliers.uncovered(REGISTRY) == []
+
+    class NoRows:
+        def query(self, expr: str) -> list:
+            return []
+
+    monkeypatch.setitem(REGISTRY, "PERF901", dataclasses.replace(REGISTRY["PERF002"], code="PERF901"))
+    plan = outliers.plan(NoRows(), {})
+    assert "no outlier selector covers it" in plan.unjudged["PERF901"].reason and not plan.unjudged["PERF901"].source
+    assert set(plan.unjudged) == {"PERF901", *outliers.WHOLE_JOB_RULES}

@@ -188,6 +188,8 @@ SELECTORS = (
     Selector("jobs with a heavy collective latency tail (read whole: a tail on some ranks only is a wait on the "
              "others)", ("NCCL005",), lambda t, y: (
                  f'{y["gpuwatch:train_collective_tail:max_by_job"]} > {t("NCCL005").tail_ratio:g}'), by=_JOB),
+    Selector("ranks that name NCCL's socket interface", ("NCCL003",),
+             lambda t, y: 'gpuwatch_train_env_info{name="NCCL_SOCKET_IFNAME"}'),
     Selector("ranks with gradients too alike across data-parallel replicas", ("CONV004",), lambda t, y: (
         f'{y["gpuwatch:train_grad_cosine:max_by_instance"]} > {t("CONV004").min_cosine:g}')),
     Selector("jobs with an overdue, dead or failed rank", ("HANG001", "HANG002", "HANG003", "HANG004"),
@@ -258,6 +260,9 @@ def plan(engine: Engine, overrides: Mapping[str, Mapping[str, float]]) -> Plan:
         if code in REGISTRY:
             result.unjudged[code] = Unjudged(f"the outlier fetch does not read every rank ({why}): use "
                                              "--prometheus.fetch full", source=False)
+    for code in uncovered(REGISTRY):
+        result.unjudged[code] = Unjudged("no outlier selector covers it, so the outlier fetch would judge it on some "
+                                         "nodes only: use --prometheus.fetch full", source=False)
     yardsticks = _yardsticks(engine)
     t = _thresholds(overrides)
     whole_jobs: set[str] = set()
@@ -314,10 +319,22 @@ def _yardsticks(engine: Engine) -> dict[str, str]:
     return {name: resolve(name) for name in RECORDED}
 
 
+#: The rules whose nodes the environment's minorities select (`_env_minorities`): a setting the whole job shares is
+#: seen on the one node per job read in detail.
+ENV_MINORITY_RULES = ("NCCL001", "NCCL002", "NCCL004", "MEM001")
+
+
+def uncovered(codes: Iterable[str]) -> list[str]:
+    """The rules among `codes` that no outlier selector, whole-job read or environment minority covers: judged on the
+    nodes read in detail only, they could miss what the others show, so the outlier fetch does not run them."""
+    covered = {code for selector in SELECTORS for code in selector.rules} | set(WHOLE_JOB_RULES)
+    return [code for code in codes if code not in covered | set(ENV_MINORITY_RULES)]
+
+
 def _env_minorities(engine: Engine, y: Mapping[str, str], result: Plan) -> None:
     """Nodes of ranks whose exported environment differs from their job's majority (a variable unset counts as a
     value): from the counts per value, one row per job, variable and value."""
-    rules = ("NCCL001", "NCCL002", "NCCL004", "MEM001")
+    rules = ENV_MINORITY_RULES
     try:
         ranks = {row["metric"].get("job", ""): int(float(row["value"][1]))
                  for row in engine.query(y["gpuwatch:train_rank_info:count_by_job"])}

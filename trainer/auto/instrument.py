@@ -76,9 +76,9 @@ from torch.utils.hooks import RemovableHandle
 from gpuwatch.protocol.schema import MAX_NOTES, MAX_TEXT_CHARS, UNAVAILABLE_FROM_OUTSIDE
 from gpuwatch.trainer.auto import status
 from gpuwatch.trainer.auto.layout import detect_layout
-from gpuwatch.trainer.hooks._safety import Failures
 from gpuwatch.trainer.hooks.identity import Layout
 from gpuwatch.trainer.hooks.monitor import SIGNALS, Monitor
+from gpuwatch.trainer.hooks.safety import Failures
 from gpuwatch.trainer.hooks.step import CollectiveTimer, Phase, Step
 from gpuwatch.trainer.telemetry import captured_command
 

@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from gpuwatch.trainer.hooks._safety import guarded
 from gpuwatch.trainer.hooks.clock import Mark
 from gpuwatch.trainer.hooks.collectives import Call
 from gpuwatch.trainer.hooks.progress import InFlight
+from gpuwatch.trainer.hooks.safety import guarded
 
 if TYPE_CHECKING:
     from gpuwatch.trainer.hooks.monitor import Monitor

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed import ProcessGroup
 
-from gpuwatch.trainer.hooks._safety import Failures, guarded
 from gpuwatch.trainer.hooks.gradients import (
     GradientSimilarity,
     checksum_of,
@@ -26,6 +25,7 @@ from gpuwatch.trainer.hooks.gradients import (
     parameter_sums,
     similarity_of,
 )
+from gpuwatch.trainer.hooks.safety import Failures, guarded
 
 if TYPE_CHECKING:
     from gpuwatch.trainer.hooks.step import Step

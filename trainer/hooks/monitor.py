@@ -18,7 +18,7 @@ hooks"). What stays on it is what cannot wait: the marks, the phase bookkeeping,
 user reported (the next step may change them) and, on measuring steps, the memory peak since the last
 reading (reset as it is read), the checksum and the gradient norm (the next update changes the parameters).
 
-Every entry point the training loop calls is guarded (`_safety`): an exception inside the hooks is
+Every entry point the training loop calls is guarded (`safety`): an exception inside the hooks is
 counted in `Monitor.failures` and logged once, and training goes on; so is every hook that runs inside
 autograd or DDP. The user's own code inside a `with step.compute():` is not guarded: its exceptions pass
 through untouched.
@@ -42,7 +42,6 @@ from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
 from gpuwatch.protocol.schema import P2P_OPS
-from gpuwatch.trainer.hooks._safety import Failures, guarded
 from gpuwatch.trainer.hooks.clock import Mark, WallClock, clock_for
 from gpuwatch.trainer.hooks.ddp import BucketHook, DdpWatch
 from gpuwatch.trainer.hooks.flops import peak_flops
@@ -52,6 +51,7 @@ from gpuwatch.trainer.hooks.memory import CudaMemory, HostMemory, memory_for
 from gpuwatch.trainer.hooks.off import OFF, Off
 from gpuwatch.trainer.hooks.progress import InFlight, Progress, Watchdog, closed_record
 from gpuwatch.trainer.hooks.record import step_record
+from gpuwatch.trainer.hooks.safety import Failures, guarded
 from gpuwatch.trainer.hooks.step import CollectiveTimer, Step, new
 from gpuwatch.trainer.telemetry import TelemetryClient, run_log_file
 

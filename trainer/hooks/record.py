@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gpuwatch.protocol.schema import SCHEMA_VERSION, STEP_PHASES
-from gpuwatch.trainer.hooks._safety import Failures
 from gpuwatch.trainer.hooks.clock import Clock, Mark
 from gpuwatch.trainer.hooks.collectives import exposed_seconds, histogram, resolve
+from gpuwatch.trainer.hooks.safety import Failures
 
 if TYPE_CHECKING:
     from gpuwatch.trainer.hooks.monitor import Monitor

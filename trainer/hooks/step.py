@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch.distributed import ProcessGroup
 
-from gpuwatch.trainer.hooks._safety import Failures
 from gpuwatch.trainer.hooks.clock import Mark
 from gpuwatch.trainer.hooks.collectives import Call
 from gpuwatch.trainer.hooks.gradients import GradientSimilarity
@@ -28,6 +27,7 @@ from gpuwatch.trainer.hooks.off import OFF, Off
 from gpuwatch.trainer.hooks.pipeline import PipelineClock
 from gpuwatch.trainer.hooks.progress import InFlight, error_record
 from gpuwatch.trainer.hooks.record import HostValues, plain
+from gpuwatch.trainer.hooks.safety import Failures
 
 if TYPE_CHECKING:
     from gpuwatch.trainer.hooks.monitor import Monitor

@@ -139,6 +139,23 @@ def test_the_private_name_check_sees_every_form(tmp_path):
         "line 8: Snapshot._cache", "line 8: monitor._Phase", "line 8: snapshot._json_safe"]
 
 
+#: Past this many lines a module of the package says why in its docstring: a long module is usually several parts,
+#: each of which could be read alone.
+MAX_LINES = 500
+LONG_REASON = f"Past {MAX_LINES} lines on purpose:"
+
+
+def test_a_module_past_the_line_limit_says_why():
+    long = {}
+    for folder in ("agent", "trainer", "protocol", "cli"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            source = path.read_text()
+            lines = len(source.splitlines())
+            if lines > MAX_LINES and LONG_REASON not in (ast.get_docstring(ast.parse(source)) or ""):
+                long[str(path.relative_to(ROOT))] = lines
+    assert long == {}, f"split them, or say why in the docstring ({LONG_REASON} ...)"
+
+
 def test_the_reader_sees_lazy_imports_inside_functions(tmp_path):
     """The boundary holds for imports a function makes when it runs, not only at the top of a file."""
     source = tmp_path / "lazy.py"

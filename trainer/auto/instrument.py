@@ -52,6 +52,10 @@ not measured. The hello also carries the framework found and the rank's command 
 exception inside it is counted in `failures` and logged once, and training goes on untouched. What the process went
 through (instrumented, a process group, measuring, its first step, a failure, closed) is noted for `gpuwatch run`'s
 end-of-run line (gpuwatch.trainer.auto.status).
+
+Past 500 lines on purpose: one class, ``AutoMonitor``, whose wrappers of PyTorch's functions all feed the one step
+open now and read each other's flags (the phase, the optimizer and its closure, a collective in flight); split,
+each part would set the others' state.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ set; ``schema.EXPORTED_ENV``), and its process groups as runs of ranks (``gpuwat
 What Prometheus does not carry stays unknown (None): a group too large to export, network interfaces, and the
 environment of a rank that set none of the exported variables. Error counters
 become increases over ``WINDOW``, which a single agent snapshot cannot give.
+
+Past 500 lines on purpose: one reader (``_Reader``), a method per family it turns into facts, each beside the query
+it reads; the outlier fetch, which reads less, is ``outliers.py``.
 """
 
 from __future__ import annotations

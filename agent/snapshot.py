@@ -30,7 +30,7 @@ except ImportError:  # a platform without its wheel: the standard library's zlib
 GZIP_LEVEL = 1
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """Non-finite floats become "NaN"/"+Inf"/"-Inf", as in Prometheus's HTTP API: strict JSON stays parseable.
     Objects with an ``as_dict`` (collectors' readings, a window's step points) are written as that dict, only when
     the state is asked for."""
@@ -40,9 +40,9 @@ def _json_safe(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else ("+Inf" if value > 0 else "-Inf")
     if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
+        return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -143,4 +143,4 @@ class Snapshot:
             "collectors": {name: dataclasses.asdict(status) for name, status in self.collectors.items()},
             "facts": self.readings,  # the key readers of /api/v1/state have always used
         }
-        return json.dumps(_json_safe(state), default=str, allow_nan=False).encode()
+        return json.dumps(json_safe(state), default=str, allow_nan=False).encode()

@@ -161,6 +161,9 @@ strings or booleans. Non-finite numbers are written as ``json.dumps`` writes the
 ``grad_norm``; a number too large for a float (``1e999``) counts as infinite. Strings that become
 Prometheus labels (``label`` above) are 1..N characters of ``[A-Za-z0-9_.:+/-]``: no quotes,
 backslashes, braces or newlines can reach the exposition.
+
+Past 500 lines on purpose: the wire format is documented here (the first ~160 lines) beside the checks that
+enforce it, so the two are read and changed together.
 """
 
 from __future__ import annotations

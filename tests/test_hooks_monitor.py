@@ -176,7 +176,7 @@ def test_memory_is_read_every_n_steps_its_peak_covering_every_step_since_the_las
     assert first["kind"] == second["kind"] == "host_rss"
     assert first["peak_bytes"] - second["peak_bytes"] > 200 << 20
     with _monitor(records, memory_every=0) as never:
-        assert never._memory is None  # never read: nothing opened
+        assert never.memory is None  # never read: nothing opened
 
 
 def _rusage(*readings_kib: int):
@@ -328,7 +328,7 @@ def test_a_failing_hook_is_counted_and_logged_once_while_training_goes_on(record
     def broken() -> dict:
         raise OSError("no /proc here")
 
-    monitor._memory.read = broken
+    monitor.memory.read = broken
     with caplog.at_level(logging.WARNING, logger="gpuwatch.trainer.hooks"):
         for _ in range(3):
             with monitor.step() as step, step.compute():

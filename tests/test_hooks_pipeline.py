@@ -7,7 +7,7 @@ import torch.distributed as dist
 from hooks_helpers import ManualClock
 
 from gpuwatch.trainer.hooks import PipelineClock, theoretical_bubble
-from gpuwatch.trainer.hooks._safety import Failures
+from gpuwatch.trainer.hooks.safety import Failures
 from gpuwatch.trainer.launch import launch
 
 from conftest import wait_until

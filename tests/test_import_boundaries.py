@@ -59,6 +59,103 @@ def test_import_boundary(folder, forbidden, allowed, why):
     assert _violations(folder, forbidden, allowed) == {}, why
 
 
+#: The parts whose modules must not use each other's private names (tests may: see `test_no_private_name_...`).
+PRIVATE_CHECKED = ("agent", "trainer", "protocol", "cli", "alerts", "dashboards")
+#: A named tuple's API: public, though spelled with an underscore so as not to clash with its fields.
+NAMED_TUPLE_API = frozenset({"_asdict", "_field_defaults", "_fields", "_make", "_replace"})
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__") and name not in NAMED_TUPLE_API
+
+
+def _private_uses(path: Path, root: Path = ROOT) -> list[str]:
+    """Each use in ``path`` (a file under ``root``) of another gpuwatch module's private name: ``from gpuwatch.x import
+    _name``, ``_name`` read off an imported gpuwatch module or off a name imported from one (``snapshot._name``,
+    ``Class._name``), and a private module (``gpuwatch.x._module``) imported from outside the package holding it."""
+    folder, *subpackages, _ = path.relative_to(root).parts
+    package = ".".join([PACKAGES[folder], *subpackages])
+    tree = ast.parse(path.read_text(), str(path))
+    found: list[tuple[int, str]] = []
+    imported: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and _under(node.module, "gpuwatch"):
+            found += [(node.lineno, f"from {node.module} import {alias.name}")
+                      for alias in node.names if _private(alias.name)]
+            imported.update(alias.asname or alias.name for alias in node.names)
+            modules = [node.module]
+        elif isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names if _under(alias.name, "gpuwatch")]
+            imported.update(alias.asname or alias.name.split(".")[0] for alias in node.names if alias.name in modules)
+        else:
+            continue
+        for module in modules:  # a private module may be imported by its own package only
+            parts = module.split(".")
+            holder = next((".".join(parts[:index]) for index, part in enumerate(parts) if _private(part)), None)
+            if holder is not None and not _under(package, holder):
+                found.append((node.lineno, f"import of {module}, private to {holder}"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            base = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in imported:
+                found.append((node.lineno, ast.unparse(node)))
+    return [f"line {line}: {use}" for line, use in sorted(found)]
+
+
+def test_no_private_name_of_another_module_is_used():
+    """A module's private names (a leading underscore) are its own: another module that needs one makes it public
+    where it is defined, so whoever changes the module sees who depends on what. Tests are exempt: they are white-box
+    on purpose (they patch a module's clock, read a store's queue, call a parser directly) and nothing builds on
+    them, so their coupling costs no other module; the benchmarks, outside the package, likewise."""
+    found = {}
+    for folder in PRIVATE_CHECKED:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            uses = _private_uses(path)
+            if uses:
+                found[str(path.relative_to(ROOT))] = uses
+    assert found == {}
+
+
+def test_the_private_name_check_sees_every_form(tmp_path):
+    """Imported private names, private names read off imported modules and names, and private modules imported
+    from outside their package; not dunders, a named tuple's API, or one's own private names."""
+    (tmp_path / "agent").mkdir()
+    source = tmp_path / "agent" / "uses.py"
+    source.write_text(
+        "import gpuwatch.trainer.hooks.monitor as monitor\n"
+        "from gpuwatch.agent import __version__, snapshot\n"
+        "from gpuwatch.agent.snapshot import Snapshot, _json_safe\n"
+        "from gpuwatch.trainer.hooks._internal import Failures\n"
+        "from gpuwatch.agent.collectors._procfs import open_counters\n"
+        "def f(point):\n"
+        "    _own = point._replace(step=1)\n"
+        "    return monitor._Phase, snapshot._json_safe(1), Snapshot._cache, point._hidden, _own\n")
+    assert _private_uses(source, tmp_path) == [
+        "line 3: from gpuwatch.agent.snapshot import _json_safe",
+        "line 4: import of gpuwatch.trainer.hooks._internal, private to gpuwatch.trainer.hooks",
+        "line 5: import of gpuwatch.agent.collectors._procfs, private to gpuwatch.agent.collectors",
+        "line 8: Snapshot._cache", "line 8: monitor._Phase", "line 8: snapshot._json_safe"]
+
+
+#: Past this many lines a module of the package says why in its docstring: a long module is usually several parts,
+#: each of which could be read alone.
+MAX_LINES = 500
+LONG_REASON = f"Past {MAX_LINES} lines on purpose:"
+
+
+def test_a_module_past_the_line_limit_says_why():
+    long = {}
+    for folder in ("agent", "trainer", "protocol", "cli"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            source = path.read_text()
+            lines = len(source.splitlines())
+            if lines > MAX_LINES and LONG_REASON not in (ast.get_docstring(ast.parse(source)) or ""):
+                long[str(path.relative_to(ROOT))] = lines
+    assert long == {}, f"split them, or say why in the docstring ({LONG_REASON} ...)"
+
+
 def test_the_reader_sees_lazy_imports_inside_functions(tmp_path):
     """The boundary holds for imports a function makes when it runs, not only at the top of a file."""
     source = tmp_path / "lazy.py"

@@ -22,9 +22,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from telemetry_records import JOB, collectives, coordinates, hello, plain_step, progress, samples, step
 
 from gpuwatch.agent.collectors.base import CollectorContext, CollectorError
-from gpuwatch.agent.collectors.telemetry import RankSeries, TelemetryCollector, families
+from gpuwatch.agent.collectors.telemetry import TelemetryCollector
 from gpuwatch.agent.exposition import Renderer
 from gpuwatch.agent.telemetry.exits import ExitWatcher
+from gpuwatch.agent.telemetry.series import RankSeries, families
 from gpuwatch.agent.telemetry.store import OpTotals, TelemetryStore
 from gpuwatch.agent.telemetry.window import (
     BUSY,

@@ -22,6 +22,9 @@ and goes out folded into a later one (the schema's ``folded``), so that one data
 steps of seconds; the run log still gets every record at once, whole.
 
 Imports nothing from torch: the hooks build the records, this module only carries them.
+
+Past 500 lines on purpose: one class, ``TelemetryClient``, whose send path, backlog, folding thread, heartbeat and
+run log share one socket, one lock and one set of counters.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ class Reading:
         __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
     def as_dict(self) -> dict[str, Any]:
-        """The fields by name, nested readings as they are: the state's JSON writer (``snapshot._json_safe``) asks
+        """The fields by name, nested readings as they are: the state's JSON writer (``snapshot.json_safe``) asks
         each for its own dict, and only when /api/v1/state is requested, so a round nobody reads converts nothing."""
         return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 

@@ -4,6 +4,8 @@ environment) and training ranks (layout, environment, latest step, counters, his
 Sources fill them; rules only read them. A value nobody could observe is ``None``, never 0, so a rule can
 tell "no errors" from "not known" and stay silent on the latter. Each part of a node that is ``None`` may
 carry the reason in ``NodeFacts.missing`` (a collector down, no NVML), which the report repeats.
+
+Past 500 lines on purpose: every type a rule may read, in one place for whoever writes a rule.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from gpuwatch.agent import __version__
 from gpuwatch.agent.diagnosis.engine import Report
 from gpuwatch.agent.diagnosis.facts import group_by
 from gpuwatch.agent.diagnosis.registry import Finding, Rule, Severity
-from gpuwatch.agent.snapshot import _json_safe
+from gpuwatch.agent.snapshot import json_safe
 
 #: Bumped only for incompatible changes of the JSON report; new fields may appear without a bump.
 REPORT_SCHEMA_VERSION = 1
@@ -31,7 +31,7 @@ def counts(report: Report) -> dict[str, int]:
 def to_json(report: Report) -> dict[str, Any]:
     """The report as the JSON schema describes it (non-finite numbers as "NaN"/"+Inf"/"-Inf" strings)."""
     facts = report.facts
-    return _json_safe({
+    return json_safe({
         "schema_version": REPORT_SCHEMA_VERSION,
         "gpuwatch_version": __version__,
         "generated_at": time.time(),

@@ -6,6 +6,9 @@ classes and ctypes structs, and returns the same struct types as pynvml. Values 
 ``advance()``; the scripting hooks (the public methods not named ``nvml…``) inject what a real node
 shows on a bad day: no driver, a lost GPU, a link down, Xid events, throttling, a degraded PCIe link,
 ECC errors, an unsupported or failing call, a call that hangs in the driver.
+
+Past 500 lines on purpose: one stand-in for one module's API, ``FakeNvml``, a method per pynvml function the
+collectors call, in pynvml's order of subjects.
 """
 
 from __future__ import annotations

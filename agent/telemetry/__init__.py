@@ -1,5 +1,7 @@
-"""Telemetry from training ranks to the node agent: record schema, socket paths, per-rank store.
+"""The agent's side of the ranks' telemetry, below the ``telemetry`` collector (``agent.collectors.telemetry``).
 
-Shared by both sides: the agent's ``telemetry`` collector and the ranks'
-``gpuwatch.trainer.telemetry`` client. Nothing here imports torch.
+The socket (``listener``) and the thread that drains it (``receiver``); the per-rank store (``store``), each rank's
+window of recent steps (``window``) and the watch on the ranks' processes (``exits``); what a sampling round reads
+of the store (``rounds``); the exported families (``metrics``) and their per-rank lines (``series``). The ranks'
+end is ``gpuwatch.trainer.telemetry``, the records' schema ``gpuwatch.protocol.schema``. Nothing here imports torch.
 """

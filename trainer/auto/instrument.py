@@ -52,6 +52,10 @@ not measured. The hello also carries the framework found and the rank's command 
 exception inside it is counted in `failures` and logged once, and training goes on untouched. What the process went
 through (instrumented, a process group, measuring, its first step, a failure, closed) is noted for `gpuwatch run`'s
 end-of-run line (gpuwatch.trainer.auto.status).
+
+Past 500 lines on purpose: one class, ``AutoMonitor``, whose wrappers of PyTorch's functions all feed the one step
+open now and read each other's flags (the phase, the optimizer and its closure, a collective in flight); split,
+each part would set the others' state.
 """
 
 from __future__ import annotations
@@ -76,9 +80,10 @@ from torch.utils.hooks import RemovableHandle
 from gpuwatch.protocol.schema import MAX_NOTES, MAX_TEXT_CHARS, UNAVAILABLE_FROM_OUTSIDE
 from gpuwatch.trainer.auto import status
 from gpuwatch.trainer.auto.layout import detect_layout
-from gpuwatch.trainer.hooks._safety import Failures
 from gpuwatch.trainer.hooks.identity import Layout
-from gpuwatch.trainer.hooks.monitor import SIGNALS, Monitor, Step, _Collective, _Phase
+from gpuwatch.trainer.hooks.monitor import SIGNALS, Monitor
+from gpuwatch.trainer.hooks.safety import Failures
+from gpuwatch.trainer.hooks.step import CollectiveTimer, Phase, Step
 from gpuwatch.trainer.telemetry import captured_command
 
 #: The ops a collective's name starts with (schema.COLLECTIVE_OPS), longest first: `reduce_scatter_tensor` is a
@@ -166,7 +171,7 @@ class AutoMonitor:
         self.monitor: Monitor | None = None
         self.model: nn.Module | None = None
         self.step: Step | None = None
-        self.phase: _Phase | None = None
+        self.phase: Phase | None = None
         self.losses: list[torch.Tensor] = []
         #: the optimizer whose steps are the steps (the first to step), and how many it has made
         self.optimizer: torch.optim.Optimizer | None = None
@@ -183,7 +188,7 @@ class AutoMonitor:
         self._first_forward: RemovableHandle | None = None  # registered while the first forward is awaited
         self._in_collective = False  # inside a timed collective: the collectives it calls are its own
         #: asynchronous collectives launched and not yet waited for: their timers, started by Work.wait()
-        self._launched: weakref.WeakKeyDictionary[Any, _Collective] = weakref.WeakKeyDictionary()
+        self._launched: weakref.WeakKeyDictionary[Any, CollectiveTimer] = weakref.WeakKeyDictionary()
         #: the device meshes init_device_mesh made (a framework's world mesh among them: the layout)
         self.meshes: list[Any] = []
         #: this step's losses scaled by a GradScaler: (the scaled tensor, the loss before scaling, the scale)
@@ -604,7 +609,8 @@ class AutoMonitor:
 
         return wrapper
 
-    def _timer(self, op: str, place: Mapping[str, int], args: tuple, kwargs: Mapping[str, Any]) -> _Collective | None:
+    def _timer(self, op: str, place: Mapping[str, int], args: tuple,
+               kwargs: Mapping[str, Any]) -> CollectiveTimer | None:
         """The Monitor's timer for this call, numbered on its group now, or None for a call left alone (no step
         open, a call inside a timed one)."""
         try:
@@ -613,12 +619,12 @@ class AutoMonitor:
             assert self.monitor is not None
             first = args[0] if args else next(iter(kwargs.values()), None)
             timer = self.monitor.collective(op, _nbytes(first), _argument("group", place, args, kwargs))
-            return timer if isinstance(timer, _Collective) else None
+            return timer if isinstance(timer, CollectiveTimer) else None
         except Exception as error:
             self.failures.record("AutoMonitor._timer", error)
             return None
 
-    def _launch(self, work: Any, timer: _Collective) -> None:
+    def _launch(self, work: Any, timer: CollectiveTimer) -> None:
         """An asynchronous collective launched: timed when its Work is waited for (a call whose Work is never
         waited for, or that returned none, stays numbered but untimed)."""
         try:
@@ -644,7 +650,7 @@ class AutoMonitor:
 
         return wrapper
 
-    def _waited(self, work: Any) -> _Collective | None:
+    def _waited(self, work: Any) -> CollectiveTimer | None:
         try:
             if not self._launched or self._in_collective:
                 return None

@@ -31,9 +31,10 @@ failure inside the hooks is counted (`Monitor.failures`) and logged once.
 from gpuwatch.trainer.hooks.flops import PEAK_FLOPS, peak_flops, transformer_flops_per_token
 from gpuwatch.trainer.hooks.gradients import GradientSimilarity, cosine, parameter_checksum
 from gpuwatch.trainer.hooks.identity import Layout, resolve_job
-from gpuwatch.trainer.hooks.monitor import DEFAULT_EVERY, SIGNALS, Monitor, Step
+from gpuwatch.trainer.hooks.monitor import DEFAULT_EVERY, SIGNALS, Monitor
 from gpuwatch.trainer.hooks.off import OFF
 from gpuwatch.trainer.hooks.pipeline import PipelineClock, theoretical_bubble
+from gpuwatch.trainer.hooks.step import Step
 
 __all__ = [
     "DEFAULT_EVERY",

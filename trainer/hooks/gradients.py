@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from gpuwatch.trainer.hooks._safety import Failures, guarded
+from gpuwatch.trainer.hooks.safety import Failures, guarded
 
 
 class GradientSimilarity:

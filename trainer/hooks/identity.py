@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpuwatch.protocol.schema import SCHEMA_VERSION
+from gpuwatch.protocol.schema import SCHEMA_VERSION, RecordRejected, decode, encode
 from gpuwatch.trainer.telemetry import captured_environment, new_job_id
 
 #: Where the job id comes from when none is given, in order. torchrun's run id is "none" unless set.
@@ -136,6 +136,21 @@ def hello_record(job: str, layout: Layout, device: torch.device) -> dict[str, An
     }
     return {name: value for name, value in record.items() if value is not None}
 
+
+
+def hello_with(record: dict[str, Any], fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The hello with the caller's `fields` added (`Monitor(hello=...)`); ValueError, naming the field, when the
+    schema refuses it."""
+    if "kind" in fields or "v" in fields:
+        raise ValueError("Monitor(hello=...) may not set the record's kind or version")
+    merged = {**record, **fields}
+    try:
+        decode(encode(merged))
+    except RecordRejected as error:
+        raise ValueError(f"Monitor(hello=...) makes an invalid hello: {error}") from None
+    except (TypeError, ValueError) as error:  # not JSON
+        raise ValueError(f"Monitor(hello=...) makes an invalid hello: {error}") from None
+    return merged
 
 def _backends(layout: Layout) -> dict[str, str] | None:
     """The hello's `backends`: the layout's, plus the default group's as "default"; None without torch.distributed.

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from gpuwatch.trainer.hooks._safety import Failures, guarded
 from gpuwatch.trainer.hooks.clock import Clock, Mark
+from gpuwatch.trainer.hooks.safety import Failures, guarded
 
 #: Tag of the end markers (gloo matches point-to-point messages by tag; NCCL by order).
 MARKER_TAG = 0x6777

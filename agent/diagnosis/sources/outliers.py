@@ -35,7 +35,11 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from gpuwatch.agent.collectors.infiniband import PORT_STATES
-from gpuwatch.agent.collectors.telemetry import (
+from gpuwatch.agent.diagnosis import rules as _catalogue  # noqa: F401 - the thresholds of every rule, registered
+from gpuwatch.agent.diagnosis.facts import SLOWDOWN_REASONS, Peers, Unjudged
+from gpuwatch.agent.diagnosis.registry import REGISTRY
+from gpuwatch.agent.diagnosis.sources import QueryError
+from gpuwatch.agent.telemetry.metrics import (
     EXITED,
     HELLO_TIME,
     LAST_STEP,
@@ -44,10 +48,6 @@ from gpuwatch.agent.collectors.telemetry import (
     STALLED,
     WINDOW_MEDIAN,
 )
-from gpuwatch.agent.diagnosis import rules as _catalogue  # noqa: F401 - the thresholds of every rule, registered
-from gpuwatch.agent.diagnosis.facts import SLOWDOWN_REASONS, Peers, Unjudged
-from gpuwatch.agent.diagnosis.registry import REGISTRY
-from gpuwatch.agent.diagnosis.sources import QueryError
 from gpuwatch.agent.telemetry.window import BUSY, MIN_WINDOW_STEPS, PHASE_TIMINGS
 
 #: The window of the error-counter increases: the same as the full pull's (``prometheus.WINDOW``).

@@ -10,6 +10,9 @@ set; ``schema.EXPORTED_ENV``), and its process groups as runs of ranks (``gpuwat
 What Prometheus does not carry stays unknown (None): a group too large to export, network interfaces, and the
 environment of a rank that set none of the exported variables. Error counters
 become increases over ``WINDOW``, which a single agent snapshot cannot give.
+
+Past 500 lines on purpose: one reader (``_Reader``), a method per family it turns into facts, each beside the query
+it reads; the outlier fetch, which reads less, is ``outliers.py``.
 """
 
 from __future__ import annotations
@@ -22,23 +25,6 @@ from typing import Any
 
 from gpuwatch.agent.collectors.host import CPUS
 from gpuwatch.agent.collectors.infiniband import PHYS_STATES, PORT_STATES
-from gpuwatch.agent.collectors.telemetry import (
-    CALLS,
-    COUNTERS,
-    EXITED,
-    GROUP_INFO,
-    HELLO_TIME,
-    IN_FLIGHT,
-    LAST_STEP,
-    MEMORY_GAUGES,
-    PHASE,
-    RAISED,
-    STALLED,
-    STEP_GAUGES,
-    UNAVAILABLE,
-    WINDOW_GAUGES,
-    WINDOW_MEDIAN,
-)
 from gpuwatch.agent.diagnosis import needs
 from gpuwatch.agent.diagnosis.facts import (
     BandwidthMeasurement,
@@ -63,6 +49,23 @@ from gpuwatch.agent.diagnosis.registry import REGISTRY
 from gpuwatch.agent.diagnosis.sources import HTTP_TIMEOUT, Meter, QueryError, SourceError, http_json, outliers
 from gpuwatch.agent.diagnosis.sources.collectors import GPU_GAUGES_READ, PARTS, hca_model, read_by
 from gpuwatch.agent.diagnosis.sources.httpconfig import HttpConfig
+from gpuwatch.agent.telemetry.metrics import (
+    CALLS,
+    COUNTERS,
+    EXITED,
+    GROUP_INFO,
+    HELLO_TIME,
+    IN_FLIGHT,
+    LAST_STEP,
+    MEMORY_GAUGES,
+    PHASE,
+    RAISED,
+    STALLED,
+    STEP_GAUGES,
+    UNAVAILABLE,
+    WINDOW_GAUGES,
+    WINDOW_MEDIAN,
+)
 from gpuwatch.agent.telemetry.window import WindowSummary
 from gpuwatch.protocol.ranks import parse_members
 

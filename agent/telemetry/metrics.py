@@ -1,0 +1,188 @@
+"""The gpuwatch_train_* families the agent exports from the ranks' telemetry: their names, help and what each reads.
+
+Declared once here, and read by whoever names them: the per-rank exposition writer (``series``) and diagnosis'
+sources, which read them back from Prometheus (``diagnosis.sources.prometheus`` and ``outliers``) by the same
+tables.
+
+Step timings are gauges of the latest step rather than histograms: the series count stays one per rank, and
+straggler detection compares ranks' current figures. Collective latency is a real histogram, accumulated from the
+buckets every step record carries.
+
+The variables of a rank's environment that diagnosis rules read (``schema.EXPORTED_ENV``: NCCL_IB_DISABLE,
+NCCL_SOCKET_IFNAME, ...) are exported as ``gpuwatch_train_env_info{name, value}``, one series per variable set, so
+that ``gpuwatch diagnose --prometheus`` can run the NCCL rules; the full allowlisted environment stays in
+/api/v1/state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from gpuwatch.agent.collectors.base import MetricSpec
+from gpuwatch.agent.telemetry.window import BUSY, MEDIAN_SECONDS, WINDOW_SECONDS, WINDOW_STEPS
+
+#: The labels of every per-rank series: the rank's coordinates, from its hello.
+RANK_LABELS = ["job", "rank", "local_rank", "tp_rank", "pp_stage", "dp_rank"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepGauge(MetricSpec):
+    """A gauge of the rank's latest step record, one series per rank where the record has ``field`` (inside
+    ``group`` where the schema nests it). Diagnosis' ``StepFacts`` names the quantity as the record does."""
+
+    group: str | None = None
+
+
+#: The number of the latest step: whether a rank has stepped at all.
+LAST_STEP = StepGauge("gpuwatch_train_last_step", "Number of the latest reported step.", "", "step")
+STEP_GAUGES: tuple[StepGauge, ...] = (
+    StepGauge("gpuwatch_train_step_seconds", "Wall time of the rank's latest reported step.", "seconds",
+              "step_seconds"),
+    StepGauge("gpuwatch_train_compute_seconds", "Forward and backward time of the latest step, excluding time spent "
+              "waiting on collectives.", "seconds", "compute_seconds"),
+    StepGauge("gpuwatch_train_dataloader_wait_seconds", "Time the latest step waited for its input batch, excluding "
+              "time spent waiting on collectives.", "seconds", "dataloader_wait_seconds"),
+    StepGauge("gpuwatch_train_optimizer_seconds", "Optimizer time of the latest step, excluding time spent waiting on "
+              "collectives.", "seconds", "optimizer_seconds"),
+    StepGauge("gpuwatch_train_outside_model_seconds", "Host time of the latest step outside the model (callbacks, "
+              "logging, evaluation, checkpointing), excluding time spent waiting on collectives: with the data, "
+              "compute and optimizer time and the exposed collective time it adds up to the step.", "seconds",
+              "outside_model_seconds"),
+    StepGauge("gpuwatch_train_pipeline_busy_seconds", "Time this pipeline stage computed during the latest step.",
+              "seconds", "busy_seconds", "pipeline"),
+    StepGauge("gpuwatch_train_pipeline_idle_seconds", "Time this pipeline stage waited during the latest step.",
+              "seconds", "idle_seconds", "pipeline"),
+    StepGauge("gpuwatch_train_pipeline_bubble_ratio", "Measured pipeline bubble of the latest step: "
+              "idle / (busy + idle).", "ratio", "bubble_ratio", "pipeline"),
+    StepGauge("gpuwatch_train_pipeline_bubble_ratio_theoretical", "The schedule's ideal bubble, (p-1)/(m+p-1) for p "
+              "stages and m micro-batches.", "ratio", "bubble_ratio_theoretical", "pipeline"),
+    StepGauge("gpuwatch_train_gradient_sync_bytes", "Bytes DDP all-reduces per step (every gradient), where the "
+              "hooks do not time its calls (gpuwatch_train_collective_bytes_total counts those they time).", "bytes",
+              "gradient_sync_bytes"),
+    StepGauge("gpuwatch_train_loss", "Loss of the latest step; NaN or Inf when it diverged.", "", "loss"),
+    StepGauge("gpuwatch_train_grad_norm", "Global gradient norm of the latest step.", "", "grad_norm"),
+    StepGauge("gpuwatch_train_loss_scale", "Mixed-precision loss scale of the latest step.", "", "loss_scale"),
+    StepGauge("gpuwatch_train_learning_rate", "Learning rate of the latest step.", "", "lr"),
+    StepGauge("gpuwatch_train_model_flops_per_second", "Achieved model FLOP/s of the latest step.",
+              "flops_per_second", "model_flops_per_second"),
+    StepGauge("gpuwatch_train_mfu_ratio", "Model FLOPs utilisation of the latest step: achieved / peak FLOP/s.",
+              "ratio", "mfu"),
+    LAST_STEP,
+    StepGauge("gpuwatch_train_last_step_timestamp_seconds", "Rank's wall clock when it reported its latest step.",
+              "seconds", "time"),
+)
+#: The latest memory reading (every N steps: the hooks' `memory_every`), labelled by the record's memory ``kind``.
+MEMORY_GAUGES: tuple[StepGauge, ...] = (
+    StepGauge("gpuwatch_train_memory_peak_bytes", "Peak memory since the previous reading (read and reset every N "
+              "steps); kind=cuda for the CUDA caching allocator's allocated bytes, kind=host_rss for the process's "
+              "resident set.", "bytes", "peak_bytes", "memory"),
+    StepGauge("gpuwatch_train_memory_allocated_bytes", "Memory allocated to tensors at the latest reading.",
+              "bytes", "allocated_bytes", "memory"),
+    StepGauge("gpuwatch_train_memory_reserved_bytes", "Memory the caching allocator holds at the latest reading.",
+              "bytes", "reserved_bytes", "memory"),
+    StepGauge("gpuwatch_train_memory_inactive_split_bytes", "Reserved memory in inactive split blocks "
+              "(fragmentation) at the latest reading.", "bytes", "inactive_split_bytes", "memory"),
+)
+#: Counters of the rank's records since the agent first saw it, each the ``RankState`` field it names.
+COUNTERS: tuple[MetricSpec, ...] = (
+    MetricSpec("gpuwatch_train_steps_total", "Step records received from the rank.", "", "steps"),
+    MetricSpec("gpuwatch_train_nonfinite_steps_total", "Steps with a NaN/Inf loss or gradient.", "",
+               "nonfinite_steps"),
+    MetricSpec("gpuwatch_train_tokens_total", "Tokens processed by the rank.", "", "tokens"),
+    MetricSpec("gpuwatch_train_samples_total", "Samples (sequences, images, rows) processed by the rank, where its "
+               "script counts them.", "", "samples"),
+    MetricSpec("gpuwatch_train_alloc_retries_total", "CUDA caching allocator retries (a cache flush and retry after "
+               "a failed cudaMalloc).", "", "alloc_retries"),
+    MetricSpec("gpuwatch_train_ooms_total", "Out-of-memory errors the CUDA caching allocator reported.", "", "ooms"),
+)
+#: The hello's fields gpuwatch_train_rank_info carries as labels (with its backend, faults and what is unavailable).
+RANK_INFO_FIELDS = ("world_size", "tp_size", "pp_size", "dp_size", "schedule", "micro_batches", "precision",
+                "torch_version", "nccl_version")
+_WINDOW = f"over the rank's window: its last {WINDOW_STEPS} steps within {WINDOW_SECONDS:g} s"
+#: Figures of the rank's window of recent steps (``window.summarize``), what the timing and learning rules
+#: judge, each the ``WindowSummary`` attribute it names. ``gpuwatch diagnose --prometheus`` reads them back by the
+#: same table. Timing medians in seconds are one family, ``WINDOW_MEDIAN``.
+WINDOW_GAUGES: tuple[MetricSpec, ...] = (
+    MetricSpec("gpuwatch_train_window_steps", f"Steps {_WINDOW}.", "", "steps"),
+    MetricSpec("gpuwatch_train_window_first_step", "Number of the oldest step in the rank's window.", "",
+               "first_step"),
+    MetricSpec("gpuwatch_train_window_last_step", "Number of the newest step in the rank's window.", "", "last_step"),
+    MetricSpec("gpuwatch_train_window_span_seconds", "Rank's clock from the oldest to the newest step of its window.",
+               "seconds", "seconds"),
+    MetricSpec("gpuwatch_train_window_bubble_ratio", f"Median measured pipeline bubble {_WINDOW}.", "ratio",
+               "bubble_ratio"),
+    MetricSpec("gpuwatch_train_window_loss_steps", f"Steps with a finite loss {_WINDOW}.", "", "loss_steps"),
+    MetricSpec("gpuwatch_train_window_loss_min", f"Lowest finite loss {_WINDOW}.", "", "loss_min"),
+    MetricSpec("gpuwatch_train_window_loss_max", f"Highest finite loss {_WINDOW}.", "", "loss_max"),
+    MetricSpec("gpuwatch_train_window_grad_norm_steps", f"Steps with a finite gradient norm {_WINDOW}.", "",
+               "grad_norm_steps"),
+    MetricSpec("gpuwatch_train_window_grad_norm_max", f"Largest finite gradient norm {_WINDOW}.", "",
+               "grad_norm_max"),
+    MetricSpec("gpuwatch_train_window_param_checksums", f"Parameter checksums measured {_WINDOW}.", "", "checksums"),
+    MetricSpec("gpuwatch_train_window_param_checksums_distinct", f"Distinct parameter checksums {_WINDOW}: 1 when "
+               "several were measured means the parameters did not change.", "", "distinct_checksums"),
+)
+#: The median timings of the window, one series per timing (label ``timing``: the step record's field, or
+#: ``busy_seconds``, the sum of the step's phases: a data-parallel all-reduce evens out whole-step times, and this
+#: finds the slow rank).
+WINDOW_MEDIAN = "gpuwatch_train_window_median_seconds"
+WINDOW_TIMINGS = MEDIAN_SECONDS
+#: A signal a measuring step could not compute (labels signal and reason).
+UNAVAILABLE = "gpuwatch_train_signal_unavailable"
+#: What an overdue rank is doing, from its latest progress record (``schema`` "progress"): gone once it steps again.
+STALLED = "gpuwatch_train_stalled_seconds"
+PHASE = "gpuwatch_train_phase"
+IN_FLIGHT = "gpuwatch_train_in_flight_collective_seq"
+EXITED = "gpuwatch_train_rank_exited_timestamp_seconds"
+#: The latest step's collective calls per process group (label group: the hello's name, "default" the world)
+CALLS = "gpuwatch_train_collective_calls"
+#: A step that raised, from the rank's latest progress record (labels type and message: one series per rank at most)
+RAISED = "gpuwatch_train_step_raised_timestamp_seconds"
+
+#: The rank's layout and build, from its hello (labels ``RANK_INFO_FIELDS``)
+RANK_INFO = "gpuwatch_train_rank_info"
+ENV_INFO = "gpuwatch_train_env_info"
+#: The hello's process groups (labels group and members, ``protocol.ranks.members_text``)
+GROUP_INFO = "gpuwatch_train_process_group_info"
+#: When the rank said hello, by its clock (the hello's ``time``; its heartbeat repeats that hello)
+HELLO_TIME = "gpuwatch_train_hello_timestamp_seconds"
+GPU_JOB = "gpuwatch_gpu_job_info"
+COSINE = "gpuwatch_train_grad_cosine_similarity"
+CHECKSUM = "gpuwatch_train_param_checksum"
+LATENCY = "gpuwatch_train_collective_seconds"
+VOLUME = "gpuwatch_train_collective_bytes"
+#: Families with series per rank, in exposition order: (name as a Metric takes it, type, help).
+PER_RANK: tuple[tuple[str, str, str], ...] = (
+    (RANK_INFO, "gauge", "Layout and build of a rank, from its hello."),
+    (ENV_INFO, "gauge", "A variable of the rank's environment that diagnosis reads (NCCL_IB_DISABLE, "
+     "NCCL_SOCKET_IFNAME, ...), from its hello; value 1, one series per variable set."),
+    (GPU_JOB, "gauge", "Which job and rank run on which GPU; join it on uuid (or gpu) to label GPU series by job."),
+    (GROUP_INFO, "gauge", "A process group of the rank, from its hello (group: its name; members: its ranks as runs, "
+     "first-last/stride); value 1."),
+    (HELLO_TIME, "gauge", "Rank's wall clock when it said hello (its heartbeat repeats that hello): with no step "
+     "reported since, how long it has run without a step being seen."),
+    *((gauge.name, "gauge", gauge.help) for gauge in (*STEP_GAUGES, *MEMORY_GAUGES)),
+    *((counter.name.removesuffix("_total"), "counter", counter.help) for counter in COUNTERS),
+    (COSINE, "gauge", "Cosine between this data-parallel rank's local gradient and the DP-mean gradient, latest "
+     "measurement."),
+    (CHECKSUM, "gauge", "Parameter checksum, latest measurement; data-parallel replicas must agree."),
+    *((gauge.name, "gauge", gauge.help) for gauge in WINDOW_GAUGES),
+    (WINDOW_MEDIAN, "gauge", f"Median of a step timing {_WINDOW} (timing: {', '.join(WINDOW_TIMINGS)}; "
+     f"{BUSY}: the sum of the step's phases, the step without its waits in collectives, by which a straggler is "
+     "judged)."),
+    (UNAVAILABLE, "gauge", "A signal the rank's latest measuring step could not compute, and why (reason: "
+     "zero_gradient, no_data_parallel_group, ...); value: that step's number."),
+    (STALLED, "gauge", "Seconds since an overdue rank's training thread last made progress, as its latest progress "
+     "record said (sent about every second while a step is overdue); no series while steps flow."),
+    (PHASE, "gauge", "The phase an overdue rank is in (phase: data, compute, optimizer, collective, step, idle), "
+     "or closed once its hooks were closed (a normal end); value 1."),
+    (IN_FLIGHT, "gauge", "Sequence number, on its process group, of the collective an overdue rank is in (op, "
+     "group: the hello's process-group name)."),
+    (EXITED, "gauge", "When the agent found the rank's process gone (wall clock)."),
+    (CALLS, "gauge", "Collective calls (not send/recv) the rank had made on a process group by the end of its latest "
+     "step (group: the hello's name, default the world); every member of a group counts the same at the same step."),
+    (RAISED, "gauge", "When a step of the rank raised (the rank's wall clock), with the exception's type and message; "
+     "gone once the rank steps again."),
+    (LATENCY, "histogram", "Latency of the rank's collective calls."),
+    (VOLUME, "counter", "Bytes the rank's collective calls moved (the rank's buffer size per call)."),
+)

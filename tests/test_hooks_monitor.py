@@ -439,3 +439,18 @@ def test_hello_fields_join_the_hello_and_one_the_schema_refuses_is_refused_at_on
         hooks.Monitor(torch.nn.Linear(2, 2), job="chaos", client=Records(), hello={"faults": "slow-rank"})
     with pytest.raises(ValueError, match="kind or version"):
         hooks.Monitor(torch.nn.Linear(2, 2), job="chaos", client=Records(), hello={"kind": "step"})
+
+
+def test_a_steps_sums_and_norms_become_one_checksum_and_one_norm_from_the_host_or_the_device():
+    """On a GPU the per-parameter sums and gradient norms come back with the device's values (a list, or a number
+    for a one-parameter model) rather than as host tensors: they must make the same checksum and norm."""
+    from gpuwatch.trainer.hooks.gradient_stats import combine_measured
+    from gpuwatch.trainer.hooks.gradients import checksum_of, norm_of
+
+    from_device = {"param_sums": [1.5, -2.0, 3.25], "grad_norms": [3.0, 4.0], "loss": 2.0}
+    combine_measured(from_device)
+    assert from_device == {"param_checksum": checksum_of([1.5, -2.0, 3.25]), "grad_norm_of_grads": norm_of([3.0, 4.0]),
+                           "loss": 2.0}
+    one_parameter = {"param_sums": 1.5, "grad_norms": 5.0}
+    combine_measured(one_parameter)
+    assert one_parameter == {"param_checksum": checksum_of([1.5]), "grad_norm_of_grads": 5.0}

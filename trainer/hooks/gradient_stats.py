@@ -84,10 +84,6 @@ class GradientStatistics:
             measured["param_sums"] = parameter_sums(copies)
         values.update({name: [t.item() for t in value] if isinstance(value, list) else value.tolist()
                        for name, value in measured.items()})
-        if "param_sums" in values:
-            values["param_checksum"] = checksum_of(values.pop("param_sums"))
-        if "grad_norms" in values:
-            values["grad_norm_of_grads"] = norm_of(values.pop("grad_norms"))
 
     def similarity_fields(self, values: dict[str, Any], record: dict[str, Any], unavailable: dict[str, str]) -> None:
         """On a gradient-similarity step: the cosine, else why not; and the gradient norm when the user reported
@@ -122,3 +118,14 @@ class GradientStatistics:
             unavailable["param_checksum"] = "no_parameters"
         elif math.isfinite(values.get("param_checksum", math.nan)):
             record["param_checksum"] = values["param_checksum"]
+
+
+def combine_measured(values: dict[str, Any]) -> None:
+    """The per-parameter sums and gradient norms a step measured, from the host (`GradientStatistics.read`) or the
+    device (copied without a sync, `HostValues`, which reads a one-element tensor as a number), as one checksum and
+    one norm each, in `values`."""
+    for name, combined, combine in (("param_sums", "param_checksum", checksum_of),
+                                    ("grad_norms", "grad_norm_of_grads", norm_of)):
+        if name in values:
+            each = values.pop(name)
+            values[combined] = combine(each if isinstance(each, list) else [each])

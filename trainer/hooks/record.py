@@ -17,6 +17,7 @@ import torch
 from gpuwatch.protocol.schema import SCHEMA_VERSION, STEP_PHASES
 from gpuwatch.trainer.hooks.clock import Clock, Mark
 from gpuwatch.trainer.hooks.collectives import exposed_seconds, histogram, resolve
+from gpuwatch.trainer.hooks.gradient_stats import combine_measured
 from gpuwatch.trainer.hooks.safety import Failures
 
 if TYPE_CHECKING:
@@ -78,6 +79,7 @@ def step_record(monitor: Monitor, step: Step) -> dict[str, Any] | None:
     gradients = monitor.gradients
     if step.measured is not None:  # the monitor's own tensors on the host, final since it made them
         gradients.read(step.measured, values)
+    combine_measured(values)  # on a GPU they came with the device's values (step.host)
     unavailable: dict[str, str] = {}
     if step.similarity_due:
         gradients.similarity_fields(values, record, unavailable)

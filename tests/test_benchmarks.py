@@ -20,6 +20,8 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import cluster_diagnosis  # noqa: E402
+import false_alarms  # noqa: E402
+import foreign  # noqa: E402
 import hang_latency  # noqa: E402
 import render_instructions  # noqa: E402
 import telemetry_ingest  # noqa: E402
@@ -193,3 +195,59 @@ def test_hang_latency_names_the_culprit_through_every_source(tmp_path):
         results = hang_latency.measure(fault, 1, tmp_path / fault)
         assert {source: len(values) for source, values in results.items()} == dict.fromkeys(results, 1), fault
         assert all(value >= 0 for values in results.values() for value in values)
+
+
+def test_false_alarms_plan_cycles_the_scripts_then_every_framework_job_under_gpuwatch_run():
+    """The healthy runs' plan: the user scripts at 1-4 ranks as before, then the framework jobs of
+    tests/test_frameworks.py, each variant in turn with its own arguments, 2 ranks, under ``gpuwatch run``."""
+    jobs = false_alarms.plan(runs=12, framework_runs=2 * len(false_alarms.VARIANTS), steps=7)
+    scripts, frameworks = jobs[:12], jobs[12:]
+    assert {(w.script, w.nproc) for _, w in scripts} == {(s, r) for s in foreign.SCRIPTS for r in (1, 2, 3, 4)}
+    assert all(w.wrapper == () for _, w in scripts)
+    assert [name for name, _ in frameworks] == [*false_alarms.VARIANTS] * 2
+    for name, workload in frameworks:
+        script, args = false_alarms.VARIANTS[name]
+        assert (workload.script, workload.args, workload.nproc) == (script, args, 2)
+        assert workload.wrapper == foreign.GPUWATCH_RUN and workload.steps == 7
+    assert len({w.job for _, w in jobs}) == len(jobs)  # every run its own job
+
+
+def test_false_alarms_judges_a_framework_job_through_every_source():
+    """benchmarks/false_alarms.py at its smallest: one user-script run and one framework job (the Hugging Face
+    Trainer, first of the variants), each judged by the agent, the run log and Prometheus (what they said is the
+    benchmark's to report, not this test's)."""
+    require_tool("prometheus")
+    command = [sys.executable, str(BENCHMARKS / "false_alarms.py"), "--runs", "1", "--framework-runs", "1",
+               "--steps", "6", "--latency-repeats", "0"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert out.startswith("machine: ") and "load average after" in out
+    assert "RUN FAILED" not in out, out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ") and "%)" in line}
+    for workload in ("ddp_tutorial", "hf_trainer"):
+        assert rows[workload].count("/1 (") == len(false_alarms.SOURCES), out  # judged once by each source
+    assert "all framework jobs" in out and "per rule (runs it fired on):" in out
+    assert "hf_trainer 2r" in out  # its ranks' noise, from the run log
+
+
+def test_framework_cost_times_both_arms_of_a_round():
+    """benchmarks/framework_cost.py at its smallest: one round of the Hugging Face job unmeasured and under
+    ``gpuwatch run`` (which must have measured every rank's every step, else the script fails), both arms timed
+    and their ratios printed; not their values."""
+    command = [sys.executable, str(BENCHMARKS / "framework_cost.py"), "--rounds", "1", "--steps", "4", "--warmup",
+               "0"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert out.startswith("machine: ") and "transformers " in out.splitlines()[0]
+    assert "load average before" in out and "load average after" in out
+    assert "round 1   off then on" in out
+    assert "whole job (wall), min / median / max: off " in out and "ratio of the medians" in out
+    assert "training (the Trainer's train_runtime)" in out
+
+
+def test_the_agent_cost_gate_refuses_a_workload_other_than_its_baselines():
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "render_instructions.py"), "--gate", "--ranks", "8"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--gate compares with a baseline of 64 ranks and 6 rounds" in result.stderr

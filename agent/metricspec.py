@@ -14,6 +14,7 @@ Its own module, not ``collectors.base``, because both the collectors and ``telem
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Literal
 
 from gpuwatch.agent.exposition import CounterFamily, GaugeFamily, RowFamily
@@ -72,3 +73,13 @@ class MetricSpec:
             raise ValueError(f"{self.name}: a histogram's lines are written by its exporter, not as rows")
         family_type = CounterFamily if self.kind == "counter" else GaugeFamily
         return family_type(self.name, self.help, value=value, labels=list(self.labels) if self.labels else None)
+
+
+def by_field(specs: Iterable[MetricSpec], field: str) -> MetricSpec:
+    """The declaration among ``specs`` (a collector's or the ranks' table) that exports ``field``: how a reader names
+    one family of a table by the quantity it holds, so that a renamed family is still found and a removed one fails
+    at import."""
+    found = [spec for spec in specs if spec.field == field]
+    if len(found) != 1:
+        raise LookupError(f"{len(found)} declarations export {field!r}")
+    return found[0]

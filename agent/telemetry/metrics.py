@@ -80,10 +80,11 @@ STEP_GAUGES: tuple[StepGauge, ...] = (
 )
 #: The latest memory reading (every N steps: the hooks' `memory_every`), labelled by the record's memory ``kind``.
 _MEMORY_LABELS = (*RANK_LABELS, "kind")
+MEMORY_PEAK = StepGauge("gpuwatch_train_memory_peak_bytes", "Peak memory since the previous reading (read and reset "
+                        "every N steps); kind=cuda for the CUDA caching allocator's allocated bytes, kind=host_rss for "
+                        "the process's resident set.", "bytes", "peak_bytes", "memory", labels=_MEMORY_LABELS)
 MEMORY_GAUGES: tuple[StepGauge, ...] = (
-    StepGauge("gpuwatch_train_memory_peak_bytes", "Peak memory since the previous reading (read and reset every N "
-              "steps); kind=cuda for the CUDA caching allocator's allocated bytes, kind=host_rss for the process's "
-              "resident set.", "bytes", "peak_bytes", "memory", labels=_MEMORY_LABELS),
+    MEMORY_PEAK,
     StepGauge("gpuwatch_train_memory_allocated_bytes", "Memory allocated to tensors at the latest reading.",
               "bytes", "allocated_bytes", "memory", labels=_MEMORY_LABELS),
     StepGauge("gpuwatch_train_memory_reserved_bytes", "Memory the caching allocator holds at the latest reading.",

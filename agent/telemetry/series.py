@@ -113,7 +113,7 @@ class RankLines:
         for name, text in self._from_hello().items():
             self._hello_parts[_FAMILY_INDEX[name]] = text
         # The families of one series per rank, with the rank's labels only: (family's index, prefix, what it exports).
-        self._counters = [(_FAMILY_INDEX[counter.name], self._prefix(*counter.sample_names), counter.field)
+        self._counters = [(_FAMILY_INDEX[counter.name], self._prefix(f"{counter.name}_total"), counter.field)
                           for counter in COUNTERS]
         self._window = [(_FAMILY_INDEX[gauge.name], self._prefix(gauge.name), gauge.field) for gauge in WINDOW_GAUGES]
         self._steps = [(_FAMILY_INDEX[gauge.name], self._prefix(gauge.name), gauge.field, gauge.group)
@@ -175,7 +175,7 @@ class RankLines:
             prefixes = [*(self._prefix(bucket, (("le", le), *key)) for le in _LE),
                         self._prefix(count, key), self._prefix(total, key)]
             lines = self._ops[op] = _OpLines(_template(prefixes, ".0\n"), _template(prefixes, "\n"),
-                                             self._prefix(*VOLUME.sample_names, key))
+                                             self._prefix(f"{VOLUME.name}_total", key))
         return lines
 
     def update(self, state: RankState) -> None:

@@ -26,7 +26,8 @@ from prometheus_client.core import Metric
 
 from gpuwatch.agent import __version__
 from gpuwatch.agent.collectors.base import Collector, CollectorResult, DeferredFamilies
-from gpuwatch.agent.exposition import CounterFamily, GaugeFamily, Renderer
+from gpuwatch.agent.exposition import Renderer
+from gpuwatch.agent.metricspec import MetricSpec
 from gpuwatch.agent.snapshot import CollectorStatus, ScrapeClock, Snapshot
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,22 @@ log = logging.getLogger(__name__)
 #: ~0.9 % of a core at 1 s sampling), and one that appears later (a driver that finished loading) is still picked up.
 BACKOFF_FIRST_SECONDS = 2.0
 BACKOFF_MAX_SECONDS = 300.0
+
+
+#: The agent's own families, beside the collectors': what it is, and how each collector's last run went.
+AGENT_INFO = MetricSpec("gpuwatch_agent_info", "Agent build and mode; mode=simulated marks a scripted stand-in node, "
+                        "never real hardware.", kind="info", labels=("version", "mode", "node"))
+COLLECTOR_UP = MetricSpec("gpuwatch_collector_up", "1 when the collector's last run succeeded.",
+                          labels=("collector",))
+COLLECTOR_DURATION = MetricSpec("gpuwatch_collector_duration_seconds", "Wall time of the collector's last run.",
+                                "seconds", labels=("collector",))
+COLLECTOR_PARTIAL_ERRORS = MetricSpec("gpuwatch_collector_partial_errors", "Items (GPUs, files, ports) the collector "
+                                      "could not read in its last run.", labels=("collector",))
+#: Exported by a simulated agent only.
+SIMULATION_CPU = MetricSpec("gpuwatch_agent_simulation_cpu_seconds", "CPU time the agent process spent on "
+                            "--simulate's scripted node (advancing it, and inside the scripted NVML's functions), "
+                            "which a real node does not pay: the agent's own cost is the process's CPU time without "
+                            "it.", "seconds", kind="counter")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,27 +216,16 @@ class Sampler:
         return result, time.perf_counter() - started
 
     def _self_metrics(self, statuses: dict[str, CollectorStatus]) -> list[Metric]:
-        info = GaugeFamily("gpuwatch_agent_info", "Agent build and mode; mode=simulated marks a "
-                           "scripted stand-in node, never real hardware.",
-                           labels=["version", "mode", "node"])
+        info = AGENT_INFO.family()
         info.add_metric([__version__, self.agent_info["mode"], self.agent_info["node"]], 1)
-        up = GaugeFamily("gpuwatch_collector_up", "1 when the collector's last run succeeded.",
-                         labels=["collector"])
-        duration = GaugeFamily("gpuwatch_collector_duration_seconds",
-                               "Wall time of the collector's last run.", labels=["collector"])
-        partial = GaugeFamily("gpuwatch_collector_partial_errors",
-                              "Items (GPUs, files, ports) the collector could not read in its last run.",
-                              labels=["collector"])
+        up, duration, partial = COLLECTOR_UP.family(), COLLECTOR_DURATION.family(), COLLECTOR_PARTIAL_ERRORS.family()
         for name, status in statuses.items():
             up.add_metric([name], 1.0 if status.up else 0.0)
             duration.add_metric([name], status.duration_seconds)
             partial.add_metric([name], len(status.partial_errors))
         families: list[Metric] = [info, up, duration, partial]
         if self._simulation_cpu is not None:
-            families.append(CounterFamily(
-                "gpuwatch_agent_simulation_cpu_seconds", "CPU time the agent process spent on --simulate's scripted "
-                "node (advancing it, and inside the scripted NVML's functions), which a real node does not pay: the "
-                "agent's own cost is the process's CPU time without it.", value=self._simulation_cpu()))
+            families.append(SIMULATION_CPU.family(self._simulation_cpu()))
         return families
 
     def run(self) -> None:

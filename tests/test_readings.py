@@ -9,7 +9,7 @@ import math
 import pytest
 
 from gpuwatch.agent.collectors import readings
-from gpuwatch.agent.collectors.base import CollectorContext, MetricSpec
+from gpuwatch.agent.collectors.base import CollectorContext
 from gpuwatch.agent.collectors.host import HostCollector
 from gpuwatch.agent.collectors.infiniband import InfinibandCollector
 from gpuwatch.agent.collectors.nvlink import NvlinkCollector
@@ -26,6 +26,7 @@ from gpuwatch.agent.diagnosis.facts import GpuFacts
 from gpuwatch.agent.diagnosis.sources import agent as agent_source
 from gpuwatch.agent.diagnosis.sources import http_json
 from gpuwatch.agent.diagnosis.sources.collectors import GPU_GAUGES_READ, PARTS, node_facts
+from gpuwatch.agent.metricspec import MetricSpec
 from gpuwatch.agent.sampler import Sampler
 from gpuwatch.agent.server import AgentHTTPServer, serve_in_thread
 from gpuwatch.agent.simulate import PRESETS, Simulation

@@ -12,7 +12,6 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 from prometheus_client.core import Metric
 
-from gpuwatch.agent.exposition import GaugeFamily
 from gpuwatch.agent.telemetry.store import DEFAULT_MAX_JOBS, DEFAULT_MAX_RANKS, DEFAULT_TTL
 
 
@@ -77,29 +76,6 @@ class DeferredReadings(Mapping[str, Any]):
 
     def __len__(self) -> int:
         return len(self._readings)
-
-
-@dataclasses.dataclass(frozen=True)
-class MetricSpec:
-    """One exported family, declared once: its name, HELP text, unit and the reading field it exports.
-
-    The collector builds the family from it, and ``gpuwatch diagnose --prometheus`` reads the series back into the
-    diagnosis field of the same name by it, so that renaming or adding a series is one edit. ``unit`` is the base
-    unit of the value ("" for counts and plain numbers), which Prometheus naming puts in the name.
-    """
-
-    name: str
-    help: str
-    unit: str
-    field: str
-
-    def __post_init__(self) -> None:
-        if self.unit and f"_{self.unit}" not in self.name:
-            raise ValueError(f"{self.name} does not name its unit {self.unit}")
-
-    def gauge(self, labels: Sequence[str] | None = None, value: float | None = None) -> GaugeFamily:
-        """The gauge family, labelled by ``labels``, or unlabelled with its one ``value``."""
-        return GaugeFamily(self.name, self.help, value=value, labels=labels)
 
 
 #: A collector's readings: its typed readings (``collectors.readings``), or the telemetry store's state.

@@ -25,10 +25,9 @@ from gpuwatch.agent.collectors.base import (
     CollectorContext,
     CollectorResult,
     DeferredFamilies,
-    MetricSpec,
 )
 from gpuwatch.agent.collectors.readings import AddressReading, HostReadings, InterfaceReading, ProcessReading
-from gpuwatch.agent.exposition import CounterFamily, GaugeFamily
+from gpuwatch.agent.metricspec import MetricSpec
 
 #: Bounds gpuwatch_host_process_*: a buggy feeder cannot create unbounded series.
 MAX_WATCHED_PIDS = 256
@@ -52,6 +51,15 @@ CPUS = MetricSpec("gpuwatch_host_cpus", "Logical CPUs.", "", "cpu_count")
 _MEMORY_GAUGES = tuple(MetricSpec(f"gpuwatch_host_memory_{kind}_bytes",
                                   f"Host memory {kind} (/proc/meminfo; used: total less available).", "bytes",
                                   f"memory_{kind}_bytes") for kind in ("total", "available", "used"))
+LOAD_AVERAGE = MetricSpec("gpuwatch_host_load_average", "Run-queue load average over the window.", labels=("window",))
+#: The agent's process and the ranks', one series each.
+_PROCESS_LABELS = ("pid", "name", "job", "rank")
+PROCESS_RESIDENT = MetricSpec("gpuwatch_host_process_resident_bytes", "Resident set size of the agent (job and rank "
+                              "empty) and of the training ranks that report to it.", "bytes", "rss_bytes",
+                              labels=_PROCESS_LABELS)
+PROCESS_CPU = MetricSpec("gpuwatch_host_process_cpu_seconds", "CPU time, user and system, of the agent (job and rank "
+                         "empty) and of the training ranks that report to it.", "seconds", "cpu_seconds",
+                         kind="counter", labels=_PROCESS_LABELS)
 
 
 class HostCollector(Collector):
@@ -157,19 +165,14 @@ class HostCollector(Collector):
 def _families(readings: HostReadings) -> list[Metric]:
     families: list[Metric] = []
     if readings.cpu_ratio is not None:
-        families.append(CPU_UTILIZATION.gauge(value=readings.cpu_ratio))
-    families.append(CPUS.gauge(value=readings.cpu_count))
-    load = GaugeFamily("gpuwatch_host_load_average", "Run-queue load average over the window.",
-                       labels=["window"])
+        families.append(CPU_UTILIZATION.family(readings.cpu_ratio))
+    families.append(CPUS.family(readings.cpu_count))
+    load = LOAD_AVERAGE.family()
     for window, value in zip(("1m", "5m", "15m"), readings.load_average, strict=True):
         load.add_metric([window], value)
     families.append(load)
-    families += [spec.gauge(value=getattr(readings, spec.field)) for spec in _MEMORY_GAUGES]
-    labels = ["pid", "name", "job", "rank"]
-    rss = GaugeFamily("gpuwatch_host_process_resident_bytes", "Resident set size of the agent (job and "
-                      "rank empty) and of the training ranks that report to it.", labels=labels)
-    cpu = CounterFamily("gpuwatch_host_process_cpu_seconds", "CPU time, user and system, of the agent "
-                        "(job and rank empty) and of the training ranks that report to it.", labels=labels)
+    families += [spec.family(getattr(readings, spec.field)) for spec in _MEMORY_GAUGES]
+    rss, cpu = PROCESS_RESIDENT.family(), PROCESS_CPU.family()
     for process in readings.processes:
         names = [str(process.pid), process.name, process.job, process.rank]
         rss.add_metric(names, process.rss_bytes)

@@ -40,7 +40,7 @@ from gpuwatch.agent.collectors.base import (
     DeferredFamilies,
 )
 from gpuwatch.agent.collectors.readings import IbDeviceReading, IbPortReading, InfinibandReadings
-from gpuwatch.agent.exposition import CounterFamily, GaugeFamily
+from gpuwatch.agent.metricspec import MetricSpec
 
 CLASS_DIR = "class/infiniband"
 
@@ -391,36 +391,36 @@ class _Scan:
         return self._numbers(f"{path}/hw_counters", present, sorted(present.keys() - HW_COUNTER_SKIP))
 
 
+_PORT = ("device", "port")
+DEVICE_INFO = MetricSpec("gpuwatch_ib_device_info", "InfiniBand/RoCE HCA (from sysfs); value 1.", kind="info",
+                         labels=("device", *_DEVICE_ATTRS))
+PORT_UP = MetricSpec("gpuwatch_ib_port_up", "1 when the port's logical state is ACTIVE; link_layer Ethernet is RoCE.",
+                     labels=(*_PORT, "link_layer"))
+PORT_STATE = MetricSpec("gpuwatch_ib_port_state_id", _state_help("Logical port state (IB PortState)", PORT_STATES),
+                        "", "state_id", labels=_PORT)
+PORT_PHYSICAL_STATE = MetricSpec("gpuwatch_ib_port_physical_state_id",
+                                 _state_help("Physical port state (IB PortPhysicalState)", PHYS_STATES), "",
+                                 "phys_state_id", labels=_PORT)
+PORT_RATE = MetricSpec("gpuwatch_ib_port_rate_bytes_per_second", "Data rate the port's link trained to, in bytes/s.",
+                       "bytes_per_second", "rate_bytes_per_second", labels=(*_PORT, "link_layer"))
+#: The traffic counters, each the IbPortReading field of its name (``TRAFFIC_COUNTERS``).
+PORT_TRAFFIC = tuple(MetricSpec(f"gpuwatch_ib_port_{key}", help_text, "", key, kind="counter", labels=_PORT)
+                     for key, help_text, _ in TRAFFIC_COUNTERS.values())
+PORT_ERRORS = MetricSpec("gpuwatch_ib_port_errors", "Port error counters (IB PortCounters), by kernel counter name.",
+                         kind="counter", labels=(*_PORT, "counter"))
+PORT_HW_COUNTERS = MetricSpec("gpuwatch_ib_port_hw_counters", "Driver counters from the port's hw_counters/, by file "
+                              "name.", kind="counter", labels=(*_PORT, "counter"))
+PORT_COUNTER_SATURATED = MetricSpec("gpuwatch_ib_port_counter_saturated", "1 for a fixed-width counter stuck at its "
+                                    "maximum (it stopped counting, so it is not exported); reset it with perfquery "
+                                    "-R.", labels=(*_PORT, "counter"))
+
+
 def _families(readings: InfinibandReadings) -> list[Metric]:
     """The collect's families, built from its readings when the round is rendered."""
-    port_labels = ["device", "port"]
-    info = GaugeFamily(
-        "gpuwatch_ib_device_info", "InfiniBand/RoCE HCA (from sysfs); value 1.",
-        labels=["device", *_DEVICE_ATTRS])
-    up = GaugeFamily(
-        "gpuwatch_ib_port_up", "1 when the port's logical state is ACTIVE; link_layer Ethernet is RoCE.",
-        labels=["device", "port", "link_layer"])
-    state = GaugeFamily(
-        "gpuwatch_ib_port_state_id", _state_help("Logical port state (IB PortState)", PORT_STATES),
-        labels=port_labels)
-    phys_state = GaugeFamily(
-        "gpuwatch_ib_port_physical_state_id",
-        _state_help("Physical port state (IB PortPhysicalState)", PHYS_STATES), labels=port_labels)
-    rate = GaugeFamily(
-        "gpuwatch_ib_port_rate_bytes_per_second", "Data rate the port's link trained to, in bytes/s.",
-        labels=["device", "port", "link_layer"])
-    traffic = [(key, CounterFamily(f"gpuwatch_ib_port_{key}", help_text, labels=port_labels))
-               for key, help_text, _ in TRAFFIC_COUNTERS.values()]
-    errors = CounterFamily(
-        "gpuwatch_ib_port_errors", "Port error counters (IB PortCounters), by kernel counter name.",
-        labels=["device", "port", "counter"])
-    hw = CounterFamily(
-        "gpuwatch_ib_port_hw_counters", "Driver counters from the port's hw_counters/, by file name.",
-        labels=["device", "port", "counter"])
-    saturated = GaugeFamily(
-        "gpuwatch_ib_port_counter_saturated",
-        "1 for a fixed-width counter stuck at its maximum (it stopped counting, so it is not exported); "
-        "reset it with perfquery -R.", labels=["device", "port", "counter"])
+    info, up, state, phys_state, rate = (spec.family() for spec in (DEVICE_INFO, PORT_UP, PORT_STATE,
+                                                                     PORT_PHYSICAL_STATE, PORT_RATE))
+    traffic = [(spec.field, spec.family()) for spec in PORT_TRAFFIC]
+    errors, hw, saturated = PORT_ERRORS.family(), PORT_HW_COUNTERS.family(), PORT_COUNTER_SATURATED.family()
 
     for reading in readings.devices:
         info.add_metric([reading.device, *(getattr(reading, attr) for attr in _DEVICE_ATTRS)], 1)

@@ -18,7 +18,7 @@ from prometheus_client.core import Metric
 from gpuwatch.agent.collectors._nvml_common import Device, DeviceQuery, NvmlSession, field_values
 from gpuwatch.agent.collectors.base import Collector, CollectorContext, CollectorResult, DeferredFamilies
 from gpuwatch.agent.collectors.readings import NvlinkReading, NvlinkReadings
-from gpuwatch.agent.exposition import CounterFamily, GaugeFamily
+from gpuwatch.agent.metricspec import MetricSpec
 
 # Read for every link, in this order; throughput counts KiB, speed is in MB/s (10^6 bytes).
 _LINK_FIELDS = (
@@ -123,17 +123,25 @@ class NvlinkCollector(Collector):
         return readings
 
 
+#: Every NVLink family, one series per link (labels gpu and link).
+_LINK = ("gpu", "link")
+LINK_UP = MetricSpec("gpuwatch_nvlink_up", "1 when the NVLink link is active.", "", "up", labels=_LINK)
+LINK_SPEED = MetricSpec("gpuwatch_nvlink_speed_bytes_per_second", "Rated data rate of the link, one direction.",
+                        "bytes_per_second", "speed_bytes_per_second", labels=_LINK)
+NVLINK_FAMILIES = (
+    LINK_UP,
+    LINK_SPEED,
+    MetricSpec("gpuwatch_nvlink_transmitted_bytes", "Payload bytes sent over the link.", "bytes", "tx_bytes",
+               kind="counter", labels=_LINK),
+    MetricSpec("gpuwatch_nvlink_received_bytes", "Payload bytes received over the link.", "bytes", "rx_bytes",
+               kind="counter", labels=_LINK),
+    MetricSpec("gpuwatch_nvlink_errors", "Data-link errors on the link: CRC errors, replays and link recoveries.",
+               kind="counter", labels=(*_LINK, "error")),
+)
+
+
 def _families(readings: NvlinkReadings) -> list[Metric]:
-    labels = ["gpu", "link"]
-    up = GaugeFamily("gpuwatch_nvlink_up", "1 when the NVLink link is active.", labels=labels)
-    speed = GaugeFamily("gpuwatch_nvlink_speed_bytes_per_second",
-                        "Rated data rate of the link, one direction.", labels=labels)
-    transmitted = CounterFamily("gpuwatch_nvlink_transmitted_bytes",
-                                "Payload bytes sent over the link.", labels=labels)
-    received = CounterFamily("gpuwatch_nvlink_received_bytes",
-                             "Payload bytes received over the link.", labels=labels)
-    errors = CounterFamily("gpuwatch_nvlink_errors", "Data-link errors on the link: CRC errors, "
-                           "replays and link recoveries.", labels=[*labels, "error"])
+    up, speed, transmitted, received, errors = (spec.family() for spec in NVLINK_FAMILIES)
     for link in readings.links:
         key = [str(link.gpu), str(link.link)]
         for family, value in ((up, link.up), (speed, link.speed_bytes_per_second),

@@ -24,7 +24,6 @@ from gpuwatch.agent.collectors.base import (
     CollectorContext,
     CollectorResult,
     DeferredFamilies,
-    MetricSpec,
 )
 from gpuwatch.agent.collectors.readings import (
     EccReading,
@@ -34,7 +33,7 @@ from gpuwatch.agent.collectors.readings import (
     PcieReading,
     RemappedRowsReading,
 )
-from gpuwatch.agent.exposition import CounterFamily, GaugeFamily
+from gpuwatch.agent.metricspec import MetricSpec
 
 # GPM metric -> GpuReading field; NVML reports percentages, the readings and metrics hold ratios.
 _GPM_METRICS = (
@@ -74,37 +73,71 @@ _FIELD_IDS = [field for field, _, _ in _FIELDS]
 #: The readings the grouped fields fill, beside ``pcie`` (which the link state fills too).
 _FIELD_GROUPS = (("ecc_volatile", EccReading), ("ecc_aggregate", EccReading), ("remapped_rows", RemappedRowsReading))
 
+#: The label of every per-GPU family: the GPU's index.
+_GPU = ("gpu",)
 #: Per-GPU gauges labelled {gpu} only, each the GpuReading field of its name; ``diagnose --prometheus`` reads
 #: those diagnosis uses back by this table.
 GPU_GAUGES = (
     MetricSpec("gpuwatch_gpu_utilization_ratio",
                "Share of the last sample period in which any kernel ran (nvmlDeviceGetUtilizationRates).",
-               "ratio", "utilization_ratio"),
+               "ratio", "utilization_ratio", labels=_GPU),
     MetricSpec("gpuwatch_gpu_memory_copy_utilization_ratio",
                "Share of the last sample period in which device memory was read or written.",
-               "ratio", "memory_copy_utilization_ratio"),
+               "ratio", "memory_copy_utilization_ratio", labels=_GPU),
     MetricSpec("gpuwatch_gpu_sm_active_ratio",
                "Share of SMs busy (GPM), or the utilisation rate where GPM is unsupported "
-               "(see gpuwatch_gpu_activity_source).", "ratio", "sm_active_ratio"),
+               "(see gpuwatch_gpu_activity_source).", "ratio", "sm_active_ratio", labels=_GPU),
     MetricSpec("gpuwatch_gpu_sm_occupancy_ratio",
                "Resident warps over the theoretical maximum, between the last two GPM samples.",
-               "ratio", "sm_occupancy_ratio"),
+               "ratio", "sm_occupancy_ratio", labels=_GPU),
     MetricSpec("gpuwatch_gpu_tensor_active_ratio",
                "Share of time the SMs ran any tensor-core instruction, between the last two GPM samples.",
-               "ratio", "tensor_active_ratio"),
+               "ratio", "tensor_active_ratio", labels=_GPU),
     MetricSpec("gpuwatch_gpu_dram_active_ratio",
                "Device memory bandwidth used over its peak, between the last two GPM samples.",
-               "ratio", "dram_active_ratio"),
-    MetricSpec("gpuwatch_gpu_memory_total_bytes", "Installed device memory.", "bytes", "memory_total_bytes"),
+               "ratio", "dram_active_ratio", labels=_GPU),
+    MetricSpec("gpuwatch_gpu_memory_total_bytes", "Installed device memory.", "bytes", "memory_total_bytes",
+               labels=_GPU),
     MetricSpec("gpuwatch_gpu_memory_used_bytes", "Device memory allocated by processes.", "bytes",
-               "memory_used_bytes"),
+               "memory_used_bytes", labels=_GPU),
     MetricSpec("gpuwatch_gpu_memory_reserved_bytes", "Device memory reserved by the driver and firmware.", "bytes",
-               "memory_reserved_bytes"),
-    MetricSpec("gpuwatch_gpu_power_watts", "Power draw of the GPU board.", "watts", "power_watts"),
-    MetricSpec("gpuwatch_gpu_temperature_celsius", "GPU core temperature.", "celsius", "temperature_celsius"),
-    MetricSpec("gpuwatch_gpu_sm_clock_hertz", "Current SM clock.", "hertz", "sm_clock_hertz"),
-    MetricSpec("gpuwatch_gpu_memory_clock_hertz", "Current memory clock.", "hertz", "memory_clock_hertz"),
+               "memory_reserved_bytes", labels=_GPU),
+    MetricSpec("gpuwatch_gpu_power_watts", "Power draw of the GPU board.", "watts", "power_watts", labels=_GPU),
+    MetricSpec("gpuwatch_gpu_temperature_celsius", "GPU core temperature.", "celsius", "temperature_celsius",
+               labels=_GPU),
+    MetricSpec("gpuwatch_gpu_sm_clock_hertz", "Current SM clock.", "hertz", "sm_clock_hertz", labels=_GPU),
+    MetricSpec("gpuwatch_gpu_memory_clock_hertz", "Current memory clock.", "hertz", "memory_clock_hertz",
+               labels=_GPU),
 )
+
+#: The other per-GPU families, each labelled by its GPU first.
+GPU_INFO = MetricSpec("gpuwatch_gpu_info", "GPU identity; always 1.", kind="info",
+                      labels=(*_GPU, "uuid", "pci_bus_id", "model", "driver_version"))
+GPU_LOST = MetricSpec("gpuwatch_gpu_lost", "1 when NVML reports the GPU lost (fallen off the bus).", labels=_GPU)
+ACTIVITY_SOURCE = MetricSpec("gpuwatch_gpu_activity_source", "Where the SM activity series come from: gpm, or "
+                             "utilization where GPM is unsupported; always 1.", labels=(*_GPU, "source"))
+CLOCK_EVENT_ACTIVE = MetricSpec("gpuwatch_gpu_clock_event_active", "1 while this clock-event (throttle) reason holds "
+                                "the clocks down.", labels=(*_GPU, "reason"))
+PCIE_LINK_GENERATION = MetricSpec("gpuwatch_gpu_pcie_link_generation", "PCIe link generation: as trained now, and "
+                                  "the most GPU and slot allow.", labels=(*_GPU, "kind"))
+PCIE_LINK_WIDTH = MetricSpec("gpuwatch_gpu_pcie_link_width", "PCIe link width in lanes: as trained now, and the most "
+                             "GPU and slot allow.", labels=(*_GPU, "kind"))
+PCIE_REPLAYS = MetricSpec("gpuwatch_gpu_pcie_replays", "PCIe replays (link-level retransmissions).", kind="counter",
+                          labels=_GPU)
+ECC_VOLATILE_ERRORS = MetricSpec("gpuwatch_gpu_ecc_volatile_errors", "ECC errors since the driver loaded.",
+                                 kind="counter", labels=(*_GPU, "error"))
+ECC_AGGREGATE_ERRORS = MetricSpec("gpuwatch_gpu_ecc_aggregate_errors", "ECC errors over the GPU's lifetime.",
+                                  kind="counter", labels=(*_GPU, "error"))
+REMAPPED_ROWS = MetricSpec("gpuwatch_gpu_remapped_rows", "Memory rows remapped, by what caused it.",
+                           labels=(*_GPU, "cause"))
+ROW_REMAP_PENDING = MetricSpec("gpuwatch_gpu_row_remap_pending", "1 when a row remap waits for a GPU reset.",
+                               labels=_GPU)
+ROW_REMAP_FAILURE = MetricSpec("gpuwatch_gpu_row_remap_failure", "1 when a row remap failed: the GPU needs service.",
+                               labels=_GPU)
+XID_ERRORS = MetricSpec("gpuwatch_gpu_xid_errors", "Critical Xid errors seen since the agent started.",
+                        kind="counter", labels=(*_GPU, "xid"))
+PROCESS_MEMORY = MetricSpec("gpuwatch_gpu_process_memory_bytes", "Device memory used by a compute process.", "bytes",
+                            labels=(*_GPU, "pid"))
 
 # Xids that mean a hardware or driver fault (ECC, row remap, NVLink, off the bus, GSP). A watched GPU
 # exports them from 0, so that increase() sees their first occurrence; others appear when they happen.
@@ -137,14 +170,6 @@ class _GpuState:
 
 def _ratio(percent: float) -> float:
     return min(max(percent / 100, 0.0), 1.0)
-
-
-def _gauge(name: str, text: str, *labels: str) -> GaugeFamily:
-    return GaugeFamily(name, text, labels=["gpu", *labels])
-
-
-def _counter(name: str, text: str, *labels: str) -> CounterFamily:
-    return CounterFamily(name, text, labels=["gpu", *labels])
 
 
 def _put(fields: dict[str, Any], key: str, value: float | None, scale: float = 1) -> None:
@@ -353,25 +378,14 @@ class NvmlCollector(Collector):
 
 
 def _families(readings: NvmlReadings) -> list[Metric]:
-    info = _gauge("gpuwatch_gpu_info", "GPU identity; always 1.", "uuid", "pci_bus_id", "model", "driver_version")
-    lost = _gauge("gpuwatch_gpu_lost", "1 when NVML reports the GPU lost (fallen off the bus).")
-    source = _gauge("gpuwatch_gpu_activity_source", "Where the SM activity series come from: gpm, or "
-                    "utilization where GPM is unsupported; always 1.", "source")
-    gauges = [(spec.field, spec.gauge(["gpu"])) for spec in GPU_GAUGES]
-    reasons = _gauge("gpuwatch_gpu_clock_event_active",
-                     "1 while this clock-event (throttle) reason holds the clocks down.", "reason")
-    generation = _gauge("gpuwatch_gpu_pcie_link_generation",
-                        "PCIe link generation: as trained now, and the most GPU and slot allow.", "kind")
-    width = _gauge("gpuwatch_gpu_pcie_link_width",
-                   "PCIe link width in lanes: as trained now, and the most GPU and slot allow.", "kind")
-    replays = _counter("gpuwatch_gpu_pcie_replays", "PCIe replays (link-level retransmissions).")
-    ecc_volatile = _counter("gpuwatch_gpu_ecc_volatile_errors", "ECC errors since the driver loaded.", "error")
-    ecc_aggregate = _counter("gpuwatch_gpu_ecc_aggregate_errors", "ECC errors over the GPU's lifetime.", "error")
-    remapped = _gauge("gpuwatch_gpu_remapped_rows", "Memory rows remapped, by what caused it.", "cause")
-    remap_pending = _gauge("gpuwatch_gpu_row_remap_pending", "1 when a row remap waits for a GPU reset.")
-    remap_failure = _gauge("gpuwatch_gpu_row_remap_failure", "1 when a row remap failed: the GPU needs service.")
-    xid = _counter("gpuwatch_gpu_xid_errors", "Critical Xid errors seen since the agent started.", "xid")
-    processes = _gauge("gpuwatch_gpu_process_memory_bytes", "Device memory used by a compute process.", "pid")
+    info, lost, source = GPU_INFO.family(), GPU_LOST.family(), ACTIVITY_SOURCE.family()
+    gauges = [(spec.field, spec.family()) for spec in GPU_GAUGES]
+    reasons, generation, width = CLOCK_EVENT_ACTIVE.family(), PCIE_LINK_GENERATION.family(), PCIE_LINK_WIDTH.family()
+    replays, ecc_volatile, ecc_aggregate = (PCIE_REPLAYS.family(), ECC_VOLATILE_ERRORS.family(),
+                                            ECC_AGGREGATE_ERRORS.family())
+    remapped, remap_pending, remap_failure = (REMAPPED_ROWS.family(), ROW_REMAP_PENDING.family(),
+                                              ROW_REMAP_FAILURE.family())
+    xid, processes = XID_ERRORS.family(), PROCESS_MEMORY.family()
     for reading in readings.gpus:
         gpu = str(reading.index)
         if reading.uuid is not None:  # its identity was read once, all of it

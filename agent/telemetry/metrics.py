@@ -18,11 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from gpuwatch.agent.collectors.base import MetricSpec
+from gpuwatch.agent.metricspec import Kind, MetricSpec
 from gpuwatch.agent.telemetry.window import BUSY, MEDIAN_SECONDS, WINDOW_SECONDS, WINDOW_STEPS
 
 #: The labels of every per-rank series: the rank's coordinates, from its hello.
-RANK_LABELS = ["job", "rank", "local_rank", "tp_rank", "pp_stage", "dp_rank"]
+RANK_LABELS = ("job", "rank", "local_rank", "tp_rank", "pp_stage", "dp_rank")
+
+
+def _per_rank(name: str, help_text: str, unit: str = "", field: str = "", *, kind: Kind = "gauge",
+              extra: tuple[str, ...] = ()) -> MetricSpec:
+    """A family with series per rank: labelled by the rank's coordinates, then by ``extra``."""
+    return MetricSpec(name, help_text, unit, field, kind=kind, labels=(*RANK_LABELS, *extra))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +37,7 @@ class StepGauge(MetricSpec):
     ``group`` where the schema nests it). Diagnosis' ``StepFacts`` names the quantity as the record does."""
 
     group: str | None = None
+    labels: tuple[str, ...] = dataclasses.field(default=RANK_LABELS, kw_only=True)
 
 
 #: The number of the latest step: whether a rank has stepped at all.
@@ -72,28 +79,32 @@ STEP_GAUGES: tuple[StepGauge, ...] = (
               "seconds", "time"),
 )
 #: The latest memory reading (every N steps: the hooks' `memory_every`), labelled by the record's memory ``kind``.
+_MEMORY_LABELS = (*RANK_LABELS, "kind")
+MEMORY_PEAK = StepGauge("gpuwatch_train_memory_peak_bytes", "Peak memory since the previous reading (read and reset "
+                        "every N steps); kind=cuda for the CUDA caching allocator's allocated bytes, kind=host_rss for "
+                        "the process's resident set.", "bytes", "peak_bytes", "memory", labels=_MEMORY_LABELS)
 MEMORY_GAUGES: tuple[StepGauge, ...] = (
-    StepGauge("gpuwatch_train_memory_peak_bytes", "Peak memory since the previous reading (read and reset every N "
-              "steps); kind=cuda for the CUDA caching allocator's allocated bytes, kind=host_rss for the process's "
-              "resident set.", "bytes", "peak_bytes", "memory"),
+    MEMORY_PEAK,
     StepGauge("gpuwatch_train_memory_allocated_bytes", "Memory allocated to tensors at the latest reading.",
-              "bytes", "allocated_bytes", "memory"),
+              "bytes", "allocated_bytes", "memory", labels=_MEMORY_LABELS),
     StepGauge("gpuwatch_train_memory_reserved_bytes", "Memory the caching allocator holds at the latest reading.",
-              "bytes", "reserved_bytes", "memory"),
+              "bytes", "reserved_bytes", "memory", labels=_MEMORY_LABELS),
     StepGauge("gpuwatch_train_memory_inactive_split_bytes", "Reserved memory in inactive split blocks "
-              "(fragmentation) at the latest reading.", "bytes", "inactive_split_bytes", "memory"),
+              "(fragmentation) at the latest reading.", "bytes", "inactive_split_bytes", "memory",
+              labels=_MEMORY_LABELS),
 )
 #: Counters of the rank's records since the agent first saw it, each the ``RankState`` field it names.
 COUNTERS: tuple[MetricSpec, ...] = (
-    MetricSpec("gpuwatch_train_steps_total", "Step records received from the rank.", "", "steps"),
-    MetricSpec("gpuwatch_train_nonfinite_steps_total", "Steps with a NaN/Inf loss or gradient.", "",
-               "nonfinite_steps"),
-    MetricSpec("gpuwatch_train_tokens_total", "Tokens processed by the rank.", "", "tokens"),
-    MetricSpec("gpuwatch_train_samples_total", "Samples (sequences, images, rows) processed by the rank, where its "
-               "script counts them.", "", "samples"),
-    MetricSpec("gpuwatch_train_alloc_retries_total", "CUDA caching allocator retries (a cache flush and retry after "
-               "a failed cudaMalloc).", "", "alloc_retries"),
-    MetricSpec("gpuwatch_train_ooms_total", "Out-of-memory errors the CUDA caching allocator reported.", "", "ooms"),
+    _per_rank("gpuwatch_train_steps", "Step records received from the rank.", "", "steps", kind="counter"),
+    _per_rank("gpuwatch_train_nonfinite_steps", "Steps with a NaN/Inf loss or gradient.", "",
+              "nonfinite_steps", kind="counter"),
+    _per_rank("gpuwatch_train_tokens", "Tokens processed by the rank.", "", "tokens", kind="counter"),
+    _per_rank("gpuwatch_train_samples", "Samples (sequences, images, rows) processed by the rank, where its "
+              "script counts them.", "", "samples", kind="counter"),
+    _per_rank("gpuwatch_train_alloc_retries", "CUDA caching allocator retries (a cache flush and retry after "
+              "a failed cudaMalloc).", "", "alloc_retries", kind="counter"),
+    _per_rank("gpuwatch_train_ooms", "Out-of-memory errors the CUDA caching allocator reported.", "", "ooms",
+              kind="counter"),
 )
 #: The hello's fields gpuwatch_train_rank_info carries as labels (with its backend, faults and what is unavailable).
 RANK_INFO_FIELDS = ("world_size", "tp_size", "pp_size", "dp_size", "schedule", "micro_batches", "precision",
@@ -103,86 +114,103 @@ _WINDOW = f"over the rank's window: its last {WINDOW_STEPS} steps within {WINDOW
 #: judge, each the ``WindowSummary`` attribute it names. ``gpuwatch diagnose --prometheus`` reads them back by the
 #: same table. Timing medians in seconds are one family, ``WINDOW_MEDIAN``.
 WINDOW_GAUGES: tuple[MetricSpec, ...] = (
-    MetricSpec("gpuwatch_train_window_steps", f"Steps {_WINDOW}.", "", "steps"),
-    MetricSpec("gpuwatch_train_window_first_step", "Number of the oldest step in the rank's window.", "",
-               "first_step"),
-    MetricSpec("gpuwatch_train_window_last_step", "Number of the newest step in the rank's window.", "", "last_step"),
-    MetricSpec("gpuwatch_train_window_span_seconds", "Rank's clock from the oldest to the newest step of its window.",
-               "seconds", "seconds"),
-    MetricSpec("gpuwatch_train_window_bubble_ratio", f"Median measured pipeline bubble {_WINDOW}.", "ratio",
-               "bubble_ratio"),
-    MetricSpec("gpuwatch_train_window_loss_steps", f"Steps with a finite loss {_WINDOW}.", "", "loss_steps"),
-    MetricSpec("gpuwatch_train_window_loss_min", f"Lowest finite loss {_WINDOW}.", "", "loss_min"),
-    MetricSpec("gpuwatch_train_window_loss_max", f"Highest finite loss {_WINDOW}.", "", "loss_max"),
-    MetricSpec("gpuwatch_train_window_grad_norm_steps", f"Steps with a finite gradient norm {_WINDOW}.", "",
-               "grad_norm_steps"),
-    MetricSpec("gpuwatch_train_window_grad_norm_max", f"Largest finite gradient norm {_WINDOW}.", "",
-               "grad_norm_max"),
-    MetricSpec("gpuwatch_train_window_param_checksums", f"Parameter checksums measured {_WINDOW}.", "", "checksums"),
-    MetricSpec("gpuwatch_train_window_param_checksums_distinct", f"Distinct parameter checksums {_WINDOW}: 1 when "
-               "several were measured means the parameters did not change.", "", "distinct_checksums"),
+    _per_rank("gpuwatch_train_window_steps", f"Steps {_WINDOW}.", "", "steps"),
+    _per_rank("gpuwatch_train_window_first_step", "Number of the oldest step in the rank's window.", "",
+              "first_step"),
+    _per_rank("gpuwatch_train_window_last_step", "Number of the newest step in the rank's window.", "", "last_step"),
+    _per_rank("gpuwatch_train_window_span_seconds", "Rank's clock from the oldest to the newest step of its window.",
+              "seconds", "seconds"),
+    _per_rank("gpuwatch_train_window_bubble_ratio", f"Median measured pipeline bubble {_WINDOW}.", "ratio",
+              "bubble_ratio"),
+    _per_rank("gpuwatch_train_window_loss_steps", f"Steps with a finite loss {_WINDOW}.", "", "loss_steps"),
+    _per_rank("gpuwatch_train_window_loss_min", f"Lowest finite loss {_WINDOW}.", "", "loss_min"),
+    _per_rank("gpuwatch_train_window_loss_max", f"Highest finite loss {_WINDOW}.", "", "loss_max"),
+    _per_rank("gpuwatch_train_window_grad_norm_steps", f"Steps with a finite gradient norm {_WINDOW}.", "",
+              "grad_norm_steps"),
+    _per_rank("gpuwatch_train_window_grad_norm_max", f"Largest finite gradient norm {_WINDOW}.", "",
+              "grad_norm_max"),
+    _per_rank("gpuwatch_train_window_param_checksums", f"Parameter checksums measured {_WINDOW}.", "", "checksums"),
+    _per_rank("gpuwatch_train_window_param_checksums_distinct", f"Distinct parameter checksums {_WINDOW}: 1 when "
+              "several were measured means the parameters did not change.", "", "distinct_checksums"),
 )
 #: The median timings of the window, one series per timing (label ``timing``: the step record's field, or
 #: ``busy_seconds``, the sum of the step's phases: a data-parallel all-reduce evens out whole-step times, and this
 #: finds the slow rank).
-WINDOW_MEDIAN = "gpuwatch_train_window_median_seconds"
+#: The median timings of the window, one series per timing (label ``timing``: the step record's field, or
+#: ``busy_seconds``, the sum of the step's phases: a data-parallel all-reduce evens out whole-step times, and this
+#: finds the slow rank).
 WINDOW_TIMINGS = MEDIAN_SECONDS
+WINDOW_MEDIAN = _per_rank(
+    "gpuwatch_train_window_median_seconds",
+    f"Median of a step timing {_WINDOW} (timing: {', '.join(WINDOW_TIMINGS)}; {BUSY}: the sum of the step's "
+    "phases, the step without its waits in collectives, by which a straggler is judged).", "seconds",
+    extra=("timing",))
 #: A signal a measuring step could not compute (labels signal and reason).
-UNAVAILABLE = "gpuwatch_train_signal_unavailable"
+UNAVAILABLE = _per_rank("gpuwatch_train_signal_unavailable", "A signal the rank's latest measuring step could not "
+                        "compute, and why (reason: zero_gradient, no_data_parallel_group, ...); value: that step's "
+                        "number.", extra=("signal", "reason"))
 #: What an overdue rank is doing, from its latest progress record (``schema`` "progress"): gone once it steps again.
-STALLED = "gpuwatch_train_stalled_seconds"
-PHASE = "gpuwatch_train_phase"
-IN_FLIGHT = "gpuwatch_train_in_flight_collective_seq"
-EXITED = "gpuwatch_train_rank_exited_timestamp_seconds"
+STALLED = _per_rank("gpuwatch_train_stalled_seconds", "Seconds since an overdue rank's training thread last made "
+                    "progress, as its latest progress record said (sent about every second while a step is overdue); "
+                    "no series while steps flow.", "seconds", "stalled_seconds")
+PHASE = _per_rank("gpuwatch_train_phase", "The phase an overdue rank is in (phase: data, compute, optimizer, "
+                  "collective, step, idle), or closed once its hooks were closed (a normal end); value 1.",
+                  extra=("phase",))
+IN_FLIGHT = _per_rank("gpuwatch_train_in_flight_collective_seq", "Sequence number, on its process group, of the "
+                      "collective an overdue rank is in (op, group: the hello's process-group name).",
+                      extra=("op", "group"))
+EXITED = _per_rank("gpuwatch_train_rank_exited_timestamp_seconds", "When the agent found the rank's process gone "
+                   "(wall clock).", "seconds")
 #: The latest step's collective calls per process group (label group: the hello's name, "default" the world)
-CALLS = "gpuwatch_train_collective_calls"
+CALLS = _per_rank("gpuwatch_train_collective_calls", "Collective calls (not send/recv) the rank had made on a process "
+                  "group by the end of its latest step (group: the hello's name, default the world); every member of "
+                  "a group counts the same at the same step.", extra=("group",))
 #: A step that raised, from the rank's latest progress record (labels type and message: one series per rank at most)
-RAISED = "gpuwatch_train_step_raised_timestamp_seconds"
-
-#: The rank's layout and build, from its hello (labels ``RANK_INFO_FIELDS``)
-RANK_INFO = "gpuwatch_train_rank_info"
-ENV_INFO = "gpuwatch_train_env_info"
+RAISED = _per_rank("gpuwatch_train_step_raised_timestamp_seconds", "When a step of the rank raised (the rank's wall "
+                   "clock), with the exception's type and message; gone once the rank steps again.", "seconds",
+                   extra=("type", "message"))
+#: The rank's layout and build, from its hello (labels ``RANK_INFO_FIELDS``, its backend, faults and what is
+#: unavailable from outside)
+RANK_INFO = MetricSpec("gpuwatch_train_rank_info", "Layout and build of a rank, from its hello.", kind="info",
+                       labels=(*RANK_LABELS, *RANK_INFO_FIELDS, "backend", "faults", "unavailable_from_outside"))
+ENV_INFO = MetricSpec("gpuwatch_train_env_info", "A variable of the rank's environment that diagnosis reads "
+                      "(NCCL_IB_DISABLE, NCCL_SOCKET_IFNAME, ...), from its hello; value 1, one series per variable "
+                      "set.", kind="info", labels=(*RANK_LABELS, "name", "value"))
+GPU_JOB = MetricSpec("gpuwatch_gpu_job_info", "Which job and rank run on which GPU; join it on uuid (or gpu) to "
+                     "label GPU series by job.", kind="info", labels=("gpu", "uuid", "job", "rank"))
 #: The hello's process groups (labels group and members, ``protocol.ranks.members_text``)
-GROUP_INFO = "gpuwatch_train_process_group_info"
+GROUP_INFO = MetricSpec("gpuwatch_train_process_group_info", "A process group of the rank, from its hello (group: "
+                        "its name; members: its ranks as runs, first-last/stride); value 1.", kind="info",
+                        labels=(*RANK_LABELS, "group", "members"))
 #: When the rank said hello, by its clock (the hello's ``time``; its heartbeat repeats that hello)
-HELLO_TIME = "gpuwatch_train_hello_timestamp_seconds"
-GPU_JOB = "gpuwatch_gpu_job_info"
-COSINE = "gpuwatch_train_grad_cosine_similarity"
-CHECKSUM = "gpuwatch_train_param_checksum"
-LATENCY = "gpuwatch_train_collective_seconds"
-VOLUME = "gpuwatch_train_collective_bytes"
-#: Families with series per rank, in exposition order: (name as a Metric takes it, type, help).
-PER_RANK: tuple[tuple[str, str, str], ...] = (
-    (RANK_INFO, "gauge", "Layout and build of a rank, from its hello."),
-    (ENV_INFO, "gauge", "A variable of the rank's environment that diagnosis reads (NCCL_IB_DISABLE, "
-     "NCCL_SOCKET_IFNAME, ...), from its hello; value 1, one series per variable set."),
-    (GPU_JOB, "gauge", "Which job and rank run on which GPU; join it on uuid (or gpu) to label GPU series by job."),
-    (GROUP_INFO, "gauge", "A process group of the rank, from its hello (group: its name; members: its ranks as runs, "
-     "first-last/stride); value 1."),
-    (HELLO_TIME, "gauge", "Rank's wall clock when it said hello (its heartbeat repeats that hello): with no step "
-     "reported since, how long it has run without a step being seen."),
-    *((gauge.name, "gauge", gauge.help) for gauge in (*STEP_GAUGES, *MEMORY_GAUGES)),
-    *((counter.name.removesuffix("_total"), "counter", counter.help) for counter in COUNTERS),
-    (COSINE, "gauge", "Cosine between this data-parallel rank's local gradient and the DP-mean gradient, latest "
-     "measurement."),
-    (CHECKSUM, "gauge", "Parameter checksum, latest measurement; data-parallel replicas must agree."),
-    *((gauge.name, "gauge", gauge.help) for gauge in WINDOW_GAUGES),
-    (WINDOW_MEDIAN, "gauge", f"Median of a step timing {_WINDOW} (timing: {', '.join(WINDOW_TIMINGS)}; "
-     f"{BUSY}: the sum of the step's phases, the step without its waits in collectives, by which a straggler is "
-     "judged)."),
-    (UNAVAILABLE, "gauge", "A signal the rank's latest measuring step could not compute, and why (reason: "
-     "zero_gradient, no_data_parallel_group, ...); value: that step's number."),
-    (STALLED, "gauge", "Seconds since an overdue rank's training thread last made progress, as its latest progress "
-     "record said (sent about every second while a step is overdue); no series while steps flow."),
-    (PHASE, "gauge", "The phase an overdue rank is in (phase: data, compute, optimizer, collective, step, idle), "
-     "or closed once its hooks were closed (a normal end); value 1."),
-    (IN_FLIGHT, "gauge", "Sequence number, on its process group, of the collective an overdue rank is in (op, "
-     "group: the hello's process-group name)."),
-    (EXITED, "gauge", "When the agent found the rank's process gone (wall clock)."),
-    (CALLS, "gauge", "Collective calls (not send/recv) the rank had made on a process group by the end of its latest "
-     "step (group: the hello's name, default the world); every member of a group counts the same at the same step."),
-    (RAISED, "gauge", "When a step of the rank raised (the rank's wall clock), with the exception's type and message; "
-     "gone once the rank steps again."),
-    (LATENCY, "histogram", "Latency of the rank's collective calls."),
-    (VOLUME, "counter", "Bytes the rank's collective calls moved (the rank's buffer size per call)."),
+HELLO_TIME = _per_rank("gpuwatch_train_hello_timestamp_seconds", "Rank's wall clock when it said hello (its "
+                       "heartbeat repeats that hello): with no step reported since, how long it has run without a "
+                       "step being seen.", "seconds", "time")
+#: Measured every N steps (the hooks' sampling), each the sampled signal it names.
+COSINE = _per_rank("gpuwatch_train_grad_cosine_similarity", "Cosine between this data-parallel rank's local "
+                   "gradient and the DP-mean gradient, latest measurement.", "", "grad_cosine_similarity")
+CHECKSUM = _per_rank("gpuwatch_train_param_checksum", "Parameter checksum, latest measurement; data-parallel "
+                     "replicas must agree.", "", "param_checksum")
+LATENCY = _per_rank("gpuwatch_train_collective_seconds", "Latency of the rank's collective calls.", "seconds",
+                    kind="histogram", extra=("op",))
+VOLUME = _per_rank("gpuwatch_train_collective_bytes", "Bytes the rank's collective calls moved (the rank's buffer "
+                   "size per call).", "bytes", kind="counter", extra=("op",))
+#: Families with series per rank, in exposition order.
+PER_RANK: tuple[MetricSpec, ...] = (
+    RANK_INFO, ENV_INFO, GPU_JOB, GROUP_INFO, HELLO_TIME, *STEP_GAUGES, *MEMORY_GAUGES, *COUNTERS, COSINE, CHECKSUM,
+    *WINDOW_GAUGES, WINDOW_MEDIAN, UNAVAILABLE, STALLED, PHASE, IN_FLIGHT, EXITED, CALLS, RAISED, LATENCY, VOLUME,
 )
+
+#: The store's own families and the probes', beside the ranks'.
+RECORDS = MetricSpec("gpuwatch_telemetry_records", "Telemetry records by outcome: accepted or rejected by the agent "
+                     "(reason: why), or dropped by the ranks' clients before sending (reason: no_agent, busy, ...).",
+                     kind="counter", labels=("result", "reason"))
+TRACKED_RANKS = MetricSpec("gpuwatch_telemetry_ranks", "Ranks the agent holds telemetry state for.", labels=("job",))
+PROBE_BANDWIDTH = MetricSpec(
+    "gpuwatch_probe_bus_bandwidth_bytes_per_second", "Peak bus bandwidth over the message sizes of the job's latest "
+    "gpuwatch probe, per collective (nccl-tests' busbw: comparable with a link's rated speed whatever the rank "
+    "count).", "bytes_per_second", "busbw_bytes_per_second", labels=("job", "op", "interconnect"))
+PROBE_INFO = MetricSpec("gpuwatch_probe_info", "Shape of the job's latest gpuwatch probe; value 1.", kind="info",
+                        labels=("job", "interconnect", "backend", "device", "world_size", "nodes", "ranks_per_node"))
+PROBE_TIME = MetricSpec("gpuwatch_probe_timestamp_seconds", "When the job's latest gpuwatch probe finished, by the "
+                        "prober's clock: how old its bandwidth figures are.", "seconds", "time", labels=("job",))

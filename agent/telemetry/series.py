@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 from prometheus_client.core import Metric
 from prometheus_client.utils import floatToGoString
 
-from gpuwatch.agent.exposition import CounterFamily, GaugeFamily, TextFamily, format_value, series_prefix
+from gpuwatch.agent.exposition import TextFamily, format_value, series_prefix
 from gpuwatch.agent.telemetry.metrics import (
     CALLS,
     CHECKSUM,
@@ -41,12 +41,17 @@ from gpuwatch.agent.telemetry.metrics import (
     MEMORY_GAUGES,
     PER_RANK,
     PHASE,
+    PROBE_BANDWIDTH,
+    PROBE_INFO,
+    PROBE_TIME,
     RAISED,
     RANK_INFO,
     RANK_INFO_FIELDS,
     RANK_LABELS,
+    RECORDS,
     STALLED,
     STEP_GAUGES,
+    TRACKED_RANKS,
     UNAVAILABLE,
     VOLUME,
     WINDOW_GAUGES,
@@ -60,7 +65,9 @@ from gpuwatch.protocol.schema import COLLECTIVE_BUCKETS, EXPORTED_ENV, MAX_EXPOR
 
 _LE = [floatToGoString(bound) for bound in COLLECTIVE_BUCKETS] + ["+Inf"]
 #: Where each per-rank family's text sits in a rank's parts.
-_FAMILY_INDEX = {name: index for index, (name, _, _) in enumerate(PER_RANK)}
+_FAMILY_INDEX = {spec.name: index for index, spec in enumerate(PER_RANK)}
+#: Each per-rank family's name, HELP and TYPE, as its ``TextFamily`` takes them.
+_HEADERS = [(spec.name, spec.help, spec.exposed_type) for spec in PER_RANK]
 
 
 class _OpLines(NamedTuple):
@@ -106,14 +113,15 @@ class RankLines:
         for name, text in self._from_hello().items():
             self._hello_parts[_FAMILY_INDEX[name]] = text
         # The families of one series per rank, with the rank's labels only: (family's index, prefix, what it exports).
-        self._counters = [(_FAMILY_INDEX[counter.name.removesuffix("_total")], self._prefix(counter.name),
-                           counter.field) for counter in COUNTERS]
+        self._counters = [(_FAMILY_INDEX[counter.name], self._prefix(f"{counter.name}_total"), counter.field)
+                          for counter in COUNTERS]
         self._window = [(_FAMILY_INDEX[gauge.name], self._prefix(gauge.name), gauge.field) for gauge in WINDOW_GAUGES]
         self._steps = [(_FAMILY_INDEX[gauge.name], self._prefix(gauge.name), gauge.field, gauge.group)
                        for gauge in STEP_GAUGES]
-        self._sampled = [(_FAMILY_INDEX[family], self._prefix(family), name)
-                         for family, name in ((COSINE, "grad_cosine_similarity"), (CHECKSUM, "param_checksum"))]
-        self._medians = [(timing, self._prefix(WINDOW_MEDIAN, (("timing", timing),))) for timing in WINDOW_TIMINGS]
+        self._sampled = [(_FAMILY_INDEX[family.name], self._prefix(family.name), family.field)
+                         for family in (COSINE, CHECKSUM)]
+        self._medians = [(timing, self._prefix(WINDOW_MEDIAN.name, (("timing", timing),)))
+                         for timing in WINDOW_TIMINGS]
         #: Each memory ``kind``'s lines: (family's index, prefix, what it exports), made when the kind first reports.
         self._memory: dict[str, list[tuple[int, str, str]]] = {}
 
@@ -124,20 +132,20 @@ class RankLines:
                 ("backend", hello.get("backends", {}).get("default", "")),
                 ("faults", ",".join(hello.get("faults", ()))),
                 ("unavailable_from_outside", ",".join(hello.get("unavailable_from_outside", ()))))
-        lines = {RANK_INFO: f"{self._prefix(RANK_INFO, info)}1.0\n",
-                 HELLO_TIME: f"{self._prefix(HELLO_TIME)}{format_value(hello['time'])}\n"}
+        lines = {RANK_INFO.name: f"{self._prefix(RANK_INFO.name, info)}1.0\n",
+                 HELLO_TIME.name: f"{self._prefix(HELLO_TIME.name)}{format_value(hello['time'])}\n"}
         environment = hello.get("env", {})
-        lines[ENV_INFO] = "".join(
-            f"{self._prefix(ENV_INFO, (('name', name), ('value', environment[name])))}1.0\n"
+        lines[ENV_INFO.name] = "".join(
+            f"{self._prefix(ENV_INFO.name, (('name', name), ('value', environment[name])))}1.0\n"
             for name in EXPORTED_ENV
             if name in environment and len(environment[name]) <= MAX_EXPORTED_ENV_VALUE_CHARS)
         groups = {name: members_text(ranks) for name, ranks in hello.get("process_groups", {}).items()}
-        lines[GROUP_INFO] = "".join(f"{self._prefix(GROUP_INFO, (('group', name), ('members', text)))}1.0\n"
+        lines[GROUP_INFO.name] = "".join(f"{self._prefix(GROUP_INFO.name, (('group', name), ('members', text)))}1.0\n"
                                     for name, text in sorted(groups.items()) if text is not None)
         if "gpu" in hello:  # labelled by GPU, job and rank only
             gpu = {"gpu": str(hello["gpu"]["index"]), "uuid": hello["gpu"]["uuid"], "job": hello["job"],
                    "rank": self._labels["rank"]}
-            lines[GPU_JOB] = f"{series_prefix(GPU_JOB, gpu)}1.0\n"
+            lines[GPU_JOB.name] = f"{series_prefix(GPU_JOB.name, gpu)}1.0\n"
         return lines
 
     def _prefix(self, name: str, extra: tuple[tuple[str, str], ...] = ()) -> str:
@@ -163,10 +171,11 @@ class RankLines:
         lines = self._ops.get(op)
         if lines is None:
             key = (("op", op),)
-            prefixes = [*(self._prefix(LATENCY + "_bucket", (("le", le), *key)) for le in _LE),
-                        self._prefix(LATENCY + "_count", key), self._prefix(LATENCY + "_sum", key)]
+            bucket, count, total = LATENCY.sample_names
+            prefixes = [*(self._prefix(bucket, (("le", le), *key)) for le in _LE),
+                        self._prefix(count, key), self._prefix(total, key)]
             lines = self._ops[op] = _OpLines(_template(prefixes, ".0\n"), _template(prefixes, "\n"),
-                                             self._prefix(VOLUME + "_total", key))
+                                             self._prefix(f"{VOLUME.name}_total", key))
         return lines
 
     def update(self, state: RankState) -> None:
@@ -189,13 +198,13 @@ class RankLines:
             op_parts[_OP_SUM] = format_value(totals.seconds)
             latency.append("".join(op_parts))
             volume.append(f"{lines_of.volume}{format_value(totals.bytes)}\n")
-        parts[_FAMILY_INDEX[LATENCY]], parts[_FAMILY_INDEX[VOLUME]] = "".join(latency), "".join(volume)
+        parts[_FAMILY_INDEX[LATENCY.name]], parts[_FAMILY_INDEX[VOLUME.name]] = "".join(latency), "".join(volume)
         for index, prefix, name in self._sampled:
             value = state.sampled.get(name, (None, None))[1]
             if isinstance(value, float):  # a hex-digest checksum stays in /api/v1/state
                 parts[index] = f"{prefix}{format_value(value)}\n"
-        parts[_FAMILY_INDEX[UNAVAILABLE]] = "".join(
-            line(UNAVAILABLE, at, extra=(("signal", signal), ("reason", reason)))
+        parts[_FAMILY_INDEX[UNAVAILABLE.name]] = "".join(
+            line(UNAVAILABLE.name, at, extra=(("signal", signal), ("reason", reason)))
             for signal, (at, reason) in sorted(state.unavailable.items())
             if at >= state.sampled.get(signal, (-1, None))[0])  # not measured again since
         window = summarize(state.window.points())
@@ -205,29 +214,29 @@ class RankLines:
                 if value is not None:
                     parts[index] = f"{prefix}{format_value(value)}\n"
             medians = window.medians
-            parts[_FAMILY_INDEX[WINDOW_MEDIAN]] = "".join(
+            parts[_FAMILY_INDEX[WINDOW_MEDIAN.name]] = "".join(
                 f"{prefix}{format_value(medians[timing])}\n" for timing, prefix in self._medians if timing in medians)
         progress = state.progress
         if progress is not None:
-            parts[_FAMILY_INDEX[STALLED]] = line(STALLED, progress["stalled_seconds"])
-            parts[_FAMILY_INDEX[PHASE]] = line(PHASE, 1, extra=(("phase", progress["phase"]),))
+            parts[_FAMILY_INDEX[STALLED.name]] = line(STALLED.name, progress[STALLED.field])
+            parts[_FAMILY_INDEX[PHASE.name]] = line(PHASE.name, 1, extra=(("phase", progress["phase"]),))
             collective = progress.get("collective")
             if collective is not None:
-                parts[_FAMILY_INDEX[IN_FLIGHT]] = line(
-                    IN_FLIGHT, collective["seq"], extra=(("op", collective["op"]), ("group", collective["group"])))
+                parts[_FAMILY_INDEX[IN_FLIGHT.name]] = line(
+                    IN_FLIGHT.name, collective["seq"], extra=(("op", collective["op"]), ("group", collective["group"])))
             error = progress.get("error")
             if error is not None:
-                parts[_FAMILY_INDEX[RAISED]] = line(
-                    RAISED, progress["time"], extra=(("type", error["type"]), ("message", error["message"])))
+                parts[_FAMILY_INDEX[RAISED.name]] = line(
+                    RAISED.name, progress["time"], extra=(("type", error["type"]), ("message", error["message"])))
         if state.exited_time is not None:
-            parts[_FAMILY_INDEX[EXITED]] = line(EXITED, state.exited_time)
+            parts[_FAMILY_INDEX[EXITED.name]] = line(EXITED.name, state.exited_time)
         step = state.last_step
         if step is not None:
             for index, prefix, field, group in self._steps:
                 value = (step if group is None else step.get(group, {})).get(field)
                 if value is not None:
                     parts[index] = f"{prefix}{format_value(value)}\n"
-            parts[_FAMILY_INDEX[CALLS]] = "".join(line(CALLS, calls, extra=(("group", group),))
+            parts[_FAMILY_INDEX[CALLS.name]] = "".join(line(CALLS.name, calls, extra=(("group", group),))
                                                   for group, calls in sorted(step.get("collective_calls", {}).items()))
         memory = state.sampled.get("memory", (None, None))[1]
         if memory is not None:
@@ -265,20 +274,16 @@ class RankSeries:
             # Joined under the lock: a concurrent render of another snapshot may rewrite a rank's lines.
             columns = zip(*(rank.parts for rank in current.values()), strict=True)  # a family's lines of every rank
             texts = map("".join, columns) if current else [""] * len(PER_RANK)
-            return [TextFamily(name, doc, typ, text) for (name, typ, doc), text in zip(PER_RANK, texts, strict=True)]
+            return [TextFamily(name, doc, typ, text) for (name, doc, typ), text in zip(_HEADERS, texts, strict=True)]
 
 
 def families(ranks: Sequence[RankState], records: dict[tuple[str, str], int],
              per_rank: RankSeries | None = None) -> list[Metric]:
     """The metric families of one store snapshot (ranks sorted by job and rank, as the store gives them)."""
-    received = CounterFamily(
-        "gpuwatch_telemetry_records_total", "Telemetry records by outcome: accepted or rejected by the agent "
-        "(reason: why), or dropped by the ranks' clients before sending (reason: no_agent, busy, ...).",
-        labels=["result", "reason"])
+    received = RECORDS.family()
     for (result, reason), count in sorted(records.items()):
         received.add_metric([result, reason], count)
-    tracked = GaugeFamily("gpuwatch_telemetry_ranks", "Ranks the agent holds telemetry state for.",
-                          labels=["job"])
+    tracked = TRACKED_RANKS.family()
     per_job: dict[str, int] = {}
     for state in ranks:
         per_job[state.job] = per_job.get(state.job, 0) + 1
@@ -289,20 +294,12 @@ def families(ranks: Sequence[RankState], records: dict[tuple[str, str], int],
 
 def probe_families(probes: Sequence[dict[str, Any]]) -> list[Metric]:
     """The metric families of the latest probe of each job (record bodies as the store keeps them)."""
-    bandwidth = GaugeFamily(
-        "gpuwatch_probe_bus_bandwidth_bytes_per_second", "Peak bus bandwidth over the message sizes of the job's "
-        "latest gpuwatch probe, per collective (nccl-tests' busbw: comparable with a link's rated speed whatever "
-        "the rank count).", labels=["job", "op", "interconnect"])
-    info = GaugeFamily("gpuwatch_probe_info", "Shape of the job's latest gpuwatch probe; value 1.",
-                       labels=["job", "interconnect", "backend", "device", "world_size", "nodes",
-                               "ranks_per_node"])
-    finished = GaugeFamily("gpuwatch_probe_timestamp_seconds", "When the job's latest gpuwatch probe "
-                           "finished, by the prober's clock: how old its bandwidth figures are.", labels=["job"])
+    bandwidth, info, finished = PROBE_BANDWIDTH.family(), PROBE_INFO.family(), PROBE_TIME.family()
     for probe in probes:
         job, interconnect = probe["job"], probe["interconnect"]
         for op, row in sorted(probe_peaks(probe).items()):
-            bandwidth.add_metric([job, op, interconnect], row["busbw_bytes_per_second"])
+            bandwidth.add_metric([job, op, interconnect], row[PROBE_BANDWIDTH.field])
         info.add_metric([job, interconnect, probe["backend"], probe["device"],
                          *(str(probe[name]) for name in ("world_size", "nodes", "ranks_per_node"))], 1)
-        finished.add_metric([job], probe["time"])
+        finished.add_metric([job], probe[PROBE_TIME.field])
     return [bandwidth, info, finished]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from gpuwatch.agent.collectors.base import MetricSpec
 from gpuwatch.agent.collectors.nvml import GPU_GAUGES
 from gpuwatch.agent.collectors.readings import (
     GpuReading,
@@ -16,6 +15,7 @@ from gpuwatch.agent.collectors.readings import (
     NvlinkReading,
 )
 from gpuwatch.agent.diagnosis.facts import GpuFacts, IbPortFacts, InterfaceFacts, NodeFacts, NvlinkFacts
+from gpuwatch.agent.metricspec import MetricSpec
 
 #: Which node part each collector fills.
 PARTS = {"nvml": "gpus", "nvlink": "nvlinks", "infiniband": "ib_ports", "host": "interfaces"}

@@ -34,18 +34,42 @@ import types
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
-from gpuwatch.agent.collectors.infiniband import PORT_STATES
+from gpuwatch.agent.collectors.infiniband import PORT_ERRORS, PORT_RATE, PORT_STATE, PORT_STATES
+from gpuwatch.agent.collectors.nvlink import LINK_UP
+from gpuwatch.agent.collectors.nvml import (
+    CLOCK_EVENT_ACTIVE,
+    ECC_VOLATILE_ERRORS,
+    GPU_GAUGES,
+    GPU_LOST,
+    PCIE_LINK_GENERATION,
+    PCIE_LINK_WIDTH,
+    ROW_REMAP_FAILURE,
+    ROW_REMAP_PENDING,
+    XID_ERRORS,
+)
 from gpuwatch.agent.diagnosis import rules as _catalogue  # noqa: F401 - the thresholds of every rule, registered
 from gpuwatch.agent.diagnosis.facts import SLOWDOWN_REASONS, Peers, Unjudged
 from gpuwatch.agent.diagnosis.registry import REGISTRY
 from gpuwatch.agent.diagnosis.sources import QueryError
+from gpuwatch.agent.metricspec import by_field
+from gpuwatch.agent.sampler import AGENT_INFO, COLLECTOR_UP
 from gpuwatch.agent.telemetry.metrics import (
+    CHECKSUM,
+    COSINE,
+    COUNTERS,
+    ENV_INFO,
     EXITED,
     HELLO_TIME,
     LAST_STEP,
+    LATENCY,
+    MEMORY_PEAK,
     PHASE,
+    PROBE_INFO,
     RAISED,
+    RANK_INFO,
     STALLED,
+    STEP_GAUGES,
+    WINDOW_GAUGES,
     WINDOW_MEDIAN,
 )
 from gpuwatch.agent.telemetry.window import BUSY, MIN_WINDOW_STEPS, PHASE_TIMINGS
@@ -55,6 +79,12 @@ WINDOW = "10m"
 #: Selector queries in flight at once: enough to keep a multi-core engine busy, few enough not to crowd it.
 PARALLEL_QUERIES = 4
 _ACTIVE = next(code for code, name in PORT_STATES.items() if name == "ACTIVE")
+#: The families below the recorded signals that their tables name by what they hold.
+_WINDOW_STEPS = by_field(WINDOW_GAUGES, "steps")
+_LOSS, _GRAD_NORM = by_field(STEP_GAUGES, "loss"), by_field(STEP_GAUGES, "grad_norm")
+_NONFINITE_STEPS, _ALLOC_RETRIES, _OOMS = (by_field(COUNTERS, field)
+                                           for field in ("nonfinite_steps", "alloc_retries", "ooms"))
+_GPU_MEMORY_TOTAL = by_field(GPU_GAUGES, "memory_total_bytes")
 #: A rank's identity in its series. Like the alerts, the outlier fetch reads the training job from ``job``: the
 #: agents are scraped with ``honor_labels: true`` (alerts/gpuwatch.rules.yml says why).
 _RANK = "instance, job, rank"
@@ -82,7 +112,7 @@ RECORDED = {
     SENTINEL: f"vector({RECORDING_RULES_VERSION})",
     "gpuwatch:train_window_busy_seconds:judged":
         f'{WINDOW_MEDIAN}{{timing="{BUSY}"}} and on (instance, job, rank) '
-        f"gpuwatch_train_window_steps >= {MIN_WINDOW_STEPS}",
+        f"{_WINDOW_STEPS} >= {MIN_WINDOW_STEPS}",
     "gpuwatch:train_window_busy_seconds:median_by_stage":
         "quantile by (job, pp_stage) (0.5, gpuwatch:train_window_busy_seconds:judged)",
     "gpuwatch:train_window_busy_seconds:count_by_stage":
@@ -90,34 +120,34 @@ RECORDED = {
     # Each stage's median of each phase: where a straggler's extra time is, against peers not fetched.
     "gpuwatch:train_window_phase_seconds:median_by_stage":
         f'quantile by (job, pp_stage, timing) (0.5, {WINDOW_MEDIAN}{{timing=~"{"|".join(PHASE_TIMINGS)}"}} '
-        f"and on (instance, job, rank) gpuwatch_train_window_steps >= {MIN_WINDOW_STEPS})",
+        f"and on (instance, job, rank) {_WINDOW_STEPS} >= {MIN_WINDOW_STEPS})",
     "gpuwatch:train_window_step_seconds:median_by_job":
         f'quantile by (job) (0.5, {WINDOW_MEDIAN}{{timing="step_seconds"}})',
-    "gpuwatch:train_rank_info:count_by_job": "count by (job) (gpuwatch_train_rank_info)",
-    "gpuwatch:train_env_info:count_by_value": "count by (job, name, value) (gpuwatch_train_env_info)",
+    "gpuwatch:train_rank_info:count_by_job": f"count by (job) ({RANK_INFO})",
+    "gpuwatch:train_env_info:count_by_value": f"count by (job, name, value) ({ENV_INFO})",
     "gpuwatch:gpu_faulty:by_instance":
-        "group by (instance) (gpuwatch_gpu_lost == 1 or gpuwatch_gpu_xid_errors_total > 0"
-        ' or gpuwatch_gpu_ecc_volatile_errors_total{error="uncorrected"} > 0'
-        " or gpuwatch_gpu_row_remap_pending == 1 or gpuwatch_gpu_row_remap_failure == 1)",
+        f"group by (instance) ({GPU_LOST} == 1 or {XID_ERRORS}_total > 0"
+        f' or {ECC_VOLATILE_ERRORS}_total{{error="uncorrected"}} > 0'
+        f" or {ROW_REMAP_PENDING} == 1 or {ROW_REMAP_FAILURE} == 1)",
     "gpuwatch:gpu_pcie_below_max:by_instance": "group by (instance) (" + " or ".join(
-        f'gpuwatch_gpu_pcie_link_{q}{{kind="current"}} < ignoring (kind) gpuwatch_gpu_pcie_link_{q}{{kind!="current"}}'
-        for q in ("generation", "width")) + ")",
+        f'{link}{{kind="current"}} < ignoring (kind) {link}{{kind!="current"}}'
+        for link in (PCIE_LINK_GENERATION, PCIE_LINK_WIDTH)) + ")",
     "gpuwatch:gpu_slowdown:by_instance":
-        f'group by (instance) (gpuwatch_gpu_clock_event_active{{reason=~"{"|".join(SLOWDOWN_REASONS)}"}} == 1)',
-    "gpuwatch:nvlink_down:by_instance": "group by (instance) (gpuwatch_nvlink_up == 0)",
+        f'group by (instance) ({CLOCK_EVENT_ACTIVE}{{reason=~"{"|".join(SLOWDOWN_REASONS)}"}} == 1)',
+    "gpuwatch:nvlink_down:by_instance": f"group by (instance) ({LINK_UP} == 0)",
     # Peers of a port are those of the same HCA model and link layer on its node (HW003); this keeps only the
     # link layer, so a frontend NIC down beside running backend ports is fetched and HW003 then judges it.
     "gpuwatch:ib_port_unhealthy:by_instance":
-        f"group by (instance) ((gpuwatch_ib_port_state_id != {_ACTIVE} and on (instance, link_layer) "
-        f"gpuwatch_ib_port_state_id == {_ACTIVE})"
-        " or gpuwatch_ib_port_rate_bytes_per_second < on (instance, link_layer) group_left () "
-        "max by (instance, link_layer) (gpuwatch_ib_port_rate_bytes_per_second)"
-        f" or increase(gpuwatch_ib_port_errors_total[{WINDOW}]) > 0)",
+        f"group by (instance) (({PORT_STATE} != {_ACTIVE} and on (instance, link_layer) "
+        f"{PORT_STATE} == {_ACTIVE})"
+        f" or {PORT_RATE} < on (instance, link_layer) group_left () "
+        f"max by (instance, link_layer) ({PORT_RATE})"
+        f" or increase({PORT_ERRORS}_total[{WINDOW}]) > 0)",
     "gpuwatch:train_nonfinite:by_instance":
-        f"group by (instance) ({_nonfinite('gpuwatch_train_loss')} or {_nonfinite('gpuwatch_train_grad_norm')}"
-        " or gpuwatch_train_nonfinite_steps_total > 0)",
+        f"group by (instance) ({_nonfinite(_LOSS.name)} or {_nonfinite(_GRAD_NORM.name)}"
+        f" or {_NONFINITE_STEPS}_total > 0)",
     "gpuwatch:train_alloc_trouble:by_instance":
-        "group by (instance) (gpuwatch_train_alloc_retries_total > 0 or gpuwatch_train_ooms_total > 0)",
+        f"group by (instance) ({_ALLOC_RETRIES}_total > 0 or {_OOMS}_total > 0)",
     # Each node's largest per-rank figure that a rule compares with a threshold: one series per node, so that the
     # selector (which holds the threshold) reads a node's worth of samples, not a rank's or a histogram's.
     "gpuwatch:train_busy_over_stage_median:max_by_instance":
@@ -127,19 +157,19 @@ RECORDED = {
         f'max by (instance) ({WINDOW_MEDIAN}{{timing="dataloader_wait_seconds"}} / ignoring (timing) '
         f'{WINDOW_MEDIAN}{{timing="step_seconds"}})',
     "gpuwatch:train_cuda_peak_share:max_by_instance":
-        'max by (instance) (gpuwatch_train_memory_peak_bytes{kind="cuda"} / on (instance) group_left () '
-        "min by (instance) (gpuwatch_gpu_memory_total_bytes))",
+        f'max by (instance) ({MEMORY_PEAK}{{kind="cuda"}} / on (instance) group_left () '
+        f"min by (instance) ({_GPU_MEMORY_TOTAL}))",
     "gpuwatch:train_collective_tail:max_by_job":
-        "max by (job) (histogram_quantile(0.99, gpuwatch_train_collective_seconds_bucket)"
-        " / histogram_quantile(0.5, gpuwatch_train_collective_seconds_bucket))",
-    "gpuwatch:train_grad_cosine:max_by_instance": "max by (instance) (gpuwatch_train_grad_cosine_similarity)",
-    "gpuwatch:train_grad_norm:max_by_instance": "max by (instance) (gpuwatch_train_grad_norm)",
+        f"max by (job) (histogram_quantile(0.99, {LATENCY}_bucket)"
+        f" / histogram_quantile(0.5, {LATENCY}_bucket))",
+    "gpuwatch:train_grad_cosine:max_by_instance": f"max by (instance) ({COSINE})",
+    "gpuwatch:train_grad_norm:max_by_instance": f"max by (instance) ({_GRAD_NORM})",
     # Per job: one of its ranks (its node is read in detail, so that every job has ranks to judge), and per shard
     # (tensor rank × stage) how many distinct parameter checksums its data-parallel replicas hold.
-    "gpuwatch:train_rank_info:one_by_job": "bottomk by (job) (1, gpuwatch_train_rank_info)",
+    "gpuwatch:train_rank_info:one_by_job": f"bottomk by (job) (1, {RANK_INFO})",
     "gpuwatch:train_param_checksum:distinct_by_shard":
         "count by (job, tp_rank, pp_stage) (count_values by (job, tp_rank, pp_stage) "
-        '("checksum", gpuwatch_train_param_checksum))',
+        f'("checksum", {CHECKSUM}))',
 }
 #: Rules no selector narrows down: they judge a trend or a spread over every rank of a job.
 WHOLE_JOB_RULES = {
@@ -170,7 +200,7 @@ SELECTORS = (
     Selector("GPUs slowing themselves down", ("HW005",), lambda t, y: y["gpuwatch:gpu_slowdown:by_instance"]),
     Selector("NVLink links down", ("HW001",), lambda t, y: y["gpuwatch:nvlink_down:by_instance"]),
     Selector("collectors down", ("HW001", "HW002", "HW003", "HW004", "HW005"),
-             lambda t, y: "gpuwatch_collector_up != 1"),
+             lambda t, y: f"{COLLECTOR_UP} != 1"),
     Selector("InfiniBand/RoCE ports not ACTIVE beside an ACTIVE peer, slower than the node's fastest, or erring",
              ("HW003", "NCCL001", "NCCL002"), lambda t, y: y["gpuwatch:ib_port_unhealthy:by_instance"]),
     Selector("ranks with a non-finite loss or gradient norm, or an exploding one", ("CONV001", "CONV002"),
@@ -189,20 +219,20 @@ SELECTORS = (
              "others)", ("NCCL005",), lambda t, y: (
                  f'{y["gpuwatch:train_collective_tail:max_by_job"]} > {t("NCCL005").tail_ratio:g}'), by=_JOB),
     Selector("ranks that name NCCL's socket interface", ("NCCL003",),
-             lambda t, y: 'gpuwatch_train_env_info{name="NCCL_SOCKET_IFNAME"}'),
+             lambda t, y: f'{ENV_INFO}{{name="NCCL_SOCKET_IFNAME"}}'),
     Selector("ranks with gradients too alike across data-parallel replicas", ("CONV004",), lambda t, y: (
         f'{y["gpuwatch:train_grad_cosine:max_by_instance"]} > {t("CONV004").min_cosine:g}')),
     Selector("jobs with an overdue, dead or failed rank", ("HANG001", "HANG002", "HANG003", "HANG004"),
              lambda t, y: f"{STALLED} or {EXITED} or {RAISED}", by=_JOB),
     Selector("jobs with ranks that said hello long ago, or ended, and reported no step", ("HANG005",), lambda t, y: (
         f'(time() - {HELLO_TIME} >= {t("HANG005").min_age_seconds:g} or {PHASE}{{phase="closed"}}) '
-        f"unless on ({_RANK}) {LAST_STEP.name}"), by=_JOB),
+        f"unless on ({_RANK}) {LAST_STEP}"), by=_JOB),
     Selector("jobs whose replicas of one shard hold different parameter checksums", ("CONV003",), lambda t, y: (
         f'{y["gpuwatch:train_param_checksum:distinct_by_shard"]} > 1'), by=_JOB),
     Selector("jobs whose median pipeline bubble is high", ("PERF001",), lambda t, y: (
-        f"quantile by (job) (0.5, gpuwatch_train_window_bubble_ratio) "
+        f"quantile by (job) (0.5, {by_field(WINDOW_GAUGES, 'bubble_ratio')}) "
         f"> {t('PERF001').max_bubble_ratio:g}"), by=_JOB),
-    Selector("nodes that ran an interconnect probe", ("PERF005",), lambda t, y: "gpuwatch_probe_info"),
+    Selector("nodes that ran an interconnect probe", ("PERF005",), lambda t, y: PROBE_INFO.name),
 )
 
 
@@ -289,10 +319,10 @@ def plan(engine: Engine, overrides: Mapping[str, Mapping[str, float]]) -> Plan:
     _stage_peers(engine, yardsticks, result)
     try:
         if whole_jobs:
-            rows = engine.query(f"group by (instance) (gpuwatch_train_rank_info{{{_jobs(whole_jobs)}}})")
+            rows = engine.query(f"group by (instance) ({RANK_INFO}{{{_jobs(whole_jobs)}}})")
             result.add((row["metric"]["instance"] for row in rows), "jobs read whole")
         # One node per job (and one node at all), so that every rule has each job's ranks and a node to stand on.
-        rows = engine.query(f'{yardsticks["gpuwatch:train_rank_info:one_by_job"]} or bottomk (1, gpuwatch_agent_info)')
+        rows = engine.query(f'{yardsticks["gpuwatch:train_rank_info:one_by_job"]} or bottomk (1, {AGENT_INFO})')
         result.add((row["metric"]["instance"] for row in rows), "one node per job")
     except QueryError as exc:
         result.fail(REGISTRY, "the jobs' nodes", exc)
@@ -351,8 +381,8 @@ def _env_minorities(engine: Engine, y: Mapping[str, str], result: Plan) -> None:
             for value, count in values.items():
                 if count == majority and list(values.values()).count(majority) == 1:
                     continue  # the job's majority: a rank with it reads like its peers
-                variable = f"gpuwatch_train_env_info{{{_jobs([job])}, name={_quoted(name)}"
-                selectors.append(f"(gpuwatch_train_rank_info{{{_jobs([job])}}} unless on ({_RANK}) {variable}}})"
+                variable = f"{ENV_INFO}{{{_jobs([job])}, name={_quoted(name)}"
+                selectors.append(f"({RANK_INFO}{{{_jobs([job])}}} unless on ({_RANK}) {variable}}})"
                                  if value is None else f"{variable}, value={_quoted(value)}}}")
         if selectors:
             rows = engine.query(f"group by (instance) ({' or '.join(selectors)})")

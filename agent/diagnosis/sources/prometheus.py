@@ -24,7 +24,28 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from gpuwatch.agent.collectors.host import CPUS
-from gpuwatch.agent.collectors.infiniband import PHYS_STATES, PORT_STATES
+from gpuwatch.agent.collectors.infiniband import (
+    DEVICE_INFO,
+    PHYS_STATES,
+    PORT_ERRORS,
+    PORT_PHYSICAL_STATE,
+    PORT_RATE,
+    PORT_STATE,
+    PORT_STATES,
+    PORT_UP,
+)
+from gpuwatch.agent.collectors.nvlink import LINK_SPEED, LINK_UP
+from gpuwatch.agent.collectors.nvml import (
+    CLOCK_EVENT_ACTIVE,
+    ECC_VOLATILE_ERRORS,
+    GPU_INFO,
+    GPU_LOST,
+    PCIE_LINK_GENERATION,
+    PCIE_LINK_WIDTH,
+    ROW_REMAP_FAILURE,
+    ROW_REMAP_PENDING,
+    XID_ERRORS,
+)
 from gpuwatch.agent.diagnosis import needs
 from gpuwatch.agent.diagnosis.facts import (
     BandwidthMeasurement,
@@ -49,20 +70,31 @@ from gpuwatch.agent.diagnosis.registry import REGISTRY
 from gpuwatch.agent.diagnosis.sources import HTTP_TIMEOUT, Meter, QueryError, SourceError, http_json, outliers
 from gpuwatch.agent.diagnosis.sources.collectors import GPU_GAUGES_READ, PARTS, hca_model, read_by
 from gpuwatch.agent.diagnosis.sources.httpconfig import HttpConfig
+from gpuwatch.agent.sampler import AGENT_INFO, COLLECTOR_UP
 from gpuwatch.agent.telemetry.metrics import (
     CALLS,
+    CHECKSUM,
+    COSINE,
     COUNTERS,
+    ENV_INFO,
     EXITED,
+    GPU_JOB,
     GROUP_INFO,
     HELLO_TIME,
     IN_FLIGHT,
     LAST_STEP,
+    LATENCY,
     MEMORY_GAUGES,
+    MEMORY_PEAK,
     PHASE,
+    PROBE_BANDWIDTH,
+    PROBE_INFO,
     RAISED,
+    RANK_INFO,
     STALLED,
     STEP_GAUGES,
     UNAVAILABLE,
+    VOLUME,
     WINDOW_GAUGES,
     WINDOW_MEDIAN,
 )
@@ -76,23 +108,22 @@ HISTORY = "30m:30s"
 
 #: The nvml collector's gauges diagnosis reads -> GpuFacts field (the reading's field of the same name).
 _GPU_GAUGES = {spec.name: spec.field for spec in GPU_GAUGES_READ}
-_GPU_SERIES = "|".join(["gpuwatch_gpu_info", "gpuwatch_gpu_lost", "gpuwatch_gpu_pcie_link_generation",
-                        "gpuwatch_gpu_pcie_link_width", "gpuwatch_gpu_row_remap_pending",
-                        "gpuwatch_gpu_row_remap_failure", "gpuwatch_gpu_job_info", *_GPU_GAUGES])
-_IB_SERIES = "gpuwatch_ib_(device_info|port_up|port_rate_bytes_per_second|port_state_id|port_physical_state_id)"
+_GPU_SERIES = "|".join([*(spec.name for spec in (GPU_INFO, GPU_LOST, PCIE_LINK_GENERATION, PCIE_LINK_WIDTH,
+                                                   ROW_REMAP_PENDING, ROW_REMAP_FAILURE, GPU_JOB)), *_GPU_GAUGES])
+_IB_SERIES = "|".join(spec.name for spec in (DEVICE_INFO, PORT_UP, PORT_RATE, PORT_STATE, PORT_PHYSICAL_STATE))
 #: The telemetry collector's latest-step gauges diagnosis reads -> StepFacts field (the record's field name); the
 #: step number is read on its own, as it tells whether the rank has a latest step at all.
 _STEP_GAUGES = {spec.name: spec.field for spec in read_by((*STEP_GAUGES, *MEMORY_GAUGES), StepFacts)
                 if spec is not LAST_STEP}
 _MEMORY_SERIES = frozenset(spec.name for spec in MEMORY_GAUGES)
 #: The telemetry collector's rank counters diagnosis reads -> RankFacts field (the rank state's field name).
-_RANK_COUNTERS = {spec.name: spec.field for spec in read_by(COUNTERS, RankFacts)}
-_RANK_SERIES = "|".join(["gpuwatch_train_rank_info", "gpuwatch_train_env_info", LAST_STEP.name,
-                         "gpuwatch_train_param_checksum", "gpuwatch_train_grad_cosine_similarity",
-                         "gpuwatch_train_collective_seconds_count", "gpuwatch_train_collective_seconds_sum",
-                         "gpuwatch_train_collective_bytes_total", WINDOW_MEDIAN, UNAVAILABLE, STALLED, PHASE,
-                         IN_FLIGHT, EXITED, RAISED, CALLS, GROUP_INFO, HELLO_TIME,
-                         *(spec.name for spec in WINDOW_GAUGES), *_STEP_GAUGES, *_RANK_COUNTERS])
+_RANK_COUNTERS = {f"{spec}_total": spec.field for spec in read_by(COUNTERS, RankFacts)}
+#: A rank's collective series, per op: the latency histogram's count and sum, and the bytes moved.
+_COLLECTIVE_COUNT, _COLLECTIVE_SUM, _COLLECTIVE_BYTES = f"{LATENCY}_count", f"{LATENCY}_sum", f"{VOLUME}_total"
+_RANK_SERIES = "|".join([*(spec.name for spec in (RANK_INFO, ENV_INFO, LAST_STEP, CHECKSUM, COSINE, WINDOW_MEDIAN,
+                                                   UNAVAILABLE, STALLED, PHASE, IN_FLIGHT, EXITED, RAISED, CALLS,
+                                                   GROUP_INFO, HELLO_TIME, *WINDOW_GAUGES)),
+                         _COLLECTIVE_COUNT, _COLLECTIVE_SUM, _COLLECTIVE_BYTES, *_STEP_GAUGES, *_RANK_COUNTERS])
 _RANK_KEY = "instance, job, exported_job, rank"
 
 
@@ -171,13 +202,13 @@ def read(api: Api, mode: str = "auto", overrides: Mapping[str, Mapping[str, floa
     """``fetch`` through a given API (the benchmark times each query through its own)."""
     if mode not in FETCH_MODES:
         raise SourceError(f"unknown fetch mode {mode!r} (one of {', '.join(FETCH_MODES)})")
-    nodes = _count(api, "count(gpuwatch_agent_info)")
+    nodes = _count(api, f"count({AGENT_INFO})")
     if not nodes:
-        raise SourceError(f"{api.url} has no gpuwatch_agent_info series: it scrapes no gpuwatch agent")
+        raise SourceError(f"{api.url} has no {AGENT_INFO} series: it scrapes no gpuwatch agent")
     if mode == "auto":
         mode = "full" if nodes <= AUTO_FULL_MAX_NODES else "outliers"
     reader = _Reader(api)
-    if mode == "outliers" and _count(api, 'count(gpuwatch_train_rank_info{exported_job!=""})'):
+    if mode == "outliers" and _count(api, f'count({RANK_INFO}{{exported_job!=""}})'):
         mode = "full"  # the aggregates group by `job`, as the alerts do: they would lump every job together
         reader.facts.notes.append(
             f"{api.url}: the agents are scraped without honor_labels (training jobs in exported_job), which the "
@@ -229,9 +260,9 @@ class _Reader:
         self.gpu_of_rank: dict[tuple[str, str, str | None], tuple[int, str | None]] = {}  # (node, job, rank) -> GPU
 
     def read(self) -> Facts:
-        agents = self.api.query(self.sel("gpuwatch_agent_info"))
+        agents = self.api.query(self.sel(AGENT_INFO.name))
         if not agents:
-            raise SourceError(f"{self.api.url} has no gpuwatch_agent_info series: it scrapes no gpuwatch agent")
+            raise SourceError(f"{self.api.url} has no {AGENT_INFO} series: it scrapes no gpuwatch agent")
         for sample in agents:
             labels = sample["metric"]
             name = labels.get("node") or labels.get("instance", "unknown")
@@ -271,7 +302,7 @@ class _Reader:
     def _collectors(self) -> None:
         """A part whose collector is up starts known (empty); one that is down or absent stays unknown."""
         up: dict[str, dict[str | None, float]] = collections.defaultdict(dict)
-        for node, labels, sample in self._node_samples(self.sel("gpuwatch_collector_up")):
+        for node, labels, sample in self._node_samples(self.sel(COLLECTOR_UP.name)):
             up[node.name][labels.get("collector")] = _value(sample)
         for node in self.nodes.values():
             for collector, part in PARTS.items():
@@ -302,37 +333,37 @@ class _Reader:
     def _gpus(self) -> None:
         for node, labels, sample in self._node_samples(self.sel("", f'__name__=~"{_GPU_SERIES}"')):
             name, value = labels["__name__"], _value(sample)
-            if name == "gpuwatch_gpu_job_info":
+            if name == GPU_JOB.name:
                 self.gpu_of_rank[node.name, _job(labels), labels.get("rank")] = (int(labels["gpu"]), labels.get("uuid"))
                 continue
             gpu = self._gpu(node, labels.get("gpu"))
             if gpu is None:
                 continue
-            if name == "gpuwatch_gpu_info":
+            if name == GPU_INFO.name:
                 gpu.uuid, gpu.model = labels.get("uuid"), labels.get("model")
-            elif name == "gpuwatch_gpu_lost":
+            elif name == GPU_LOST.name:
                 gpu.lost = value == 1
-            elif name in ("gpuwatch_gpu_row_remap_pending", "gpuwatch_gpu_row_remap_failure"):
-                setattr(gpu, "remap_pending" if name.endswith("pending") else "remap_failure", value == 1)
-            elif name.startswith("gpuwatch_gpu_pcie_link_"):
-                quantity = "generation" if name.endswith("generation") else "width"
+            elif name in (ROW_REMAP_PENDING.name, ROW_REMAP_FAILURE.name):
+                setattr(gpu, "remap_pending" if name == ROW_REMAP_PENDING.name else "remap_failure", value == 1)
+            elif name in (PCIE_LINK_GENERATION.name, PCIE_LINK_WIDTH.name):
+                quantity = "generation" if name == PCIE_LINK_GENERATION.name else "width"
                 field = f"pcie_{quantity}" if labels.get("kind") == "current" else f"pcie_max_{quantity}"
                 setattr(gpu, field, int(value))
             else:
                 setattr(gpu, _GPU_GAUGES[name], value)
         for node, labels, _ in self._node_samples(
-                f"count by (instance, gpu) ({self.sel('gpuwatch_gpu_clock_event_active')})"):
+                f"count by (instance, gpu) ({self.sel(CLOCK_EVENT_ACTIVE.name)})"):
             if (gpu := self._gpu(node, labels.get("gpu"))) is not None:
                 gpu.clock_event_reasons = ()
-        for node, labels, _ in self._node_samples(self.sel("gpuwatch_gpu_clock_event_active") + " == 1"):
+        for node, labels, _ in self._node_samples(self.sel(CLOCK_EVENT_ACTIVE.name) + " == 1"):
             if (gpu := self._gpu(node, labels.get("gpu"))) is not None:
                 gpu.clock_event_reasons = (*(gpu.clock_event_reasons or ()), labels["reason"])
-        faults = self.sel("", '__name__=~"gpuwatch_gpu_(xid_errors|ecc_volatile_errors)_total"') + " > 0"
+        faults = self.sel("", f'__name__=~"{XID_ERRORS}_total|{ECC_VOLATILE_ERRORS}_total"') + " > 0"
         for node, labels, sample in self._node_samples(faults):
             gpu = self._gpu(node, labels.get("gpu"))
             if gpu is None:
                 continue
-            if labels["__name__"] == "gpuwatch_gpu_xid_errors_total":
+            if labels["__name__"] == f"{XID_ERRORS}_total":
                 assert gpu.xid_errors is not None, "_gpu makes each GPU with an empty xid_errors"
                 gpu.xid_errors[labels["xid"]] = int(_value(sample))
             elif labels.get("error") == "uncorrected":
@@ -343,16 +374,16 @@ class _Reader:
 
     def _nvlinks(self) -> None:
         links: dict[tuple[str, int], NvlinkFacts] = {}
-        for node, labels, sample in self._node_samples(f"count by (instance, gpu) ({self.sel('gpuwatch_nvlink_up')})"):
+        for node, labels, sample in self._node_samples(f"count by (instance, gpu) ({self.sel(LINK_UP.name)})"):
             if node.nvlinks is not None:
                 links[node.name, int(labels["gpu"])] = link = NvlinkFacts(gpu=int(labels["gpu"]),
                                                                           links=int(_value(sample)))
                 node.nvlinks.append(link)
-        for node, labels, _ in self._node_samples(self.sel("gpuwatch_nvlink_up") + " == 0"):
+        for node, labels, _ in self._node_samples(self.sel(LINK_UP.name) + " == 0"):
             if (entry := links.get((node.name, int(labels["gpu"])))) is not None:
                 entry.down = tuple(sorted((*entry.down, int(labels["link"]))))
-        speed = (f"sum by (instance, gpu) ({self.sel('gpuwatch_nvlink_speed_bytes_per_second')} "
-                 f"* on (instance, gpu, link) {self.sel('gpuwatch_nvlink_up')})")
+        speed = (f"sum by (instance, gpu) ({self.sel(LINK_SPEED.name)} "
+                 f"* on (instance, gpu, link) {self.sel(LINK_UP.name)})")
         for node, labels, sample in self._node_samples(speed):
             if (entry := links.get((node.name, int(labels["gpu"])))) is not None:
                 entry.up_speed_bytes_per_second = _value(sample)
@@ -376,20 +407,20 @@ class _Reader:
         models: dict[tuple[str, str], str | None] = {}
         for node, labels, sample in self._node_samples(self.sel("", f'__name__=~"{_IB_SERIES}"')):
             name, value = labels["__name__"], _value(sample)
-            if name == "gpuwatch_ib_device_info":
+            if name == DEVICE_INFO.name:
                 models[node.name, labels["device"]] = hca_model(labels.get("board_id"), labels.get("hca_type"))
                 continue
             if (entry := port(node, labels)) is None:
                 continue
             entry.link_layer = labels.get("link_layer", entry.link_layer)
-            if name == "gpuwatch_ib_port_rate_bytes_per_second":
+            if name == PORT_RATE.name:
                 entry.rate_bytes_per_second = value
-            elif name == "gpuwatch_ib_port_state_id":
+            elif name == PORT_STATE.name:
                 entry.state = PORT_STATES.get(int(value), str(int(value)))
-            elif name == "gpuwatch_ib_port_physical_state_id":
+            elif name == PORT_PHYSICAL_STATE.name:
                 entry.phys_state = PHYS_STATES.get(int(value), str(int(value)))
         for node, labels, sample in self._node_samples(
-                f"increase({self.sel('gpuwatch_ib_port_errors_total')}[{WINDOW}]) > 0"):
+                f"increase({self.sel(f'{PORT_ERRORS}_total')}[{WINDOW}]) > 0"):
             if (entry := port(node, labels)) is not None:
                 assert entry.errors_increase is not None, "port() makes each port with an empty errors_increase"
                 entry.errors_increase[labels["counter"]] = _value(sample)
@@ -405,34 +436,34 @@ class _Reader:
         for node, labels, sample in self._node_samples(self.sel("", f'__name__=~"{_RANK_SERIES}"')):
             key = (_job(labels), labels["rank"])
             name = labels["__name__"]
-            if name == "gpuwatch_train_rank_info":
+            if name == RANK_INFO.name:
                 labels_of[key] = (node, labels)
-            elif name == "gpuwatch_train_env_info":
+            elif name == ENV_INFO.name:
                 series[key].setdefault("env", {})[labels["name"]] = labels.get("value", "")
-            elif name == CALLS:  # before the collective_ families, whose series carry an op
+            elif name == CALLS.name:
                 series[key].setdefault("collective_calls", {})[labels["group"]] = int(_value(sample))
-            elif name.startswith("gpuwatch_train_collective_"):
+            elif name in (_COLLECTIVE_COUNT, _COLLECTIVE_SUM, _COLLECTIVE_BYTES):
                 series[key].setdefault("collectives", {}).setdefault(labels["op"], {})[name] = _value(sample)
-            elif name == WINDOW_MEDIAN:
+            elif name == WINDOW_MEDIAN.name:
                 series[key].setdefault("window_medians", {})[labels["timing"]] = _value(sample)
-            elif name == UNAVAILABLE:
+            elif name == UNAVAILABLE.name:
                 series[key].setdefault("unavailable", {})[labels["signal"]] = labels["reason"]
-            elif name == PHASE:
+            elif name == PHASE.name:
                 series[key]["phase"] = labels["phase"]
-            elif name == IN_FLIGHT:
+            elif name == IN_FLIGHT.name:
                 series[key]["in_flight"] = (labels["op"], labels["group"], int(_value(sample)))
-            elif name == GROUP_INFO:
+            elif name == GROUP_INFO.name:
                 series[key].setdefault("process_groups", {})[labels["group"]] = list(parse_members(labels["members"]))
-            elif name == RAISED:
+            elif name == RAISED.name:
                 series[key]["raised"] = (f"{labels['type']}: {labels['message']}", _value(sample))
-            elif name == HELLO_TIME:  # its age by the engine's clock: the time the query was evaluated at
+            elif name == HELLO_TIME.name:  # its age by the engine's clock: the time the query was evaluated at
                 series[key]["hello_age"] = max(0.0, float(sample["value"][0]) - _value(sample))
             else:
                 series[key][name] = _value(sample)
                 if name in _MEMORY_SERIES:
                     series[key]["memory_kind"] = labels.get("kind")
         for quantile in ("0.5", "0.99"):
-            expr = f"histogram_quantile({quantile}, {self.sel('gpuwatch_train_collective_seconds_bucket')})"
+            expr = f"histogram_quantile({quantile}, {self.sel(f'{LATENCY}_bucket')})"
             for _, labels, sample in self._node_samples(expr):
                 ops = series[_job(labels), labels["rank"]].setdefault("collectives", {})
                 ops.setdefault(labels["op"], {})[quantile] = _value(sample)
@@ -446,8 +477,8 @@ class _Reader:
         shapes: dict[tuple[str, str], dict[str, str]] = {}
         peaks: list[tuple[NodeFacts, dict[str, str], float]] = []
         for node, labels, sample in self._node_samples(
-                self.sel("", '__name__=~"gpuwatch_probe_(bus_bandwidth_bytes_per_second|info)"')):
-            if labels["__name__"] == "gpuwatch_probe_info":
+                self.sel("", f'__name__=~"{PROBE_BANDWIDTH}|{PROBE_INFO}"')):
+            if labels["__name__"] == PROBE_INFO.name:
                 shapes[node.name, _job(labels)] = labels
             else:
                 peaks.append((node, labels, _value(sample)))
@@ -462,7 +493,7 @@ class _Reader:
 
     def _rss_histories(self) -> dict[tuple[str, str], History]:
         """Host RSS per step over ``HISTORY``: two subqueries at one resolution, so their timestamps align."""
-        rss = self.sel("gpuwatch_train_memory_peak_bytes", 'kind="host_rss"')
+        rss = self.sel(MEMORY_PEAK.name, 'kind="host_rss"')
         steps_at: dict[tuple[str, str], dict[float, float]] = {}
         query = f"({self.sel(LAST_STEP.name)} and on ({_RANK_KEY}) {rss})[{HISTORY}]"
         for _, labels, sample in self._node_samples(query):
@@ -493,9 +524,8 @@ class _Reader:
                              collective_calls=values.get("collective_calls"),
                              **{field: values.get(name) for name, field in _STEP_GAUGES.items()})
         collectives = {
-            op: CollectiveFacts(op=op, count=int(stats.get("gpuwatch_train_collective_seconds_count", 0)),
-                                seconds=stats.get("gpuwatch_train_collective_seconds_sum", 0.0),
-                                bytes=stats.get("gpuwatch_train_collective_bytes_total"),
+            op: CollectiveFacts(op=op, count=int(stats.get(_COLLECTIVE_COUNT, 0)),
+                                seconds=stats.get(_COLLECTIVE_SUM, 0.0), bytes=stats.get(_COLLECTIVE_BYTES),
                                 p50_seconds=_finite_or_none(stats.get("0.5")),
                                 p99_seconds=_finite_or_none(stats.get("0.99")))
             for op, stats in values.get("collectives", {}).items()}
@@ -515,9 +545,9 @@ class _Reader:
             faults=tuple(filter(None, labels.get("faults", "").split(","))), unavailable_from_outside=outside,
             hello_age_seconds=values.get("hello_age"), last=last,
             window=_window(values), unavailable=values.get("unavailable"),
-            collectives=collectives or None, param_checksum=sampled("gpuwatch_train_param_checksum"),
-            grad_cosine=sampled("gpuwatch_train_grad_cosine_similarity"), history=history,
-            progress=_progress(values, int(labels["world_size"]), last), exited_at=values.get(EXITED), **counters)
+            collectives=collectives or None, param_checksum=sampled(CHECKSUM.name),
+            grad_cosine=sampled(COSINE.name), history=history,
+            progress=_progress(values, int(labels["world_size"]), last), exited_at=values.get(EXITED.name), **counters)
 
 
 def _progress(values: dict[str, Any], world_size: int, last: StepFacts | None) -> ProgressFacts | None:
@@ -526,7 +556,7 @@ def _progress(values: dict[str, Any], world_size: int, last: StepFacts | None) -
     members from the exported process groups (`gpuwatch_train_process_group_info`; "default" the world). A group
     whose members were too many to export has none, and the rules fall back to who is stuck outside any
     collective."""
-    stalled = values.get(STALLED)
+    stalled = values.get(STALLED.name)
     if stalled is None or "phase" not in values:
         return None
     in_flight = None

@@ -9,19 +9,29 @@ import dataclasses
 import subprocess
 import sys
 import types
+from collections.abc import Iterator
 
 import pytest
 
 from gpuwatch.agent.diagnosis import coverage
 from gpuwatch.agent.diagnosis.coverage import COLLECTORS_DOWN, ENV_MINORITY, STRAGGLERS, Selector, WholeJob
 from gpuwatch.agent.diagnosis.facts import Facts
-from gpuwatch.agent.diagnosis.registry import FAMILIES, REGISTRY, Issue, Severity, rule
+from gpuwatch.agent.diagnosis.registry import FAMILIES, REGISTRY, Issue, Rule, Severity, rule
 from gpuwatch.agent.diagnosis.sources import QueryError, outliers
 
 
 def _check(facts: Facts, t: types.SimpleNamespace) -> list[Issue]:
     """Finds nothing: the rules registered here are refused before they could run."""
     return []
+
+
+@pytest.fixture
+def registry_restored() -> Iterator[dict[str, Rule]]:
+    """The registry as it was, put back after the test even where a registration that should fail succeeded."""
+    before = dict(REGISTRY)
+    yield before
+    REGISTRY.clear()
+    REGISTRY.update(before)
 
 
 def _register(code: str, family: str = "performance", **kwargs: object) -> None:
@@ -40,11 +50,10 @@ def _register(code: str, family: str = "performance", **kwargs: object) -> None:
     ("PERF999", "speed", {"coverage": (STRAGGLERS,)}, "PERF999: family 'speed' is none of"),
 ])
 def test_a_rule_without_coverage_mixing_whole_job_with_selectors_or_off_its_family_prefix_is_refused_by_code(
-        code, family, declared, refusal):
-    before = dict(REGISTRY)
+        code, family, declared, refusal, registry_restored):
     with pytest.raises(ValueError, match=refusal):
         _register(code, family, **declared)
-    assert before == REGISTRY
+    assert registry_restored == REGISTRY
 
 
 def test_a_rule_cannot_lose_its_coverage_after_registration_either():

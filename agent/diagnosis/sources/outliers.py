@@ -149,7 +149,8 @@ class Served:
 
 
 def served(registry: Mapping[str, Rule]) -> Served:
-    """Which selectors ``registry``'s rules rest on, which need their jobs whole, which the environment minorities."""
+    """Which selectors ``registry``'s rules rest on, which need their jobs whole, which the environment minorities:
+    read from the registry at each fetch, so that a rule registered with a selector of its own is served by it."""
     selectors: dict[Selector, list[str]] = collections.defaultdict(list)
     whole_job: dict[str, str] = {}
     env_minority: list[str] = []

@@ -12,7 +12,7 @@ from diagnose_facts import facts, rank, step
 from gpuwatch.agent.diagnosis import cli as diagnose_cli
 from gpuwatch.agent.diagnosis import engine
 from gpuwatch.agent.diagnosis.facts import Facts
-from gpuwatch.agent.diagnosis.registry import REGISTRY, Issue, Rule, Severity, rule
+from gpuwatch.agent.diagnosis.registry import REGISTRY, Issue, Severity, rule
 from gpuwatch.cli.main import main
 
 #: The codes are a contract (dashboards, alerts, --select in users' scripts); so are families.
@@ -117,15 +117,15 @@ def _broken(f: Facts, t) -> list[Issue]:
 def test_findings_sorted_by_severity_and_a_rule_that_fails_is_a_finding_of_its_severity():
     """A crashing rule has not cleared anything: its failure is a finding at the rule's own severity, with the
     exception, and the other rules' findings stand."""
-    failing = Rule("ZZZ001", "test", Severity.CRITICAL, "broken", (), {}, "Fails.", _broken)
+    failing = dataclasses.replace(REGISTRY["CONV001"], code="CONV999", title="broken", check=_broken)
     ranks = [rank(r, dp=2, last=step(grad_norm=500.0, loss=float("nan"))) for r in range(2)]
     result = engine.run(facts(ranks=ranks), [*engine.select(["CONV002", "CONV001"]), failing])
     assert [(f.code, f.severity.label) for f in result.findings] == [
-        ("CONV001", "critical"), ("ZZZ001", "critical"), ("CONV002", "warning")]
-    assert result.ran == ["CONV001", "CONV002", "ZZZ001"] and result.skipped == []
+        ("CONV001", "critical"), ("CONV999", "critical"), ("CONV002", "warning")]
+    assert result.ran == ["CONV001", "CONV002", "CONV999"] and result.skipped == []
     failure = result.findings[1]
-    assert failure.title == "rule ZZZ001 failed and could not judge: KeyError: 'gpu'"
-    assert failure.evidence[0].text == "ZZZ001 (broken) raised KeyError: 'gpu'"
+    assert failure.title == "rule CONV999 failed and could not judge: KeyError: 'gpu'"
+    assert failure.evidence[0].text == "CONV999 (broken) raised KeyError: 'gpu'"
 
 
 def test_a_failing_critical_rule_fails_the_command(monkeypatch):
@@ -149,21 +149,3 @@ def test_what_a_ranks_instrumentation_noted_in_its_hello_is_in_the_report_once_p
     report = engine.run(facts(ranks=ranks), rules=[])
     assert report.notes == [f"job job-1, ranks 0-1: {note}"]
     assert engine.run(facts(ranks=ranks), rules=[]).notes == report.notes  # judging twice adds nothing
-
-
-def test_every_rule_has_its_cluster_scale_coverage_and_one_without_is_not_run_by_the_outlier_fetch(monkeypatch):
-    """Above 64 nodes the Prometheus source reads in detail only the nodes some selector picks: a rule that no
-    selector, whole-job read or environment minority covers would be judged on those alone, silently. Every rule
-    of the catalogue is covered; a new one that is not is reported as not run, with the reason."""
-    from gpuwatch.agent.diagnosis.sources import outliers
-
-    assert outliers.uncovered(REGISTRY) == []
-
-    class NoRows:
-        def query(self, expr: str) -> list:
-            return []
-
-    monkeypatch.setitem(REGISTRY, "PERF901", dataclasses.replace(REGISTRY["PERF002"], code="PERF901"))
-    plan = outliers.plan(NoRows(), {})
-    assert "no outlier selector covers it" in plan.unjudged["PERF901"].reason and not plan.unjudged["PERF901"].source
-    assert set(plan.unjudged) == {"PERF901", *outliers.WHOLE_JOB_RULES}

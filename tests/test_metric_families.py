@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 METRIC_NAME = re.compile(r"\bgpuwatch_[a-z0-9_]*[a-z0-9]")
 #: The modules whose PromQL must name families through their declarations only.
 READERS = (ROOT / "agent" / "diagnosis" / "sources" / "prometheus.py",
-           ROOT / "agent" / "diagnosis" / "sources" / "outliers.py")
+           ROOT / "agent" / "diagnosis" / "sources" / "outliers.py",
+           ROOT / "agent" / "diagnosis" / "coverage.py")
 
 
 def _specs_in(value: Any) -> Iterator[MetricSpec]:

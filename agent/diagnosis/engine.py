@@ -12,13 +12,13 @@ import yaml
 
 from gpuwatch.agent.diagnosis import rules as _catalogue  # noqa: F401 - importing registers every rule
 from gpuwatch.agent.diagnosis.facts import Facts, RankFacts, describe_ranks
-from gpuwatch.agent.diagnosis.registry import REGISTRY, Evidence, Finding, Rule
+from gpuwatch.agent.diagnosis.registry import FAMILIES, REGISTRY, Evidence, Finding, Rule
 
 log = logging.getLogger(__name__)
 
 #: Catalogue order of the families' code prefixes (as the README's Diagnosis section lists them): listings and
-#: reports follow it.
-PREFIX_ORDER = ("NCCL", "HW", "PERF", "MEM", "CONV", "TOPO")
+#: reports follow it. Every rule's code has one (``registry.Rule`` holds it to its family's).
+PREFIX_ORDER = tuple(FAMILIES.values())
 
 Overrides = Mapping[str, Mapping[str, float]]
 
@@ -33,7 +33,7 @@ class ConfigError(ValueError):
 
 def _order(code: str) -> tuple[int, str]:
     prefix = code.rstrip("0123456789")
-    return (PREFIX_ORDER.index(prefix) if prefix in PREFIX_ORDER else len(PREFIX_ORDER), code)
+    return PREFIX_ORDER.index(prefix), code
 
 
 def catalogue() -> list[Rule]:

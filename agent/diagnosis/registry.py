@@ -1,6 +1,7 @@
 """The rule registry, after ruff's: every rule has a stable code, a family, a severity and a title, and lives
 in one function registered with ``@rule``. The decorator also records the facts the rule needs (so the
-engine can say why a rule did not run), its named thresholds (overridable from a config file) and its
+engine can say why a rule did not run), its named thresholds (overridable from a config file), its cluster-scale
+coverage (``coverage.py``: how the outlier fetch finds the nodes it must read; a rule without one is refused) and its
 explanation (the function's docstring, shown by ``--explain``).
 """
 
@@ -12,7 +13,20 @@ import inspect
 import types
 from collections.abc import Callable, Iterable, Mapping
 
+from gpuwatch.agent.diagnosis.coverage import CoveragePart, WholeJob
 from gpuwatch.agent.diagnosis.facts import Facts, Where
+
+#: Each family's code prefix, in catalogue order (``engine.PREFIX_ORDER``): a code names its family (``--select HW``
+#: selects the hardware rules).
+FAMILIES = {
+    "network config": "NCCL",
+    "hardware": "HW",
+    "performance": "PERF",
+    "memory": "MEM",
+    "convergence": "CONV",
+    "topology": "TOPO",
+    "hangs": "HANG",
+}
 
 
 class Severity(enum.IntEnum):
@@ -89,6 +103,21 @@ class Rule:
     thresholds: Mapping[str, Threshold]
     explanation: str
     check: Check
+    #: How the outlier fetch finds the nodes or jobs it must read for this rule (``coverage.py``).
+    coverage: tuple[CoveragePart, ...]
+
+    def __post_init__(self) -> None:
+        prefix = FAMILIES.get(self.family)
+        if prefix is None:
+            raise ValueError(f"rule {self.code}: family {self.family!r} is none of {', '.join(FAMILIES)}")
+        if not (self.code.startswith(prefix) and self.code[len(prefix):].isdigit()):
+            raise ValueError(f"rule {self.code}: a {self.family} rule's code is {prefix} and a number")
+        if not self.coverage:
+            raise ValueError(f"rule {self.code} declares no coverage: without one, the outlier fetch would judge it "
+                             "only on the nodes it reads for other rules")
+        if any(isinstance(part, WholeJob) for part in self.coverage) and len(self.coverage) > 1:
+            raise ValueError(f"rule {self.code}: WholeJob coverage stands alone (the outlier fetch does not run a "
+                             "rule that needs every rank, so a selector beside it would pick nodes for nothing)")
 
     def params(self, overrides: Mapping[str, float] | None = None) -> types.SimpleNamespace:
         """The thresholds as attributes, config overrides applied."""
@@ -114,8 +143,11 @@ def rule(
     title: str,
     needs: Iterable[Need] = (),
     thresholds: Mapping[str, Threshold] | None = None,
+    coverage: Iterable[CoveragePart] = (),
 ) -> Callable[[Check], Check]:
-    """Register ``check`` as rule ``code``; a duplicate code is a programming error."""
+    """Register ``check`` as rule ``code``; a duplicate code, a code without its family's prefix or a rule without
+    ``coverage`` is a programming error (``coverage`` is required; it defaults to none so that the error names the
+    rule)."""
 
     def register(check: Check) -> Check:
         if code in REGISTRY:
@@ -123,7 +155,7 @@ def rule(
         if not check.__doc__:
             raise ValueError(f"rule {code} needs a docstring: it is the --explain text")
         REGISTRY[code] = Rule(code, family, severity, title, tuple(needs), dict(thresholds or {}),
-                              inspect.cleandoc(check.__doc__), check)
+                              inspect.cleandoc(check.__doc__), check, tuple(coverage))
         return check
 
     return register

@@ -9,6 +9,7 @@ import types
 from collections.abc import Iterator
 
 from gpuwatch.agent.diagnosis import needs
+from gpuwatch.agent.diagnosis.coverage import GRADIENTS_ALIKE, NONFINITE_OR_EXPLODING, REPLICAS_DIVERGED, WholeJob
 from gpuwatch.agent.diagnosis.facts import (
     Facts,
     RankFacts,
@@ -42,7 +43,8 @@ def _first_nonfinite_loss(rank: RankFacts) -> tuple[int, float] | None:
     return None
 
 
-@rule("CONV001", family=FAMILY, severity=Severity.CRITICAL, title="Non-finite (NaN/Inf) loss", needs=(needs.LOSS,))
+@rule("CONV001", family=FAMILY, severity=Severity.CRITICAL, title="Non-finite (NaN/Inf) loss", needs=(needs.LOSS,),
+      coverage=(NONFINITE_OR_EXPLODING,))
 def nonfinite_loss(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """A NaN or infinite loss poisons every later update. The classic cause is fp16 training without loss
     scaling: autocast without a GradScaler lets gradients underflow or overflow, and the loss turns NaN
@@ -109,7 +111,8 @@ def _first_explosion(series: list[tuple[int, float]],
           "max_grad_norm": Threshold(100, "a practitioners' rule of thumb: a gradient norm above 100 has exploded"),
           "spike_factor": Threshold(10, "ten times the running median of the steps before"),
           "min_history": Threshold(20, "steps needed for a meaningful running median"),
-      })
+      },
+      coverage=(NONFINITE_OR_EXPLODING,))
 def grad_norm_explosion(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """A gradient norm far above its usual value is the step before a loss spike or a NaN (a common triage
     for a loss jumping from, say, 0.15 to 0.8: first look at the gradient norm; above 100 it exploded). The
@@ -149,7 +152,8 @@ def _differs(value: float | str, reference: float | str, tolerance: float) -> bo
 @rule("CONV003", family=FAMILY, severity=Severity.CRITICAL, title="Data-parallel replicas out of sync",
       needs=(needs.CHECKSUM, needs.LAYOUT),
       thresholds={"relative_tolerance": Threshold(
-          1e-5, "a practitioners' consistency check: after a restore, every rank's gradient norm agrees to 1e-5")})
+          1e-5, "a practitioners' consistency check: after a restore, every rank's gradient norm agrees to 1e-5")},
+      coverage=(REPLICAS_DIVERGED,))
 def replicas_out_of_sync(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """Data-parallel replicas must hold identical parameters after every update; a parameter checksum that
     differs between the ranks of a DP group (same TP rank and PP stage) at the same step means a replica
@@ -189,7 +193,8 @@ def replicas_out_of_sync(facts: Facts, t: types.SimpleNamespace) -> Iterator[Iss
       thresholds={"min_cosine": Threshold(
           0.99999, "identical batches give cos = 1 up to rounding (exactly 1 in the reference "
                    "trainer); different data agree less, even exploding gradients, which the weights dominate "
-                   "(0.9987-0.9990 measured with --fault lr-explode)")})
+                   "(0.9987-0.9990 measured with --fault lr-explode)")},
+      coverage=(GRADIENTS_ALIKE,))
 def duplicated_shards(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """When every data-parallel rank reads the same samples (no DistributedSampler), their local gradients
     are identical: each one's cosine similarity with the DP mean is 1. Compute is wasted dp_size times
@@ -225,7 +230,8 @@ def duplicated_shards(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]
           "low_cosine": Threshold(0.85, "one team's reported heuristic: a mean below 0.85 means data skewed across "
                                         "ranks"),
           "high_cosine": Threshold(0.95, "the same heuristic: above 0.95 the batch is larger than useful"),
-      })
+      },
+      coverage=(WholeJob("it averages gradient agreement over every rank of a job"),))
 def gradient_agreement(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """One team's tuning heuristic: compute the mean cosine similarity of the ranks' local gradients; below 0.85
     the data is skewed across ranks (temporarily grow the DP group), above 0.95 the batch is larger than
@@ -258,7 +264,8 @@ def gradient_agreement(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue
 @rule("CONV006", family=FAMILY, severity=Severity.CRITICAL, title="Model not learning", needs=(needs.LEARNING,),
       thresholds={"max_loss_spread": Threshold(
           1e-7, "relative spread of the loss over the window: fp32 rounding (2^-23 = 1.2e-7) is the most two "
-                "computations of the same loss differ by; any batch-to-batch change of data moves it far more")})
+                "computations of the same loss differ by; any batch-to-batch change of data moves it far more")},
+      coverage=(WholeJob("it judges the spread of losses over every rank of a job"),))
 def not_learning(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """A job that runs at full speed and learns nothing wastes all of it, and no timing or hardware signal
     shows it. Over each rank's window of recent steps, three signs, any of which is enough: the loss does not

@@ -21,6 +21,7 @@ import types
 from collections.abc import Iterator
 
 from gpuwatch.agent.diagnosis import needs
+from gpuwatch.agent.diagnosis.coverage import NO_STEP_SINCE_HELLO, RANK_OVERDUE_DEAD_OR_FAILED
 from gpuwatch.agent.diagnosis.facts import (
     Facts,
     InFlightFacts,
@@ -190,7 +191,8 @@ def _drifts(ranks: dict[int, RankFacts]) -> list[_Drift]:
 
 @rule("HANG001", family=FAMILY, severity=Severity.CRITICAL, title="Ranks missing at a collective",
       needs=(needs.TELEMETRY,),
-      thresholds=_STALL)
+      thresholds=_STALL,
+      coverage=(RANK_OVERDUE_DEAD_OR_FAILED,))
 def missing_at_collective(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """Ranks wait in a collective that some member of its process group never entered. The waiting ranks are
     not the problem: each waits for the last member to arrive, and a rank waiting elsewhere passes the wait on.
@@ -252,7 +254,8 @@ _MISMATCH_REASON = ("collectives match by order on a group, not by name: after o
 
 
 @rule("HANG002", family=FAMILY, severity=Severity.CRITICAL, title="Collective mismatch", needs=(needs.TELEMETRY,),
-      thresholds=_STALL)
+      thresholds=_STALL,
+      coverage=(RANK_OVERDUE_DEAD_OR_FAILED,))
 def collective_mismatch(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """Ranks of one process group stuck in different collectives on it: another sequence number (a rank
     skipped or added a call, so its count drifted from its peers') or another op at the same number. Each side
@@ -310,7 +313,8 @@ def collective_mismatch(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issu
 
 @rule("HANG003", family=FAMILY, severity=Severity.CRITICAL, title="A collective that every rank entered does not end",
       needs=(needs.TELEMETRY,),
-      thresholds=_STALL)
+      thresholds=_STALL,
+      coverage=(RANK_OVERDUE_DEAD_OR_FAILED,))
 def collective_stalled(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """Every member of a process group is in the same collective, with the same sequence number, and none
     has made progress: no rank is missing, so the program is not at fault but the transport (a link down,
@@ -349,7 +353,8 @@ def collective_stalled(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue
       thresholds={"followed_within_seconds": Threshold(
           0.01, "chosen: ranks whose deaths lie this close (error records, pidfd exit times) died together; the "
                 "peers of a dead rank fail milliseconds after it (gloo: connection reset) or are stopped by the "
-                "launcher")})
+                "launcher")},
+      coverage=(RANK_OVERDUE_DEAD_OR_FAILED,))
 def rank_died(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """A rank's process is gone (the agent found its pid missing) or one of its steps raised: which rank, when,
     how, and the ranks left waiting for it. The cause is the first to die that did not die of a peer's death (an
@@ -428,7 +433,8 @@ def _silence(rank: RankFacts) -> tuple[str, float | None]:
       thresholds={"min_age_seconds": Threshold(
           120.0, "twice the hooks' allowance for a first step: until 3 steps have ended, a rank that makes no "
                  "progress for 60 s (compilation, the first collectives' set-up) is reported overdue; a rank that said "
-                 "hello twice that long ago and ended no step runs without its steps being seen")})
+                 "hello twice that long ago and ended no step runs without its steps being seen")},
+      coverage=(NO_STEP_SINCE_HELLO,))
 def never_stepped(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """A rank whose hello reached the source but no step record after it: the instrumentation runs in the rank's
     process and measured nothing of its training. Under `gpuwatch run` a step is an optimizer step, so a loop that

@@ -6,6 +6,14 @@ import types
 from collections.abc import Iterator
 
 from gpuwatch.agent.diagnosis import needs
+from gpuwatch.agent.diagnosis.coverage import (
+    COLLECTORS_DOWN,
+    GPU_FAULTY,
+    GPU_SLOWDOWN,
+    IB_PORT_UNHEALTHY,
+    NVLINK_DOWN,
+    PCIE_BELOW_MAX,
+)
 from gpuwatch.agent.diagnosis.facts import SLOWDOWN_REASONS, Facts, Where, gbit, group_by
 from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
 from gpuwatch.agent.diagnosis.rules.common import capped, ratio_text
@@ -27,7 +35,8 @@ APPLICATION_XIDS = frozenset({"13", "31", "43", "45"})
 
 
 @rule("HW001", family=FAMILY, severity=Severity.WARNING,
-      title="NVLink link inactive on a GPU that has links", needs=(needs.NVLINKS,))
+      title="NVLink link inactive on a GPU that has links", needs=(needs.NVLINKS,),
+      coverage=(NVLINK_DOWN, COLLECTORS_DOWN))
 def nvlink_down(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """A GPU whose NVLink links are not all up routes its share of intra-node collectives over fewer links
     (or PCIe): every collective through it slows down, and the ring is as fast as its slowest hop. GPUs
@@ -52,7 +61,8 @@ def nvlink_down(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
 
 @rule("HW002", family=FAMILY, severity=Severity.WARNING,
       title="PCIe link below its maximum generation or width under load", needs=(needs.GPUS,),
-      thresholds={"min_load": LOAD})
+      thresholds={"min_load": LOAD},
+      coverage=(PCIE_BELOW_MAX, COLLECTORS_DOWN))
 def pcie_degraded(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """A GPU's PCIe link trains to a lower generation or width when a riser, slot or cable is bad; host to
     device copies and GPUDirect RDMA to the NIC then run at a fraction of their speed. Idle GPUs lower
@@ -86,7 +96,8 @@ def pcie_degraded(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
       title="InfiniBand port not ACTIVE, slower than its peers, or with rising errors", needs=(needs.IB_PORTS,),
       thresholds={"max_error_increase": Threshold(
           10, "a few symbol errors over the window are within a healthy link's bit error rate; more mean a bad "
-              "cable or transceiver")})
+              "cable or transceiver")},
+      coverage=(IB_PORT_UNHEALTHY, COLLECTORS_DOWN))
 def ib_port_unhealthy(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """NCCL spreads inter-node traffic over the node's ports, and every collective runs at the pace of the
     slowest one. Three signs of a bad port, each compared with the port's peers (ports of the same HCA
@@ -134,7 +145,8 @@ def ib_port_unhealthy(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]
 
 
 @rule("HW004", family=FAMILY, severity=Severity.CRITICAL,
-      title="GPU Xid errors, uncorrectable ECC errors or pending row remaps", needs=(needs.GPUS,))
+      title="GPU Xid errors, uncorrectable ECC errors or pending row remaps", needs=(needs.GPUS,),
+      coverage=(GPU_FAULTY, COLLECTORS_DOWN))
 def gpu_faults(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """Critical Xid events, uncorrectable (double-bit) ECC errors and row remaps waiting for a reset mean
     the GPU's results or availability cannot be trusted: jobs on it crash, hang or silently compute on
@@ -178,7 +190,8 @@ def gpu_faults(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
 
 
 @rule("HW005", family=FAMILY, severity=Severity.WARNING,
-      title="GPU throttled (thermal or power) under load", needs=(needs.GPUS,), thresholds={"min_load": LOAD})
+      title="GPU throttled (thermal or power) under load", needs=(needs.GPUS,), thresholds={"min_load": LOAD},
+      coverage=(GPU_SLOWDOWN, COLLECTORS_DOWN))
 def gpu_throttled(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """A GPU that slows its clocks for heat or a power brake computes slower, and in synchronous training
     every other rank waits for it (it shows up as a straggler). Only hardware and thermal slowdowns

@@ -7,6 +7,7 @@ import types
 from collections.abc import Iterator
 
 from gpuwatch.agent.diagnosis import needs
+from gpuwatch.agent.diagnosis.coverage import ENV_MINORITY, MEMORY_PRESSURE, WholeJob
 from gpuwatch.agent.diagnosis.facts import Facts, gib
 from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
 from gpuwatch.agent.diagnosis.rules.common import capped, ratio_text
@@ -18,7 +19,8 @@ FAMILY = "memory"
       needs=(needs.CUDA_MEMORY,),
       thresholds={"min_unused_share": Threshold(
           0.25, "a reported case: nvidia-smi showed 85 GB in use while torch.cuda.memory_allocated() was 60 GB and new "
-                "tensors failed to allocate (29 % of the reserved memory held but unusable)")})
+                "tensors failed to allocate (29 % of the reserved memory held but unusable)")},
+      coverage=(MEMORY_PRESSURE, ENV_MINORITY))
 def fragmentation(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """PyTorch's caching allocator keeps freed blocks to reuse them; when they are split into pieces that no
     longer fit the requests, a large share of the reserved memory sits unused while allocations fail: the
@@ -67,7 +69,8 @@ def fragmentation(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
       needs=(needs.CUDA_MEMORY, needs.GPU_CAPACITY),
       thresholds={"max_peak_share": Threshold(
           0.95, "a reported case: 78 GB on an 80 GB A100 was just inside the safety line after cutting the batch; "
-                "warn before that knife edge")})
+                "warn before that knife edge")},
+      coverage=(MEMORY_PRESSURE,))
 def peak_near_capacity(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """A rank whose peak allocation (torch.cuda.max_memory_allocated: the peak, not the current
     allocation, is what counts) comes within a few percent of its GPU's memory is one longer sequence
@@ -120,7 +123,8 @@ def peak_near_capacity(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue
           "min_points": Threshold(10, "fewer steps cannot show a trend"),
           "warmup_share": Threshold(0.2, "the first 20 % of the steps (caches filling, workers starting) are left "
                                          "out"),
-      })
+      },
+      coverage=(WholeJob("it reads every rank's host-memory history"),))
 def host_memory_leak(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """Host memory (the process's resident set) that grows with every step is a leak: tensors kept alive
     across steps (accumulating ``loss`` instead of ``loss.item()``), Python lists of outputs, data-loader

@@ -6,6 +6,7 @@ import types
 from collections.abc import Iterator
 
 from gpuwatch.agent.diagnosis import needs
+from gpuwatch.agent.diagnosis.coverage import COLLECTIVE_TAIL, ENV_MINORITY, IB_PORT_UNHEALTHY, NCCL_SOCKET_IFNAME
 from gpuwatch.agent.diagnosis.facts import Facts, InterfaceFacts, Where, may_use_nccl
 from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
 from gpuwatch.agent.diagnosis.rules.common import capped, env_scopes
@@ -29,7 +30,8 @@ def _ib_disabled(env: dict[str, str]) -> str | None:
 
 @rule("NCCL001", family=FAMILY, severity=Severity.CRITICAL,
       title="NCCL_IB_DISABLE=1 while InfiniBand/RoCE ports are active",
-      needs=(needs.NCCL_ACROSS_NODES, needs.ENV, needs.IB_PORTS))
+      needs=(needs.NCCL_ACROSS_NODES, needs.ENV, needs.IB_PORTS),
+      coverage=(IB_PORT_UNHEALTHY, ENV_MINORITY))
 def ib_disabled_with_active_ports(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """NCCL_IB_DISABLE=1 (or NCCL_NET=Socket) makes NCCL send every inter-node byte over TCP sockets even
     though the node has ACTIVE InfiniBand or RoCE ports: collectives across nodes run several times slower
@@ -63,7 +65,8 @@ def ib_disabled_with_active_ports(facts: Facts, t: types.SimpleNamespace) -> Ite
 
 
 @rule("NCCL002", family=FAMILY, severity=Severity.WARNING,
-      title="RoCE ports without NCCL_IB_GID_INDEX", needs=(needs.NCCL_ACROSS_NODES, needs.ENV, needs.IB_PORTS))
+      title="RoCE ports without NCCL_IB_GID_INDEX", needs=(needs.NCCL_ACROSS_NODES, needs.ENV, needs.IB_PORTS),
+      coverage=(IB_PORT_UNHEALTHY, ENV_MINORITY))
 def roce_without_gid_index(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """On RoCE (an InfiniBand port whose link layer is Ethernet) every port has a table of GIDs: RoCEv1
     and RoCEv2, IPv4 and IPv6 link-local. NCCL must be told which one to use (NCCL_IB_GID_INDEX; RoCEv2
@@ -120,7 +123,8 @@ def _socket_ifname_problem(spec: str, interfaces: list[InterfaceFacts], may_span
 
 @rule("NCCL003", family=FAMILY, severity=Severity.CRITICAL,
       title="NCCL_SOCKET_IFNAME names a missing, down, loopback or container interface",
-      needs=(needs.NCCL_JOB, needs.ENV, needs.INTERFACES))
+      needs=(needs.NCCL_JOB, needs.ENV, needs.INTERFACES),
+      coverage=(NCCL_SOCKET_IFNAME,))
 def socket_ifname_unusable(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """NCCL bootstraps (and, without InfiniBand, moves data) over the interface NCCL_SOCKET_IFNAME
     selects. If that interface does not exist on the node, is down, or only reaches the host itself
@@ -160,7 +164,8 @@ def socket_ifname_unusable(facts: Facts, t: types.SimpleNamespace) -> Iterator[I
 
 
 @rule("NCCL004", family=FAMILY, severity=Severity.WARNING,
-      title="NCCL_P2P_DISABLE=1 on NVLink-connected GPUs", needs=(needs.NCCL_JOB, needs.ENV, needs.NVLINKS))
+      title="NCCL_P2P_DISABLE=1 on NVLink-connected GPUs", needs=(needs.NCCL_JOB, needs.ENV, needs.NVLINKS),
+      coverage=(ENV_MINORITY,))
 def p2p_disabled_on_nvlink(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """NCCL_P2P_DISABLE=1 (or NCCL_P2P_LEVEL=LOC) stops NCCL from using NVLink between the GPUs of a node:
     intra-node traffic goes through host shared memory, or over the network when NCCL_SHM_DISABLE=1 is
@@ -208,7 +213,8 @@ def _allows_tree(env: dict[str, str] | None) -> bool | None:
           "tail_ratio": Threshold(1.7, "a reported 128-GPU case: p99 142 ms against 83 ms typical before "
                                        "NCCL_ALGO=Tree, 45 ms against 31 ms (1.45) after"),
           "min_calls": Threshold(100, "a p99 needs about a hundred calls to mean anything"),
-      })
+      },
+      coverage=(COLLECTIVE_TAIL,))
 def ring_latency_tail(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """A ring all-reduce crosses every node in turn, so one slow link or busy switch port stalls the whole
     ring: the latency distribution grows a long tail. A practitioners' troubleshooting entry: occasional

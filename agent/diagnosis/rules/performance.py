@@ -12,6 +12,7 @@ import types
 from collections.abc import Iterator
 
 from gpuwatch.agent.diagnosis import needs
+from gpuwatch.agent.diagnosis.coverage import INPUT_WAIT, PIPELINE_BUBBLE, PROBE_RAN, STRAGGLERS, WholeJob
 from gpuwatch.agent.diagnosis.facts import (
     RATED_BY,
     BandwidthMeasurement,
@@ -46,7 +47,8 @@ def micro_batches_for(stages: int, max_bubble: float) -> int:
       needs=(needs.PIPELINE,),
       thresholds={"max_bubble_ratio": Threshold(
           0.2, "GPipe (Huang et al. 2019): the bubble is (p−1)/(m+p−1), so p=8 stages and m=4 micro-batches idle "
-               "64 %; m ≥ 4p, where GPipe found the bubble negligible, keeps it under 0.2 for any p")})
+               "64 %; m ≥ 4p, where GPipe found the bubble negligible, keeps it under 0.2 for any p")},
+      coverage=(PIPELINE_BUBBLE,))
 def pipeline_bubble(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """A pipeline of p stages fed m micro-batches per step idles (p − 1)/(m + p − 1) of the step at best:
     the first stage waits for the pipeline to drain, the last for it to fill (GPipe, Huang et al. 2019;
@@ -213,7 +215,8 @@ def _peer_medians(facts: Facts, job: str, stage: int, peers: list[RankFacts], ti
                    "their timings include waiting for a core: healthy ranks, 4 or 8 to a 2-CPU node, measured up "
                    "to 1.9x apart, and users' scripts on a busy 2-CPU machine up to 1.36x over their window medians "
                    "(benchmarks/false_alarms.py)"),
-      })
+      },
+      coverage=(STRAGGLERS,))
 def straggler(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """A straggler is the rank the others wait for. In synchronous training every rank's step takes as long as the
     slowest rank's, since the others wait for it in the next collective, so whole-step times come out even; a
@@ -340,7 +343,8 @@ def _straggler_issue(job: str, ranks: list[RankFacts], timed: list[RankFacts], p
                                        "or fewer, while the others do not wait, is those ranks' own loader or "
                                        "storage, and it makes them stragglers the others wait for: PERF002 names "
                                        "them, with their extra time in loading data"),
-      })
+      },
+      coverage=(INPUT_WAIT,))
 def input_stall(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """When the data loader cannot keep up, the GPU idles at the start of every step. The rule measures each
     rank's data-loader wait as a share of its step (medians over its window of recent steps; a wait shorter than
@@ -412,7 +416,8 @@ def _bytes_per_step(rank: RankFacts) -> float | None:
                      "bandwidth only nears the link's at megabytes), and neither more GPUs nor hybrid parallelism "
                      "changes a latency: a tiny model's few-KiB all-reduce over gloo takes 1-2 ms against 0.5 ms of "
                      "compute (benchmarks/false_alarms.py) and is not what this rule is about"),
-      })
+      },
+      coverage=(WholeJob("it splits each job's exposed collective time over all its ranks"),))
 def communication_bound(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """The communication-to-computation ratio (CCR) of a pure data-parallel job is the time its collectives
     take to transfer per step over its compute time per step: above 0.5 the gradient all-reduce, not the
@@ -502,7 +507,8 @@ def _measured(measurement: BandwidthMeasurement, rated: float) -> Evidence:
       needs=(needs.BANDWIDTH,),
       thresholds={"min_fraction": Threshold(
           0.7, "a reported case: NVLink measured at only 63 % of its rated bandwidth was the problem that forced a "
-               "redesign; 0.7 flags that case while a healthy NCCL bus bandwidth reaches 75-95 % of line rate")})
+               "redesign; 0.7 flags that case while a healthy NCCL bus bandwidth reaches 75-95 % of line rate")},
+      coverage=(PROBE_RAN,))
 def bandwidth_below_rating(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """An active measurement (nccl-tests style bus bandwidth, from gpuwatch probe) is compared with what the
     path is rated for. In one reported case NVLink delivered only 63 % of its theoretical bandwidth, and

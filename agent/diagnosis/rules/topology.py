@@ -6,6 +6,7 @@ import types
 from collections.abc import Iterator
 
 from gpuwatch.agent.diagnosis import needs
+from gpuwatch.agent.diagnosis.coverage import WholeJob
 from gpuwatch.agent.diagnosis.facts import Facts, group_by, rank_list
 from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Severity, rule
 from gpuwatch.agent.diagnosis.rules.common import capped
@@ -14,7 +15,8 @@ FAMILY = "topology"
 
 
 @rule("TOPO001", family=FAMILY, severity=Severity.CRITICAL,
-      title="Pipeline and data-parallel traffic share one process group", needs=(needs.PROCESS_GROUPS,))
+      title="Pipeline and data-parallel traffic share one process group", needs=(needs.PROCESS_GROUPS,),
+      coverage=(WholeJob("it compares the process groups of every rank of a job"),))
 def shared_pp_dp_group(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """Pipeline stages exchange activations with send/recv while data-parallel replicas all-reduce their
     gradients. On one communicator the two kinds of traffic serialise: a large all-reduce blocks the
@@ -49,7 +51,8 @@ def shared_pp_dp_group(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue
 
 
 @rule("TOPO002", family=FAMILY, severity=Severity.WARNING, title="Tensor-parallel group spans nodes",
-      needs=(needs.HOSTS,))
+      needs=(needs.HOSTS,),
+      coverage=(WholeJob("it compares the placement of every rank of a job"),))
 def tp_group_spans_nodes(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """Tensor parallelism communicates inside every layer, forward and backward (Megatron-LM, Shoeybi et al.
     2019: two all-reduces forward and two backward per transformer layer, 384 per iteration for 96 layers),

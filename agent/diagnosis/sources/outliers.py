@@ -8,21 +8,18 @@ values differing from the job's majority). Each answer is one row per deviating 
 with anomalies and jobs, not nodes. The Prometheus source then reads those nodes in full (the same reads, and so
 the same Facts, as a full pull), plus one node per job so that every rule has ranks of every job to stand on.
 
-Every number a selector compares with is the rule's own ``Threshold`` (with ``--config`` overrides): a selector is
-a superset of what its rule flags, never a second copy of its judgement. A selector names the rules resting on it;
-when the engine cannot answer it (a timeout, a partial answer), those rules are reported as not run because of the
-source. Rules whose judgement no selector can narrow down (job-wide trends judged over every rank) are reported
-as not run by this fetch, with the way to run them (``--prometheus.fetch full``).
+Each rule declares in its ``@rule`` how this fetch covers it (``diagnosis/coverage.py``: the selectors, the
+environment minorities, or a whole-job read), and the fetch asks what the registry's rules declare (``served``).
+Every number a selector compares with is the rule's own ``Threshold`` (with ``--config`` overrides). When the
+engine cannot answer a selector (a timeout, a partial answer), the rules resting on it are reported as not run
+because of the source. Rules whose judgement no selector can narrow down (job-wide trends judged over every rank)
+are reported as not run by this fetch, with the way to run them (``--prometheus.fetch full``).
 
 Recording rules (``RECORDED``, shipped in ``alerts/gpuwatch.rules.yml``) precompute the yardsticks and
 threshold-free per-node signals, so that with them loaded no query diagnose sends scans every rank or GPU: it reads
 a few recorded series per job, and at most one per node. They are used when the engine evaluates this version of
 them (``SENTINEL``), and their expressions are evaluated in the queries otherwise (same answers, more engine time).
 A selector's threshold stays in the selector, never in a recording rule.
-
-Where a selector is a superset: HW003's peers are narrowed to the link layer (not the HCA model); PERF002's ratio
-is the smaller of its two (a CPU job's larger one is the rule's to apply); HANG002's mismatch is fetched through
-the ranks it leaves overdue; CONV003's checksums through any shard whose replicas disagree, at whatever step.
 """
 
 from __future__ import annotations
@@ -30,8 +27,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import types
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 from gpuwatch.agent.collectors.infiniband import PORT_ERRORS, PORT_RATE, PORT_STATE, PORT_STATES
@@ -48,26 +44,29 @@ from gpuwatch.agent.collectors.nvml import (
     XID_ERRORS,
 )
 from gpuwatch.agent.diagnosis import rules as _catalogue  # noqa: F401 - the thresholds of every rule, registered
+from gpuwatch.agent.diagnosis.coverage import (
+    DECLARED,
+    ENV_MINORITY,
+    INSTANCE,
+    RANK,
+    EnvMinority,
+    Selector,
+    Thresholds,
+    WholeJob,
+)
 from gpuwatch.agent.diagnosis.facts import SLOWDOWN_REASONS, Peers, Unjudged
-from gpuwatch.agent.diagnosis.registry import REGISTRY
+from gpuwatch.agent.diagnosis.registry import REGISTRY, Rule
 from gpuwatch.agent.diagnosis.sources import QueryError
 from gpuwatch.agent.metricspec import by_field
-from gpuwatch.agent.sampler import AGENT_INFO, COLLECTOR_UP
+from gpuwatch.agent.sampler import AGENT_INFO
 from gpuwatch.agent.telemetry.metrics import (
     CHECKSUM,
     COSINE,
     COUNTERS,
     ENV_INFO,
-    EXITED,
-    HELLO_TIME,
-    LAST_STEP,
     LATENCY,
     MEMORY_PEAK,
-    PHASE,
-    PROBE_INFO,
-    RAISED,
     RANK_INFO,
-    STALLED,
     STEP_GAUGES,
     WINDOW_GAUGES,
     WINDOW_MEDIAN,
@@ -85,10 +84,6 @@ _LOSS, _GRAD_NORM = by_field(STEP_GAUGES, "loss"), by_field(STEP_GAUGES, "grad_n
 _NONFINITE_STEPS, _ALLOC_RETRIES, _OOMS = (by_field(COUNTERS, field)
                                            for field in ("nonfinite_steps", "alloc_retries", "ooms"))
 _GPU_MEMORY_TOTAL = by_field(GPU_GAUGES, "memory_total_bytes")
-#: A rank's identity in its series. Like the alerts, the outlier fetch reads the training job from ``job``: the
-#: agents are scraped with ``honor_labels: true`` (alerts/gpuwatch.rules.yml says why).
-_RANK = "instance, job, rank"
-_JOB = "job"
 
 
 class Engine(Protocol):
@@ -171,69 +166,36 @@ RECORDED = {
         "count by (job, tp_rank, pp_stage) (count_values by (job, tp_rank, pp_stage) "
         f'("checksum", {CHECKSUM}))',
 }
-#: Rules no selector narrows down: they judge a trend or a spread over every rank of a job.
-WHOLE_JOB_RULES = {
-    "PERF004": "it splits each job's exposed collective time over all its ranks",
-    "MEM003": "it reads every rank's host-memory history",
-    "CONV005": "it averages gradient agreement over every rank of a job",
-    "CONV006": "it judges the spread of losses over every rank of a job",
-    "TOPO001": "it compares the process groups of every rank of a job",
-    "TOPO002": "it compares the placement of every rank of a job",
-}
-
-
 @dataclasses.dataclass(frozen=True)
-class Selector:
-    """A PromQL expression answering one row per node (``by = "instance"``) or job (``by = _JOB``) where the
-    ``rules`` could find something; built from the rules' thresholds (``t(code)``) and the yardsticks (``y``)."""
+class Served:
+    """What the outlier fetch asks for the rules of a registry, from the coverage each rule declares."""
 
-    what: str
-    rules: tuple[str, ...]
-    expr: Callable[[Callable[[str], types.SimpleNamespace], Mapping[str, str]], str]
-    by: str = "instance"
+    #: each selector and the rules resting on it, in the order they are asked: ``coverage.DECLARED``'s, then any
+    #: other in the order of the rules declaring them
+    selectors: dict[Selector, tuple[str, ...]]
+    #: the rules not run by this fetch, and why
+    whole_job: dict[str, str]
+    #: the rules resting on the environment minorities' nodes
+    env_minority: tuple[str, ...]
 
 
-SELECTORS = (
-    Selector("GPUs lost, with Xids, uncorrectable ECC errors or pending row remaps", ("HW004",),
-             lambda t, y: y["gpuwatch:gpu_faulty:by_instance"]),
-    Selector("PCIe links below their maximum", ("HW002",), lambda t, y: y["gpuwatch:gpu_pcie_below_max:by_instance"]),
-    Selector("GPUs slowing themselves down", ("HW005",), lambda t, y: y["gpuwatch:gpu_slowdown:by_instance"]),
-    Selector("NVLink links down", ("HW001",), lambda t, y: y["gpuwatch:nvlink_down:by_instance"]),
-    Selector("collectors down", ("HW001", "HW002", "HW003", "HW004", "HW005"),
-             lambda t, y: f"{COLLECTOR_UP} != 1"),
-    Selector("InfiniBand/RoCE ports not ACTIVE beside an ACTIVE peer, slower than the node's fastest, or erring",
-             ("HW003", "NCCL001", "NCCL002"), lambda t, y: y["gpuwatch:ib_port_unhealthy:by_instance"]),
-    Selector("ranks with a non-finite loss or gradient norm, or an exploding one", ("CONV001", "CONV002"),
-             lambda t, y: f'{y["gpuwatch:train_nonfinite:by_instance"]} or '
-                          f'{y["gpuwatch:train_grad_norm:max_by_instance"]} > {t("CONV002").max_grad_norm:g}'),
-    Selector("ranks that retried allocations or ran out of memory, or peak near their GPU's capacity",
-             ("MEM001", "MEM002"), lambda t, y: (
-                 f'{y["gpuwatch:train_alloc_trouble:by_instance"]} or '
-                 f'{y["gpuwatch:train_cuda_peak_share:max_by_instance"]} > {t("MEM002").max_peak_share:g}')),
-    Selector("ranks busy beyond k × their stage's median", ("PERF002",), lambda t, y: (
-        f'{y["gpuwatch:train_busy_over_stage_median:max_by_instance"]} > '
-        f"{min(t('PERF002').straggler_ratio, t('PERF002').shared_cpu_ratio):g}")),
-    Selector("ranks waiting on input for a large share of their step", ("PERF003",), lambda t, y: (
-        f'{y["gpuwatch:train_input_wait_share:max_by_instance"]} > {t("PERF003").max_wait_share:g}')),
-    Selector("jobs with a heavy collective latency tail (read whole: a tail on some ranks only is a wait on the "
-             "others)", ("NCCL005",), lambda t, y: (
-                 f'{y["gpuwatch:train_collective_tail:max_by_job"]} > {t("NCCL005").tail_ratio:g}'), by=_JOB),
-    Selector("ranks that name NCCL's socket interface", ("NCCL003",),
-             lambda t, y: f'{ENV_INFO}{{name="NCCL_SOCKET_IFNAME"}}'),
-    Selector("ranks with gradients too alike across data-parallel replicas", ("CONV004",), lambda t, y: (
-        f'{y["gpuwatch:train_grad_cosine:max_by_instance"]} > {t("CONV004").min_cosine:g}')),
-    Selector("jobs with an overdue, dead or failed rank", ("HANG001", "HANG002", "HANG003", "HANG004"),
-             lambda t, y: f"{STALLED} or {EXITED} or {RAISED}", by=_JOB),
-    Selector("jobs with ranks that said hello long ago, or ended, and reported no step", ("HANG005",), lambda t, y: (
-        f'(time() - {HELLO_TIME} >= {t("HANG005").min_age_seconds:g} or {PHASE}{{phase="closed"}}) '
-        f"unless on ({_RANK}) {LAST_STEP}"), by=_JOB),
-    Selector("jobs whose replicas of one shard hold different parameter checksums", ("CONV003",), lambda t, y: (
-        f'{y["gpuwatch:train_param_checksum:distinct_by_shard"]} > 1'), by=_JOB),
-    Selector("jobs whose median pipeline bubble is high", ("PERF001",), lambda t, y: (
-        f"quantile by (job) (0.5, {by_field(WINDOW_GAUGES, 'bubble_ratio')}) "
-        f"> {t('PERF001').max_bubble_ratio:g}"), by=_JOB),
-    Selector("nodes that ran an interconnect probe", ("PERF005",), lambda t, y: PROBE_INFO.name),
-)
+def served(registry: Mapping[str, Rule]) -> Served:
+    """Which selectors ``registry``'s rules rest on, which need their jobs whole, which the environment minorities:
+    read from the registry at each fetch, so that a rule registered with a selector of its own is served by it."""
+    selectors: dict[Selector, list[str]] = collections.defaultdict(list)
+    whole_job: dict[str, str] = {}
+    env_minority: list[str] = []
+    for code, entry in registry.items():
+        for part in entry.coverage:
+            if isinstance(part, WholeJob):
+                whole_job[code] = part.why
+            elif isinstance(part, EnvMinority):
+                env_minority.append(code)
+            else:
+                selectors[part].append(code)
+    position = {selector: index for index, selector in enumerate(DECLARED)}
+    ordered = sorted(selectors, key=lambda selector: position.get(selector, len(DECLARED)))
+    return Served({selector: tuple(selectors[selector]) for selector in ordered}, whole_job, tuple(env_minority))
 
 
 @dataclasses.dataclass
@@ -260,7 +222,7 @@ class Plan:
             self.unjudged.setdefault(code, Unjudged(f"the outlier query for {what} failed: {error}", source=True))
 
 
-def _thresholds(overrides: Mapping[str, Mapping[str, float]]) -> Callable[[str], types.SimpleNamespace]:
+def _thresholds(overrides: Mapping[str, Mapping[str, float]]) -> Thresholds:
     return lambda code: REGISTRY[code].params(overrides.get(code))
 
 
@@ -286,13 +248,10 @@ def _jobs(jobs: Iterable[str]) -> str:
 def plan(engine: Engine, overrides: Mapping[str, Mapping[str, float]]) -> Plan:
     """Ask the engine which nodes deviate, which jobs need reading whole, and the yardsticks of the rest."""
     result = Plan()
-    for code, why in WHOLE_JOB_RULES.items():
-        if code in REGISTRY:
-            result.unjudged[code] = Unjudged(f"the outlier fetch does not read every rank ({why}): use "
-                                             "--prometheus.fetch full", source=False)
-    for code in uncovered(REGISTRY):
-        result.unjudged[code] = Unjudged("no outlier selector covers it, so the outlier fetch would judge it on some "
-                                         "nodes only: use --prometheus.fetch full", source=False)
+    rules = served(REGISTRY)
+    for code, why in rules.whole_job.items():
+        result.unjudged[code] = Unjudged(f"the outlier fetch does not read every rank ({why}): use "
+                                         "--prometheus.fetch full", source=False)
     yardsticks = _yardsticks(engine)
     t = _thresholds(overrides)
     whole_jobs: set[str] = set()
@@ -306,16 +265,16 @@ def plan(engine: Engine, overrides: Mapping[str, Mapping[str, float]]) -> Plan:
     # The selectors are independent: an engine evaluates them side by side (each over whole families), so they
     # are sent together, a few at a time, and read in order.
     with concurrent.futures.ThreadPoolExecutor(PARALLEL_QUERIES) as pool:
-        answers = list(pool.map(ask, SELECTORS))
-    for selector, rows in zip(SELECTORS, answers, strict=True):
+        answers = list(pool.map(ask, rules.selectors))
+    for (selector, codes), rows in zip(rules.selectors.items(), answers, strict=True):
         if isinstance(rows, QueryError):
-            result.fail(selector.rules, selector.what, rows)
+            result.fail(codes, selector.what, rows)
             continue
-        if selector.by == "instance":
+        if selector.by == INSTANCE:
             result.add((row["metric"].get("instance", "") for row in rows), selector.what)
         else:
             whole_jobs |= {row["metric"].get("job", "") for row in rows}
-    _env_minorities(engine, yardsticks, result)
+    _env_minorities(engine, yardsticks, rules.env_minority, result)
     _stage_peers(engine, yardsticks, result)
     try:
         if whole_jobs:
@@ -349,22 +308,10 @@ def _yardsticks(engine: Engine) -> dict[str, str]:
     return {name: resolve(name) for name in RECORDED}
 
 
-#: The rules whose nodes the environment's minorities select (`_env_minorities`): a setting the whole job shares is
-#: seen on the one node per job read in detail.
-ENV_MINORITY_RULES = ("NCCL001", "NCCL002", "NCCL004", "MEM001")
-
-
-def uncovered(codes: Iterable[str]) -> list[str]:
-    """The rules among `codes` that no outlier selector, whole-job read or environment minority covers: judged on the
-    nodes read in detail only, they could miss what the others show, so the outlier fetch does not run them."""
-    covered = {code for selector in SELECTORS for code in selector.rules} | set(WHOLE_JOB_RULES)
-    return [code for code in codes if code not in covered | set(ENV_MINORITY_RULES)]
-
-
-def _env_minorities(engine: Engine, y: Mapping[str, str], result: Plan) -> None:
+def _env_minorities(engine: Engine, y: Mapping[str, str], rules: Iterable[str], result: Plan) -> None:
     """Nodes of ranks whose exported environment differs from their job's majority (a variable unset counts as a
-    value): from the counts per value, one row per job, variable and value."""
-    rules = ENV_MINORITY_RULES
+    value): from the counts per value, one row per job, variable and value. A setting the whole job shares is seen
+    on the one node per job read in detail."""
     try:
         ranks = {row["metric"].get("job", ""): int(float(row["value"][1]))
                  for row in engine.query(y["gpuwatch:train_rank_info:count_by_job"])}
@@ -382,13 +329,13 @@ def _env_minorities(engine: Engine, y: Mapping[str, str], result: Plan) -> None:
                 if count == majority and list(values.values()).count(majority) == 1:
                     continue  # the job's majority: a rank with it reads like its peers
                 variable = f"{ENV_INFO}{{{_jobs([job])}, name={_quoted(name)}"
-                selectors.append(f"({RANK_INFO}{{{_jobs([job])}}} unless on ({_RANK}) {variable}}})"
+                selectors.append(f"({RANK_INFO}{{{_jobs([job])}}} unless on ({RANK}) {variable}}})"
                                  if value is None else f"{variable}, value={_quoted(value)}}}")
         if selectors:
             rows = engine.query(f"group by (instance) ({' or '.join(selectors)})")
             result.add((row["metric"]["instance"] for row in rows), "environments differing from their job's")
     except QueryError as exc:
-        result.fail(rules, "environments differing from their job's majority", exc)
+        result.fail(rules, ENV_MINORITY.what, exc)
 
 
 def _stage_peers(engine: Engine, y: Mapping[str, str], result: Plan) -> None:

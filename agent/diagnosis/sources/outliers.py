@@ -38,7 +38,7 @@ from gpuwatch.agent.collectors.infiniband import PORT_STATES
 from gpuwatch.agent.diagnosis import rules as _catalogue  # noqa: F401 - the thresholds of every rule, registered
 from gpuwatch.agent.diagnosis.facts import SLOWDOWN_REASONS, Peers, Unjudged
 from gpuwatch.agent.diagnosis.registry import REGISTRY
-from gpuwatch.agent.diagnosis.sources import QueryError
+from gpuwatch.agent.diagnosis.sources import WINDOW, QueryError
 from gpuwatch.agent.telemetry.metrics import (
     EXITED,
     HELLO_TIME,
@@ -50,8 +50,6 @@ from gpuwatch.agent.telemetry.metrics import (
 )
 from gpuwatch.agent.telemetry.window import BUSY, MIN_WINDOW_STEPS, PHASE_TIMINGS
 
-#: The window of the error-counter increases: the same as the full pull's (``prometheus.WINDOW``).
-WINDOW = "10m"
 #: Selector queries in flight at once: enough to keep a multi-core engine busy, few enough not to crowd it.
 PARALLEL_QUERIES = 4
 _ACTIVE = next(code for code, name in PORT_STATES.items() if name == "ACTIVE")

@@ -164,6 +164,9 @@ def render() -> str:
     """The rule file's text, from the declarations and the registry as they are now."""
     if sum(group.records for group in GROUPS) != 1:
         raise ValueError("exactly one group holds the recording rules")
+    unknown = RECORD_HEADINGS.keys() - {name for name, _ in _records()}
+    if unknown:
+        raise ValueError(f"headings for no recording rule: {', '.join(sorted(unknown))}")
     body = "\n\n".join("\n".join(_group_lines(group)) for group in GROUPS)
     return f"{HEADER}groups:\n{body}\n"
 

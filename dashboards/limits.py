@@ -40,6 +40,8 @@ GRAD_SPIKE_FACTOR = _threshold("CONV002", "spike_factor")
 #: CONV005: a mean gradient cosine below the low bound means skewed data, above the high one a batch too large.
 LOW_COSINE = _threshold("CONV005", "low_cosine")
 HIGH_COSINE = _threshold("CONV005", "high_cosine")
+#: HANG001-003: a rank without progress this long is stalled (the three rules share the threshold).
+STALL_SECONDS = _threshold("HANG001", "stall_seconds")
 
 #: No rule: drift drawn yellow from a tenth of CONV003's tolerance, so it shows before the rule fires (rounded to
 #: 12 digits: a tenth of 1e-5 is 1.0000000000000002e-06 in floating point).

@@ -13,6 +13,7 @@ from gpuwatch.dashboards.limits import (
     MAX_GRAD_NORM,
     MAX_INPUT_WAIT_SHARE,
     MIN_UNUSED_SHARE,
+    STALL_SECONDS,
     STRAGGLER_RATIO,
     percent,
 )
@@ -167,7 +168,8 @@ def _progress() -> list[PanelBuilder]:
                    Query(f"gpuwatch_train_in_flight_collective_seq{{{RANKS}}}",
                          "{{job}} rank {{rank}} {{op}} on {{group}}"), width=6),
         timeseries("Stalled for", SECONDS, "Seconds since each overdue rank last made progress (HANG001-003 from "
-                   "5 s).", _per_rank("gpuwatch_train_stalled_seconds"), width=6, limits=red_above(5)),
+                   f"{STALL_SECONDS:g} s).", _per_rank("gpuwatch_train_stalled_seconds"), width=6,
+                   limits=red_above(STALL_SECONDS)),
     ]
 
 

@@ -1,5 +1,8 @@
 """Prometheus alerting and recording rules of gpuwatch (``gpuwatch.rules.yml``), with their promtool unit tests
-in ``tests/`` (repository only) and a runbook section per alert in docs/runbook.md."""
+in ``tests/`` (repository only) and a runbook section per alert in docs/runbook.md.
+
+The file is generated (``rules.py`` declares the alerts from the diagnose rules' thresholds, ``generate.py`` renders
+them: ``gpuwatch alerts generate``) and shipped as generated, so exporting it needs nothing but the package."""
 
 from __future__ import annotations
 

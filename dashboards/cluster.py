@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+from gpuwatch.alerts.generate import promql_number
+from gpuwatch.dashboards.limits import (
+    MAX_BUBBLE_RATIO,
+    REPLICA_DRIFT,
+    REPLICA_TOLERANCE,
+    STRAGGLER_MIN_STEP_SHARE,
+    STRAGGLER_RATIO,
+    percent,
+)
 from gpuwatch.dashboards.panels import (
     COUNT,
     FLOPS,
@@ -70,24 +79,25 @@ def _findings() -> list[PanelBuilder]:
     return [
         timeseries("Straggler ratio", NONE, "Slowest rank's median busy time (its step without its waits in "
                    "collectives) over its window of recent steps, against the median of its pipeline stage (PERF002 "
-                   "and the TrainingStraggler alert fire above 1.25 when the excess is also a tenth of the step).",
+                   f"and the TrainingStraggler alert fire above {STRAGGLER_RATIO:g} when the excess is also "
+                   f"{percent(STRAGGLER_MIN_STEP_SHARE)} of the job's median step).",
                    Query(f"max by (job) ({window_busy} / on (job, pp_stage) group_left () "
                          f"quantile by (job, pp_stage) (0.5, {window_busy}))", "{{job}}"),
-                   width=6, limits=red_above(1.25)),
+                   width=6, limits=red_above(STRAGGLER_RATIO)),
         timeseries("Pipeline bubble", PERCENT, "Largest measured bubble of any stage against the schedule's "
-                   "theory, (p-1)/(m+p-1) (PERF001 above 20 %).",
+                   f"theory, (p-1)/(m+p-1) (PERF001 above {percent(MAX_BUBBLE_RATIO)}).",
                    Query(f"max by (job) (gpuwatch_train_window_bubble_ratio{{{RANKS}}})", "{{job}} measured"),
                    Query(f"max by (job) (gpuwatch_train_pipeline_bubble_ratio_theoretical{{{RANKS}}})",
                          "{{job}} theory"),
-                   width=6, minimum=0, maximum=1, limits=red_above(0.2)),
+                   width=6, minimum=0, maximum=1, limits=red_above(MAX_BUBBLE_RATIO)),
         timeseries("Non-finite steps", COUNT, "Steps with a NaN or Inf loss or gradient (CONV001), all ranks.",
                    Query(f"sum by (job) (gpuwatch_train_nonfinite_steps_total{{{RANKS}}})", "{{job}}"),
                    width=6, limits=red_above(1)),
         timeseries("Replica desync", NONE, "Largest relative spread of the parameter checksums of data-parallel "
-                   "replicas (CONV003 above 1e-5; 0 when in sync).",
+                   f"replicas (CONV003 above {promql_number(REPLICA_TOLERANCE)}; 0 when in sync).",
                    Query(f"max by (job) ((max {replicas} ({checksum}) - min {replicas} ({checksum})) "
                          f"/ max {replicas} (abs({checksum})))", "{{job}}"),
-                   width=6, limits=thresholds((None, "green"), (1e-6, YELLOW), (1e-5, RED))),
+                   width=6, limits=thresholds((None, "green"), (REPLICA_DRIFT, YELLOW), (REPLICA_TOLERANCE, RED))),
     ]
 
 

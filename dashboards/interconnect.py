@@ -6,6 +6,7 @@ NVLink generations and NDR/HDR ports alike; red above 80 %, where practitioners 
 
 from __future__ import annotations
 
+from gpuwatch.dashboards.limits import LINK_BUSY_SHARE, PORT_ERRORS_PER_SECOND
 from gpuwatch.dashboards.panels import (
     BYTES_PER_SECOND,
     COUNT,
@@ -28,7 +29,6 @@ from gpuwatch.dashboards.panels import (
 UID = "gpuwatch-interconnect"
 LINK = "{{instance}} GPU {{gpu}} link {{link}}"
 PORT = "{{instance}} {{device}}/{{port}}"
-BUSY = 0.8
 
 #: IB PortInfo states (ibstat), and the physical states.
 PORT_STATES = {1: ("DOWN", RED), 2: ("INIT", "orange"), 3: ("ARMED", "yellow"), 4: ("ACTIVE", "green"),
@@ -42,7 +42,7 @@ def _utilisation(direction: str, counter: str, rated: str, on: str, legend: str,
     return timeseries(
         f"{direction} utilisation", PERCENT, description,
         Query(f"rate({counter}{{{NODE}}}[$__rate_interval]) / on ({on}) {rated}{{{NODE}}}", legend),
-        minimum=0, maximum=1, limits=red_above(BUSY))
+        minimum=0, maximum=1, limits=red_above(LINK_BUSY_SHARE))
 
 
 def _nvlink() -> list[PanelBuilder]:
@@ -80,7 +80,7 @@ def _infiniband() -> list[PanelBuilder]:
         timeseries("InfiniBand errors", PER_SECOND, "Port error counters per second by counter (HW003): symbol "
                    "errors and link recoveries point at a cable, discards at congestion.",
                    Query(f"sum by (instance, device, port, counter) (rate(gpuwatch_ib_port_errors_total{{{NODE}}}"
-                         "[$__rate_interval]))", f"{PORT} {{{{counter}}}}"), limits=red_above(0.01)),
+                         "[$__rate_interval]))", f"{PORT} {{{{counter}}}}"), limits=red_above(PORT_ERRORS_PER_SECOND)),
         timeseries("InfiniBand transmit wait", PER_SECOND, "Ticks per second the port had data but no credits: "
                    "congestion downstream.",
                    Query(f"rate(gpuwatch_ib_port_transmit_wait_ticks_total{{{NODE}}}[$__rate_interval])", PORT)),

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+from gpuwatch.dashboards.limits import (
+    MAX_PEAK_SHARE,
+    MEMORY_USED_WARN,
+    TEMPERATURE_HOT_CELSIUS,
+    TEMPERATURE_WARM_CELSIUS,
+    percent,
+)
 from gpuwatch.dashboards.panels import (
     BYTES,
     COUNT,
@@ -46,11 +53,12 @@ def _activity() -> list[PanelBuilder]:
 
 def _memory_power() -> list[PanelBuilder]:
     return [
-        timeseries("Memory used", PERCENT, "Device memory used over total, per GPU (MEM002 warns above 95 % "
+        timeseries("Memory used", PERCENT, "Device memory used over total, per GPU (MEM002 warns above "
+                   f"{percent(MAX_PEAK_SHARE)} "
                    "of a rank's peak).",
                    Query(f"gpuwatch_gpu_memory_used_bytes{{{GPU}}} / gpuwatch_gpu_memory_total_bytes{{{GPU}}}",
                          PER_GPU), width=6, minimum=0, maximum=1,
-                   limits=thresholds((None, "green"), (0.9, YELLOW), (0.95, RED))),
+                   limits=thresholds((None, "green"), (MEMORY_USED_WARN, YELLOW), (MAX_PEAK_SHARE, RED))),
         timeseries("Memory used (bytes)", BYTES, "Device memory used, per GPU.",
                    Query(f"gpuwatch_gpu_memory_used_bytes{{{GPU}}}", PER_GPU), width=6),
         timeseries("Power", "watt", "Power draw per GPU; a GPU pinned at its limit may show sw_power_cap below.",
@@ -58,7 +66,8 @@ def _memory_power() -> list[PanelBuilder]:
                    width=6),
         timeseries("Temperature", "celsius", "GPU temperature; throttling typically starts in the high 80s.",
                    Query(f"gpuwatch_gpu_temperature_celsius{{{GPU}}}", PER_GPU), width=6,
-                   limits=thresholds((None, "green"), (80, YELLOW), (87, RED))),
+                   limits=thresholds((None, "green"), (TEMPERATURE_WARM_CELSIUS, YELLOW),
+                                     (TEMPERATURE_HOT_CELSIUS, RED))),
     ]
 
 

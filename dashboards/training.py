@@ -3,6 +3,20 @@ per-rank timing of the jobs the hooks report."""
 
 from __future__ import annotations
 
+from gpuwatch.dashboards.limits import (
+    ALLOC_RETRIES_PER_SECOND,
+    COSINE_NEAR_ONE,
+    GRAD_SPIKE_FACTOR,
+    HIGH_COSINE,
+    LOW_COSINE,
+    MAX_BUBBLE_RATIO,
+    MAX_GRAD_NORM,
+    MAX_INPUT_WAIT_SHARE,
+    MIN_UNUSED_SHARE,
+    STALL_SECONDS,
+    STRAGGLER_RATIO,
+    percent,
+)
 from gpuwatch.dashboards.panels import (
     BYTES,
     BYTES_PER_SECOND,
@@ -45,13 +59,15 @@ def _convergence() -> list[PanelBuilder]:
                    "ranks of one job should agree closely.",
                    Query(f"max by (job) ({loss}) - min by (job) ({loss})", "{{job}} max - min"),
                    Query(f"stddev by (job) ({loss})", "{{job}} stddev"), width=8),
-        timeseries("Gradient norm", NONE, "Global gradient norm (CONV002 above 100 or 10x its running median).",
-                   _per_rank("gpuwatch_train_grad_norm"), width=8, limits=red_above(100)),
+        timeseries("Gradient norm", NONE, "Global gradient norm (CONV002 above "
+                   f"{MAX_GRAD_NORM:g} or {GRAD_SPIKE_FACTOR:g}x its running median).",
+                   _per_rank("gpuwatch_train_grad_norm"), width=8, limits=red_above(MAX_GRAD_NORM)),
         timeseries("Gradient cosine similarity", NONE, "Cosine between each data-parallel rank's local gradient "
-                   "and the DP mean: ~1 on every rank means duplicated data (CONV004); a mean below 0.85 skewed "
-                   "data, above 0.95 a batch larger than useful (CONV005).",
+                   "and the DP mean: ~1 on every rank means duplicated data (CONV004); a mean below "
+                   f"{LOW_COSINE:g} skewed data, above {HIGH_COSINE:g} a batch larger than useful (CONV005).",
                    _per_rank("gpuwatch_train_grad_cosine_similarity"), width=8, minimum=-1, maximum=1,
-                   limits=thresholds((None, YELLOW), (0.85, "green"), (0.95, YELLOW), (0.999, RED))),
+                   limits=thresholds((None, YELLOW), (LOW_COSINE, "green"), (HIGH_COSINE, YELLOW),
+                                     (COSINE_NEAR_ONE, RED))),
         timeseries("Loss scale", NONE, "Mixed-precision loss scale: a collapse toward 1 means overflow every step.",
                    _per_rank("gpuwatch_train_loss_scale"), width=8),
         timeseries("Model FLOPs utilisation", PERCENT, "Achieved over peak FLOP/s per rank.",
@@ -67,12 +83,12 @@ def _quantile(q: float) -> Query:
 def _parallelism() -> list[PanelBuilder]:
     return [
         timeseries("Pipeline bubble per stage", PERCENT, "Measured bubble, idle / (busy + idle), of each stage "
-                   "against the schedule's theory (p-1)/(m+p-1): PERF001 above 20 %.",
+                   f"against the schedule's theory (p-1)/(m+p-1): PERF001 above {percent(MAX_BUBBLE_RATIO)}.",
                    Query(f"max by (job, pp_stage) (gpuwatch_train_pipeline_bubble_ratio{{{RANKS}}})",
                          "{{job}} stage {{pp_stage}} measured"),
                    Query(f"max by (job, pp_stage) (gpuwatch_train_pipeline_bubble_ratio_theoretical{{{RANKS}}})",
                          "{{job}} stage {{pp_stage}} theory"),
-                   width=8, minimum=0, maximum=1, limits=red_above(0.2)),
+                   width=8, minimum=0, maximum=1, limits=red_above(MAX_BUBBLE_RATIO)),
         timeseries("Collective latency p50 / p99", SECONDS, "Latency quantiles of the ranks' collective calls by "
                    "op; a p99 far above p50 on a ring is NCCL005's tail.", _quantile(0.5), _quantile(0.99),
                    width=8),
@@ -81,9 +97,10 @@ def _parallelism() -> list[PanelBuilder]:
                          "[$__rate_interval]))", "{{job}} {{op}}"), width=8),
         timeseries("Data-loader wait", SECONDS, "Time each rank's latest step waited for its batch.",
                    _per_rank("gpuwatch_train_dataloader_wait_seconds"), width=12),
-        timeseries("Data-loader wait share", PERCENT, "Input wait over step time: PERF003 above 20 %.",
+        timeseries("Data-loader wait share", PERCENT,
+                   f"Input wait over step time: PERF003 above {percent(MAX_INPUT_WAIT_SHARE)}.",
                    Query(f"gpuwatch_train_dataloader_wait_seconds{{{RANKS}}} / gpuwatch_train_step_seconds{{{RANKS}}}",
-                         PER_RANK), width=12, minimum=0, maximum=1, limits=red_above(0.2)),
+                         PER_RANK), width=12, minimum=0, maximum=1, limits=red_above(MAX_INPUT_WAIT_SHARE)),
     ]
 
 
@@ -100,14 +117,16 @@ def _memory() -> list[PanelBuilder]:
                    series("gpuwatch_train_memory_reserved_bytes", "reserved"),
                    series("gpuwatch_train_memory_allocated_bytes", "allocated"), width=8),
         timeseries("Fragmentation", PERCENT, "Reserved but unallocated share of the caching allocator's memory, "
-                   "and the inactive split blocks' share (MEM001 above 25 % with allocation retries).",
+                   "and the inactive split blocks' share (MEM001 above "
+                   f"{percent(MIN_UNUSED_SHARE)} with allocation retries).",
                    Query(f"({reserved} - {allocated}) / {reserved}", f"{PER_RANK} unallocated"),
                    Query(f'gpuwatch_train_memory_inactive_split_bytes{{{RANKS}, kind="cuda"}} / {reserved}',
-                         f"{PER_RANK} inactive split"), width=8, minimum=0, maximum=1, limits=red_above(0.25)),
+                         f"{PER_RANK} inactive split"), width=8, minimum=0, maximum=1,
+                   limits=red_above(MIN_UNUSED_SHARE)),
         timeseries("Allocation retries", PER_SECOND, "Caching-allocator retries per second (a cache flush and "
                    "retry after a failed cudaMalloc): each stalls the step.",
                    Query(f"rate(gpuwatch_train_alloc_retries_total{{{RANKS}}}[$__rate_interval])", PER_RANK),
-                   width=8, limits=red_above(0.001)),
+                   width=8, limits=red_above(ALLOC_RETRIES_PER_SECOND)),
     ]
 
 
@@ -117,7 +136,7 @@ def _timing() -> list[PanelBuilder]:
                    "all-reduce evens these out.", _per_rank("gpuwatch_train_step_seconds"), width=8),
         timeseries("Busy time per rank", SECONDS, "Median over each rank's window of its step without its waits "
                    "in collectives (the sum of its phases): the straggler the others wait for shows here (PERF002, "
-                   "1.25x its stage's median).",
+                   f"{STRAGGLER_RATIO:g}x its stage's median).",
                    Query(f'gpuwatch_train_window_median_seconds{{{RANKS}, timing="busy_seconds"}}', PER_RANK),
                    width=8),
         timeseries("Phases per rank", SECONDS, "Each rank's latest step split into data, compute, optimizer and "
@@ -149,7 +168,8 @@ def _progress() -> list[PanelBuilder]:
                    Query(f"gpuwatch_train_in_flight_collective_seq{{{RANKS}}}",
                          "{{job}} rank {{rank}} {{op}} on {{group}}"), width=6),
         timeseries("Stalled for", SECONDS, "Seconds since each overdue rank last made progress (HANG001-003 from "
-                   "5 s).", _per_rank("gpuwatch_train_stalled_seconds"), width=6, limits=red_above(5)),
+                   f"{STALL_SECONDS:g} s).", _per_rank("gpuwatch_train_stalled_seconds"), width=6,
+                   limits=red_above(STALL_SECONDS)),
     ]
 
 

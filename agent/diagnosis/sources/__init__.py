@@ -17,6 +17,12 @@ from gpuwatch.agent.diagnosis.sources.httpconfig import HttpConfig
 
 #: Seconds an HTTP source waits for an answer.
 HTTP_TIMEOUT = 10.0
+#: The window over which diagnosis reads error counters' increases (Xids, ECC, NVLink and port errors): long enough
+#: for a few scrapes of a slow-climbing counter, short enough that a fixed link stops counting. Stated once here:
+#: the full pull, the outlier fetch and the alerts (alerts/rules.py) judge the same increase over the same span.
+WINDOW_MINUTES = 10
+#: ``WINDOW_MINUTES`` as a PromQL range duration.
+WINDOW = f"{WINDOW_MINUTES}m"
 
 
 class SourceError(Exception):

@@ -56,7 +56,7 @@ from gpuwatch.agent.diagnosis.coverage import (
 )
 from gpuwatch.agent.diagnosis.facts import SLOWDOWN_REASONS, Peers, Unjudged
 from gpuwatch.agent.diagnosis.registry import REGISTRY, Rule
-from gpuwatch.agent.diagnosis.sources import QueryError
+from gpuwatch.agent.diagnosis.sources import WINDOW, QueryError
 from gpuwatch.agent.metricspec import by_field
 from gpuwatch.agent.sampler import AGENT_INFO
 from gpuwatch.agent.telemetry.metrics import (
@@ -73,8 +73,6 @@ from gpuwatch.agent.telemetry.metrics import (
 )
 from gpuwatch.agent.telemetry.window import BUSY, MIN_WINDOW_STEPS, PHASE_TIMINGS
 
-#: The window of the error-counter increases: the same as the full pull's (``prometheus.WINDOW``).
-WINDOW = "10m"
 #: Selector queries in flight at once: enough to keep a multi-core engine busy, few enough not to crowd it.
 PARALLEL_QUERIES = 4
 _ACTIVE = next(code for code, name in PORT_STATES.items() if name == "ACTIVE")

@@ -67,7 +67,7 @@ from gpuwatch.agent.diagnosis.facts import (
     group_members,
 )
 from gpuwatch.agent.diagnosis.registry import REGISTRY
-from gpuwatch.agent.diagnosis.sources import HTTP_TIMEOUT, Meter, QueryError, SourceError, http_json, outliers
+from gpuwatch.agent.diagnosis.sources import HTTP_TIMEOUT, WINDOW, Meter, QueryError, SourceError, http_json, outliers
 from gpuwatch.agent.diagnosis.sources.collectors import GPU_GAUGES_READ, PARTS, hca_model, read_by
 from gpuwatch.agent.diagnosis.sources.httpconfig import HttpConfig
 from gpuwatch.agent.sampler import AGENT_INFO, COLLECTOR_UP
@@ -101,8 +101,6 @@ from gpuwatch.agent.telemetry.metrics import (
 from gpuwatch.agent.telemetry.window import WindowSummary
 from gpuwatch.protocol.ranks import parse_members
 
-#: Window of the error-counter increases.
-WINDOW = "10m"
 #: How far back the per-step host RSS history reaches, and its resolution.
 HISTORY = "30m:30s"
 

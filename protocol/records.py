@@ -26,8 +26,8 @@ T = TypeVar("T")
 
 class MaybeNonFinite(float):
     """A float that may be NaN or ±Infinity (``loss``, ``grad_norm``): on the wire a JSON ``NaN``/``Infinity``; in
-    /api/v1/state the strings "NaN", "+Inf" and "-Inf" (Prometheus's HTTP API form, strict JSON). Decoded by
-    ``decode_hook`` to a plain float."""
+    /api/v1/state the strings "NaN", "+Inf" and "-Inf" (Prometheus's HTTP API form, strict JSON). A float subclass
+    only so that msgspec hands its values to ``decode_hook``: it compares, adds and prints as the float it is."""
 
 
 _NON_FINITE_TEXT = {"NaN": math.nan, "+Inf": math.inf, "-Inf": -math.inf}
@@ -36,10 +36,10 @@ _NON_FINITE_TEXT = {"NaN": math.nan, "+Inf": math.inf, "-Inf": -math.inf}
 def decode_hook(wanted: type, value: Any) -> Any:
     """msgspec's ``dec_hook`` for the types it does not know: ``MaybeNonFinite`` from a number or its JSON text."""
     if wanted is MaybeNonFinite:
-        if type(value) in (int, float):
-            return float(value)
+        if type(value) in (int, float, MaybeNonFinite):
+            return MaybeNonFinite(value)
         if isinstance(value, str) and value in _NON_FINITE_TEXT:
-            return _NON_FINITE_TEXT[value]
+            return MaybeNonFinite(_NON_FINITE_TEXT[value])
         raise TypeError(f"expected a number or one of {', '.join(_NON_FINITE_TEXT)}, got {value!r}")
     raise NotImplementedError(f"no decoding into {wanted}")
 

@@ -90,8 +90,8 @@ def read(path: Path) -> Facts:
 
 
 def _add(series: _Series, step: Step) -> None:
-    for name, value in (("loss", step.loss), ("grad_norm", step.grad_norm)):
+    memory = step.memory
+    host_rss = memory.peak_bytes if memory is not None and memory.kind == "host_rss" else None
+    for name, value in (("loss", step.loss), ("grad_norm", step.grad_norm), ("host_rss_bytes", host_rss)):
         if value is not None:
             series.points[name].append((step.step, value))
-    if step.memory is not None and step.memory.kind == "host_rss":
-        series.points["host_rss_bytes"].append((step.step, step.memory.peak_bytes))

@@ -53,7 +53,7 @@ def facts_from_state(state: Any, location: str) -> Facts:
     facts.nodes[name] = node_facts(name, NodeReadings.from_dict(collected), missing,
                                    simulated=state["agent"].get("mode") == "simulated")
     try:
-        telemetry = convert(state["facts"], StateFacts).telemetry or TelemetryReadings()
+        telemetry = convert(collected, StateFacts).telemetry or TelemetryReadings()
     except msgspec.ValidationError as exc:
         raise SourceError(f"{location}: malformed telemetry in the agent's state: {exc}") from None
     facts.ranks += [rank_facts(rank, node=name, now=state.get("timestamp")) for rank in telemetry.ranks]

@@ -353,6 +353,11 @@ class _Field:
 
     check: Callable[[Any], Any]
     type: Any = None
+    #: The structure, which ``protocol/records.py``'s typed structs restate and tests/test_telemetry_schema.py holds
+    #: them to: an object's fields and which are required; a list's items' or a mapping's values' rule.
+    fields: Mapping[str, _Field] | None = None
+    required: frozenset[str] = frozenset()
+    item: _Field | None = None
 
 
 def _range(low: float, high: float) -> msgspec.Meta:
@@ -455,7 +460,7 @@ def _list(item: _Field, max_items: int) -> _Field:
         return out
 
     typed = None if item.type is None else types.GenericAlias(list, item.type)
-    return _Field(check, None if typed is None else Annotated[typed, msgspec.Meta(max_length=max_items)])
+    return _Field(check, None if typed is None else Annotated[typed, msgspec.Meta(max_length=max_items)], item=item)
 
 
 def _counts(items: int) -> _Field:
@@ -475,7 +480,7 @@ def _counts(items: int) -> _Field:
         return value
 
     typed = types.GenericAlias(list, _COUNT.type)
-    return _Field(check, Annotated[typed, msgspec.Meta(min_length=items, max_length=items)])
+    return _Field(check, Annotated[typed, msgspec.Meta(min_length=items, max_length=items)], item=_COUNT)
 
 
 def _mapping(key: _Field, item: _Field, max_items: int) -> _Field:
@@ -493,7 +498,7 @@ def _mapping(key: _Field, item: _Field, max_items: int) -> _Field:
         return out
 
     typed = None if key.type is None or item.type is None else types.GenericAlias(dict, (key.type, item.type))
-    return _Field(check, None if typed is None else Annotated[typed, msgspec.Meta(max_length=max_items)])
+    return _Field(check, None if typed is None else Annotated[typed, msgspec.Meta(max_length=max_items)], item=item)
 
 
 def _check_nesting(value: Any, levels_left: int) -> None:
@@ -538,7 +543,7 @@ def _object(required: Mapping[str, _Field], optional: Mapping[str, _Field] | Non
 
     members = {name: field for name, field in fields.items() if tag is None or name != tag[0]}
     if any(field.type is None for field in members.values()):
-        return _Field(check)
+        return _Field(check, fields=fields, required=frozenset(required))
     struct = msgspec.defstruct(
         "Object",
         [(name, field.type) for name, field in members.items() if name in required]
@@ -547,7 +552,7 @@ def _object(required: Mapping[str, _Field], optional: Mapping[str, _Field] | Non
         kw_only=True, forbid_unknown_fields=True,
         tag_field=None if tag is None else tag[0], tag=None if tag is None else tag[1],
     )
-    return _Field(check, struct)
+    return _Field(check, struct, fields=fields, required=frozenset(required))
 
 
 def _check_environment(value: Any) -> dict[str, str]:

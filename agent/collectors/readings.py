@@ -12,7 +12,7 @@ the quantities' names everywhere: the JSON keys, the diagnosis facts' fields whe
 and the ``field`` of the metric declarations (``base.MetricSpec``) that export them.
 
 A value the collector could not read is ``None`` (written as ``null``). The telemetry collector's output is not
-here: it is the telemetry store's state, whose bodies are the record schema's (``agent.telemetry.schema``).
+here: it is the telemetry store's state, typed for its readers in ``agent/telemetry/readings.py``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ A round's read (apply what was queued, expire, copy the ranks) is made by whiche
 ahead of a scrape or a state request (``Once``); a round nobody uses reads nothing. Its families and its readings
 are built from the copies when asked for (``Round``): the ranks are copies and probe bodies are never mutated, so
 building later is the same. Hello, step and probe bodies are the telemetry record schema's (``protocol.schema``),
-so the readings keep them as the schema defines them rather than typed again here.
+written as the schema defines them; their readers convert a rank back into ``readings.RankReadings``.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class StateReadings:
 
 
 def rank_readings(state: RankState) -> dict[str, Any]:
-    """A rank's state as /api/v1/state serves it, read back by ``diagnosis.sources.telemetry.rank_facts``."""
+    """A rank's state as /api/v1/state serves it, read back as ``readings.RankReadings`` (the same keys: a test)."""
     return {
         "job": state.job,
         "rank": state.rank,

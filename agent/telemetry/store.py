@@ -30,9 +30,10 @@ import math
 import operator
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, NamedTuple, TypeVar
 
+from gpuwatch.agent.telemetry.readings import SampledSignals
 from gpuwatch.agent.telemetry.window import StepWindow
 from gpuwatch.protocol.schema import (
     CLIENT_DROP_REASONS,
@@ -44,6 +45,7 @@ from gpuwatch.protocol.schema import (
 )
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 DEFAULT_TTL = 120.0
 DEFAULT_MAX_RANKS = 1024
@@ -62,8 +64,8 @@ MAX_PENDING_BYTES = 1024 * 1024
 #: non-waiting senders offered 5,000 records a second lost 16 % of them to a full queue, against 3 % here.
 RECEIVER_APPLY_BYTES = 32 * 1024
 #: Step fields measured every N steps only: their latest value is kept with the step it belongs to (the memory
-#: reading is the record's ``memory`` object whole).
-SAMPLED_FIELDS = ("grad_cosine_similarity", "param_checksum", "memory")
+#: reading is the record's ``memory`` object whole). Named once, by the typed state diagnosis reads them back as.
+SAMPLED_FIELDS: tuple[str, ...] = SampledSignals.__struct_fields__
 
 
 #: The index of each bucket of an op's histogram, the last the +Inf bucket.
@@ -433,9 +435,15 @@ class TelemetryStore:
 def probe_peaks(probe: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """Each op's result row with the highest bus bandwidth: what the path delivers once messages are large
     enough to hide latency, the figure to compare with a link's rating."""
-    peaks: dict[str, dict[str, Any]] = {}
-    for row in probe["results"]:
-        best = peaks.get(row["op"])
-        if best is None or row["busbw_bytes_per_second"] > best["busbw_bytes_per_second"]:
-            peaks[row["op"]] = row
+    return peak_rows(probe["results"], operator.itemgetter("op"), operator.itemgetter("busbw_bytes_per_second"))
+
+
+def peak_rows(rows: Iterable[R], op: Callable[[R], str], busbw: Callable[[R], float]) -> dict[str, R]:
+    """``probe_peaks`` of result rows of any form (a record body's dicts, ``records.ProbeResult``): the first of each
+    op's rows with the highest ``busbw``."""
+    peaks: dict[str, R] = {}
+    for row in rows:
+        best = peaks.get(op(row))
+        if best is None or busbw(row) > busbw(best):
+            peaks[op(row)] = row
     return peaks

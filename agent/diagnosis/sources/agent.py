@@ -5,12 +5,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+
 from gpuwatch.agent.collectors.readings import NodeReadings
 from gpuwatch.agent.diagnosis.facts import Facts, SourceInfo
 from gpuwatch.agent.diagnosis.sources import HTTP_TIMEOUT, SourceError, http_json
 from gpuwatch.agent.diagnosis.sources.collectors import PARTS, node_facts
 from gpuwatch.agent.diagnosis.sources.telemetry import bandwidth, rank_facts
-from gpuwatch.agent.telemetry.window import StepPoint
+from gpuwatch.agent.telemetry.readings import TelemetryReadings
+from gpuwatch.protocol.records import convert
 
 STATE_PATH = "/api/v1/state"
 
@@ -49,15 +52,17 @@ def facts_from_state(state: Any, location: str) -> Facts:
         facts.notes.append(f"{name}: {missing[collector]}")
     facts.nodes[name] = node_facts(name, NodeReadings.from_dict(collected), missing,
                                    simulated=state["agent"].get("mode") == "simulated")
-    for raw in collected.get("telemetry", {}).get("ranks", ()):
-        sampled = {key: (item["step"], item["value"]) for key, item in (raw.get("sampled") or {}).items()}
-        unavailable = {key: (item["step"], item["reason"]) for key, item in (raw.get("unavailable") or {}).items()}
-        facts.ranks.append(rank_facts(raw["job"], raw["rank"], node=name, hello=raw.get("hello"),
-                                      last_step=raw.get("last_step"), counters=raw.get("counters") or {},
-                                      collectives=raw.get("collectives") or {}, sampled=sampled,
-                                      unavailable=unavailable,
-                                      window=[StepPoint.from_dict(point) for point in raw.get("window") or ()],
-                                      progress_body=raw.get("progress"), exited_at=raw.get("exited"),
-                                      now=state.get("timestamp")))
-    facts.bandwidth = bandwidth(collected.get("telemetry", {}).get("probes", ()), name)
+    try:
+        telemetry = convert(collected, StateFacts).telemetry or TelemetryReadings()
+    except msgspec.ValidationError as exc:
+        raise SourceError(f"{location}: malformed telemetry in the agent's state: {exc}") from None
+    facts.ranks += [rank_facts(rank, node=name, now=state.get("timestamp")) for rank in telemetry.ranks]
+    facts.bandwidth = bandwidth(telemetry.probes, name)
     return facts
+
+
+class StateFacts(msgspec.Struct):
+    """What diagnosis reads typed of the state's ``facts``: the telemetry collector's part (the node collectors'
+    readings beside it are ``NodeReadings``'); absent where the collector is down or not enabled."""
+
+    telemetry: TelemetryReadings | None = None

@@ -17,7 +17,11 @@ from pathlib import Path
 from gpuwatch.agent.diagnosis.facts import Facts, History, SourceInfo
 from gpuwatch.agent.diagnosis.sources import SourceError
 from gpuwatch.agent.diagnosis.sources.telemetry import bandwidth, rank_facts
+from gpuwatch.agent.snapshot import json_safe
+from gpuwatch.agent.telemetry.readings import RankReadings
+from gpuwatch.agent.telemetry.rounds import rank_readings
 from gpuwatch.agent.telemetry.store import TelemetryStore
+from gpuwatch.protocol.records import Probe, Step, convert
 from gpuwatch.protocol.schema import MAX_RANK, RecordRejected, decode
 
 #: Steps of history kept per rank and series (the latest ones); bounds memory on very long runs.
@@ -66,7 +70,7 @@ def read(path: Path) -> Facts:
                     store.ingest(line)
                     records += 1
                     if record.kind == "step":
-                        _add(series[record.job, record.rank], record.body)
+                        _add(series[record.job, record.rank], convert(record.body, Step))
         except OSError as exc:
             raise SourceError(f"cannot read run log {file}: {exc.strerror or exc}") from None
     if not records:
@@ -78,21 +82,16 @@ def read(path: Path) -> Facts:
         facts.notes.append(f"{path}: ... and {len(bad) - MAX_QUOTED_BAD_LINES} more bad line(s)")
     ranks, _ = store.snapshot()
     for state in ranks:
-        facts.ranks.append(rank_facts(
-            state.job, state.rank, node=None, hello=state.hello, last_step=state.last_step,
-            counters=state.counters(),
-            collectives={op: totals.as_dict() for op, totals in state.collectives.items()},
-            sampled=state.sampled, unavailable=state.unavailable, window=state.window.points(),
-            history=series[state.job, state.rank].history(), progress_body=state.progress, now=math.inf))
-    facts.bandwidth = bandwidth(store.probes(), None)
+        # The agent's state of the rank, as /api/v1/state writes it and the agent source reads it back.
+        rank = convert(json_safe(rank_readings(state)), RankReadings)
+        facts.ranks.append(rank_facts(rank, node=None, history=series[state.job, state.rank].history(), now=math.inf))
+    facts.bandwidth = bandwidth(convert(store.probes(), list[Probe]), None)
     return facts
 
 
-def _add(series: _Series, body: dict) -> None:
-    step = body["step"]
-    for name in ("loss", "grad_norm"):
-        if name in body:
-            series.points[name].append((step, body[name]))
-    memory = body.get("memory")
-    if memory is not None and memory["kind"] == "host_rss":
-        series.points["host_rss_bytes"].append((step, memory["peak_bytes"]))
+def _add(series: _Series, step: Step) -> None:
+    memory = step.memory
+    host_rss = memory.peak_bytes if memory is not None and memory.kind == "host_rss" else None
+    for name, value in (("loss", step.loss), ("grad_norm", step.grad_norm), ("host_rss_bytes", host_rss)):
+        if value is not None:
+            series.points[name].append((step.step, value))

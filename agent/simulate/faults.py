@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from gpuwatch.agent.collectors.infiniband import ERROR_COUNTERS, PHYS_STATES
-from gpuwatch.agent.collectors.nvml import _CLOCK_EVENT_REASONS
+from gpuwatch.agent.collectors.nvml import CLOCK_EVENT_REASONS
 from gpuwatch.agent.simulate import Preset
 
 #: The clock event reasons a fault may set, by the name the nvml collector exports (``reason`` label).
-CLOCK_REASONS: dict[str, int] = {name: bit for bit, name in _CLOCK_EVENT_REASONS}
+CLOCK_REASONS: dict[str, int] = {name: bit for bit, name in CLOCK_EVENT_REASONS}
 #: The physical states a down port may report: the cable or peer gone (Polling) or administratively down.
 DOWN_PHYS_STATES = tuple(name for name in PHYS_STATES.values() if name in ("Polling", "Disabled"))
 

@@ -97,7 +97,7 @@ def agent(listen, interval, collector_timeout, sysfs_root, simulate, simulate_fa
     if simulate and ctx.get_parameter_source("sysfs_root") is not click.core.ParameterSource.DEFAULT:
         raise click.UsageError("--simulate generates its own sysfs tree; drop --sysfs-root")
     if simulate_faults and not simulate:
-        raise click.UsageError("--simulate.faults plants faults into a simulated node: add --simulate PRESET")
+        raise click.ClickException("--simulate.faults plants faults into a simulated node: add --simulate PRESET")
     try:
         faults = load_faults(simulate_faults, PRESETS[simulate]) if simulate_faults else ()
     except FaultsError as exc:

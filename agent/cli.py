@@ -59,6 +59,10 @@ def _collector_options(function):
               show_default=True, help="Where sysfs is mounted (a fixture tree can stand in).")
 @click.option("--simulate", type=click.Choice(sorted(PRESETS)),
               default=None, help="Serve a simulated node (scripted NVML, generated sysfs) instead of real hardware.")
+@click.option("--simulate.faults", "simulate_faults", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              metavar="FILE", help="Plant hardware faults into the simulated node from a JSON file (Xids, "
+                                   "NVLink or InfiniBand ports down, IB errors, PCIe below max, clock slowdowns, ECC, "
+                                   "row remaps, a lost GPU; gpuwatch.agent.simulate.faults). Needs --simulate.")
 @click.option("--node", default=socket.gethostname(), show_default="hostname", help="Value of the node label.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
@@ -80,23 +84,32 @@ def _collector_options(function):
               default=None, help="Prometheus exporter-toolkit web config: TLS (tls_server_config) and basic auth "
                                  "(basic_auth_users, bcrypt) for every endpoint but /healthz.")
 @_collector_options
-def agent(listen, interval, collector_timeout, sysfs_root, simulate, node, log_level, telemetry_socket,
+def agent(listen, interval, collector_timeout, sysfs_root, simulate, simulate_faults, node, log_level, telemetry_socket,
           telemetry_ttl, telemetry_max_ranks, telemetry_socket_group, web_config_file, **switches) -> None:
     """Sample this node's GPUs, NVLink, InfiniBand and host, and serve them to Prometheus."""
     from gpuwatch.agent.daemon import AgentConfig, run_agent
+    from gpuwatch.agent.simulate.faults import FaultsError
+    from gpuwatch.agent.simulate.faults import load as load_faults
     from gpuwatch.agent.webconfig import WebConfigError, load
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ctx = click.get_current_context()
     if simulate and ctx.get_parameter_source("sysfs_root") is not click.core.ParameterSource.DEFAULT:
         raise click.UsageError("--simulate generates its own sysfs tree; drop --sysfs-root")
+    if simulate_faults and not simulate:
+        raise click.ClickException("--simulate.faults plants faults into a simulated node: add --simulate PRESET")
+    try:
+        faults = load_faults(simulate_faults, PRESETS[simulate]) if simulate_faults else ()
+    except FaultsError as exc:
+        raise click.ClickException(f"--simulate.faults {exc}") from None
     try:
         web = load(web_config_file) if web_config_file else None
     except WebConfigError as exc:
         raise click.ClickException(f"--web.config.file {exc}") from None
     enabled = [name.removeprefix("collector_") for name, on in switches.items() if on]
     config = AgentConfig(listen=listen, interval=interval, collector_timeout=collector_timeout,
-                         sysfs_root=sysfs_root, simulate=simulate, node=node, collectors=enabled,
+                         sysfs_root=sysfs_root, simulate=simulate, faults=tuple(faults), node=node,
+                         collectors=enabled,
                          telemetry_socket=telemetry_socket, telemetry_ttl=telemetry_ttl,
                          telemetry_max_ranks=telemetry_max_ranks,
                          telemetry_socket_group=_group_id(telemetry_socket_group), web=web)

@@ -9,7 +9,7 @@ import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuwatch.agent.collectors import REGISTRY, CollectorContext
 from gpuwatch.agent.collectors.host import HostCollector
@@ -20,6 +20,9 @@ from gpuwatch.agent.telemetry import listener
 from gpuwatch.agent.telemetry.store import DEFAULT_MAX_RANKS, DEFAULT_TTL
 from gpuwatch.agent.webconfig import WebConfig
 from gpuwatch.protocol.paths import default_socket_path
+
+if TYPE_CHECKING:
+    from gpuwatch.agent.simulate.faults import Fault
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +36,7 @@ class AgentConfig:
     collectors: list[str]
     collector_timeout: float | None = None
     simulate: str | None = None
+    faults: tuple[Fault, ...] = ()  # planted into the simulated node (--simulate.faults)
     telemetry_socket: Path | None = None  # None: GPUWATCH_SOCKET, else the shared default
     telemetry_ttl: float = DEFAULT_TTL
     telemetry_max_ranks: int = DEFAULT_MAX_RANKS
@@ -60,7 +64,9 @@ def run_agent(config: AgentConfig) -> int:
             from gpuwatch.agent.simulate import PRESETS, Simulation
             from gpuwatch.agent.simulate.workdir import workdir
 
-            simulation = Simulation(PRESETS[config.simulate], stack.enter_context(workdir()))
+            simulation = Simulation(PRESETS[config.simulate], stack.enter_context(workdir()), faults=config.faults)
+            for fault in config.faults:
+                log.info("simulated fault planted: %s", fault.describe())
             context = CollectorContext(sysfs_root=simulation.sysfs_root, node=config.node,
                                        nvml=simulation.nvml, simulated=True, **telemetry)
             before_round, simulation_cpu = simulation.advance, simulation.cpu_seconds

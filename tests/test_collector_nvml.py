@@ -340,7 +340,7 @@ def test_exposition_parses_with_help_on_every_family_and_readings_are_json():
 # -- the stand-in is pynvml's shape -----------------------------------------------------------------
 
 HOOKS = {"advance", "lose_gpu", "set_gpm_supported", "set_nvlink_up", "inject_nvlink_errors", "inject_xid",
-         "inject_ecc", "set_clock_event_reasons", "set_pcie_link", "hang", "fail"}
+         "inject_ecc", "set_clock_event_reasons", "set_pcie_link", "hang", "fail", "listens_for_xid", "fail_row_remap"}
 
 
 def _parameters(function):

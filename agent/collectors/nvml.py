@@ -45,7 +45,8 @@ _GPM_METRICS = (
 
 _CLOCKS = (("sm_clock_hertz", pynvml.NVML_CLOCK_SM), ("memory_clock_hertz", pynvml.NVML_CLOCK_MEM))
 
-_CLOCK_EVENT_REASONS = (
+#: NVML's clock event reason bits by the ``reason`` label they are exported as (the simulated node's faults name them).
+CLOCK_EVENT_REASONS = (
     (pynvml.nvmlClocksEventReasonGpuIdle, "gpu_idle"),
     (pynvml.nvmlClocksEventReasonApplicationsClocksSetting, "applications_clocks_setting"),
     (pynvml.nvmlClocksEventReasonSwPowerCap, "sw_power_cap"),
@@ -293,7 +294,7 @@ class NvmlCollector(Collector):
         if reasons is None:
             reasons = get(nvml.nvmlDeviceGetCurrentClocksThrottleReasons, handle)
         if reasons is not None:
-            fields["clock_event_reasons"] = tuple(name for bit, name in _CLOCK_EVENT_REASONS if reasons & bit)
+            fields["clock_event_reasons"] = tuple(name for bit, name in CLOCK_EVENT_REASONS if reasons & bit)
         values = get(nvml.nvmlDeviceGetFieldValues, handle, _FIELD_IDS)
         groups: dict[str, dict[str, int]] = {}
         # Every field in _FIELDS is integer-typed (counters and flags).
@@ -408,7 +409,7 @@ def _families(readings: NvmlReadings) -> list[Metric]:
                 family.add_metric([gpu], value)
         active = reading.clock_event_reasons
         if active is not None:
-            for _, reason in _CLOCK_EVENT_REASONS:
+            for _, reason in CLOCK_EVENT_REASONS:
                 reasons.add_metric([gpu, reason], int(reason in active))
         pcie = reading.pcie
         if pcie is not None:

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpuwatch.agent.simulate.faults import Fault
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +80,7 @@ PRESETS: dict[str, Preset] = {
 class Simulation:
     """The scripted NVML module and sysfs tree of one preset, advanced before every sampling round."""
 
-    def __init__(self, preset: Preset, workdir: Path, seed: int = 0) -> None:
+    def __init__(self, preset: Preset, workdir: Path, seed: int = 0, faults: Sequence[Fault] = ()) -> None:
         from gpuwatch.agent.simulate.fake_nvml import FakeNvml
         from gpuwatch.agent.simulate.sysfs import SimulatedSysfs
 
@@ -83,6 +88,40 @@ class Simulation:
         self.nvml = FakeNvml(preset, seed=seed)
         self.sysfs = SimulatedSysfs(preset, Path(workdir) / "sys", seed=seed)
         self._advancing = 0.0  # CPU seconds spent in advance()
+        #: Planted faults not in effect yet: an Xid waits until the nvml collector listens for Xid events.
+        self.pending = [fault for fault in faults if not self._plant(fault)]
+
+    def _plant(self, fault: Fault) -> bool:
+        """Put ``fault`` (checked by ``faults.load``) into effect; False when it cannot be yet."""
+        nvml, sysfs, fields = self.nvml, self.sysfs, fault.fields
+        if fault.kind == "xid":
+            if not nvml.listens_for_xid(fields["gpu"]):
+                return False
+            nvml.inject_xid(fields["gpu"], fields["xid"])
+        elif fault.kind == "nvlink_down":
+            nvml.set_nvlink_up(fields["gpu"], fields["link"], up=False)
+        elif fault.kind == "ib_port_down":
+            sysfs.set_port_down(fields["device"], phys_state=fields["phys_state"])
+        elif fault.kind == "ib_errors":
+            sysfs.bump_counter(fields["device"], fields["counter"], fields["count"])
+        elif fault.kind == "pcie":
+            nvml.set_pcie_link(fields["gpu"], generation=fields["generation"], width=fields["width"])
+        elif fault.kind == "clock_slowdown":
+            from gpuwatch.agent.simulate.faults import CLOCK_REASONS
+
+            reasons = 0
+            for name in fields["reasons"]:
+                reasons |= CLOCK_REASONS[name]
+            nvml.set_clock_event_reasons(fields["gpu"], reasons)
+        elif fault.kind == "ecc":
+            nvml.inject_ecc(fields["gpu"], corrected=fields["corrected"], uncorrected=fields["uncorrected"])
+        elif fault.kind == "row_remap_failure":
+            nvml.fail_row_remap(fields["gpu"])
+        elif fault.kind == "gpu_lost":
+            nvml.lose_gpu(fields["gpu"])
+        else:
+            raise ValueError(f"no way to plant a {fault.kind} fault")
+        return True
 
     @property
     def sysfs_root(self) -> Path:
@@ -91,6 +130,8 @@ class Simulation:
     def advance(self) -> None:
         """Move counters and gauges forward by the wall time elapsed since the last call."""
         started = time.thread_time()
+        if self.pending:
+            self.pending = [fault for fault in self.pending if not self._plant(fault)]
         self.nvml.advance()
         self.sysfs.advance()
         self._advancing += time.thread_time() - started

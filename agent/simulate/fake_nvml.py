@@ -252,6 +252,14 @@ class FakeNvml:
             if event_set.registered.get(gpu, 0) & _XID_EVENT:
                 event_set.pending.append((state, _XID_EVENT, xid))
 
+    def listens_for_xid(self, gpu: int) -> bool:
+        """Whether an event set is registered for Xid events on ``gpu``: an Xid injected before is seen by no one."""
+        return any(event_set.registered.get(gpu, 0) & _XID_EVENT for event_set in self._event_sets.values())
+
+    def fail_row_remap(self, gpu: int) -> None:
+        """A row remap failed: the GPU ran out of spare rows (NVML_FI_DEV_REMAPPED_FAILURE)."""
+        self.gpus[gpu].fields[pynvml.NVML_FI_DEV_REMAPPED_FAILURE] = 1
+
     def inject_ecc(self, gpu: int, corrected: int = 0, uncorrected: int = 0) -> None:
         """ECC errors; an uncorrectable one leaves a row remap pending until the GPU is reset."""
         fields = self.gpus[gpu].fields

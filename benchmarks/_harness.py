@@ -14,7 +14,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, TypeVar
+from typing import IO, Any, TypeVar
 
 T = TypeVar("T")
 
@@ -43,7 +43,7 @@ def wait_until(predicate: Callable[[], T], what: str, timeout: float = 60.0) -> 
 
 @contextlib.contextmanager
 def running(command: list[str], stdout: int | IO = subprocess.DEVNULL, grace: float = 15.0,
-            **popen: object) -> Iterator[subprocess.Popen]:
+            **popen: Any) -> Iterator[subprocess.Popen]:
     """``command`` running for the ``with`` block (its stderr with its stdout); SIGTERM at the end, SIGKILL after
     ``grace`` seconds."""
     proc = subprocess.Popen(command, stdout=stdout, stderr=subprocess.STDOUT, **popen)

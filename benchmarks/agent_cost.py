@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import multiprocessing
 import random
 import shutil
@@ -131,8 +132,7 @@ def send_steps(sock: str, seconds: float, ranks: int = RANKS) -> None:
         number += 1
         tick = time.monotonic()
         for rank, client in enumerate(clients):
-            record = step_record(rank, number, ops)
-            client.submit(lambda record=record: record)
+            client.submit(functools.partial(step_record, rank, number, ops))
         time.sleep(max(0.0, 1.0 - (time.monotonic() - tick)))
     for client in clients:
         client.close()

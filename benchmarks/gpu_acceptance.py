@@ -422,9 +422,9 @@ def agent_cost_check(ctx: Context) -> Outcome:
             usage = agent_cost.usage(node.pid, seconds, page, scrape_every)
         figures[f"{interval:g}s"] = {"cpu_percent": (usage.cpu_share - usage.simulation_share) * 100,
                                      "rss_max_mb": usage.rss_max_mb, "rss_last_mb": usage.rss_last_mb}
-    window = "dry run: the simulated node, 3 s windows" if ctx.dry_run else "no ranks reporting"
+    measured = "dry run: the simulated node, 3 s windows" if ctx.dry_run else "no ranks reporting"
     return Outcome(", ".join(f"{key}: {value['cpu_percent']:.2f} % CPU, {value['rss_max_mb']:.0f} MB" for key, value
-                             in figures.items() if key != "simulated") + f" ({window})", figures)
+                             in figures.items() if key != "simulated") + f" ({measured})", figures)
 
 
 ONE_RANK = ("--tp", "1", "--pp", "1", "--dp", "1", "--micro-batches", "1")

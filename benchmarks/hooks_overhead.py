@@ -213,7 +213,8 @@ def _drain(path: Path) -> None:
 
 
 def _medians_ms(samples: list[tuple[float, float]]) -> tuple[float, float]:
-    return tuple(statistics.median(sample[i] for sample in samples) * 1e3 for i in (0, 1))
+    return (statistics.median(sample[0] for sample in samples) * 1e3,
+            statistics.median(sample[1] for sample in samples) * 1e3)
 
 
 def main() -> None:
@@ -249,7 +250,7 @@ def trainer_overhead(args: argparse.Namespace) -> None:
     print(f"tp {args.tp} × pp {args.pp} × dp {args.dp}, {args.micro_batches} micro-batches, the default model; "
           f"{args.rounds} rounds of {args.steps} steps per configuration, alternating off and on\n"
           f"{machine_and_load()}", flush=True)
-    pooled = {name: {False: [], True: []} for name in names}
+    pooled: dict[str, dict[bool, list]] = {name: {False: [], True: []} for name in names}
     ratios: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(args.rounds):
         for name in names:

@@ -55,37 +55,8 @@ def run_agent(config: AgentConfig) -> int:
         except listener.SocketSetupError as exc:
             log.error("telemetry socket: %s", exc)
             return 1
-    telemetry: dict[str, Any] = {"telemetry_socket": config.telemetry_socket, "telemetry_ttl": config.telemetry_ttl,
-                                 "telemetry_max_ranks": config.telemetry_max_ranks}
-    before_round: Callable[[], None] | None = None
-    simulation_cpu: Callable[[], float] | None = None
     with contextlib.ExitStack() as stack:
-        if config.simulate:
-            from gpuwatch.agent.simulate import PRESETS, Simulation
-            from gpuwatch.agent.simulate.workdir import workdir
-
-            simulation = Simulation(PRESETS[config.simulate], stack.enter_context(workdir()), faults=config.faults)
-            for fault in config.faults:
-                log.info("simulated fault planted: %s", fault.describe())
-            context = CollectorContext(sysfs_root=simulation.sysfs_root, node=config.node,
-                                       nvml=simulation.nvml, simulated=True, **telemetry)
-            before_round, simulation_cpu = simulation.advance, simulation.cpu_seconds
-        else:
-            import pynvml
-
-            context = CollectorContext(sysfs_root=config.sysfs_root, node=config.node, nvml=pynvml,
-                                       **telemetry)
-
-        collectors = {name: REGISTRY[name](context) for name in config.collectors}
-        host_collector, telemetry_collector = collectors.get("host"), collectors.get("telemetry")
-        if isinstance(host_collector, HostCollector) and isinstance(telemetry_collector, TelemetryCollector):
-            # the host exports the ranks' RSS and CPU time
-            host_collector.watch_ranks(telemetry_collector.store.sender_pids)
-        sampler = Sampler(list(collectors.values()),
-                          interval=config.interval, deadline=config.collector_timeout, node=config.node,
-                          mode="simulated" if config.simulate else "real", before_round=before_round,
-                          simulation_cpu=simulation_cpu)
-        stack.callback(sampler.close)
+        sampler = build_sampler(config, stack)
         try:
             server = AgentHTTPServer(config.listen, lambda: sampler.snapshot, stale_after=3 * config.interval + 10,
                                      web=config.web)
@@ -110,3 +81,39 @@ def run_agent(config: AgentConfig) -> int:
         sampler.run()
     log.info("stopped")
     return 0
+
+
+def build_sampler(config: AgentConfig, stack: contextlib.ExitStack) -> Sampler:
+    """The node (real, or simulated with its faults planted), its enabled collectors from ``REGISTRY`` and the
+    sampler over them, closed by ``stack``: everything ``run_agent`` serves, without the server or the signals, so that
+    a test can take one round of exactly what ``gpuwatch agent`` would export (tests/test_recipes.py)."""
+    telemetry: dict[str, Any] = {"telemetry_socket": config.telemetry_socket, "telemetry_ttl": config.telemetry_ttl,
+                                 "telemetry_max_ranks": config.telemetry_max_ranks}
+    before_round: Callable[[], None] | None = None
+    simulation_cpu: Callable[[], float] | None = None
+    if config.simulate:
+        from gpuwatch.agent.simulate import PRESETS, Simulation
+        from gpuwatch.agent.simulate.workdir import workdir
+
+        simulation = Simulation(PRESETS[config.simulate], stack.enter_context(workdir()), faults=config.faults)
+        for fault in config.faults:
+            log.info("simulated fault planted: %s", fault.describe())
+        context = CollectorContext(sysfs_root=simulation.sysfs_root, node=config.node,
+                                   nvml=simulation.nvml, simulated=True, **telemetry)
+        before_round, simulation_cpu = simulation.advance, simulation.cpu_seconds
+    else:
+        import pynvml
+
+        context = CollectorContext(sysfs_root=config.sysfs_root, node=config.node, nvml=pynvml, **telemetry)
+
+    collectors = {name: REGISTRY[name](context) for name in config.collectors}
+    host_collector, telemetry_collector = collectors.get("host"), collectors.get("telemetry")
+    if isinstance(host_collector, HostCollector) and isinstance(telemetry_collector, TelemetryCollector):
+        # the host exports the ranks' RSS and CPU time
+        host_collector.watch_ranks(telemetry_collector.store.sender_pids)
+    sampler = Sampler(list(collectors.values()),
+                      interval=config.interval, deadline=config.collector_timeout, node=config.node,
+                      mode="simulated" if config.simulate else "real", before_round=before_round,
+                      simulation_cpu=simulation_cpu)
+    stack.callback(sampler.close)
+    return sampler

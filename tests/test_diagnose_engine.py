@@ -58,11 +58,17 @@ def test_a_code_registers_once():
     assert before == REGISTRY
 
 
+def _codes(*prefixes: str) -> list[str]:
+    """The catalogue's codes with one of ``prefixes``, in its order: the expected selections follow the contract
+    above, so a rule added to it (docs/architecture.md, "Add a rule") needs no edit here."""
+    return [code for code in CATALOGUE if code.startswith(prefixes)]
+
+
 @pytest.mark.parametrize(("selected", "ignored", "expected"), [
-    (["NCCL"], [], ["NCCL001", "NCCL002", "NCCL003", "NCCL004", "NCCL005"]),
-    (["perf001", " MEM "], [], ["PERF001", "MEM001", "MEM002", "MEM003"]),
-    (["CONV00"], ["CONV005"], ["CONV001", "CONV002", "CONV003", "CONV004", "CONV006"]),
-    (["ALL"], ["NCCL", "HW", "PERF", "MEM", "CONV", "HANG"], ["TOPO001", "TOPO002"]),
+    (["NCCL"], [], _codes("NCCL")),
+    (["perf001", " MEM "], [], ["PERF001", *_codes("MEM")]),
+    (["CONV00"], ["CONV005"], [code for code in _codes("CONV00") if code != "CONV005"]),
+    (["ALL"], ["NCCL", "HW", "PERF", "MEM", "CONV", "HANG"], _codes("TOPO")),
     ([], ["TOPO"], [c for c in CATALOGUE if not c.startswith("TOPO")]),
     (["HW001"], ["HW"], []),
 ])

@@ -63,6 +63,26 @@ def declared_families() -> dict[str, MetricSpec]:
     return by_name
 
 
+def exposition_problems(declared: Iterable[MetricSpec], exposition: str) -> list[str]:
+    """What differs between the ``declared`` families and an agent's ``exposition`` (its /metrics text), one line
+    each: a family declared but not exported or exported undeclared, and an exported family whose type or labels are
+    not its declaration's. A callable over any declarations and any page, so that tests/test_recipes.py holds a
+    collector added by the recipe to the same check."""
+    specs = {spec.name: spec for spec in declared}
+    exported = {family.name: family for family in text_string_to_metric_families(exposition)}
+    missing, undeclared = family_differences(specs, exported)
+    problems = [f"{name}: declared, not exported" for name in sorted(missing)]
+    problems += [f"{name}: exported, not declared" for name in sorted(undeclared)]
+    for name in sorted(exported.keys() & specs.keys()):
+        family, spec = exported[name], specs[name]
+        if family.type != spec.exposed_type:
+            problems.append(f"{name}: exported as {family.type}, declared {spec.exposed_type}")
+        labels = {label for sample in family.samples for label in sample.labels} - {"le"}
+        if family.samples and labels != set(spec.labels):
+            problems.append(f"{name}: exported with labels {sorted(labels)}, declared {sorted(spec.labels)}")
+    return problems
+
+
 def family_differences(declared: Iterable[str], exported: Iterable[str]) -> tuple[set[str], set[str]]:
     """(declared but not exported, exported but not declared)."""
     declared, exported = set(declared), set(exported)
@@ -104,8 +124,8 @@ class RecordingApi(prometheus.Api):
         return []
 
 
-def _scrape_with_a_rank(start_agent) -> dict[str, Any]:
-    """A simulated node with one rank that stepped: its families, parsed from /metrics, by name."""
+def _scrape_with_a_rank(start_agent) -> str:
+    """A simulated node with one rank that stepped: its /metrics page."""
     agent = start_agent("--simulate", "dgx-h100", "--interval", "0.5")
     with TelemetryClient(agent.telemetry_socket, heartbeat_interval=0) as client:
         client.send(hello(0))
@@ -118,20 +138,11 @@ def _scrape_with_a_rank(start_agent) -> dict[str, Any]:
         page = agent.get("/metrics").decode()
         return page if all(f"{spec}{{" in page for spec in awaited) else None
 
-    page = wait_until(page_with_the_rank, what="the rank's series")
-    return {family.name: family for family in text_string_to_metric_families(page)}
+    return wait_until(page_with_the_rank, what="the rank's series")
 
 
 def test_the_declared_families_are_the_families_a_simulated_agent_exports(start_agent):
-    declared = declared_families()
-    exported = _scrape_with_a_rank(start_agent)
-    assert family_differences(declared, exported) == (set(), set())
-    for name, family in exported.items():
-        spec = declared[name]
-        assert family.type == spec.exposed_type, name
-        labels = {label for sample in family.samples for label in sample.labels} - {"le"}
-        if family.samples:
-            assert labels == set(spec.labels), name
+    assert exposition_problems(declared_families().values(), _scrape_with_a_rank(start_agent)) == []
 
 
 @pytest.mark.parametrize("mode", ["full", "outliers"])
@@ -185,6 +196,16 @@ def test_the_checks_fail_on_what_they_guard_against():
         "gpuwatch_made_up_calls", "gpuwatch_unknown_family"}
     # A regex over names hides them: its stem is no series.
     assert set(unknown_series(['{__name__=~"gpuwatch_made_(up_seconds|x)"}'], declared)) == {"gpuwatch_made"}
+    page = ("# HELP gpuwatch_made_up_calls_total A counter.\n# TYPE gpuwatch_made_up_calls_total gauge\n"
+            'gpuwatch_made_up_calls_total{gpu="0"} 1\n')
+    assert exposition_problems(declared, page) == [
+        "gpuwatch_made_up_calls: declared, not exported", "gpuwatch_made_up_seconds: declared, not exported",
+        "gpuwatch_made_up_calls_total: exported, not declared"]
+    page = ("# HELP gpuwatch_made_up_calls A counter.\n# TYPE gpuwatch_made_up_calls gauge\n"
+            'gpuwatch_made_up_calls{gpu="0"} 1\n')
+    assert exposition_problems(declared[1:], page) == [
+        "gpuwatch_made_up_calls: exported as gauge, declared counter",
+        "gpuwatch_made_up_calls: exported with labels ['gpu'], declared []"]
     source = '"""Reads `gpuwatch_agent_info`."""\nQUERY = "count(gpuwatch_agent_info)"\nRULE = "gpuwatch:x:y"\n'
     assert metric_literals(source) == ["count(gpuwatch_agent_info)"]
 

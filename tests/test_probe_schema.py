@@ -23,7 +23,7 @@ def _row(**fields) -> dict:
 def test_valid_probe_decodes_to_its_known_fields():
     record = decode(encode(probe(future_field=[1, 2])))
     assert (record.kind, record.job, record.rank) == ("probe", JOB, 0)
-    assert record.body.as_dict()["interconnect"] == "infiniband" and record.body.as_dict()["hostnames"] == ["node-1", "node-2"]
+    assert record.body.interconnect == "infiniband" and record.body.hostnames == ["node-1", "node-2"]
     assert len(record.body.as_dict()["results"]) == 4 and record.body.as_dict()["results"][0]["op"] == "all_reduce"
     assert "future_field" not in record.body.as_dict()
     minimal = {key: value for key, value in probe().items() if key not in ("hostnames", "dtype")}

@@ -327,7 +327,7 @@ def test_a_step_record_queued_behind_an_error_record_does_not_erase_it_and_a_res
     error = {"type": "InjectedFailure", "message": "rank 3 fails"}
     assert _feed(store, hello(0), progress(0, stalled=0.0, error=error), step(0, 3)) == [None] * 3
     (state,), _ = store.snapshot()
-    assert state.progress is not None and state.progress.error is not None and state.progress.error.as_dict() == error and state.last_step.step == 3
+    assert state.progress is not None and state.progress.as_dict()["error"] == error and state.last_step.step == 3
     _feed(store, step(0, 4))  # caught by the script, and training went on
     assert store.snapshot()[0][0].progress is None
 

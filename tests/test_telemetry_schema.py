@@ -51,7 +51,7 @@ def test_valid_hello_and_step_decode_to_their_known_fields():
     assert (record.kind, record.job, record.rank) == ("hello", "job-42", 5)
     assert record.body.as_dict()["gpu"]["uuid"].startswith("GPU-00000005")
     assert "future_field" not in record.body.as_dict()  # forward compatible: ignored, not stored
-    assert (record.body.as_dict()["tp_rank"], record.body.as_dict()["dp_rank"], record.body.as_dict()["pp_stage"]) == (1, 0, 1)
+    assert (record.body.tp_rank, record.body.dp_rank, record.body.pp_stage) == (1, 0, 1)
 
     body = decode(encode(step(step_seconds=2, lr=0))).body.as_dict()
     assert body["step_seconds"] == 2.0 and isinstance(body["step_seconds"], float)

@@ -31,13 +31,16 @@ GZIP_LEVEL = 1
 
 
 def json_safe(value: Any) -> Any:
-    """Non-finite floats become "NaN"/"+Inf"/"-Inf", as in Prometheus's HTTP API: strict JSON stays parseable.
-    Objects with an ``as_dict`` (collectors' readings, a window's step points) are written as that dict, only when
-    the state is asked for."""
+    """Non-finite floats become "NaN"/"+Inf"/"-Inf", as in Prometheus's HTTP API: strict JSON stays parseable; a
+    float of a subclass (``records.MaybeNonFinite``, a loss the schema's checks took) the float it is. Objects with an
+    ``as_dict`` (collectors' readings, a window's step points, record bodies) are written as that dict, only when the
+    state is asked for."""
     as_dict = getattr(value, "as_dict", None)
     if callable(as_dict):
         value = as_dict()
-    if isinstance(value, float) and not math.isfinite(value):
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return float(value)
         return "NaN" if math.isnan(value) else ("+Inf" if value > 0 else "-Inf")
     if isinstance(value, dict):
         return {str(k): json_safe(v) for k, v in value.items()}

@@ -1,11 +1,12 @@
 """The telemetry records of ``schema.py`` as typed structs: what a validated record body holds, read by attribute.
 
 ``schema.decode`` judges a datagram against the fields' rules (``_Field``: ranges, labels, lengths, the reason a
-record is refused); these structs are the *shape* of what it accepts: every field of each record kind and of its
+record is refused) and hands back its body as one of these structs: every field of each record kind and of its
 nested objects, by the schema's name, with its type, and optional (``?`` in the schema: absent or null, ``None``
-here) or required. Readers of records (diagnosis from an agent's /api/v1/state, from a run log) convert a body into
-them (``convert``) instead of reading it by string keys, so a misspelt field is a type error and a malformed body one
-``msgspec.ValidationError`` naming where, not a ``KeyError`` deep in a rule.
+here) or required. The agent's store, exposition and state read them by attribute, and so do the readers of an
+agent's /api/v1/state (``convert``), so a misspelt field is a type error and a malformed body one
+``msgspec.ValidationError`` naming where, not a ``KeyError`` deep in a rule. A body is written back as the schema's
+JSON object by ``as_dict`` (absent fields left out: ``omit_defaults``).
 
 They live beside, not inside, ``schema.py``: its line budget is spent on the wire format and the checks that enforce
 it. tests/test_telemetry_schema.py holds these structs to the schema's field specs, field by field (names, required
@@ -17,7 +18,7 @@ Unknown fields are ignored, as the schema ignores them: a newer agent's state st
 from __future__ import annotations
 
 import math
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import msgspec
 
@@ -50,7 +51,24 @@ def convert(value: Any, into: type[T]) -> T:
     return msgspec.convert(value, into, dec_hook=decode_hook)
 
 
-class CommonFields(msgspec.Struct, kw_only=True, tag_field="kind"):
+def _encode_hook(value: Any) -> Any:
+    """msgspec's ``enc_hook``: a ``MaybeNonFinite`` is written as the float it is."""
+    if isinstance(value, MaybeNonFinite):
+        return float(value)
+    raise NotImplementedError(f"no encoding of {type(value)}")
+
+
+class Fields(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A record body or one of its objects: fields by keyword, an absent optional field left out when written."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The body as the schema's JSON object (non-finite floats as floats, absent fields left out): what
+        /api/v1/state serves (``snapshot.json_safe`` calls it)."""
+        body: dict[str, Any] = msgspec.to_builtins(self, enc_hook=_encode_hook)
+        return body
+
+
+class CommonFields(Fields, tag_field="kind"):
     """What every record carries: ``v``, ``kind`` (the struct's tag), ``job``, ``rank`` and the rank's wall clock."""
 
     v: int
@@ -62,7 +80,7 @@ class CommonFields(msgspec.Struct, kw_only=True, tag_field="kind"):
 # --- hello -----------------------------------------------------------------------------------------------------------
 
 
-class Gpu(msgspec.Struct, kw_only=True):
+class Gpu(Fields):
     """The rank's GPU: NVML's index and its UUID, which is authoritative (CUDA_VISIBLE_DEVICES renumbers)."""
 
     index: int
@@ -102,7 +120,7 @@ class Hello(CommonFields, tag="hello"):
 # --- step ------------------------------------------------------------------------------------------------------------
 
 
-class Pipeline(msgspec.Struct, kw_only=True):
+class Pipeline(Fields):
     """A pipeline stage's step: busy and idle time, the bubble measured and the schedule's theoretical one."""
 
     busy_seconds: float
@@ -111,7 +129,7 @@ class Pipeline(msgspec.Struct, kw_only=True):
     bubble_ratio_theoretical: float | None = None
 
 
-class CollectiveTotals(msgspec.Struct, kw_only=True):
+class CollectiveTotals(Fields):
     """One collective op's calls: in a step record this step's, in a rank's state the totals since it was first seen
     (``store.OpTotals.as_dict``). ``buckets`` counts calls per latency bucket (``schema.COLLECTIVE_BUCKETS`` and the
     overflow)."""
@@ -122,7 +140,7 @@ class CollectiveTotals(msgspec.Struct, kw_only=True):
     buckets: list[int]
 
 
-class Memory(msgspec.Struct, kw_only=True):
+class Memory(Fields):
     """A memory reading: the peak since the previous one, allocator state on CUDA (``host_rss``: the peak only)."""
 
     kind: str
@@ -134,20 +152,20 @@ class Memory(msgspec.Struct, kw_only=True):
     ooms: int | None = None
 
 
-class ClientCounters(msgspec.Struct, kw_only=True):
+class ClientCounters(Fields):
     """The sending client's cumulative counters: records sent, and dropped by reason."""
 
     sent: int
     dropped: dict[str, int]
 
 
-class FoldedPipeline(msgspec.Struct, kw_only=True):
+class FoldedPipeline(Fields):
     """What a folded step keeps of its pipeline: the bubble only."""
 
     bubble_ratio: float
 
 
-class FoldedStep(msgspec.Struct, kw_only=True):
+class FoldedStep(Fields):
     """An earlier step folded into a step record: what the agent's window keeps (``schema.FOLDED_STEP_FIELDS``)."""
 
     step: int
@@ -163,7 +181,7 @@ class FoldedStep(msgspec.Struct, kw_only=True):
     grad_norm: MaybeNonFinite | None = None
 
 
-class Folded(msgspec.Struct, kw_only=True):
+class Folded(Fields):
     """The steps a client folded into a step record, oldest first, and their count-like fields summed."""
 
     steps: list[FoldedStep]
@@ -206,7 +224,7 @@ class Step(CommonFields, tag="step"):
 # --- probe -----------------------------------------------------------------------------------------------------------
 
 
-class ProbeResult(msgspec.Struct, kw_only=True):
+class ProbeResult(Fields):
     """One op and message size of a probe: the slowest rank's mean time and the bandwidths it gives."""
 
     op: str
@@ -234,7 +252,7 @@ class Probe(CommonFields, tag="probe"):
 # --- progress --------------------------------------------------------------------------------------------------------
 
 
-class InFlight(msgspec.Struct, kw_only=True):
+class InFlight(Fields):
     """The collective a stalled rank is in: its group, the rank's place in it, its per-group number, its age."""
 
     op: str
@@ -246,7 +264,7 @@ class InFlight(msgspec.Struct, kw_only=True):
     seconds: float
 
 
-class StackFrame(msgspec.Struct, kw_only=True):
+class StackFrame(Fields):
     """One frame of the training thread's stack."""
 
     file: str
@@ -254,7 +272,7 @@ class StackFrame(msgspec.Struct, kw_only=True):
     function: str
 
 
-class StepError(msgspec.Struct, kw_only=True):
+class StepError(Fields):
     """The exception a step raised."""
 
     type: str
@@ -272,3 +290,7 @@ class Progress(CommonFields, tag="progress"):
     stack: list[StackFrame] | None = None
     error: StepError | None = None
 
+
+
+#: A record's body, of any kind: what ``schema.decode`` hands back.
+Body: TypeAlias = Hello | Step | Probe | Progress

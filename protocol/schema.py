@@ -181,6 +181,28 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from gpuwatch.protocol.records import (
+    Body,
+    ClientCounters,
+    CollectiveTotals,
+    Fields,
+    Folded,
+    FoldedPipeline,
+    FoldedStep,
+    Gpu,
+    Hello,
+    InFlight,
+    Memory,
+    Pipeline,
+    Probe,
+    ProbeResult,
+    Progress,
+    StackFrame,
+    Step,
+    StepError,
+    convert,
+)
+
 SCHEMA_VERSION = 1
 #: Larger datagrams are rejected unread. A step record is ~1.5 KiB; a hello with a few dozen
 #: environment variables and process-group members for a 1,000-way DP group stays well below.
@@ -305,13 +327,13 @@ class RecordRejected(Exception):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Record:
-    """A validated record. ``body`` holds the known fields only, normalised (ints as floats
-    where a float is expected)."""
+    """A validated record. ``body`` is its typed struct (``protocol.records``), read by attribute: the known fields
+    only, normalised (ints as floats where a float is expected)."""
 
     kind: str
     job: str
     rank: int
-    body: dict[str, Any]
+    body: Body
 
 
 def env_name_allowed(name: str) -> bool:
@@ -337,10 +359,11 @@ def encode(record: Mapping[str, Any]) -> bytes:
 # --- validation: small composable fields, each stated once in two forms --------------------------------------------
 #
 # A step record is checked 64 times a second on a node of 64 ranks. ``check``, in Python, costs ~16 µs a step record;
-# msgspec (https://jcristharif.com/msgspec/), which parses and checks against a type in C, ~5 µs with the conversion
-# to dicts (benchmarks/README.md, Agent cost). Each field below states its rule once and yields both forms: a record
-# msgspec accepts is one ``check`` accepts, decoded to the same body; anything msgspec refuses, ``check`` judges
-# whole, and its verdict (and reason code) stands. tests/test_telemetry_schema.py holds the two to that.
+# msgspec (https://jcristharif.com/msgspec/), which parses and checks against a type in C, ~5 µs (benchmarks/README.md,
+# Agent cost), straight into the typed body (``protocol.records``). Each field below states its rule once and yields
+# both forms: a record msgspec accepts is one ``check`` accepts, decoded to the same body; anything msgspec refuses,
+# ``check`` judges whole, and its verdict (and reason code) stands, its body then converted to the same struct.
+# tests/test_telemetry_schema.py holds the two to that.
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -348,12 +371,12 @@ class _Field:
     """One field's rule. ``check`` validates a parsed JSON value and returns it normalised (ints as floats where a
     float is expected, unknown fields and null optional ones dropped), or raises RecordRejected saying why.
     ``type`` is the same rule as a msgspec type, or None where msgspec cannot state it (the environment's allowlist
-    drops names instead of refusing them). It may refuse more than ``check`` (a null optional field, an unknown
-    field, ``NaN``, a number past a double's range): such a record is judged by ``check`` alone."""
+    drops names instead of refusing them). It may refuse more than ``check`` (an unknown field, ``NaN``, a number
+    past a double's range): such a record is judged by ``check`` alone."""
 
     check: Callable[[Any], Any]
     type: Any = None
-    #: The structure, which ``protocol/records.py``'s typed structs restate and tests/test_telemetry_schema.py holds
+    #: The structure, which ``protocol/records.py``'s typed structs restate and tests/test_telemetry_records.py holds
     #: them to: an object's fields and which are required; a list's items' or a mapping's values' rule.
     fields: Mapping[str, _Field] | None = None
     required: frozenset[str] = frozenset()
@@ -512,13 +535,13 @@ def _check_nesting(value: Any, levels_left: int) -> None:
         _check_nesting(item, levels_left - 1)
 
 
-def _object(required: Mapping[str, _Field], optional: Mapping[str, _Field] | None = None, *,
-            tag: tuple[str, str] | None = None) -> _Field:
-    """A JSON object with these fields; a null optional field counts as absent; unknown fields are checked for
-    nesting depth and dropped. The fields present are walked, not the schema's: a step record has ~15 of the ~35
-    fields it may carry. Its msgspec form is a Struct that refuses unknown fields and nulls (``check`` judges those
-    records); with ``tag`` (field, value), the field is the Struct's tag, so that one decoder tells records apart by
-    it in C."""
+def _object(struct: type[Fields] | None, required: Mapping[str, _Field],
+            optional: Mapping[str, _Field] | None = None) -> _Field:
+    """A JSON object with these fields, read as ``struct``; a null optional field counts as absent; unknown fields are
+    checked for nesting depth and dropped. The fields present are walked, not the schema's: a step record has ~15 of
+    the ~35 fields it may carry. Its msgspec form is a subclass of ``struct`` whose fields carry their rules and which
+    refuses unknown fields (``check`` judges those records): decoded, the body *is* a ``struct``. A tagged struct (a
+    record kind) keeps its tag, so that one decoder tells records apart by it in C."""
     optional = optional or {}
     fields = {**optional, **required}
 
@@ -541,18 +564,28 @@ def _object(required: Mapping[str, _Field], optional: Mapping[str, _Field] | Non
             raise rejected.within(name) from None
         return out
 
-    members = {name: field for name, field in fields.items() if tag is None or name != tag[0]}
+    spec = _Field(check, fields=fields, required=frozenset(required))
+    if struct is None:
+        return spec
+    config = struct.__struct_config__
+    members = {name: field for name, field in fields.items() if name != config.tag_field}
     if any(field.type is None for field in members.values()):
-        return _Field(check, fields=fields, required=frozenset(required))
-    struct = msgspec.defstruct(
-        "Object",
-        [(name, field.type) for name, field in members.items() if name in required]
-        + [(name, field.type | msgspec.UnsetType, msgspec.UNSET) for name, field in members.items()
-           if name not in required],
-        kw_only=True, forbid_unknown_fields=True,
-        tag_field=None if tag is None else tag[0], tag=None if tag is None else tag[1],
+        return spec
+    typed = msgspec.defstruct(
+        struct.__name__,
+        [(name, field.type) if name in required else (name, field.type | None, None)
+         for name, field in members.items()],
+        bases=(struct,), kw_only=True, forbid_unknown_fields=True, tag=config.tag,
     )
-    return _Field(check, struct, fields=fields, required=frozenset(required))
+    return dataclasses.replace(spec, type=typed)
+
+
+def _keyed(keys: Iterable[str], item: _Field) -> _Field:
+    """A JSON object of some of ``keys``, each an ``item`` (an op's calls, a drop reason's count), read as a dict;
+    unknown keys are checked for nesting depth and dropped, as an object's unknown fields are."""
+    keys = tuple(keys)
+    typed = None if item.type is None else types.GenericAlias(dict, (Literal.__getitem__(keys), item.type))
+    return _Field(_object(None, {}, dict.fromkeys(keys, item)).check, typed, item=item)
 
 
 def _check_environment(value: Any) -> dict[str, str]:
@@ -596,11 +629,11 @@ _SIZE = _integer(1, MAX_RANK + 1)
 _CHECKSUM = _Field(_check_checksum, _ANY_FINITE.type | Annotated[str, _matching(_HEX)])
 
 #: One op's calls in a step: a bucket per bound plus the overflow (adding up to the count: ``_check_step``).
-_COLLECTIVE = _object({
+_COLLECTIVE = _object(CollectiveTotals, {
     "count": _COUNT, "bytes": _COUNT, "seconds": _SECONDS,
     "buckets": _counts(len(COLLECTIVE_BUCKETS) + 1),
 })
-_COLLECTIVES = _object({}, dict.fromkeys(COLLECTIVE_OPS, _COLLECTIVE))
+_COLLECTIVES = _keyed(COLLECTIVE_OPS, _COLLECTIVE)
 #: A diverging run is data, not an error: NaN and Infinity are allowed.
 _LOSS = _number(-math.inf, math.inf, nonfinite_ok=True)
 _GRAD_NORM = _number(nonfinite_ok=True)
@@ -610,13 +643,13 @@ _COMMON = {"v": _Field(_unchecked, Literal[SCHEMA_VERSION]), "kind": _Field(_unc
            "rank": _RANK, "time": _number()}
 
 
-def _kind(kind: str, required: Mapping[str, _Field], optional: Mapping[str, _Field]) -> _Field:
-    """A record of ``kind``: the common fields and its own, tagged by its kind in msgspec's form."""
-    return _object({**_COMMON, **required}, optional, tag=("kind", kind))
+def _kind(struct: type[Fields], required: Mapping[str, _Field], optional: Mapping[str, _Field]) -> _Field:
+    """A record of the kind ``struct`` is tagged with: the common fields and its own."""
+    return _object(struct, {**_COMMON, **required}, optional)
 
 
 _HELLO = _kind(
-    "hello",
+    Hello,
     {
         "local_rank": _RANK, "world_size": _SIZE,
         "tp_size": _SIZE, "pp_size": _SIZE, "dp_size": _SIZE,
@@ -626,7 +659,7 @@ _HELLO = _kind(
     {
         "cpus": _integer(1, 2**20),
         "schedule": _label(32), "micro_batches": _integer(1, MAX_RANK + 1), "precision": _label(32),
-        "gpu": _object({"index": _integer(0, 1023), "uuid": _label(96)}),
+        "gpu": _object(Gpu, {"index": _integer(0, 1023), "uuid": _label(96)}),
         "torch_version": _label(64), "nccl_version": _label(64),
         "process_groups": _mapping(_label(64), _list(_RANK, 65536), 16),
         "env": _Field(_check_environment),
@@ -644,7 +677,7 @@ _STEP_OPTIONAL = {
     "compute_seconds": _SECONDS, "dataloader_wait_seconds": _SECONDS, "optimizer_seconds": _SECONDS,
     "outside_model_seconds": _SECONDS, "exposed_collective_seconds": _SECONDS,
     "pipeline": _object(
-        {"busy_seconds": _SECONDS, "idle_seconds": _SECONDS, "bubble_ratio": _RATIO},
+        Pipeline, {"busy_seconds": _SECONDS, "idle_seconds": _SECONDS, "bubble_ratio": _RATIO},
         {"bubble_ratio_theoretical": _RATIO},
     ),
     "collectives": _COLLECTIVES,
@@ -658,7 +691,7 @@ _STEP_OPTIONAL = {
     "grad_cosine_similarity": _number(-1.0 - COSINE_TOLERANCE, 1.0 + COSINE_TOLERANCE),
     "param_checksum": _CHECKSUM,
     "memory": _object(
-        {"kind": _choice(*MEMORY_KINDS), "peak_bytes": _COUNT},
+        Memory, {"kind": _choice(*MEMORY_KINDS), "peak_bytes": _COUNT},
         dict.fromkeys(MEMORY_COUNTS, _COUNT),
     ),
     "tokens": _COUNT,
@@ -666,9 +699,7 @@ _STEP_OPTIONAL = {
     "unavailable": _mapping(_choice(*UNAVAILABLE_SIGNALS), _choice(*UNAVAILABLE_REASONS), len(UNAVAILABLE_SIGNALS)),
     "model_flops_per_second": _number(),
     "mfu": _RATIO,
-    "client": _object({
-        "sent": _COUNT, "dropped": _object({}, dict.fromkeys(CLIENT_DROP_REASONS, _COUNT)),
-    }),
+    "client": _object(ClientCounters, {"sent": _COUNT, "dropped": _keyed(CLIENT_DROP_REASONS, _COUNT)}),
 }
 #: What a folded step keeps of its record (``folded.steps``): what the agent's window of recent steps reads. Of
 #: ``pipeline``, only ``bubble_ratio``.
@@ -678,22 +709,24 @@ FOLDED_STEP_FIELDS = ("step", "time", "step_seconds", "compute_seconds", "datalo
 #: The count-like fields of a step, summed over the folded steps (``folded``).
 FOLDED_COUNTS = ("collectives", "tokens", "samples")
 _FOLDED_STEP_REQUIRED = ("step", "time", "step_seconds")
-_FOLDED_STEP_SPECS = {**_COMMON, **_STEP_REQUIRED, **_STEP_OPTIONAL, "pipeline": _object({"bubble_ratio": _RATIO})}
+_FOLDED_STEP_SPECS = {**_COMMON, **_STEP_REQUIRED, **_STEP_OPTIONAL,
+                      "pipeline": _object(FoldedPipeline, {"bubble_ratio": _RATIO})}
 _FOLDED = _object(
-    {"steps": _list(_object({name: _FOLDED_STEP_SPECS[name] for name in _FOLDED_STEP_REQUIRED},
+    Folded,
+    {"steps": _list(_object(FoldedStep, {name: _FOLDED_STEP_SPECS[name] for name in _FOLDED_STEP_REQUIRED},
                             {name: _FOLDED_STEP_SPECS[name] for name in FOLDED_STEP_FIELDS
                              if name not in _FOLDED_STEP_REQUIRED}),
                     MAX_FOLDED_STEPS)},
     {name: _STEP_OPTIONAL[name] for name in FOLDED_COUNTS},
 )
-_STEP = _kind("step", _STEP_REQUIRED, {**_STEP_OPTIONAL, "folded": _FOLDED})
+_STEP = _kind(Step, _STEP_REQUIRED, {**_STEP_OPTIONAL, "folded": _FOLDED})
 
 _PROBE = _kind(
-    "probe",
+    Probe,
     {
         "hostname": _label(255), "nodes": _SIZE, "world_size": _SIZE, "ranks_per_node": _SIZE,
         "backend": _label(32), "device": _label(32), "interconnect": _choice(*INTERCONNECTS),
-        "results": _list(_object({
+        "results": _list(_object(ProbeResult, {
             "op": _choice(*PROBE_OPS), "bytes": _integer(1), "seconds": _SECONDS,
             "algbw_bytes_per_second": _number(), "busbw_bytes_per_second": _number(),
         }), MAX_PROBE_RESULTS),
@@ -702,68 +735,65 @@ _PROBE = _kind(
 )
 
 _PROGRESS = _kind(
-    "progress",
+    Progress,
     {
         "step": _integer(0, 2**53), "phase": _choice(*PHASES), "stalled_seconds": _SECONDS,
         "overdue_seconds": _SECONDS,
     },
     {
-        "collective": _object({
+        "collective": _object(InFlight, {
             "op": _choice(*COLLECTIVE_OPS), "group": _label(64), "group_size": _SIZE, "group_rank": _RANK,
             "seq": _integer(1, 2**53), "bytes": _COUNT, "seconds": _SECONDS,
         }),
-        "stack": _list(_object({"file": _text(MAX_TEXT_CHARS), "line": _integer(0, 2**31),
+        "stack": _list(_object(StackFrame, {"file": _text(MAX_TEXT_CHARS), "line": _integer(0, 2**31),
                                 "function": _text(MAX_TEXT_CHARS)}), MAX_STACK_FRAMES),
-        "error": _object({"type": _label(128), "message": _text(MAX_TEXT_CHARS)}),
+        "error": _object(StepError, {"type": _label(128), "message": _text(MAX_TEXT_CHARS)}),
     },
 )
 
 _KINDS = {"hello": _HELLO, "step": _STEP, "probe": _PROBE, "progress": _PROGRESS}
 
 
-def _check_coordinates(body: dict[str, Any]) -> None:
+def _check_coordinates(hello: Hello) -> None:
     """Each coordinate must lie inside its dimension, or the labels would lie."""
-    pairs: Iterable[tuple[str, str]] = (
-        ("rank", "world_size"), ("local_rank", "world_size"),
-        ("tp_rank", "tp_size"), ("pp_stage", "pp_size"), ("dp_rank", "dp_size"),
-    )
-    for coordinate, size in pairs:
-        if body[coordinate] >= body[size]:
+    pairs = (("rank", hello.rank, hello.world_size), ("local_rank", hello.local_rank, hello.world_size),
+             ("tp_rank", hello.tp_rank, hello.tp_size), ("pp_stage", hello.pp_stage, hello.pp_size),
+             ("dp_rank", hello.dp_rank, hello.dp_size))
+    for coordinate, value, size in pairs:
+        if value >= size:
             raise RecordRejected("out_of_range", coordinate)
 
 
-def _check_probe(body: dict[str, Any]) -> None:
+def _check_probe(probe: Probe) -> None:
     """Counts that contradict each other, and a probe that measured nothing, are not a measurement."""
-    if not body["results"]:
+    if not probe.results:
         raise RecordRejected("out_of_range", "results")
-    size = body["world_size"]
-    for field, most in (("rank", size - 1), ("nodes", size), ("ranks_per_node", size)):
-        if body[field] > most:
+    size = probe.world_size
+    for field, value, most in (("rank", probe.rank, size - 1), ("nodes", probe.nodes, size),
+                               ("ranks_per_node", probe.ranks_per_node, size)):
+        if value > most:
             raise RecordRejected("out_of_range", field)
-    if len(body.get("hostnames", ())) > body["nodes"]:
+    if len(probe.hostnames or ()) > probe.nodes:
         raise RecordRejected("out_of_range", "hostnames")
 
 
-def _check_step(body: dict[str, Any]) -> None:
+def _check_step(step: Step) -> None:
     """Each op's buckets add up to its call count; the steps folded into the record come before it, in order."""
-    _check_buckets(body, "collectives")
-    folded = body.get("folded")
+    _check_buckets(step.collectives, "collectives")
+    folded = step.folded
     if folded is not None:
-        _check_buckets(folded, "folded.collectives")
-        numbers = [point["step"] for point in folded["steps"]] + [body["step"]]
+        _check_buckets(folded.collectives, "folded.collectives")
+        numbers = [point.step for point in folded.steps] + [step.step]
         if any(map(operator.ge, numbers, numbers[1:])):  # an earlier number not below the next
             raise RecordRejected("out_of_range", "folded.steps")
 
 
-def _check_buckets(counts: dict[str, Any], path: str) -> None:
-    for op, calls in counts.get("collectives", {}).items():
-        if sum(calls["buckets"]) != calls["count"]:
+def _check_buckets(collectives: Mapping[str, CollectiveTotals] | None, path: str) -> None:
+    for op, calls in (collectives or {}).items():
+        if sum(calls.buckets) != calls.count:
             raise RecordRejected("out_of_range", f"{path}.{op}.buckets")
 
 
-_CROSS_CHECKS: Mapping[str, Callable[[dict[str, Any]], None]] = {
-    "hello": _check_coordinates, "step": _check_step, "probe": _check_probe,
-}
 #: The kinds whose every field has a msgspec form (not the hello: its environment's allowlist drops names), in one
 #: decoder that tells them apart by their ``kind`` tag.
 _TYPED = msgspec.json.Decoder(functools.reduce(operator.or_, [spec.type for spec in _KINDS.values() if spec.type]))
@@ -779,8 +809,10 @@ def _parse(datagram: bytes) -> Any:
         return json.loads(datagram.decode("utf-8"))
 
 
-def _checked(datagram: bytes) -> dict[str, Any]:
-    """The record's body as the fields' ``check`` judge it: the reference, which names why a record is refused."""
+def _checked(datagram: bytes) -> Body:
+    """The record's body as the fields' ``check`` judge it: the reference, which names why a record is refused. The
+    body it accepts is converted to its kind's struct, told by its ``kind`` (a check accepts only what the struct
+    holds)."""
     try:
         value = _parse(datagram)
     except RecursionError:
@@ -795,7 +827,7 @@ def _checked(datagram: bytes) -> dict[str, Any]:
     kind = value.get("kind")
     if type(kind) is not str or (spec := _KINDS.get(kind)) is None:
         raise RecordRejected("bad_kind", "kind")
-    body: dict[str, Any] = spec.check(value)
+    body: Body = convert(spec.check(value), Body)  # type: ignore[arg-type]  # a union of structs, not one type
     return body
 
 
@@ -806,15 +838,18 @@ def decode(datagram: bytes) -> Record:
     if len(datagram) > MAX_RECORD_BYTES:
         raise RecordRejected("too_large")
     try:
-        body = msgspec.to_builtins(_TYPED.decode(datagram))
+        body: Body = _TYPED.decode(datagram)
     except msgspec.DecodeError:  # and its ValidationError
         body = _checked(datagram)
     return _record(body)
 
 
-def _record(body: dict[str, Any]) -> Record:
+def _record(body: Body) -> Record:
     """The record of a body whose fields passed, once the checks across its fields pass."""
-    kind = body["kind"]
-    if (cross_check := _CROSS_CHECKS.get(kind)) is not None:
-        cross_check(body)
-    return Record(kind, body["job"], body["rank"], body)
+    if isinstance(body, Step):
+        _check_step(body)
+    elif isinstance(body, Hello):
+        _check_coordinates(body)
+    elif isinstance(body, Probe):
+        _check_probe(body)
+    return Record(str(body.__struct_config__.tag), body.job, body.rank, body)

@@ -43,7 +43,7 @@ def read_run_log(directory: Path) -> dict[int, list[dict]]:
     so that a rank's records are its hello and its steps."""
     logs = {}
     for path in sorted(directory.glob("rank-*.jsonl")):
-        bodies = [decode(line).body for line in path.read_bytes().splitlines()]
+        bodies = [decode(line).body.as_dict() for line in path.read_bytes().splitlines()]
         logs[int(path.stem.split("-")[1])] = [body for body in bodies if body.get("phase") != "closed"]
     return logs
 

@@ -154,7 +154,7 @@ def test_render_instructions_feeds_the_clients_folds_and_applies_every_step(tmp_
     hellos, per_round = render_instructions.datagrams(rounds, ranks=4)
     assert len(hellos) == 4 and [len(batch) for batch in per_round[:2]] == [4, 8]  # steps 1-15: one fold; 16-30: two
     records = [decode(datagram) for batch in per_round for datagram in batch]
-    assert {len(record.body["folded"]["steps"]) for record in records} == {9}
+    assert {len(record.body.as_dict()["folded"]["steps"]) for record in records} == {9}
     workload = tmp_path / "workload.pickle"
     workload.write_bytes(pickle.dumps((hellos, per_round)))
     render_instructions.child("render", 1, workload)

@@ -234,7 +234,7 @@ def test_run_log_keeps_every_record_in_a_file_per_rank_or_in_one_file(tmp_path, 
             pass
     monitor.close()
     log = path / "rank-00000.jsonl" if path.suffix != ".jsonl" else path
-    logged = [decode(line).body for line in log.read_bytes().splitlines()]
+    logged = [decode(line).body.as_dict() for line in log.read_bytes().splitlines()]
     assert [(r["kind"], r.get("step"), r.get("samples")) for r in logged] == [
         ("hello", None, None), ("step", 1, 2), ("step", 2, 2), ("step", 3, 2), ("progress", 3, None)]
     assert logged[-1]["phase"] == "closed"  # the rank ended its training: its exit is no death
@@ -411,7 +411,7 @@ def test_hello_carries_layout_groups_and_only_allowlisted_environment(monkeypatc
                           pp_stage=1, dp_rank=0, schedule="1f1b", micro_batches=4, precision="bf16",
                           process_groups={"tp": (4, 5), "pp": (1, 5), "dp": (5, 7), "huge": tuple(range(600))})
     record = hello_record("job-1", layout, torch.device("cpu"))
-    body = decode(encode(record)).body
+    body = decode(encode(record)).body.as_dict()
     assert (body["rank"], body["tp_rank"], body["pp_stage"], body["dp_rank"]) == (5, 1, 1, 0)
     assert body["process_groups"] == {"tp": [4, 5], "pp": [1, 5], "dp": [5, 7]}  # 600 members would not fit
     assert "faults" not in body  # a Monitor's `hello=` adds them (test_hello_fields_join_...)

@@ -39,7 +39,7 @@ def test_silent_while_steps_flow_then_a_valid_record_once_overdue_by_the_jobs_ow
     assert watchdog.check() is None
     clock.now += 0.2
     record = watchdog.check()
-    body = decode(encode(record)).body  # what the agent takes
+    body = decode(encode(record)).body.as_dict()  # what the agent takes
     assert (body["step"], body["phase"], body["overdue_seconds"]) == (7, "collective", 10.0)
     assert body["collective"] == {"op": "all_reduce", "group": "dp", "group_size": 4, "group_rank": 1, "seq": 12,
                                   "bytes": 4096, "seconds": body["stalled_seconds"]}
@@ -81,7 +81,7 @@ def test_the_floor_keeps_a_fast_job_from_being_overdue_at_once():
 
 def test_an_error_record_names_the_exception_and_passes_the_schema():
     record = error_record("job", 0, Progress(), RuntimeError("boom " * 200))
-    body = decode(encode(record)).body
+    body = decode(encode(record)).body.as_dict()
     assert body["error"]["type"] == "RuntimeError" and body["error"]["message"].startswith("boom")
 
 

@@ -92,7 +92,7 @@ def test_largest_probe_record_fits_one_datagram():
     record = probe_record(Measurement(results, hosts * 2, "nccl", "cuda", "infiniband"), "job-" + "9" * 120)
     payload = encode(record)
     assert len(payload) <= MAX_RECORD_BYTES
-    body = decode(payload).body
+    body = decode(payload).body.as_dict()
     assert (body["nodes"], len(body["hostnames"]), body["ranks_per_node"]) == (16, 8, 2)
     assert len(body["results"]) == 90
 
@@ -155,7 +155,7 @@ def test_gloo_probe_prints_the_table_and_the_agent_exports_it(start_agent, tmp_p
     assert all(row[2] == "float32" for rows in table.values() for row in rows)
 
     (line,) = run_log.read_text().splitlines()
-    body = decode(line.encode()).body
+    body = decode(line.encode()).body.as_dict()
     assert (body["world_size"], body["nodes"], body["backend"], body["interconnect"]) == (3, 1, "gloo", "loopback")
     for row in body["results"]:
         assert row["algbw_bytes_per_second"] == pytest.approx(row["bytes"] / row["seconds"], rel=2e-3)

@@ -6,6 +6,7 @@ import pytest
 from telemetry_records import JOB, hello, probe
 
 from gpuwatch.agent.telemetry.store import TelemetryStore, probe_peaks
+from gpuwatch.protocol.records import Probe, convert
 from gpuwatch.protocol.schema import MAX_PROBE_RESULTS, RecordRejected, decode, encode
 
 
@@ -22,11 +23,11 @@ def _row(**fields) -> dict:
 def test_valid_probe_decodes_to_its_known_fields():
     record = decode(encode(probe(future_field=[1, 2])))
     assert (record.kind, record.job, record.rank) == ("probe", JOB, 0)
-    assert record.body["interconnect"] == "infiniband" and record.body["hostnames"] == ["node-1", "node-2"]
-    assert len(record.body["results"]) == 4 and record.body["results"][0]["op"] == "all_reduce"
-    assert "future_field" not in record.body
+    assert record.body.interconnect == "infiniband" and record.body.hostnames == ["node-1", "node-2"]
+    assert len(record.body.as_dict()["results"]) == 4 and record.body.as_dict()["results"][0]["op"] == "all_reduce"
+    assert "future_field" not in record.body.as_dict()
     minimal = {key: value for key, value in probe().items() if key not in ("hostnames", "dtype")}
-    assert decode(encode(minimal)).body.keys() == minimal.keys()
+    assert decode(encode(minimal)).body.as_dict().keys() == minimal.keys()
 
 
 @pytest.mark.parametrize(("change", "expected"), [
@@ -60,18 +61,18 @@ def test_store_keeps_the_latest_probe_per_job_apart_from_the_ranks():
     assert store.ingest(encode(probe(busbw=10e9))) is None
     assert store.ingest(encode(probe(busbw=20e9))) is None
     (latest,) = store.probes()
-    assert probe_peaks(latest)["all_reduce"]["busbw_bytes_per_second"] == 20e9
+    assert probe_peaks(latest)["all_reduce"].busbw_bytes_per_second == 20e9
     ranks, records = store.snapshot()
     assert ranks == [] and records["accepted", ""] == 2  # a probe is no rank: no series, no cardinality slot
 
     store.ingest(encode(hello(0)))
     for job in ("job-b", "job-c"):  # a third job's probe pushes out the least recently received one
         store.ingest(encode(probe(job=job)))
-    assert [p["job"] for p in store.probes()] == ["job-b", "job-c"]
+    assert [p.job for p in store.probes()] == ["job-b", "job-c"]
     assert [(s.job, s.rank) for s in store.snapshot()[0]] == [(JOB, 0)]
 
 
 def test_probe_peaks_pick_each_ops_best_size():
-    peaks = probe_peaks(probe(busbw=40e9))
-    assert {op: (row["bytes"], row["busbw_bytes_per_second"]) for op, row in peaks.items()} == {
+    peaks = probe_peaks(convert(probe(busbw=40e9), Probe))
+    assert {op: (row.bytes, row.busbw_bytes_per_second) for op, row in peaks.items()} == {
         "all_reduce": (64 << 20, 40e9), "all_gather": (64 << 20, 36e9)}

@@ -38,6 +38,7 @@ from gpuwatch.agent.telemetry.window import (
     StepWindow,
     summarize,
 )
+from gpuwatch.protocol.records import CollectiveTotals, FoldedStep, Step, convert
 from gpuwatch.protocol.schema import COLLECTIVE_BUCKETS, MAX_FOLDED_STEPS, encode
 from gpuwatch.trainer.telemetry import TelemetryClient, fold_steps
 
@@ -69,7 +70,7 @@ def test_store_accumulates_step_increments_and_keeps_the_latest_values():
                                     "buckets": all_reduce.buckets}  # the step record's names, as the state serves
     assert all_reduce.buckets[-1] == 1  # the 20 s call landed in the overflow bucket
     assert state.collectives["send"].calls == 2
-    assert state.last_step["step"] == 3
+    assert state.last_step.step == 3
     assert state.sampled["grad_cosine_similarity"] == (3, 0.9)
     assert records["accepted", ""] == 4
 
@@ -119,7 +120,7 @@ def test_a_snapshot_hands_out_the_same_copy_of_a_rank_until_the_rank_changes():
     second, _ = store.snapshot()
     assert second[0] is first[0]
     assert second[1] is not first[1]
-    assert (first[1].last_step["step"], second[1].last_step["step"]) == (1, 2)  # the copy handed out stays as it was
+    assert (first[1].last_step.step, second[1].last_step.step) == (1, 2)  # the copy handed out stays as it was
     _feed(store, progress(0))
     third, _ = store.snapshot()
     assert third[0] is not second[0] and third[0].progress is not None and second[0].progress is None
@@ -134,7 +135,7 @@ def test_a_rank_forgotten_and_back_is_not_served_its_old_copy():
     assert store.expire()
     _feed(store, hello(0), step(0, 7))  # as many records as before: the same version number, a new state
     (after,), _ = store.snapshot()
-    assert after.version == before.version and after.last_step["step"] == 7
+    assert after.version == before.version and after.last_step.step == 7
 
 
 def test_store_keeps_a_bounded_window_of_recent_steps_by_count_by_the_ranks_clock_and_per_run():
@@ -154,7 +155,8 @@ def test_store_keeps_a_bounded_window_of_recent_steps_by_count_by_the_ranks_cloc
 def test_window_summary_is_robust_to_outliers_and_counts_what_it_judged():
     window = StepWindow()
     for n, (compute, loss) in enumerate([(0.1, 2.0), (0.1, 1.9), (5.0, 1.8), (0.1, float("nan")), (0.1, 1.7)], 1):
-        window.add(step(0, n, time=100.0 + n, compute_seconds=compute, loss=loss, param_checksum=1.0 if n < 5 else 2.0))
+        window.add(convert(step(0, n, time=100.0 + n, compute_seconds=compute, loss=loss,
+                                param_checksum=1.0 if n < 5 else 2.0), Step))
     summary = summarize(window.points())
     assert summary.median("compute_seconds") == 0.1  # one 5 s step does not move the median
     assert (summary.steps, summary.first_step, summary.last_step, summary.seconds) == (5, 1, 5, 4.0)
@@ -199,7 +201,7 @@ _CALLS = st.lists(st.integers(0, 3) | st.integers(0, 2**40), min_size=len(COLLEC
 def test_op_totals_add_up_every_bucket_of_every_step(steps):
     totals = OpTotals()
     for buckets in steps:
-        totals = totals.plus({"count": sum(buckets), "bytes": 8 * sum(buckets), "seconds": 0.5, "buckets": buckets})
+        totals = totals.plus(CollectiveTotals(count=sum(buckets), bytes=8 * sum(buckets), seconds=0.5, buckets=buckets))
     assert totals.buckets == tuple(map(sum, zip(*steps, strict=True)))
     assert (totals.calls, totals.bytes, totals.seconds) == (sum(map(sum, steps)), 8 * sum(map(sum, steps)),
                                                            0.5 * len(steps))
@@ -207,21 +209,22 @@ def test_op_totals_add_up_every_bucket_of_every_step(steps):
 
 
 def test_a_step_point_reads_every_timing_at_its_path():
-    body: dict = {"step": 7, "time": 1.5, "loss": 2.0, "grad_norm": 3.0, "param_checksum": "ab"}
+    body: dict = {"v": 1, "job": JOB, "rank": 0, "step": 7, "time": 1.5, "loss": 2.0, "grad_norm": 3.0,
+                  "param_checksum": "ab", "pipeline": {"busy_seconds": 1.0, "idle_seconds": 0.0}}
     for number, path in enumerate(TIMINGS.values(), 1):
         *objects, field = path
         node = body
         for key in objects:
             node = node.setdefault(key, {})
         node[field] = number / 10
-    point = StepPoint.of(body)
+    point = StepPoint.of(convert(body, Step))
     assert StepPoint._fields[2:2 + len(TIMING_ORDER)] == TIMING_ORDER  # each timing in the field of its name
     assert {name: getattr(point, name) for name in TIMINGS} == {
         name: number / 10 for number, name in enumerate(TIMINGS, 1)}
     assert (point.step, point.time, point.loss, point.grad_norm, point.param_checksum) == (7, 1.5, 2.0, 3.0, "ab")
     assert StepPoint.from_dict(point.as_dict()) == point
-    bare = StepPoint.of({"step": 8, "time": 2.0})  # a step without the optional timings or a pipeline
-    assert [getattr(bare, name) for name in TIMINGS] == [None] * len(TIMINGS) and bare.loss is None
+    bare = StepPoint.of(FoldedStep(step=8, time=2.0, step_seconds=0.5))  # no optional timings, no pipeline
+    assert [getattr(bare, name) for name in TIMINGS] == [0.5] + [None] * (len(TIMINGS) - 1) and bare.loss is None
 
 
 def test_unavailable_signals_are_kept_until_measured_again_and_exported_with_their_reason():
@@ -324,7 +327,7 @@ def test_a_step_record_queued_behind_an_error_record_does_not_erase_it_and_a_res
     error = {"type": "InjectedFailure", "message": "rank 3 fails"}
     assert _feed(store, hello(0), progress(0, stalled=0.0, error=error), step(0, 3)) == [None] * 3
     (state,), _ = store.snapshot()
-    assert state.progress is not None and state.progress["error"] == error and state.last_step["step"] == 3
+    assert state.progress is not None and state.progress.as_dict()["error"] == error and state.last_step.step == 3
     _feed(store, step(0, 4))  # caught by the script, and training went on
     assert store.snapshot()[0][0].progress is None
 
@@ -348,7 +351,7 @@ def test_received_datagrams_are_applied_in_order_by_the_next_reader_or_by_the_re
     assert store._pending  # nothing applied yet
     store.mark_exited(41, 2000.0)
     (state,), records = store.snapshot()
-    assert (state.last_step["step"], state.exited_time, state.sender_pid) == (1, 2000.0, 41)
+    assert (state.last_step.step, state.exited_time, state.sender_pid) == (1, 2000.0, 41)
     assert (records["accepted", ""], records["rejected", "not_json"]) == (2, 1)
 
     datagrams = [encode(step(0, number)) for number in range(2, 8)]  # lengths vary with the clock's digits
@@ -365,7 +368,7 @@ def test_received_datagrams_are_applied_in_order_by_the_next_reader_or_by_the_re
     store.receive(datagrams[5], 41)
     assert [datagram for datagram, _ in store._pending] == datagrams[4:6]  # at least one a time, the oldest first
     (state,), _ = store.snapshot()
-    assert (state.steps, state.last_step["step"], store._pending) == (7, 7, [])
+    assert (state.steps, state.last_step.step, store._pending) == (7, 7, [])
 
 
 def test_silent_ranks_expire_after_the_ttl_and_free_their_slot():
@@ -453,7 +456,7 @@ def test_collector_serves_every_rank_with_its_coordinates_and_passes_promtool(so
 
     readings = result.readings
     assert readings["socket"] == str(socket_path)
-    assert [(r["rank"], r["hello"]["pid"]) for r in readings["ranks"]] == [(r, 4000 + r) for r in range(8)]
+    assert [(r["rank"], r["hello"].pid) for r in readings["ranks"]] == [(r, 4000 + r) for r in range(8)]
     # The hellos claim pids 4000+; the kernel says who really sent them (here: this test process).
     assert readings["processes"][3] == {"pid": os.getpid(), "job": JOB, "rank": 3}
     assert {r["sender_pid"] for r in readings["ranks"]} == {os.getpid()}

@@ -4,8 +4,9 @@ telemetry part of /api/v1/state.
 A round's read (apply what was queued, expire, copy the ranks) is made by whichever thread first needs it, a render
 ahead of a scrape or a state request (``Once``); a round nobody uses reads nothing. Its families and its readings
 are built from the copies when asked for (``Round``): the ranks are copies and probe bodies are never mutated, so
-building later is the same. Hello, step and probe bodies are the telemetry record schema's (``protocol.schema``),
-written as the schema defines them; their readers convert a rank back into ``readings.RankReadings``.
+building later is the same. Hello, step, progress and probe bodies are the typed records (``protocol.records``),
+written as the schema's JSON objects (their ``as_dict``, by ``snapshot.json_safe``); their readers convert a rank
+back into ``readings.RankReadings``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, NamedTuple
 from prometheus_client.core import Metric
 
 from gpuwatch.agent.telemetry.store import RankState
+from gpuwatch.protocol.records import Probe
 
 
 class Round(NamedTuple):
@@ -52,7 +54,7 @@ class StateReadings:
         self._ranks: dict[tuple[str, int], tuple[RankState, dict[str, Any]]] = {}
 
     def __call__(self, ranks: Sequence[RankState], records: dict[tuple[str, str], int],
-                 probes: list[dict[str, Any]]) -> dict[str, Any]:
+                 probes: list[Probe]) -> dict[str, Any]:
         return {
             "socket": str(self._path),
             "queue_limit": self._queue_limit,

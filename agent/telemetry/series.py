@@ -18,6 +18,7 @@ series per message size would multiply them by ~20 for no alert or rule that nee
 from __future__ import annotations
 
 import itertools
+import operator
 import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -61,6 +62,7 @@ from gpuwatch.agent.telemetry.metrics import (
 from gpuwatch.agent.telemetry.store import RankState, probe_peaks
 from gpuwatch.agent.telemetry.window import summarize
 from gpuwatch.protocol.ranks import members_text
+from gpuwatch.protocol.records import Hello, Probe
 from gpuwatch.protocol.schema import COLLECTIVE_BUCKETS, EXPORTED_ENV, MAX_EXPORTED_ENV_VALUE_CHARS
 
 _LE = [floatToGoString(bound) for bound in COLLECTIVE_BUCKETS] + ["+Inf"]
@@ -68,6 +70,11 @@ _LE = [floatToGoString(bound) for bound in COLLECTIVE_BUCKETS] + ["+Inf"]
 _FAMILY_INDEX = {spec.name: index for index, spec in enumerate(PER_RANK)}
 #: Each per-rank family's name, HELP and TYPE, as its ``TextFamily`` takes them.
 _HEADERS = [(spec.name, spec.help, spec.exposed_type) for spec in PER_RANK]
+#: A hello's coordinate labels after the job, and its ``RANK_INFO_FIELDS``, each read in one call.
+_COORDINATES = operator.attrgetter(*RANK_LABELS[1:])
+_INFO_VALUES = operator.attrgetter(*RANK_INFO_FIELDS)
+#: The figures of a probe that label its info series after its interconnect, backend and device.
+_PROBE_SIZES = operator.attrgetter("world_size", "nodes", "ranks_per_node")
 
 
 class _OpLines(NamedTuple):
@@ -99,13 +106,12 @@ class RankLines:
     """One rank's exposition lines of every per-rank family, and the label prefixes they start with. Prefixes live as
     long as the rank's hello is the same."""
 
-    def __init__(self, hello: dict[str, Any]) -> None:
+    def __init__(self, hello: Hello) -> None:
         self.hello = hello
         self.version = -1
         #: The rank's lines of each per-rank family, in ``PER_RANK`` order.
         self.parts: list[str] = []
-        self._labels = dict(zip(RANK_LABELS, (hello["job"], *(str(hello[name]) for name in RANK_LABELS[1:])),
-                                strict=True))
+        self._labels = dict(zip(RANK_LABELS, (hello.job, *map(str, _COORDINATES(hello))), strict=True))
         self._prefixes: dict[tuple[str, tuple[tuple[str, str], ...]], str] = {}  # by name and extra labels
         self._ops: dict[str, _OpLines] = {}
         #: The parts of a rank that has reported nothing since its hello: the hello's lines, the rest empty.
@@ -128,23 +134,23 @@ class RankLines:
     def _from_hello(self) -> dict[str, str]:
         """The lines that depend on the hello only: written once per hello."""
         hello = self.hello
-        info = (*((name, str(hello.get(name, ""))) for name in RANK_INFO_FIELDS),
-                ("backend", hello.get("backends", {}).get("default", "")),
-                ("faults", ",".join(hello.get("faults", ()))),
-                ("unavailable_from_outside", ",".join(hello.get("unavailable_from_outside", ()))))
+        info = (*((name, "" if value is None else str(value))
+                  for name, value in zip(RANK_INFO_FIELDS, _INFO_VALUES(hello), strict=True)),
+                ("backend", (hello.backends or {}).get("default", "")),  # the default group's, by its schema name
+                ("faults", ",".join(hello.faults or ())),
+                ("unavailable_from_outside", ",".join(hello.unavailable_from_outside or ())))
         lines = {RANK_INFO.name: f"{self._prefix(RANK_INFO.name, info)}1.0\n",
-                 HELLO_TIME.name: f"{self._prefix(HELLO_TIME.name)}{format_value(hello['time'])}\n"}
-        environment = hello.get("env", {})
+                 HELLO_TIME.name: f"{self._prefix(HELLO_TIME.name)}{format_value(hello.time)}\n"}
+        environment = hello.env or {}
         lines[ENV_INFO.name] = "".join(
             f"{self._prefix(ENV_INFO.name, (('name', name), ('value', environment[name])))}1.0\n"
             for name in EXPORTED_ENV
             if name in environment and len(environment[name]) <= MAX_EXPORTED_ENV_VALUE_CHARS)
-        groups = {name: members_text(ranks) for name, ranks in hello.get("process_groups", {}).items()}
+        groups = {name: members_text(ranks) for name, ranks in (hello.process_groups or {}).items()}
         lines[GROUP_INFO.name] = "".join(f"{self._prefix(GROUP_INFO.name, (('group', name), ('members', text)))}1.0\n"
                                     for name, text in sorted(groups.items()) if text is not None)
-        if "gpu" in hello:  # labelled by GPU, job and rank only
-            gpu = {"gpu": str(hello["gpu"]["index"]), "uuid": hello["gpu"]["uuid"], "job": hello["job"],
-                   "rank": self._labels["rank"]}
+        if hello.gpu is not None:  # labelled by GPU, job and rank only
+            gpu = {"gpu": str(hello.gpu.index), "uuid": hello.gpu.uuid, "job": hello.job, "rank": str(hello.rank)}
             lines[GPU_JOB.name] = f"{series_prefix(GPU_JOB.name, gpu)}1.0\n"
         return lines
 
@@ -218,30 +224,31 @@ class RankLines:
                 f"{prefix}{format_value(medians[timing])}\n" for timing, prefix in self._medians if timing in medians)
         progress = state.progress
         if progress is not None:
-            parts[_FAMILY_INDEX[STALLED.name]] = line(STALLED.name, progress[STALLED.field])
-            parts[_FAMILY_INDEX[PHASE.name]] = line(PHASE.name, 1, extra=(("phase", progress["phase"]),))
-            collective = progress.get("collective")
+            parts[_FAMILY_INDEX[STALLED.name]] = line(STALLED.name, getattr(progress, STALLED.field))
+            parts[_FAMILY_INDEX[PHASE.name]] = line(PHASE.name, 1, extra=(("phase", progress.phase),))
+            collective = progress.collective
             if collective is not None:
                 parts[_FAMILY_INDEX[IN_FLIGHT.name]] = line(
-                    IN_FLIGHT.name, collective["seq"], extra=(("op", collective["op"]), ("group", collective["group"])))
-            error = progress.get("error")
+                    IN_FLIGHT.name, collective.seq, extra=(("op", collective.op), ("group", collective.group)))
+            error = progress.error
             if error is not None:
                 parts[_FAMILY_INDEX[RAISED.name]] = line(
-                    RAISED.name, progress["time"], extra=(("type", error["type"]), ("message", error["message"])))
+                    RAISED.name, progress.time, extra=(("type", error.type), ("message", error.message)))
         if state.exited_time is not None:
             parts[_FAMILY_INDEX[EXITED.name]] = line(EXITED.name, state.exited_time)
         step = state.last_step
         if step is not None:
             for index, prefix, field, group in self._steps:
-                value = (step if group is None else step.get(group, {})).get(field)
+                holder = step if group is None else getattr(step, group)
+                value = None if holder is None else getattr(holder, field)
                 if value is not None:
                     parts[index] = f"{prefix}{format_value(value)}\n"
             parts[_FAMILY_INDEX[CALLS.name]] = "".join(line(CALLS.name, calls, extra=(("group", group),))
-                                                  for group, calls in sorted(step.get("collective_calls", {}).items()))
+                                                  for group, calls in sorted((step.collective_calls or {}).items()))
         memory = state.sampled.get("memory", (None, None))[1]
         if memory is not None:
-            for index, prefix, field in self._memory_lines(memory["kind"]):
-                value = memory.get(field)
+            for index, prefix, field in self._memory_lines(memory.kind):
+                value = getattr(memory, field)
                 if value is not None:
                     parts[index] = f"{prefix}{format_value(value)}\n"
         self.parts = parts
@@ -292,14 +299,13 @@ def families(ranks: Sequence[RankState], records: dict[tuple[str, str], int],
     return [received, tracked, *(per_rank or RankSeries()).families(ranks)]
 
 
-def probe_families(probes: Sequence[dict[str, Any]]) -> list[Metric]:
+def probe_families(probes: Sequence[Probe]) -> list[Metric]:
     """The metric families of the latest probe of each job (record bodies as the store keeps them)."""
     bandwidth, info, finished = PROBE_BANDWIDTH.family(), PROBE_INFO.family(), PROBE_TIME.family()
     for probe in probes:
-        job, interconnect = probe["job"], probe["interconnect"]
+        job, interconnect = probe.job, probe.interconnect
         for op, row in sorted(probe_peaks(probe).items()):
-            bandwidth.add_metric([job, op, interconnect], row[PROBE_BANDWIDTH.field])
-        info.add_metric([job, interconnect, probe["backend"], probe["device"],
-                         *(str(probe[name]) for name in ("world_size", "nodes", "ranks_per_node"))], 1)
-        finished.add_metric([job], probe[PROBE_TIME.field])
+            bandwidth.add_metric([job, op, interconnect], getattr(row, PROBE_BANDWIDTH.field))
+        info.add_metric([job, interconnect, probe.backend, probe.device, *map(str, _PROBE_SIZES(probe))], 1)
+        finished.add_metric([job], getattr(probe, PROBE_TIME.field))
     return [bandwidth, info, finished]

@@ -30,11 +30,23 @@ import math
 import operator
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import msgspec
 
 from gpuwatch.agent.telemetry.readings import SampledSignals
 from gpuwatch.agent.telemetry.window import StepWindow
+from gpuwatch.protocol.records import (
+    CollectiveTotals,
+    Folded,
+    FoldedStep,
+    Hello,
+    Probe,
+    ProbeResult,
+    Progress,
+    Step,
+)
 from gpuwatch.protocol.schema import (
     CLIENT_DROP_REASONS,
     COLLECTIVE_BUCKETS,
@@ -45,7 +57,6 @@ from gpuwatch.protocol.schema import (
 )
 
 log = logging.getLogger(__name__)
-R = TypeVar("R")
 
 DEFAULT_TTL = 120.0
 DEFAULT_MAX_RANKS = 1024
@@ -66,6 +77,8 @@ RECEIVER_APPLY_BYTES = 32 * 1024
 #: Step fields measured every N steps only: their latest value is kept with the step it belongs to (the memory
 #: reading is the record's ``memory`` object whole). Named once, by the typed state diagnosis reads them back as.
 SAMPLED_FIELDS: tuple[str, ...] = SampledSignals.__struct_fields__
+#: A step record's SAMPLED_FIELDS, read in one call (None where the step did not measure one).
+_SAMPLED_VALUES = operator.attrgetter(*SAMPLED_FIELDS)
 
 
 #: The index of each bucket of an op's histogram, the last the +Inf bucket.
@@ -84,16 +97,16 @@ class OpTotals(NamedTuple):
     seconds: float = 0.0
     buckets: tuple[int, ...] = (0,) * (len(COLLECTIVE_BUCKETS) + 1)
 
-    def plus(self, step: dict[str, Any]) -> OpTotals:
+    def plus(self, step: CollectiveTotals) -> OpTotals:
         """These totals with one step's (or folded steps') calls of the op added: the record's ``count``, ``bytes``,
         ``seconds`` and ``buckets`` (as long as these: the schema checks). An op's calls fall in one bucket or a few,
         so only the buckets that got calls are added to, found in C (``compress``)."""
-        added = step["buckets"]
+        added = step.buckets
         buckets = [*self.buckets]
         for index in itertools.compress(_BUCKET_INDICES, added):
             buckets[index] += added[index]
-        return tuple.__new__(OpTotals, (self.calls + step["count"], self.bytes + step["bytes"],  # no Python __new__
-                                        self.seconds + step["seconds"], tuple(buckets)))
+        return tuple.__new__(OpTotals, (self.calls + step.count, self.bytes + step.bytes,  # no Python __new__
+                                        self.seconds + step.seconds, tuple(buckets)))
 
     def as_dict(self) -> dict[str, Any]:
         """The totals under the step record's names (``count``, ``bytes``, ``seconds``, ``buckets``), as
@@ -107,8 +120,8 @@ _NO_CALLS = OpTotals()
 
 @dataclasses.dataclass(slots=True)
 class RankState:
-    """What the agent knows about one (job, rank). ``hello`` and ``last_step`` are validated
-    record bodies, replaced whole and never mutated, so a shallow copy is a consistent view."""
+    """What the agent knows about one (job, rank). ``hello``, ``last_step`` and ``progress`` are validated
+    record bodies (``protocol.records``), replaced whole and never mutated, so a shallow copy is a consistent view."""
 
     job: str
     rank: int
@@ -116,8 +129,8 @@ class RankState:
     last_seen_time: float  # wall clock, for people
     #: pid of the process that sent the latest record, from the kernel (None: not visible to the agent)
     sender_pid: int | None = None
-    hello: dict[str, Any] | None = None
-    last_step: dict[str, Any] | None = None
+    hello: Hello | None = None
+    last_step: Step | None = None
     steps: int = 0
     nonfinite_steps: int = 0
     tokens: int = 0
@@ -134,7 +147,7 @@ class RankState:
     #: the client's cumulative drop counters as last reported, to turn them into increments
     client_dropped: dict[str, int] = dataclasses.field(default_factory=dict)
     #: the latest progress record body, while it is news: a later step record (the rank moved on) clears it
-    progress: dict[str, Any] | None = None
+    progress: Progress | None = None
     #: wall clock when the agent found the rank's process gone (its sender pid no longer exists), else None
     exited_time: float | None = None
     #: records applied so far: readers that cache what they derive from a rank rebuild it when this moves
@@ -158,25 +171,27 @@ class RankState:
 _FIELD_VALUES = operator.attrgetter(*(field.name for field in dataclasses.fields(RankState)))
 
 
-def _nonfinite(body: dict[str, Any]) -> bool:
-    """The client's flag, or a non-finite loss/grad norm it forgot to flag."""
-    return bool(body.get("nonfinite")) or not (math.isfinite(body.get("loss", 0.0))
-                                               and math.isfinite(body.get("grad_norm", 0.0)))
+def _finite(step: Step | FoldedStep) -> bool:
+    """Whether the step's loss and gradient norm, where it reported them, are finite."""
+    loss, grad_norm = step.loss, step.grad_norm
+    return (loss is None or math.isfinite(loss)) and (grad_norm is None or math.isfinite(grad_norm))
 
 
-def _count_step(state: RankState, step: dict[str, Any]) -> None:
-    """One more step of the rank: a step record's body, or a step folded into one."""
+def _count_step(state: RankState, step: Step | FoldedStep, flagged: bool | None = None) -> None:
+    """One more step of the rank: a step record's body, or a step folded into one. Non-finite by the client's flag
+    (a step record's ``nonfinite``), or by a non-finite loss/grad norm it forgot to flag."""
     state.steps += 1
-    state.nonfinite_steps += _nonfinite(step)
+    state.nonfinite_steps += bool(flagged) or not _finite(step)
     state.window.add(step)
 
 
-def _add_counts(state: RankState, counts: dict[str, Any]) -> None:
+def _add_counts(state: RankState, counts: Step | Folded) -> None:
     """A step record's count-like fields (this step's increments), or the sums of the steps folded into it."""
-    state.tokens += counts.get("tokens", 0)
-    state.samples += counts.get("samples", 0)
-    for op, stats in counts.get("collectives", {}).items():
-        state.collectives[op] = state.collectives.get(op, _NO_CALLS).plus(stats)
+    state.tokens += counts.tokens or 0
+    state.samples += counts.samples or 0
+    if counts.collectives is not None:
+        for op, stats in counts.collectives.items():
+            state.collectives[op] = state.collectives.get(op, _NO_CALLS).plus(stats)
 
 
 class TelemetryStore:
@@ -197,7 +212,7 @@ class TelemetryStore:
         self._lock = threading.Lock()
         self._ranks: dict[tuple[str, int], RankState] = {}
         self._ranks_per_job: collections.Counter[str] = collections.Counter()
-        self._probes: dict[str, dict[str, Any]] = {}  # job -> latest probe body, least recently received first
+        self._probes: dict[str, Probe] = {}  # job -> latest probe body, least recently received first
         # Every known (result, reason) starts at 0, so rate() sees the first increment.
         self._records: dict[tuple[str, str], int] = {("accepted", ""): 0}
         self._records.update(dict.fromkeys((("rejected", reason) for reason in REJECT_REASONS), 0))
@@ -266,8 +281,9 @@ class TelemetryStore:
         except RecordRejected as rejected:
             self._records["rejected", rejected.reason] += 1
             return rejected.reason
-        if record.kind == "probe":
-            self._keep_probe(record)
+        body = record.body
+        if isinstance(body, Probe):
+            self._keep_probe(body)
             self._records["accepted", ""] += 1
             return None
         state = self._state_for(record)
@@ -278,14 +294,14 @@ class TelemetryStore:
         state.last_seen_time = time.time()
         state.sender_pid = sender_pid
         state.version += 1
-        if record.kind == "hello":
+        if isinstance(body, Hello):
             # A hello opens a process's story: what an earlier process of this rank said or did (its last
             # progress, its exit) is not about this one, a restarted rank.
-            state.hello, state.progress, state.exited_time = record.body, None, None
-        elif record.kind == "progress":
-            state.progress = record.body
+            state.hello, state.progress, state.exited_time = body, None, None
+        elif isinstance(body, Progress):
+            state.progress = body
         else:
-            self._apply_step(state, record.body)
+            self._apply_step(state, body)
         self._records["accepted", ""] += 1
         return None
 
@@ -308,7 +324,7 @@ class TelemetryStore:
         live: set[str] = set()
         for state in self._ranks.values():
             progress = state.progress
-            if state.exited_time is not None and progress is not None and progress.get("phase") == "closed":
+            if state.exited_time is not None and progress is not None and progress.phase == "closed":
                 ended[state.job] = max(ended.get(state.job, state.last_seen), state.last_seen)
             else:
                 live.add(state.job)
@@ -321,36 +337,40 @@ class TelemetryStore:
         del self._ranks_per_job[oldest]
         return True
 
-    def _keep_probe(self, record: Record) -> None:
-        self._probes.pop(record.job, None)
-        self._probes[record.job] = record.body
+    def _keep_probe(self, probe: Probe) -> None:
+        self._probes.pop(probe.job, None)
+        self._probes[probe.job] = probe
         if len(self._probes) > self.max_jobs:
             del self._probes[next(iter(self._probes))]
 
-    def _apply_step(self, state: RankState, body: dict[str, Any]) -> None:
-        folded = body.pop("folded", None)  # the earlier steps come first; the record kept is the step's own
+    def _apply_step(self, state: RankState, body: Step) -> None:
+        folded = body.folded  # the earlier steps come first; the record kept is the step's own
         if folded is not None:
-            for point in folded["steps"]:
+            for point in folded.steps:
                 _count_step(state, point)
             _add_counts(state, folded)
+            body = msgspec.structs.replace(body, folded=None)
         state.last_step = body
-        progress = state.progress
-        if progress is not None and body["step"] > progress.get("step", -1):
+        number, progress = body.step, state.progress
+        if progress is not None and number > progress.step:
             # Newer than the progress record: the rank moved on. A step record of the step the progress record
             # already counts (queued on the rank's sender thread while an error record went out at once) is
             # older news and must not erase that error.
             state.progress = None
-        _count_step(state, body)
+        _count_step(state, body, body.nonfinite)
         _add_counts(state, body)
-        memory = body.get("memory", {})
-        state.alloc_retries += memory.get("alloc_retries", 0)
-        state.ooms += memory.get("ooms", 0)
-        for name in SAMPLED_FIELDS:
-            if name in body:
-                state.sampled[name] = (body["step"], body[name])
-        for signal, reason in body.get("unavailable", {}).items():
-            state.unavailable[signal] = (body["step"], reason)
-        if "client" in body and (reported := body["client"]["dropped"]) != state.client_dropped:  # else adds 0s
+        memory = body.memory
+        if memory is not None:
+            state.alloc_retries += memory.alloc_retries or 0
+            state.ooms += memory.ooms or 0
+        for name, value in zip(SAMPLED_FIELDS, _SAMPLED_VALUES(body), strict=True):
+            if value is not None:
+                state.sampled[name] = (number, value)
+        if body.unavailable is not None:
+            for signal, reason in body.unavailable.items():
+                state.unavailable[signal] = (number, reason)
+        client = body.client
+        if client is not None and (reported := client.dropped) != state.client_dropped:  # else adds 0s
             for reason, total in reported.items():
                 previous = state.client_dropped.get(reason, 0)
                 # A smaller total means the rank's process restarted: its counter began again at 0.
@@ -426,24 +446,18 @@ class TelemetryStore:
             return {s.sender_pid: (s.job, s.rank) for s in self._ranks.values()
                     if s.sender_pid is not None and s.exited_time is None}
 
-    def probes(self) -> list[dict[str, Any]]:
+    def probes(self) -> list[Probe]:
         """The latest probe record body of each job, sorted by job; bodies are replaced whole, never mutated."""
         with self._current():
             return [self._probes[job] for job in sorted(self._probes)]
 
 
-def probe_peaks(probe: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """Each op's result row with the highest bus bandwidth: what the path delivers once messages are large
-    enough to hide latency, the figure to compare with a link's rating."""
-    return peak_rows(probe["results"], operator.itemgetter("op"), operator.itemgetter("busbw_bytes_per_second"))
-
-
-def peak_rows(rows: Iterable[R], op: Callable[[R], str], busbw: Callable[[R], float]) -> dict[str, R]:
-    """``probe_peaks`` of result rows of any form (a record body's dicts, ``records.ProbeResult``): the first of each
-    op's rows with the highest ``busbw``."""
-    peaks: dict[str, R] = {}
-    for row in rows:
-        best = peaks.get(op(row))
-        if best is None or busbw(row) > busbw(best):
-            peaks[op(row)] = row
+def probe_peaks(probe: Probe) -> dict[str, ProbeResult]:
+    """Each op's result row with the highest bus bandwidth (the first of them): what the path delivers once messages
+    are large enough to hide latency, the figure to compare with a link's rating."""
+    peaks: dict[str, ProbeResult] = {}
+    for row in probe.results:
+        best = peaks.get(row.op)
+        if best is None or row.busbw_bytes_per_second > best.busbw_bytes_per_second:
+            peaks[row.op] = row
     return peaks

@@ -16,9 +16,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from gpuwatch.protocol.records import FoldedStep, Step
 from gpuwatch.protocol.schema import STEP_PHASES
 
 #: Steps a window holds; a fault that starts mid-run moves the medians once it holds half the window.
@@ -47,13 +49,13 @@ MEDIAN_SECONDS = (*(name for name in TIMINGS if name.endswith("_seconds")), BUSY
 
 
 #: TIMINGS as a ``StepPoint`` holds them: the top-level fields, then the one nested, the pipeline's bubble, which
-#: ``StepPoint.of`` reads by its two names (walking its path was a third of a point's cost; a test holds ``of`` to
-#: every path of TIMINGS).
+#: ``StepPoint.of`` reads by attribute (walking its path was a third of a point's cost; a test holds ``of`` to every
+#: path of TIMINGS).
 _TOP_LEVEL_TIMINGS = tuple(path[0] for path in TIMINGS.values() if len(path) == 1)
-_BUBBLE_OBJECT, _BUBBLE_FIELD = TIMINGS["bubble_ratio"]
 #: The names of a ``StepPoint``'s timing fields, in their order.
 TIMING_ORDER = (*_TOP_LEVEL_TIMINGS, "bubble_ratio")
-_NO_OBJECT: Mapping[str, Any] = {}
+#: A step's number, clock and top-level timings, read in one call in C.
+_NUMBER_AND_TIMINGS = operator.attrgetter("step", "time", *_TOP_LEVEL_TIMINGS)
 
 
 class StepPoint(NamedTuple):
@@ -77,12 +79,13 @@ class StepPoint(NamedTuple):
     param_checksum: float | str | None = None
 
     @classmethod
-    def of(cls, body: Mapping[str, Any]) -> StepPoint:
-        """The point of a validated step record body (``schema.decode``)."""
-        get = body.get
-        return tuple.__new__(cls, (body["step"], body["time"], *map(get, _TOP_LEVEL_TIMINGS),
-                                   (get(_BUBBLE_OBJECT) or _NO_OBJECT).get(_BUBBLE_FIELD), get("loss"),
-                                   get("grad_norm"), get("param_checksum")))
+    def of(cls, body: Step | FoldedStep) -> StepPoint:
+        """The point of a validated step record body (``schema.decode``), or of a step folded into one (which carries
+        no parameter checksum: ``schema.FOLDED_STEP_FIELDS``)."""
+        pipeline = body.pipeline
+        return tuple.__new__(cls, (*_NUMBER_AND_TIMINGS(body), None if pipeline is None else pipeline.bubble_ratio,
+                                   body.loss, body.grad_norm,
+                                   body.param_checksum if isinstance(body, Step) else None))
 
     def as_dict(self) -> dict[str, Any]:
         """For /api/v1/state: the step record's own field names, absent values left out."""
@@ -118,7 +121,7 @@ class StepWindow:
         self._points: collections.deque[StepPoint] = collections.deque(points, maxlen=steps)
         self.seconds = seconds
 
-    def add(self, body: Mapping[str, Any]) -> None:
+    def add(self, body: Step | FoldedStep) -> None:
         point = StepPoint.of(body)
         points = self._points
         if points and point.step <= points[-1].step:

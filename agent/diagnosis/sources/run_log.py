@@ -21,7 +21,7 @@ from gpuwatch.agent.snapshot import json_safe
 from gpuwatch.agent.telemetry.readings import RankReadings
 from gpuwatch.agent.telemetry.rounds import rank_readings
 from gpuwatch.agent.telemetry.store import TelemetryStore
-from gpuwatch.protocol.records import Probe, Step, convert
+from gpuwatch.protocol.records import Step, convert
 from gpuwatch.protocol.schema import MAX_RANK, RecordRejected, decode
 
 #: Steps of history kept per rank and series (the latest ones); bounds memory on very long runs.
@@ -69,8 +69,8 @@ def read(path: Path) -> Facts:
                         continue
                     store.ingest(line)
                     records += 1
-                    if record.kind == "step":
-                        _add(series[record.job, record.rank], convert(record.body, Step))
+                    if isinstance(record.body, Step):
+                        _add(series[record.job, record.rank], record.body)
         except OSError as exc:
             raise SourceError(f"cannot read run log {file}: {exc.strerror or exc}") from None
     if not records:
@@ -85,7 +85,7 @@ def read(path: Path) -> Facts:
         # The agent's state of the rank, as /api/v1/state writes it and the agent source reads it back.
         rank = convert(json_safe(rank_readings(state)), RankReadings)
         facts.ranks.append(rank_facts(rank, node=None, history=series[state.job, state.rank].history(), now=math.inf))
-    facts.bandwidth = bandwidth(convert(store.probes(), list[Probe]), None)
+    facts.bandwidth = bandwidth(store.probes(), None)
     return facts
 
 

@@ -4,7 +4,6 @@ bandwidth measurements from probe records. Shared by the agent and run-log sourc
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +20,7 @@ from gpuwatch.agent.diagnosis.facts import (
     group_members,
 )
 from gpuwatch.agent.telemetry.readings import RankReadings, SampledAt
-from gpuwatch.agent.telemetry.store import SAMPLED_FIELDS, peak_rows
+from gpuwatch.agent.telemetry.store import SAMPLED_FIELDS, probe_peaks
 from gpuwatch.agent.telemetry.window import StepPoint, summarize
 from gpuwatch.protocol.records import CollectiveTotals, Hello, Memory, Probe, Progress, Step
 from gpuwatch.protocol.schema import COLLECTIVE_BUCKETS, STEP_PHASES
@@ -146,9 +145,6 @@ def bandwidth(probes: Sequence[Probe], node: str | None) -> list[BandwidthMeasur
                              size_bytes=row.bytes, busbw_bytes_per_second=row.busbw_bytes_per_second,
                              ranks=probe.world_size, job=probe.job, ranks_per_node=probe.ranks_per_node)
         for probe in probes
-        for op, row in sorted(peak_rows(probe.results, _OP, _BUSBW).items())]
+        for op, row in sorted(probe_peaks(probe).items())]
     return measurements or None
 
-
-_OP = operator.attrgetter("op")
-_BUSBW = operator.attrgetter("busbw_bytes_per_second")

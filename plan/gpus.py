@@ -63,7 +63,7 @@ _HOPPER_FLOPS = {"bf16": 989 * TERA, "fp16": 989 * TERA, "fp32": 67 * TERA}
 _AMPERE_FLOPS = {"bf16": 312 * TERA, "fp16": 312 * TERA, "fp32": 19.5 * TERA}
 PRESETS: dict[str, GpuSpec] = {spec.name: spec for spec in (
     GpuSpec("h100-80gb", 80 * GIB, _HOPPER_FLOPS, {"nvlink": 450 * GB, "ib": 50 * GB}, H100_SOURCES),
-    GpuSpec("h200-141gb", 141 * GB, _HOPPER_FLOPS, {"nvlink": 450 * GB, "ib": 50 * GB}, H200_SOURCES),
+    GpuSpec("h200-141gb", int(141 * GB), _HOPPER_FLOPS, {"nvlink": 450 * GB, "ib": 50 * GB}, H200_SOURCES),
     GpuSpec("a100-80gb", 80 * GIB, _AMPERE_FLOPS, {"nvlink": 300 * GB, "ib": 25 * GB}, A100_SOURCES),
     GpuSpec("a100-40gb", 40 * GIB, _AMPERE_FLOPS, {"nvlink": 300 * GB, "ib": 25 * GB}, A100_SOURCES),
 )}

@@ -97,7 +97,8 @@ def structural(shape: ModelShape, run: Run, cluster: Cluster, tp: int, pp: int, 
     """Why a grid cannot run at all, as (code, reason) pairs; none when it can."""
     checks = [
         (shape.heads % tp == 0, "heads", f"{shape.heads} attention heads are not divisible by tp {tp}"),
-        (shape.kv_heads % tp == 0, "kv-heads", f"{shape.kv_heads} key/value heads are not divisible by tp {tp}"),
+        (shape.kv_heads == shape.heads or shape.kv_heads % tp == 0, "kv-heads",
+         f"{shape.kv_heads} key/value heads are not divisible by tp {tp}"),
         (tp <= cluster.gpus_per_node, "tp-across-nodes",
          f"tp {tp} spans nodes of {cluster.gpus_per_node} GPUs: its per-layer all-reduces would cross InfiniBand"),
         (pp <= shape.layers, "layers", f"{shape.layers} layers cannot fill pp {pp} stages"),

@@ -41,9 +41,9 @@ def test_parameter_counts_are_narayanan_table_1(heads, hidden, layers, billions)
 def test_flops_are_narayanans_formula(layers, hidden, heads):
     """§5.1: 96·B·s·l·h²(1 + s/(6h) + V/(16lh)) a step with full recomputation; 72·…(… + V/(12lh)) without."""
     shape, s, v, batch = gpt(layers, hidden, heads), 2048, 51200, 1536
-    l, h = layers, hidden
-    with_recompute = 96 * batch * s * l * h**2 * (1 + s / (6 * h) + v / (16 * l * h))
-    model = 72 * batch * s * l * h**2 * (1 + s / (6 * h) + v / (12 * l * h))
+    h = hidden
+    with_recompute = 96 * batch * s * layers * h**2 * (1 + s / (6 * h) + v / (16 * layers * h))
+    model = 72 * batch * s * layers * h**2 * (1 + s / (6 * h) + v / (12 * layers * h))
     hardware = compute.stage_flops_per_token(shape, s, layers, last=True, recompute="full") * batch * s
     assert hardware == pytest.approx(with_recompute, rel=1e-12)
     assert compute.model_flops_per_token(shape, s) * batch * s == pytest.approx(model, rel=1e-12)

@@ -3,11 +3,11 @@ replace the datasheet's where a machine has been calibrated.
 
 Each preset's figures are the datasheet's dense (no 2:4 sparsity) tensor-core peaks for bf16 and fp16, the plain
 fp32 peak (fp32 training does not use TF32 by default in PyTorch), the memory in GiB (the 80 GB parts show 80 GiB to
-CUDA: nvidia-smi reports 81,559 MiB on an H100, 81,920 on an A100), and the bus bandwidth of each link *per
-direction*: NVLink's datasheet figure is the two directions together, and a ring all-reduce's bus bandwidth
-(nccl-tests' convention, https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md) is bounded by one
-direction. The InfiniBand figure is one adapter per GPU, as in the DGX systems: 400 Gb/s ConnectX-7 (DGX H100/H200),
-200 Gb/s ConnectX-6 HDR (DGX A100).
+CUDA: nvidia-smi reports 81,559 MiB on an H100, 81,920 on an A100; the 141 GB H200 143,771 MiB, 140 GiB), and the
+bus bandwidth of each link *per direction*: NVLink's datasheet figure is the two directions together, and a ring
+all-reduce's bus bandwidth (nccl-tests' convention, https://github.com/NVIDIA/nccl-tests/blob/master/doc/
+PERFORMANCE.md) is bounded by one direction. The InfiniBand figure is one adapter per GPU, as in the DGX systems:
+400 Gb/s ConnectX-7 (DGX H100/H200), 200 Gb/s ConnectX-6 HDR (DGX A100).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ _HOPPER_FLOPS = {"bf16": 989 * TERA, "fp16": 989 * TERA, "fp32": 67 * TERA}
 _AMPERE_FLOPS = {"bf16": 312 * TERA, "fp16": 312 * TERA, "fp32": 19.5 * TERA}
 PRESETS: dict[str, GpuSpec] = {spec.name: spec for spec in (
     GpuSpec("h100-80gb", 80 * GIB, _HOPPER_FLOPS, {"nvlink": 450 * GB, "ib": 50 * GB}, H100_SOURCES),
-    GpuSpec("h200-141gb", int(141 * GB), _HOPPER_FLOPS, {"nvlink": 450 * GB, "ib": 50 * GB}, H200_SOURCES),
+    GpuSpec("h200-141gb", 140 * GIB, _HOPPER_FLOPS, {"nvlink": 450 * GB, "ib": 50 * GB}, H200_SOURCES),
     GpuSpec("a100-80gb", 80 * GIB, _AMPERE_FLOPS, {"nvlink": 300 * GB, "ib": 25 * GB}, A100_SOURCES),
     GpuSpec("a100-40gb", 40 * GIB, _AMPERE_FLOPS, {"nvlink": 300 * GB, "ib": 25 * GB}, A100_SOURCES),
 )}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -107,3 +109,9 @@ def test_bad_input_is_one_line_and_status_2(tmp_path, config, args, message):
     assert len(result.stderr.splitlines()) == 1, result.stderr
     assert result.stderr.startswith("gpuwatch plan: ") and message in result.stderr, result.stderr
     assert isinstance(result.exception, SystemExit)  # an exit, not an exception's traceback
+
+
+def test_the_planner_imports_no_torch():
+    """It runs wherever gpuwatch does: the agent's nodes have no torch."""
+    code = "import sys, gpuwatch.plan.cli; assert 'torch' not in sys.modules, sorted(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True)

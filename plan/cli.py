@@ -17,9 +17,6 @@ from gpuwatch.plan.report import as_json, as_text
 from gpuwatch.plan.run import PRECISIONS, Run, RunError, numerics
 from gpuwatch.trainer.config import ModelConfig
 
-#: The model flags, by ModelShape field.
-SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
-
 
 class OneLineCommand(click.Command):
     """A command whose usage errors (a flag's bad value, a missing one) are one line, like its own."""
@@ -42,8 +39,8 @@ def model_shape(model: str | None, reference: bool, seq_len: int | None, flags: 
     given = {name: value for name, value in flags.items() if value is not None}
     if model is not None:
         if given or reference:
-            raise ModelError("--model reads the shape from its config.json: leave out --reference and "
-                             f"--{', --'.join(name.replace('_', '-') for name in given) or 'layers ...'}")
+            raise ModelError("--model reads the shape from its config.json: give neither --reference nor "
+                             "--layers, --hidden, --heads, --kv-heads, --ffn, --vocab with it")
         return read_hf_config(Path(model))
     if reference:
         defaults = ModelConfig()

@@ -32,6 +32,7 @@ from gpuwatch.plan.run import Layout, Run
 #: The gradient norm's and the loss's one fp32 value; the cross-entropy's three fp32 values per token.
 SCALAR_BYTES = 4
 CROSS_ENTROPY_BYTES = 3 * 4
+#: The process groups traffic is counted on, in the order the reports list them.
 GROUPS = ("tp", "pp", "dp")
 
 
@@ -49,6 +50,9 @@ class Traffic:
 
     def bytes_by_group(self) -> dict[str, int]:
         return {"tp": self.tp_bytes, "pp": self.pp_bytes, "dp": self.dp_bytes}
+
+    def seconds_by_group(self) -> dict[str, float]:
+        return {"tp": self.tp_seconds, "pp": self.pp_seconds, "dp": self.dp_seconds}
 
 
 def ring_factor(ranks: int) -> float:

@@ -20,10 +20,6 @@ GIB = 2**30
 TERA = 1e12
 GB = 1e9
 
-#: Links a transfer may take: within a node (NVLink) or between nodes (InfiniBand).
-LINKS = ("nvlink", "ib")
-
-
 class ClusterError(ValueError):
     """A cluster description that cannot be planned: the message names the flag and what is wrong."""
 

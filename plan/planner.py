@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from gpuwatch.plan import compute
-from gpuwatch.plan.comm import Traffic, stage_traffic
+from gpuwatch.plan.comm import GROUPS, Traffic, stage_traffic
 from gpuwatch.plan.gpus import GIB, Cluster
 from gpuwatch.plan.memory import Memory, stage_memory
 from gpuwatch.plan.model import ModelShape
@@ -61,7 +61,7 @@ class Prediction:
     def traffic_bytes(self) -> dict[str, int]:
         """The most bytes any rank hands each group per step."""
         return {group: max(stage.traffic.bytes_by_group()[group] for stage in self.stages)
-                for group in ("tp", "pp", "dp")}
+                for group in GROUPS}
 
     @property
     def comm_compute_ratio(self) -> float:

@@ -10,6 +10,7 @@ from collections import defaultdict
 from dataclasses import asdict
 from typing import Any
 
+from gpuwatch.plan.comm import GROUPS
 from gpuwatch.plan.gpus import GIB
 from gpuwatch.plan.planner import Plan, Prediction, Rejection
 
@@ -29,9 +30,8 @@ ASSUMPTIONS = {
 
 
 def prediction_json(rank: int, prediction: Prediction) -> dict[str, Any]:
-    traffic = {stage.index: stage.traffic for stage in prediction.stages}
-    seconds = {"tp": max(t.tp_seconds for t in traffic.values()), "pp": max(t.pp_seconds for t in traffic.values()),
-               "dp": max(t.dp_seconds for t in traffic.values())}
+    seconds = {group: max(stage.traffic.seconds_by_group()[group] for stage in prediction.stages)
+               for group in GROUPS}
     return {
         "rank": rank,
         "layout": {**asdict(prediction.layout), "micro_batch_size": prediction.micro_batch_size},
@@ -41,7 +41,7 @@ def prediction_json(rank: int, prediction: Prediction) -> dict[str, Any]:
         "mfu": prediction.mfu,
         "model_flops": prediction.model_flops,
         "communication": {group: {"bytes": prediction.traffic_bytes[group], "seconds": seconds[group],
-                                  "exposed_seconds": prediction.exposed[group]} for group in ("tp", "pp", "dp")},
+                                  "exposed_seconds": prediction.exposed[group]} for group in GROUPS},
         "comm_compute_ratio": prediction.comm_compute_ratio,
         "memory": {"stage": prediction.heaviest, **prediction.memory.as_dict()},
     }
@@ -91,7 +91,7 @@ def as_text(plan: Plan, top: int) -> str:
         f"{'TP GB/s':>13} {'PP GB/s':>13} {'DP GB/s':>13} {'comm/comp':>9}",
     ]
     for rank, p in enumerate(plan.feasible[:top], 1):
-        comm = "  ".join(f"{p.traffic_bytes[g] / 1e9:6.2f}/{p.exposed[g]:6.3f}" for g in ("tp", "pp", "dp"))
+        comm = "  ".join(f"{p.traffic_bytes[g] / 1e9:6.2f}/{p.exposed[g]:6.3f}" for g in GROUPS)
         lines.append(f"{rank:>3}  {p.layout.name:<46} {p.micro_batch_size:>4} {p.step_seconds:>8.3f} "
                      f"{p.mfu:>6.1%} {p.bubble:>6.1%} {_gib(p.memory.total):>6}  {comm} {p.comm_compute_ratio:>9.2f}")
         memory = p.memory

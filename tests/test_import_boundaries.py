@@ -12,7 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 #: Top-level folder -> the import name it is installed under (pyproject.toml's package-dir).
 PACKAGES = {"agent": "gpuwatch.agent", "trainer": "gpuwatch.trainer", "protocol": "gpuwatch.protocol",
-            "cli": "gpuwatch.cli", "alerts": "gpuwatch.alerts", "dashboards": "gpuwatch.dashboards"}
+            "cli": "gpuwatch.cli", "alerts": "gpuwatch.alerts", "dashboards": "gpuwatch.dashboards",
+            "plan": "gpuwatch.plan"}
 
 
 def _imports(path: Path) -> set[str]:
@@ -54,13 +55,15 @@ def _violations(folder: str, forbidden: tuple[str, ...], allowed: tuple[str, ...
     ("trainer/parallel", ("gpuwatch.trainer.hooks",), (), "the parallel trainer reads without its instruments"),
     ("trainer", ("gpuwatch.agent", "gpuwatch.cli"), ("gpuwatch.agent.collectors",),
      "the trainer speaks the protocol; it may read its node through the collectors (the probe), never judge"),
+    ("plan", ("torch", "gpuwatch.agent", "gpuwatch.cli", "gpuwatch.trainer"), ("gpuwatch.trainer.config",),
+     "the planner runs without torch, wherever gpuwatch does; of the trainer it reads only its torch-free config"),
 ])
 def test_import_boundary(folder, forbidden, allowed, why):
     assert _violations(folder, forbidden, allowed) == {}, why
 
 
 #: The parts whose modules must not use each other's private names (tests may: see `test_no_private_name_...`).
-PRIVATE_CHECKED = ("agent", "trainer", "protocol", "cli", "alerts", "dashboards")
+PRIVATE_CHECKED = ("agent", "trainer", "protocol", "cli", "alerts", "dashboards", "plan")
 #: A named tuple's API: public, though spelled with an underscore so as not to clash with its fields.
 NAMED_TUPLE_API = frozenset({"_asdict", "_field_defaults", "_fields", "_make", "_replace"})
 
@@ -147,7 +150,7 @@ LONG_REASON = f"Past {MAX_LINES} lines on purpose:"
 
 def test_a_module_past_the_line_limit_says_why():
     long = {}
-    for folder in ("agent", "trainer", "protocol", "cli"):
+    for folder in ("agent", "trainer", "protocol", "cli", "plan"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             source = path.read_text()
             lines = len(source.splitlines())

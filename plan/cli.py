@@ -1,0 +1,112 @@
+"""``gpuwatch plan``: the command line of the planner. It reads the model, the cluster and the run from flags,
+prints the plan, and turns every bad input into one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+import click
+
+from gpuwatch.plan.gpus import GIB, PRESETS, Cluster, ClusterError, preset
+from gpuwatch.plan.model import ModelError, ModelShape, from_reference, read_hf_config
+from gpuwatch.plan.planner import plan as make_plan
+from gpuwatch.plan.report import as_json, as_text
+from gpuwatch.plan.run import PRECISIONS, Run, RunError, numerics
+from gpuwatch.trainer.config import ModelConfig
+
+
+class OneLineCommand(click.Command):
+    """A command whose usage errors (a flag's bad value, a missing one) are one line, like its own."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as error:
+            fail(error.format_message())  # the status says it: 2, as click's own usage errors
+
+
+def fail(message: str) -> NoReturn:
+    click.echo(f"gpuwatch plan: {message}", err=True)
+    sys.exit(2)
+
+
+def model_shape(model: str | None, reference: bool, seq_len: int | None, flags: dict[str, int | None]) -> ModelShape:
+    """The shape from --model, --reference (the reference trainer's GPT, its ModelConfig's defaults for any
+    figure not given) or the flags."""
+    given = {name: value for name, value in flags.items() if value is not None}
+    if model is not None:
+        if given or reference:
+            raise ModelError("--model reads the shape from its config.json: give neither --reference nor "
+                             "--layers, --hidden, --heads, --kv-heads, --ffn, --vocab with it")
+        return read_hf_config(Path(model))
+    if reference:
+        defaults = ModelConfig()
+        return from_reference(ModelConfig(
+            vocab_size=given.get("vocab", defaults.vocab_size), seq_len=seq_len or defaults.seq_len,
+            hidden=given.get("hidden", defaults.hidden), heads=given.get("heads", defaults.heads),
+            layers=given.get("layers", defaults.layers)))
+    missing = [name for name in ("layers", "hidden", "heads", "vocab") if name not in given]
+    if missing:
+        raise ModelError(f"no model: give --model config.json, --reference, or --{', --'.join(missing)}")
+    hidden, heads = given["hidden"], given["heads"]
+    return ModelShape(layers=given["layers"], hidden=hidden, heads=heads, kv_heads=given.get("kv_heads", heads),
+                      ffn=given.get("ffn", 4 * hidden), vocab=given["vocab"])
+
+
+@click.command(cls=OneLineCommand)
+@click.option("--model", type=str, help="A Hugging Face config.json (Llama-style: num_hidden_layers, hidden_size, "
+              "num_attention_heads, num_key_value_heads, intermediate_size, vocab_size, tie_word_embeddings).")
+@click.option("--reference", is_flag=True, help="The reference trainer's GPT (gpuwatch train), with --layers, "
+              "--hidden, --heads, --vocab, --seq-len or its defaults.")
+@click.option("--layers", type=int, help="Transformer layers (without --model).")
+@click.option("--hidden", type=int, help="Hidden size.")
+@click.option("--heads", type=int, help="Attention heads.")
+@click.option("--kv-heads", type=int, help="Key/value heads (grouped-query attention; default: --heads).")
+@click.option("--ffn", type=int, help="MLP width (default 4 × --hidden; a SwiGLU MLP with flags).")
+@click.option("--vocab", type=int, help="Vocabulary size.")
+@click.option("--seq-len", type=int, help="Tokens per sequence (required but with --reference).")
+@click.option("--gpus", type=int, required=True, help="GPUs in the job.")
+@click.option("--gpus-per-node", type=int, default=8, show_default=True)
+@click.option("--gpu", default="h100-80gb", show_default=True, help=f"A preset: {', '.join(PRESETS)}.")
+@click.option("--global-batch", type=int, required=True, help="Sequences per optimizer step.")
+@click.option("--precision", type=click.Choice(PRECISIONS), default="bf16", show_default=True)
+@click.option("--main-grads", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+              help="Gradient dtype with bf16/fp16 (fp32: Megatron-LM's 18 bytes a parameter; bf16: ZeRO's 16).")
+@click.option("--sequence-parallel/--no-sequence-parallel", default=True, show_default=True)
+@click.option("--dp-overlap", is_flag=True, help="The DP reduction overlaps the last backward pass (DDP buckets).")
+@click.option("--efficiency", type=float, default=0.5, show_default=True,
+              help="Share of the peak FLOP/s the matmuls achieve.")
+@click.option("--allowance-gib", type=float, default=2.0, show_default=True,
+              help="Memory for the CUDA context, NCCL and the like, per GPU.")
+@click.option("--top", type=int, default=10, show_default=True, help="Feasible layouts shown.")
+@click.option("--format", "output", type=click.Choice(["text", "json"]), default="text", show_default=True)
+def plan(model: str | None, reference: bool, layers: int | None, hidden: int | None, heads: int | None,
+         kv_heads: int | None, ffn: int | None, vocab: int | None, seq_len: int | None, gpus: int,
+         gpus_per_node: int, gpu: str, global_batch: int, precision: str, main_grads: str, sequence_parallel: bool,
+         dp_overlap: bool, efficiency: float, allowance_gib: float, top: int, output: str) -> None:
+    """Which tp × pp × dp layout (micro-batches, schedule, recomputation, ZeRO-1) a model should run with: every
+    feasible one ranked by predicted step time, with the heaviest rank's memory, the bubble, the traffic per group
+    and MFU; every rejected one with its reason (docs/plan.md). Example: gpuwatch plan --model config.json
+    --gpus 64 --gpus-per-node 8 --gpu h100-80gb --global-batch 512 --seq-len 4096"""
+    flags = {"layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads, "ffn": ffn, "vocab": vocab}
+    try:
+        if top < 1:
+            raise RunError(f"--top must be at least 1 (got {top})")
+        shape = model_shape(model, reference, seq_len, flags)
+        length = seq_len if seq_len is not None else shape.positions or None
+        if length is None:
+            raise RunError("--seq-len is required")
+        cluster = Cluster(gpus, gpus_per_node, preset(gpu), efficiency=efficiency)
+        run = Run(global_batch, length, numerics(precision, main_grads == "fp32", shape.source == "reference"),
+                  sequence_parallel=sequence_parallel and shape.source != "reference", dp_overlap=dp_overlap,
+                  allowance_bytes=int(allowance_gib * GIB))
+    except (ModelError, ClusterError, RunError) as error:
+        fail(str(error))
+    result = make_plan(shape, cluster, run)
+    if output == "json":
+        click.echo(json.dumps(as_json(result, top), indent=1))
+    else:
+        click.echo(as_text(result, top))

@@ -1,0 +1,115 @@
+"""Bytes each rank hands its collectives per step, by process group, and their time on the link they cross.
+
+Volumes (Narayanan et al. 2021, arXiv:2104.04473, §3.2 and §4.1; Shoeybi et al. 2019, §3):
+* TP: per layer and micro-batch two all-reduces of the s·b·h activations forward (after attention and after the
+  MLP) and two of their gradients backward (before them), Megatron-style; with sequence parallelism an all-gather
+  and a reduce-scatter replace each all-reduce, the same bus volume. Full recomputation repeats the forward two.
+  The vocabulary-parallel embedding all-reduces its output forward, the head its input's gradient backward, and the
+  vocabulary-parallel cross-entropy exchanges three s·b fp32 figures per token (its maximum, sum of exponentials
+  and target logit).
+* PP: per micro-batch, s·b·h activations forward and their gradient backward over each stage boundary: a stage
+  sends to and receives from each neighbour it has. Tied embeddings on separate stages add the embedding
+  gradient's all-reduce between the first and the last stage (Megatron-LM's embedding group), counted here.
+* DP: the gradients of the stage's parameters, all-reduced once per step (with ZeRO-1, reduce-scattered, and the
+  updated weights all-gathered: the same bus volume for 16-bit weights and 16-bit gradients).
+* Per step, the gradient norm's one fp32 scalar over the TP and the PP group, and the loss's over DP on the last
+  stage.
+
+Bytes are the sizes of the tensors handed to each call (what gpuwatch's hooks count: each transfer's sends and
+receives). Times use nccl-tests' bus-bandwidth convention (https://github.com/NVIDIA/nccl-tests/blob/master/doc/
+PERFORMANCE.md): an all-reduce of S bytes over n ranks moves 2(n − 1)/n · S per rank, an all-gather or
+reduce-scatter (n − 1)/n · S, a send S.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpuwatch.plan.gpus import Cluster
+from gpuwatch.plan.model import ModelShape
+from gpuwatch.plan.run import Layout, Run
+
+#: The gradient norm's and the loss's one fp32 value; the cross-entropy's three fp32 values per token.
+SCALAR_BYTES = 4
+CROSS_ENTROPY_BYTES = 3 * 4
+#: The process groups traffic is counted on, in the order the reports list them.
+GROUPS = ("tp", "pp", "dp")
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One rank's bytes per step on each group, and the seconds they take on their links (not yet net of any
+    overlap: the planner decides what shows)."""
+
+    tp_bytes: int
+    pp_bytes: int
+    dp_bytes: int
+    tp_seconds: float
+    pp_seconds: float
+    dp_seconds: float
+
+    def bytes_by_group(self) -> dict[str, int]:
+        return {"tp": self.tp_bytes, "pp": self.pp_bytes, "dp": self.dp_bytes}
+
+    def seconds_by_group(self) -> dict[str, float]:
+        return {"tp": self.tp_seconds, "pp": self.pp_seconds, "dp": self.dp_seconds}
+
+
+def ring_factor(ranks: int) -> float:
+    """What each rank moves of an all-reduce's buffer, on a ring: 2(n − 1)/n."""
+    return 2 * (ranks - 1) / ranks
+
+
+def spans(layout: Layout) -> dict[str, int]:
+    """How many consecutive ranks each group's members lie within (TP fastest, then DP, then PP)."""
+    return {"tp": layout.tp, "dp": layout.tp * (layout.dp - 1) + 1, "pp": layout.tp * layout.dp * (layout.pp - 1) + 1}
+
+
+def stage_traffic(shape: ModelShape, run: Run, layout: Layout, cluster: Cluster, stage: int, layers: int,
+                  parameters: int) -> Traffic:
+    """Stage ``stage``'s rank: ``layers`` layers and ``parameters`` parameters on it."""
+    n = run.numerics
+    batch = layout.micro_batch_size(run.global_batch)
+    m, t, p, d = layout.micro_batches, layout.tp, layout.pp, layout.dp
+    first, last = stage == 0, stage == p - 1
+    sbh = run.seq_len * batch * shape.hidden
+    link = {group: cluster.link(span) for group, span in spans(layout).items()}
+
+    tp_bytes = tp_seconds = 0.0
+    if t > 1:
+        forward_calls = 2 * layers * (2 if layout.recompute == "full" else 1)
+        per_micro_batch = [sbh * n.activation] * forward_calls + [sbh * n.residual] * (2 * layers)
+        if first:
+            per_micro_batch.append(sbh * n.weight)
+        if last:
+            per_micro_batch += [sbh * n.residual, CROSS_ENTROPY_BYTES * run.seq_len * batch]
+        tp_bytes = m * sum(per_micro_batch) + SCALAR_BYTES
+        tp_seconds = m * sum(all_reduce_seconds(cluster, link["tp"], size, t) for size in per_micro_batch)
+
+    pp_bytes = pp_seconds = 0.0
+    if p > 1:
+        neighbours = (not first) + (not last)
+        activation = sbh * n.residual
+        pp_bytes = m * 2 * neighbours * activation + SCALAR_BYTES
+        pp_seconds = m * 2 * neighbours * activation / cluster.bus_bandwidth(link["pp"], activation)
+        if shape.tied_embeddings and (first or last):
+            embedding = shape.vocab_per_rank(t) * shape.hidden * n.grad
+            pp_bytes += embedding
+            pp_seconds += all_reduce_seconds(cluster, link["pp"], embedding, 2)
+
+    dp_bytes = dp_seconds = 0.0
+    if d > 1:
+        gradients = parameters * n.grad
+        if layout.zero1:
+            dp_bytes = gradients + parameters * n.weight
+            dp_seconds = (d - 1) / d * (gradients + parameters * n.weight) / cluster.bus_bandwidth(
+                link["dp"], gradients)
+        else:
+            dp_bytes = gradients
+            dp_seconds = all_reduce_seconds(cluster, link["dp"], gradients, d)
+        dp_bytes += SCALAR_BYTES if last else 0
+    return Traffic(int(tp_bytes), int(pp_bytes), int(dp_bytes), tp_seconds, pp_seconds, dp_seconds)
+
+
+def all_reduce_seconds(cluster: Cluster, link: str, nbytes: float, ranks: int) -> float:
+    return ring_factor(ranks) * nbytes / cluster.bus_bandwidth(link, int(nbytes))

@@ -1,0 +1,124 @@
+"""The cluster a plan is for: GPU presets from NVIDIA's datasheets, how many per node, and measured figures that
+replace the datasheet's where a machine has been calibrated.
+
+Each preset's figures are the datasheet's dense (no 2:4 sparsity) tensor-core peaks for bf16 and fp16, the plain
+fp32 peak (fp32 training does not use TF32 by default in PyTorch), the memory in GiB (the 80 GB parts show 80 GiB to
+CUDA: nvidia-smi reports 81,559 MiB on an H100, 81,920 on an A100; the 141 GB H200 143,771 MiB, 140 GiB), and the
+bus bandwidth of each link *per direction*: NVLink's datasheet figure is the two directions together, and a ring
+all-reduce's bus bandwidth (nccl-tests' convention, https://github.com/NVIDIA/nccl-tests/blob/master/doc/
+PERFORMANCE.md) is bounded by one direction. The InfiniBand figure is one adapter per GPU, as in the DGX systems:
+400 Gb/s ConnectX-7 (DGX H100/H200), 200 Gb/s ConnectX-6 HDR (DGX A100).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+GIB = 2**30
+TERA = 1e12
+GB = 1e9
+
+class ClusterError(ValueError):
+    """A cluster description that cannot be planned: the message names the flag and what is wrong."""
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One GPU model's figures. ``peak_flops`` by precision (dense FLOP/s), ``bus_bandwidth`` by link (bytes/s,
+    one direction), ``sources``: where each figure is published."""
+
+    name: str
+    memory_bytes: int
+    peak_flops: Mapping[str, float]
+    bus_bandwidth: Mapping[str, float]
+    sources: tuple[str, ...]
+
+
+H100_SOURCES = (
+    "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM: 80 GB, FP32 67 TFLOPS, BF16/FP16 1,979 TFLOPS with sparsity, "
+    "989 dense, NVLink 900 GB/s): https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet",
+    "NVIDIA DGX H100 datasheet (8 × single-port ConnectX-7, 400 Gb/s InfiniBand per GPU): "
+    "https://resources.nvidia.com/en-us-dgx-systems/ai-enterprise-dgx",
+)
+A100_SOURCES = (
+    "NVIDIA A100 Tensor Core GPU datasheet (A100 SXM 40/80 GB: FP32 19.5 TFLOPS, BF16/FP16 312 TFLOPS dense, "
+    "NVLink 600 GB/s): https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+    "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf",
+    "NVIDIA DGX A100 datasheet (8 × single-port ConnectX-6, 200 Gb/s HDR InfiniBand per GPU): "
+    "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/nvidia-dgx-a100-datasheet.pdf",
+)
+H200_SOURCES = (
+    "NVIDIA H200 Tensor Core GPU page (H200 SXM: 141 GB, FP32 67 TFLOPS, BF16/FP16 1,979 TFLOPS with sparsity, "
+    "NVLink 900 GB/s): https://www.nvidia.com/en-us/data-center/h200/",
+    H100_SOURCES[1].replace("DGX H100", "DGX H100/H200"),
+)
+
+_HOPPER_FLOPS = {"bf16": 989 * TERA, "fp16": 989 * TERA, "fp32": 67 * TERA}
+_AMPERE_FLOPS = {"bf16": 312 * TERA, "fp16": 312 * TERA, "fp32": 19.5 * TERA}
+PRESETS: dict[str, GpuSpec] = {spec.name: spec for spec in (
+    GpuSpec("h100-80gb", 80 * GIB, _HOPPER_FLOPS, {"nvlink": 450 * GB, "ib": 50 * GB}, H100_SOURCES),
+    GpuSpec("h200-141gb", 140 * GIB, _HOPPER_FLOPS, {"nvlink": 450 * GB, "ib": 50 * GB}, H200_SOURCES),
+    GpuSpec("a100-80gb", 80 * GIB, _AMPERE_FLOPS, {"nvlink": 300 * GB, "ib": 25 * GB}, A100_SOURCES),
+    GpuSpec("a100-40gb", 40 * GIB, _AMPERE_FLOPS, {"nvlink": 300 * GB, "ib": 25 * GB}, A100_SOURCES),
+)}
+
+
+def preset(name: str) -> GpuSpec:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ClusterError(f"unknown GPU preset {name!r} (one of {', '.join(PRESETS)})") from None
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Figures measured on the machine, used in place of the datasheet's: the achieved matmul FLOP/s (the
+    efficiency is then 1: it is measured in), and per link the bus bandwidth at each message size, as
+    (bytes, bytes/s) pairs (`gpuwatch probe`'s sweep)."""
+
+    matmul_flops: float | None = None
+    bus_bandwidth: Mapping[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``gpus`` in nodes of ``gpus_per_node`` of one kind. ``efficiency``: the share of the datasheet's peak the
+    matmuls achieve (ignored when ``calibration`` measured it)."""
+
+    gpus: int
+    gpus_per_node: int
+    gpu: GpuSpec
+    efficiency: float = 0.5
+    calibration: Calibration = field(default_factory=Calibration)
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.gpus_per_node < 1:
+            raise ClusterError(f"--gpus and --gpus-per-node must be at least 1 (got {self.gpus}, "
+                               f"{self.gpus_per_node})")
+        if self.gpus % self.gpus_per_node and self.gpus > self.gpus_per_node:
+            raise ClusterError(f"--gpus {self.gpus} is not a whole number of nodes of --gpus-per-node "
+                               f"{self.gpus_per_node}")
+        if not 0 < self.efficiency <= 1:
+            raise ClusterError(f"--efficiency must be in (0, 1] (got {self.efficiency})")
+
+    def achieved_flops(self, precision: str) -> float:
+        """FLOP/s one GPU's matmuls run at: measured, else the datasheet peak × the efficiency."""
+        if self.calibration.matmul_flops is not None:
+            return self.calibration.matmul_flops
+        return self.gpu.peak_flops[precision] * self.efficiency
+
+    def bus_bandwidth(self, link: str, nbytes: int) -> float:
+        """Bytes/s a collective of ``nbytes`` reaches on ``link``: the measured figure of the largest size swept
+        that is not larger (the smallest size's below it), else the datasheet's."""
+        points = self.calibration.bus_bandwidth.get(link)
+        if not points:
+            return self.gpu.bus_bandwidth[link]
+        index = bisect.bisect_right([size for size, _ in points], nbytes) - 1
+        return points[max(index, 0)][1]
+
+    def link(self, span: int) -> str:
+        """The link a group whose members lie within ``span`` consecutive ranks crosses (ranks are placed node by
+        node, as launchers do)."""
+        return "nvlink" if span <= self.gpus_per_node else "ib"

@@ -1,0 +1,191 @@
+"""Every layout of a model on a cluster: each feasible one predicted and ranked by step time, each other one
+rejected with its reason.
+
+The step, as predicted: the pipeline runs m + p − 1 slots, each as long as the slowest stage's micro-batch (its
+compute at the GPUs' achieved FLOP/s, plus its TP collectives, which sit on the critical path between a layer's
+matmuls and are never overlapped); each slot also waits for its point-to-point sends (a forward and a backward
+transfer, not overlapped: conservative); then the DP gradient reduction, whole after the backward pass (the
+reference trainer's way), or with ``Run.dp_overlap`` overlapped with the last micro-batch's backward pass but for
+its last bucket. MFU is the model's FLOPs (no recomputation) over the step time × the GPUs' datasheet peak.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from gpuwatch.plan import compute
+from gpuwatch.plan.comm import GROUPS, Traffic, stage_traffic
+from gpuwatch.plan.gpus import GIB, Cluster
+from gpuwatch.plan.memory import Memory, stage_memory
+from gpuwatch.plan.model import ModelShape
+from gpuwatch.plan.run import RECOMPUTE, SCHEDULES, Layout, Run, stage_layers
+
+#: The share of a micro-batch's compute that is its backward pass (2 of its 3 passes).
+BACKWARD_SHARE = 2 / 3
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage's rank: its layers and parameters, memory at its peak, traffic per step."""
+
+    index: int
+    layers: int
+    parameters: int
+    memory: Memory
+    traffic: Traffic
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A feasible layout, predicted. ``heaviest``: the stage whose rank needs the most memory. Seconds per step:
+    ``compute_seconds`` the busy time of the slowest stage's rank, ``exposed`` the collectives' time that shows, by
+    group."""
+
+    layout: Layout
+    micro_batch_size: int
+    stages: tuple[Stage, ...]
+    heaviest: int
+    bubble: float
+    compute_seconds: float
+    exposed: dict[str, float]
+    step_seconds: float
+    model_flops: float
+    mfu: float
+
+    @property
+    def memory(self) -> Memory:
+        return self.stages[self.heaviest].memory
+
+    @property
+    def traffic_bytes(self) -> dict[str, int]:
+        """The most bytes any rank hands each group per step."""
+        return {group: max(stage.traffic.bytes_by_group()[group] for stage in self.stages)
+                for group in GROUPS}
+
+    @property
+    def comm_compute_ratio(self) -> float:
+        return sum(self.exposed.values()) / self.compute_seconds
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A layout that cannot run: ``layout`` is the whole variant for an out-of-memory one, the grid (micro-batches
+    1, defaults) for a structural one, which rules out every variant of the grid. ``over_bytes``: how much memory
+    is missing."""
+
+    layout: Layout
+    code: str
+    reason: str
+    over_bytes: float | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    shape: ModelShape
+    cluster: Cluster
+    run: Run
+    feasible: tuple[Prediction, ...]
+    rejected: tuple[Rejection, ...]
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def structural(shape: ModelShape, run: Run, cluster: Cluster, tp: int, pp: int, dp: int) -> list[tuple[str, str]]:
+    """Why a grid cannot run at all, as (code, reason) pairs; none when it can."""
+    checks = [
+        (shape.heads % tp == 0, "heads", f"{shape.heads} attention heads are not divisible by tp {tp}"),
+        (shape.kv_heads == shape.heads or shape.kv_heads % tp == 0, "kv-heads",
+         f"{shape.kv_heads} key/value heads are not divisible by tp {tp}"),
+        (tp <= cluster.gpus_per_node, "tp-across-nodes",
+         f"tp {tp} spans nodes of {cluster.gpus_per_node} GPUs: its per-layer all-reduces would cross InfiniBand"),
+        (pp <= shape.layers, "layers", f"{shape.layers} layers cannot fill pp {pp} stages"),
+        (run.global_batch % dp == 0, "batch",
+         f"global batch {run.global_batch} is not divisible by dp {dp}"),
+    ]
+    if shape.source == "reference":  # the reference trainer's own rules (gpuwatch.trainer.config)
+        checks += [
+            (shape.layers % pp == 0, "layers", f"the reference trainer splits {shape.layers} layers evenly: not "
+             f"into pp {pp} stages"),
+            (shape.vocab % tp == 0, "vocab", f"the reference trainer splits its vocabulary {shape.vocab} evenly: "
+             f"not over tp {tp}"),
+        ]
+    return [(code, reason) for ok, code, reason in checks if not ok]
+
+
+def variants(layout: Layout, run: Run) -> Iterator[Layout]:
+    """Every micro-batch count, schedule, recomputation and optimizer sharding of a grid (ZeRO-1 only with DP)."""
+    for m in divisors(run.global_batch // layout.dp):
+        for schedule in SCHEDULES:
+            for recompute in RECOMPUTE:
+                for zero1 in (False, True) if layout.dp > 1 else (False,):
+                    yield Layout(layout.tp, layout.pp, layout.dp, m, schedule, recompute, zero1)
+
+
+def stage_parameters(shape: ModelShape, layout: Layout, stage: int, layers: int) -> int:
+    """Parameters one rank of ``stage`` holds."""
+    params = shape.layer_parameters() * layers
+    if stage == 0:
+        params += shape.embedding_parameters(layout.tp)
+    if stage == layout.pp - 1:
+        params += shape.head_parameters(layout.tp, layout.pp)
+    return params.on_rank(layout.tp)
+
+
+def predict(shape: ModelShape, cluster: Cluster, run: Run, layout: Layout) -> Prediction:
+    """One layout's prediction (feasible or not: `plan` compares its memory with the GPU's)."""
+    batch = layout.micro_batch_size(run.global_batch)
+    split = stage_layers(shape.layers, layout.pp)
+    stages = []
+    for index, layers in enumerate(split):
+        parameters = stage_parameters(shape, layout, index, layers)
+        stages.append(Stage(index, layers, parameters, stage_memory(shape, run, layout, index, layers, parameters),
+                            stage_traffic(shape, run, layout, cluster, index, layers, parameters)))
+    flops = cluster.achieved_flops(run.numerics.precision)
+    tokens = batch * run.seq_len
+    slot_compute = [compute.stage_flops_per_token(shape, run.seq_len, s.layers, s.index == layout.pp - 1,
+                                                  layout.recompute) * tokens / layout.tp / flops for s in stages]
+    m, p = layout.micro_batches, layout.pp
+    slot = max(c + s.traffic.tp_seconds / m for c, s in zip(slot_compute, stages, strict=True))
+    slots = m + p - 1
+    busy = max(slot_compute) * m
+    pp_seconds = max(s.traffic.pp_seconds for s in stages) / m * slots
+    dp_seconds = max(s.traffic.dp_seconds for s in stages)
+    if run.dp_overlap and dp_seconds:
+        dp_bytes = max(s.traffic.dp_bytes for s in stages)
+        last_bucket = dp_seconds * min(1.0, run.bucket_bytes / dp_bytes)
+        dp_seconds = max(last_bucket, dp_seconds - BACKWARD_SHARE * max(slot_compute))
+    exposed = {"tp": max(s.traffic.tp_seconds for s in stages) * slots / m, "pp": pp_seconds, "dp": dp_seconds}
+    step = slot * slots + pp_seconds + dp_seconds
+    model_flops = compute.model_flops_per_token(shape, run.seq_len) * run.global_batch * run.seq_len
+    peak = cluster.gpu.peak_flops[run.numerics.precision]
+    heaviest = max(range(p), key=lambda index: stages[index].memory.total)
+    return Prediction(layout, batch, tuple(stages), heaviest, compute.bubble_fraction(p, m), busy, exposed, step,
+                      model_flops, model_flops / (step * peak * cluster.gpus))
+
+
+def plan(shape: ModelShape, cluster: Cluster, run: Run) -> Plan:
+    """Every grid tp × pp × dp = the cluster's GPUs and every variant of it, ranked fastest first."""
+    feasible: list[Prediction] = []
+    rejected: list[Rejection] = []
+    capacity = cluster.gpu.memory_bytes
+    for tp in divisors(cluster.gpus):
+        for pp in divisors(cluster.gpus // tp):
+            grid = Layout(tp, pp, cluster.gpus // (tp * pp))
+            reasons = structural(shape, run, cluster, grid.tp, grid.pp, grid.dp)
+            if reasons:
+                rejected += [Rejection(grid, code, reason) for code, reason in reasons]
+                continue
+            for layout in variants(grid, run):
+                prediction = predict(shape, cluster, run, layout)
+                need = prediction.memory.total
+                if need <= capacity:
+                    feasible.append(prediction)
+                else:
+                    rejected.append(Rejection(
+                        layout, "memory", f"out of memory by {(need - capacity) / GIB:.1f} GiB: stage "
+                        f"{prediction.heaviest} needs {need / GIB:.1f} of {capacity / GIB:.1f} GiB", need - capacity))
+    feasible.sort(key=lambda prediction: (prediction.step_seconds, prediction.memory.total))
+    return Plan(shape, cluster, run, tuple(feasible), tuple(rejected))

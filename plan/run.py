@@ -1,0 +1,119 @@
+"""The run being planned: its batch, sequence length and numerics, and the layouts' shape (`Layout`).
+
+Bytes per parameter follow the mixed-precision Adam accounting of Rajbhandari et al. 2020 ("ZeRO: Memory
+Optimizations Toward Training Trillion Parameter Models", arXiv:1910.02054, §3.1): 2 bytes of 16-bit weights,
+2 of 16-bit gradients and 12 of optimizer state (an fp32 master copy, Adam's momentum and variance) — 16 bytes a
+parameter, K = 12. Megatron-LM keeps fp32 main gradients instead of 16-bit ones (4 bytes: 18 a parameter,
+megatron/training/theoretical_memory_usage.py), and that is the default here; fp32 training holds 4 + 4 + 8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpuwatch.plan.gpus import GIB
+
+SCHEDULES = ("1f1b", "gpipe")
+RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = ("bf16", "fp16", "fp32")
+#: The allowance for what no tensor formula counts: the CUDA context with cuBLAS' workspace (about 0.5 GiB under
+#: PyTorch), NCCL's buffers (NCCL_BUFFSIZE, 4 MiB per channel and peer: up to 256 MiB per communicator of 32
+#: channels × 2 ring peers, and a rank has 3-4 communicators), about 1.5 GiB together, rounded up to 2 ...
+ALLOWANCE_BYTES = 2 * GIB
+#: ... and the caching allocator's fragmentation, 5 % of the tensors (Megatron-LM's estimator adds 5 % for "buffer
+#: for optimizer and miscellaneous temporaries").
+ALLOWANCE_FRACTION = 0.05
+
+
+class RunError(ValueError):
+    """Run settings that cannot be planned: the message names the flag and what is wrong."""
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """Bytes per element: of each weight, gradient and optimizer state (per parameter), of the activations the
+    layers keep and exchange (``activation``: matmul outputs), and of the residual stream between layers and stages
+    and its gradient (``residual``). ``precision`` picks the GPU's peak FLOP/s."""
+
+    precision: str
+    weight: int
+    grad: int
+    optimizer: int
+    activation: int
+    residual: int
+
+    @property
+    def per_parameter(self) -> int:
+        return self.weight + self.grad + self.optimizer
+
+
+def numerics(precision: str, main_grads_fp32: bool = True, reference: bool = False) -> Numerics:
+    """Mixed precision (bf16/fp16 weights, fp32 master copy and Adam states, fp32 main gradients unless
+    ``main_grads_fp32`` is off: 18 or ZeRO's 16 bytes a parameter) or fp32 (4 + 4 + 8). The reference trainer
+    (``reference``) keeps fp32 parameters, gradients and residual stream under autocast whatever the precision:
+    only its matmul outputs are 16-bit (gpuwatch.trainer.precision)."""
+    if precision not in PRECISIONS:
+        raise RunError(f"--precision must be one of {', '.join(PRECISIONS)} (got {precision})")
+    low = 4 if precision == "fp32" else 2
+    if reference or precision == "fp32":
+        return Numerics(precision, weight=4, grad=4, optimizer=8, activation=low, residual=4)
+    return Numerics(precision, weight=2, grad=4 if main_grads_fp32 else 2, optimizer=12, activation=2, residual=2)
+
+
+@dataclass(frozen=True)
+class Run:
+    """What is trained: ``global_batch`` sequences of ``seq_len`` tokens a step. ``sequence_parallel``: TP with
+    Megatron-LM's sequence parallelism (Korthikanti et al. 2022). ``dp_overlap``: the DP gradient reduction
+    overlaps the last micro-batch's backward pass, as DDP's buckets do (else it runs after it, as in the reference
+    trainer). ``bucket_bytes``: the size of a gradient bucket (DDP's and the reference trainer's 25 MiB)."""
+
+    global_batch: int
+    seq_len: int
+    numerics: Numerics
+    sequence_parallel: bool = True
+    dp_overlap: bool = False
+    bucket_bytes: int = 25 * 2**20
+    allowance_bytes: int = ALLOWANCE_BYTES
+    allowance_fraction: float = ALLOWANCE_FRACTION
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1 or self.seq_len < 1:
+            raise RunError(f"--global-batch and --seq-len must be at least 1 (got {self.global_batch}, "
+                           f"{self.seq_len})")
+        if self.allowance_bytes < 0 or self.allowance_fraction < 0 or self.bucket_bytes < 1:
+            raise RunError("the memory allowance must not be negative, the bucket size at least 1 byte")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run: tp × pp × dp ranks (ranks ordered TP fastest, then DP, then PP: Megatron-LM's order and the
+    reference trainer's), ``micro_batches`` per step per DP replica, the pipeline ``schedule``, activation
+    ``recompute`` and a sharded optimizer (``zero1``: ZeRO stage 1, Megatron's distributed optimizer)."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batches: int = 1
+    schedule: str = "1f1b"
+    recompute: str = "none"
+    zero1: bool = False
+
+    def micro_batch_size(self, global_batch: int) -> int:
+        """Sequences per micro-batch (the layout is only valid when global_batch divides evenly)."""
+        return global_batch // (self.dp * self.micro_batches)
+
+    @property
+    def grid(self) -> str:
+        return f"tp{self.tp} pp{self.pp} dp{self.dp}"
+
+    @property
+    def name(self) -> str:
+        zero = " zero1" if self.zero1 else ""
+        return f"{self.grid} m{self.micro_batches} {self.schedule} recompute={self.recompute}{zero}"
+
+
+def stage_layers(layers: int, pp: int) -> tuple[int, ...]:
+    """Layers per pipeline stage: even where they divide, else the later stages take one more each (a 1F1B
+    first stage holds the most micro-batches in flight and the embeddings, so it gets the fewest layers)."""
+    base, extra = divmod(layers, pp)
+    return tuple(base + (stage >= pp - extra) for stage in range(pp))

@@ -1,0 +1,117 @@
+"""``gpuwatch plan`` on the issue's example: a Llama-7B-like config.json on 64 H100s in nodes of 8, global batch 512
+of 4096 tokens; text and JSON, the ranking sorted, rejections with their reasons, bad input in one line."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from gpuwatch.cli.main import main
+
+LLAMA_7B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 11008,
+            "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+            "tie_word_embeddings": False}
+EXAMPLE = ("--gpus", "64", "--gpus-per-node", "8", "--gpu", "h100-80gb", "--global-batch", "512", "--seq-len", "4096")
+
+
+@pytest.fixture
+def config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA_7B))
+    return path
+
+
+def plan(*args: str):
+    return CliRunner().invoke(main, ["plan", *args])
+
+
+def test_json_ranks_every_feasible_layout_and_gives_every_rejection_a_reason(config):
+    result = plan("--model", str(config), *EXAMPLE, "--format", "json", "--top", "1000")
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    assert document["schema"] == "gpuwatch.plan/1"
+    assert document["model"]["parameters"] == 6_738_415_616
+    feasible = document["feasible"]
+    assert len(feasible) == document["feasible_count"] > 0
+    steps = [entry["step_seconds"] for entry in feasible]
+    assert steps == sorted(steps)
+    assert [entry["rank"] for entry in feasible] == list(range(1, len(feasible) + 1))
+    capacity = document["cluster"]["memory_bytes"]
+    for entry in feasible:
+        layout = entry["layout"]
+        assert layout["tp"] * layout["pp"] * layout["dp"] == 64
+        assert layout["tp"] <= 8
+        memory = entry["memory"]
+        assert memory["total"] <= capacity
+        assert memory["total"] == pytest.approx(sum(memory[key] for key in (
+            "parameters", "gradients", "optimizer", "activations", "embeddings_logits", "allowance")))
+        assert 0 < entry["mfu"] < 1 and 0 <= entry["bubble"] < 1
+        assert set(entry["communication"]) == {"tp", "pp", "dp"}
+    codes = {rejection["code"] for rejection in document["rejected"]}
+    assert {"memory", "tp-across-nodes", "layers", "heads"} <= codes
+    assert all(rejection["reason"] for rejection in document["rejected"])
+    oom = [rejection for rejection in document["rejected"] if rejection["code"] == "memory"]
+    assert all(rejection["over_bytes"] > 0 and "out of memory by" in rejection["reason"] for rejection in oom)
+
+
+def test_top_limits_what_json_lists(config):
+    document = json.loads(plan("--model", str(config), *EXAMPLE, "--format", "json", "--top", "3").stdout)
+    assert len(document["feasible"]) == 3 < document["feasible_count"]
+
+
+def test_text_shows_the_fastest_with_their_memory_and_the_rejections(config):
+    result = plan("--model", str(config), *EXAMPLE, "--top", "4")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    ranked = [line for line in lines if re.match(r" *\d+  tp", line)]
+    assert [int(line[:3]) for line in ranked] == [1, 2, 3, 4]
+    assert sum("stage" in line and "optimizer" in line and "allowance" in line for line in lines) == 4
+    assert "tp16 pp1 dp4: tp 16 spans nodes of 8 GPUs" in result.stdout
+    assert "tp1 pp64 dp1: 32 layers cannot fill pp 64 stages" in result.stdout
+    assert "out of memory by" in result.stdout
+
+
+def test_a_reference_trainer_plan_knows_its_rules():
+    result = plan("--reference", "--layers", "6", "--gpus", "4", "--gpus-per-node", "4", "--global-batch", "8",
+                  "--format", "json", "--top", "100")
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    assert document["model"]["source"] == "reference"
+    assert {(r["layout"]["pp"], r["code"]) for r in document["rejected"]} >= {(4, "layers")}  # 6 layers, 4 stages
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--model", "missing.json", *EXAMPLE), "missing.json: No such file or directory"),
+    (("--model", "{bad}", *EXAMPLE), "not JSON"),
+    (("--model", "{partial}", *EXAMPLE), "no num_hidden_layers or n_layer"),
+    (("--model", "{config}", *EXAMPLE[:5], "h999", *EXAMPLE[6:]), "unknown GPU preset 'h999'"),
+    (("--model", "{config}", "--gpus", "-8", *EXAMPLE[2:]), "--gpus and --gpus-per-node must be at least 1"),
+    (("--model", "{config}", "--gpus", "12", *EXAMPLE[2:]), "not a whole number of nodes"),
+    (("--model", "{config}", *EXAMPLE[:7], "-1", *EXAMPLE[8:]), "--global-batch and --seq-len must be at least 1"),
+    (("--model", "{config}", *EXAMPLE, "--top", "0"), "--top must be at least 1"),
+    (("--model", "{config}", *EXAMPLE, "--efficiency", "abc"), "'abc' is not a valid float"),
+    (("--layers", "2", *EXAMPLE), "no model: give --model config.json, --reference, or --hidden, --heads, --vocab"),
+    (("--model", "{config}",), "Missing option '--gpus'"),
+])
+def test_bad_input_is_one_line_and_status_2(tmp_path, config, args, message):
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "partial.json").write_text(json.dumps({"hidden_size": 64}))
+    files = {"{bad}": str(tmp_path / "bad.json"), "{partial}": str(tmp_path / "partial.json"),
+             "{config}": str(config)}
+    result = plan(*(files.get(arg, arg) for arg in args))
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("gpuwatch plan: ") and message in result.stderr, result.stderr
+    assert isinstance(result.exception, SystemExit)  # an exit, not an exception's traceback
+
+
+def test_the_planner_imports_no_torch():
+    """It runs wherever gpuwatch does: the agent's nodes have no torch."""
+    code = "import sys, gpuwatch.plan.cli; assert 'torch' not in sys.modules, sorted(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True)

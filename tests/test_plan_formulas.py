@@ -1,0 +1,130 @@
+"""The planner's formulas against the papers' published figures and Megatron-LM's estimator on the same inputs.
+
+Published figures: Narayanan et al. 2021 (arXiv:2104.04473) Table 1's parameter counts and §5.1's FLOPs formula;
+Korthikanti et al. 2022 (arXiv:2205.05198) Table 2's activation forms and §4.2's savings of selective recomputation
+(70 % for GPT-3, 65 % for MT-NLG); ZeRO's 7.5 B-parameter example (Rajbhandari et al. 2020, arXiv:1910.02054,
+Figure 1: 120 GB, 31.4 GB with the optimizer states partitioned over 64 ranks); the bubble of GPipe (Huang et al.
+2019, arXiv:1811.06965: (K − 1)/(M + K − 1)) and of Narayanan et al. ((p − 1)/m of the ideal time).
+
+Megatron-LM's estimator (megatron/training/theoretical_memory_usage.py, read at commit 00caa53a; its figures are
+worked out by hand below from its formulas, its code not run): equal where both count the same, and where not, the
+difference is asserted to be exactly the term we count otherwise.
+"""
+
+import pytest
+
+from gpuwatch.plan import compute
+from gpuwatch.plan.gpus import Cluster, preset
+from gpuwatch.plan.memory import layer_activation_bytes, state_bytes
+from gpuwatch.plan.model import ModelShape
+from gpuwatch.plan.planner import predict
+from gpuwatch.plan.run import Layout, Run, numerics
+
+
+def gpt(layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048) -> ModelShape:
+    """Narayanan et al.'s and Korthikanti et al.'s GPT: LayerNorm, biases, a 4h GELU MLP, learned positions, tied
+    embeddings."""
+    return ModelShape(layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=4 * hidden, vocab=vocab,
+                      tied_embeddings=True, gated=False, norm_params=2, bias=True, positions=seq)
+
+
+# Narayanan et al. 2021, Table 1: heads, hidden, layers -> billions of parameters.
+@pytest.mark.parametrize(("heads", "hidden", "layers", "billions"), [
+    (24, 2304, 24, 1.7), (32, 3072, 30, 3.6), (32, 4096, 36, 7.5), (48, 6144, 40, 18.4), (64, 8192, 48, 39.1),
+    (80, 10240, 60, 76.1), (96, 12288, 80, 145.6), (128, 16384, 96, 310.1), (128, 20480, 105, 529.6),
+    (160, 25600, 128, 1008.0)])
+def test_parameter_counts_are_narayanan_table_1(heads, hidden, layers, billions):
+    assert round(gpt(layers, hidden, heads).total_parameters() / 1e9, 1) == billions
+
+
+@pytest.mark.parametrize(("layers", "hidden", "heads"), [(96, 12288, 96), (105, 20480, 128), (128, 25600, 160)])
+def test_flops_are_narayanans_formula(layers, hidden, heads):
+    """§5.1: 96·B·s·l·h²(1 + s/(6h) + V/(16lh)) a step with full recomputation; 72·…(… + V/(12lh)) without."""
+    shape, s, v, batch = gpt(layers, hidden, heads), 2048, 51200, 1536
+    h = hidden
+    with_recompute = 96 * batch * s * layers * h**2 * (1 + s / (6 * h) + v / (16 * layers * h))
+    model = 72 * batch * s * layers * h**2 * (1 + s / (6 * h) + v / (12 * layers * h))
+    hardware = compute.stage_flops_per_token(shape, s, layers, last=True, recompute="full") * batch * s
+    assert hardware == pytest.approx(with_recompute, rel=1e-12)
+    assert compute.model_flops_per_token(shape, s) * batch * s == pytest.approx(model, rel=1e-12)
+
+
+def test_activation_forms_are_korthikanti_table_2():
+    shape, s, b, t = gpt(96, 12288, 96), 2048, 1, 8
+    sbh, score = s * b * 12288, 5 * 96 * s / 12288
+    assert layer_activation_bytes(shape, s, b, 1, False, "none") == sbh * (34 + score)
+    assert layer_activation_bytes(shape, s, b, t, False, "none") == pytest.approx(sbh * (10 + 24 / t + score / t))
+    assert layer_activation_bytes(shape, s, b, t, True, "none") == pytest.approx(sbh / t * (34 + score))
+    assert layer_activation_bytes(shape, s, b, t, True, "selective") == pytest.approx(sbh / t * 34)
+    assert layer_activation_bytes(shape, s, b, t, False, "full") == 2 * sbh
+    assert layer_activation_bytes(shape, s, b, t, True, "full") == 2 * sbh / t
+
+
+@pytest.mark.parametrize(("shape", "saving"), [(gpt(96, 12288, 96), 0.70), (gpt(105, 20480, 128), 0.65)])
+def test_selective_recomputation_saves_what_korthikanti_publish(shape, saving):
+    """§4.2: with tensor and sequence parallelism, selective recomputation cuts GPT-3's activation memory by 70 %
+    and MT-NLG's by 65 % (5as/h = 80 and 64 against 34)."""
+    full = layer_activation_bytes(shape, 2048, 1, 8, True, "none")
+    selective = layer_activation_bytes(shape, 2048, 1, 8, True, "selective")
+    assert round(1 - selective / full, 2) == saving
+
+
+def test_zero_bytes_per_parameter_are_the_zero_papers_example():
+    """ZeRO, Figure 1: Ψ = 7.5 B, mixed-precision Adam: 16Ψ = 120 GB; optimizer states over N_d = 64: 31.4 GB."""
+    zero = numerics("bf16", main_grads_fp32=False)
+    assert sum(state_bytes(7_500_000_000, zero, 64, zero1=False)) == 120e9
+    assert round(sum(state_bytes(7_500_000_000, zero, 64, zero1=True)) / 1e9, 1) == 31.4
+    assert numerics("bf16").per_parameter == 18  # Megatron-LM's fp32 main gradients
+    assert numerics("fp32").per_parameter == 16
+
+
+@pytest.mark.parametrize(("pp", "m"), [(4, 8), (8, 32), (2, 1)])
+def test_bubble_is_gpipes_and_narayananss(pp, m):
+    fraction = compute.bubble_fraction(pp, m)
+    assert fraction == (pp - 1) / (m + pp - 1)  # GPipe's (K - 1)/(M + K - 1), a share of the step
+    ideal = (pp - 1) / m  # Narayanan et al.: bubble time over the ideal time
+    assert fraction == pytest.approx(ideal / (1 + ideal))
+
+
+# --- Megatron-LM's estimator on the same inputs -------------------------------------------------------------------
+
+LLAMA_7B = ModelShape(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000, tied_embeddings=False)
+H100 = preset("h100-80gb")
+
+
+def states(shape: ModelShape, layout: Layout, run: Run) -> tuple[int, float]:
+    """(parameters, weight + gradient + optimizer bytes) of the heaviest stage's rank by those bytes."""
+    prediction = predict(shape, Cluster(layout.tp * layout.pp * layout.dp, 8, H100), run, layout)
+    stage = max(prediction.stages, key=lambda stage: stage.parameters)
+    memory = stage.memory
+    return stage.parameters, memory.parameters + memory.gradients + memory.optimizer
+
+
+def test_weights_and_optimizer_equal_megatrons_without_model_parallelism():
+    """compute_weight_and_optimizer_memory, swiglu, RMSNorm, untied, tp = pp = dp = 1, no distributed optimizer:
+    a layer 2h(1.5·ffn + 1) + 2h²(1 + 1) = 8192 × 16513 + 4 × 4096² = 202,383,360; the block 32 layers + the final
+    norm 4096 = 6,476,271,616; embeddings 2 × 4096 × 32000 = 262,144,000; 6,738,415,616 parameters × 18 bytes."""
+    run = Run(8, 4096, numerics("bf16"))
+    assert states(LLAMA_7B, Layout(1, 1, 1), run) == (6_738_415_616, 6_738_415_616 * 18)
+
+
+def test_weights_and_optimizer_differ_from_megatrons_by_the_replicated_norms():
+    """tp 2, pp 4, dp 8, distributed optimizer: Megatron's most loaded shard is (block/pp + embedding)/tp =
+    (6,476,271,616/4 + 131,072,000)/2 = 875,069,952 parameters at 6 + 12/8 = 7.5 bytes. Ours is the last stage,
+    875,106,304: the norms are replicated on every TP rank, not split (8 layers × 2 norms × 4096 / 2 = 32,768 more),
+    and the final norm is whole on the last stage, not spread over the stages and split (4096 − 4096/8 = 3,584)."""
+    run = Run(512, 4096, numerics("bf16"))
+    parameters, nbytes = states(LLAMA_7B, Layout(2, 4, 8, micro_batches=4, zero1=True), run)
+    assert parameters == 875_069_952 + 32_768 + 3_584
+    assert nbytes == parameters * 7.5
+
+
+def test_activations_differ_from_megatrons_by_the_final_norms_output_bytes():
+    """compute_activation_memory (sequence parallel, selective), GPT-3 175B, s 2048, b 1, tp 8, pp 1:
+    layers 96 × sbh(18 + 4·4) = 96 × 34 × 25,165,824 = 82,141,249,536; the embedding's 8sb + sbh = 25,182,208; the
+    output 4sbh(1 + V/h) = 520,093,696; all / 8 = 10,335,815,680. Ours counts the final norm's output at the
+    activations' 2 bytes, Megatron at 4: 2sbh/8 = 6,291,456 less."""
+    shape = gpt(96, 12288, 96)
+    run = Run(8, 2048, numerics("bf16"))
+    memory = predict(shape, Cluster(64, 8, H100), run, Layout(8, 1, 8, 1, recompute="selective")).memory
+    assert memory.activations + memory.embeddings_logits == 10_335_815_680 - 6_291_456

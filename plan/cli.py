@@ -10,7 +10,7 @@ from typing import NoReturn
 
 import click
 
-from gpuwatch.plan.gpus import GIB, PRESETS, Cluster, ClusterError, preset
+from gpuwatch.plan.gpus import DEFAULT_EFFICIENCY, GIB, PRESETS, Cluster, ClusterError, preset
 from gpuwatch.plan.model import ModelError, ModelShape, from_reference, read_hf_config
 from gpuwatch.plan.planner import plan as make_plan
 from gpuwatch.plan.report import as_json, as_text
@@ -77,7 +77,7 @@ def model_shape(model: str | None, reference: bool, seq_len: int | None, flags: 
               help="Gradient dtype with bf16/fp16 (fp32: Megatron-LM's 18 bytes a parameter; bf16: ZeRO's 16).")
 @click.option("--sequence-parallel/--no-sequence-parallel", default=True, show_default=True)
 @click.option("--dp-overlap", is_flag=True, help="The DP reduction overlaps the last backward pass (DDP buckets).")
-@click.option("--efficiency", type=float, default=0.5, show_default=True,
+@click.option("--efficiency", type=float, default=DEFAULT_EFFICIENCY, show_default=True,
               help="Share of the peak FLOP/s the matmuls achieve.")
 @click.option("--allowance-gib", type=float, default=2.0, show_default=True,
               help="Memory for the CUDA context, NCCL and the like, per GPU.")

@@ -20,6 +20,12 @@ GIB = 2**30
 TERA = 1e12
 GB = 1e9
 
+#: The share of the datasheet's peak FLOP/s the matmuls are taken to achieve where nothing measured it: large
+#: transformer training reaches 40-55 % MFU on A100 and H100 (Narayanan et al. 2021 report 52 % of the peak on
+#: 3,072 A100; Chowdhery et al. 2022, PaLM, 46 % MFU).
+DEFAULT_EFFICIENCY = 0.5
+
+
 class ClusterError(ValueError):
     """A cluster description that cannot be planned: the message names the flag and what is wrong."""
 
@@ -65,6 +71,23 @@ PRESETS: dict[str, GpuSpec] = {spec.name: spec for spec in (
 )}
 
 
+def preset_for(model: str, memory_bytes: float | None = None) -> GpuSpec | None:
+    """The preset of a GPU as NVML names it ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB"), with its memory where
+    the name does not tell the size; None for a GPU without one (a PCIe H100 or A100 has other peaks and no NVLink
+    switch: no preset stands for it)."""
+    name = model.upper()
+    if "PCIE" in name or "NVL" in name.replace("NVLINK", ""):
+        return None
+    if "H200" in name:
+        return PRESETS["h200-141gb"]
+    if "H100" in name:
+        return PRESETS["h100-80gb"]
+    if "A100" in name:
+        small = "40GB" in name or (memory_bytes is not None and memory_bytes < 60 * GIB)
+        return PRESETS["a100-40gb" if small else "a100-80gb"]
+    return None
+
+
 def preset(name: str) -> GpuSpec:
     try:
         return PRESETS[name]
@@ -90,7 +113,7 @@ class Cluster:
     gpus: int
     gpus_per_node: int
     gpu: GpuSpec
-    efficiency: float = 0.5
+    efficiency: float = DEFAULT_EFFICIENCY
     calibration: Calibration = field(default_factory=Calibration)
 
     def __post_init__(self) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpuwatch.protocol.records import ModelShapeFields
 from gpuwatch.trainer.config import ModelConfig
 
 #: Where a shape came from; "reference" also means the reference trainer's own rules apply (even layer splits).
@@ -113,10 +114,24 @@ class ModelShape:
             head += Parameters(rows * self.hidden + (rows if self.bias else 0), 0)
         return head
 
+    def as_record(self) -> ModelShapeFields:
+        """The shape as a rank's hello carries it (``model``), for diagnosis to plan from."""
+        return ModelShapeFields(
+            layers=self.layers, hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads, ffn=self.ffn,
+            vocab=self.vocab, tied_embeddings=self.tied_embeddings, gated=self.gated, bias=self.bias,
+            norm_params=self.norm_params, positions=self.positions, source=self.source)
+
     def total_parameters(self) -> int:
         """The model's parameters, each counted once (tied embeddings once)."""
         return (self.layer_parameters() * self.layers + self.embedding_parameters(1)
                 + self.head_parameters(1, 1)).on_rank(1)
+
+
+def from_record(record: ModelShapeFields) -> ModelShape:
+    """The shape a hello carried (`ModelShape.as_record`); a field it left out takes `ModelShape`'s default, a
+    shape that cannot be planned is a ModelError."""
+    given = {name: getattr(record, name) for name in record.__struct_fields__ if getattr(record, name) is not None}
+    return ModelShape(**given)
 
 
 #: Hugging Face config keys, by the field they fill; the first present wins (GPT-2 style names second).

@@ -87,6 +87,24 @@ class Gpu(Fields):
     uuid: str
 
 
+class ModelShapeFields(Fields):
+    """The transformer a rank trains, as ``gpuwatch plan`` reads a model (gpuwatch.plan.model.ModelShape): what
+    diagnosis predicts the step from."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    tied_embeddings: bool | None = None
+    gated: bool | None = None
+    bias: bool | None = None
+    norm_params: int | None = None
+    positions: int | None = None
+    source: str | None = None
+
+
 class Hello(CommonFields, tag="hello"):
     """A rank's layout and setup, sent at start and again as a heartbeat."""
 
@@ -115,6 +133,9 @@ class Hello(CommonFields, tag="hello"):
     command: list[str] | None = None
     unavailable_from_outside: list[str] | None = None
     notes: list[str] | None = None
+    model: ModelShapeFields | None = None
+    global_batch: int | None = None
+    seq_len: int | None = None
 
 
 # --- step ------------------------------------------------------------------------------------------------------------
@@ -138,6 +159,13 @@ class CollectiveTotals(Fields):
     bytes: int
     seconds: float
     buckets: list[int]
+
+
+class GroupTotals(Fields):
+    """One process group's timed calls in a step: the bytes handed to them and the seconds waited on them."""
+
+    bytes: int
+    seconds: float
 
 
 class Memory(Fields):
@@ -204,6 +232,7 @@ class Step(CommonFields, tag="step"):
     collectives: dict[str, CollectiveTotals] | None = None
     gradient_sync_bytes: int | None = None
     collective_calls: dict[str, int] | None = None
+    groups: dict[str, GroupTotals] | None = None
     loss: MaybeNonFinite | None = None
     grad_norm: MaybeNonFinite | None = None
     nonfinite: bool | None = None

@@ -44,6 +44,14 @@ that restarted learns the rank's layout and a hung-but-alive rank does not expir
     notes?              [str]        what the instrumentation found but could not use, a line each (at most
                                      MAX_NOTES of MAX_TEXT_CHARS), e.g. a device mesh it cannot place: diagnosis
                                      from an agent or a run log repeats them in its notes
+    model?              {layers, hidden, heads, kv_heads, ffn, vocab: int ≥ 1, tied_embeddings?, gated?,
+                         bias?: bool, norm_params?: 1..2, positions?: int, source?: label}   the
+                                     transformer's shape, as ``gpuwatch plan`` takes it (gpuwatch.plan.model
+                                     .ModelShape; ``source`` "reference" for the reference trainer's GPT): with the
+                                     layout, ``global_batch`` and ``seq_len``, diagnosis predicts the step (PLAN
+                                     rules)
+    global_batch?       int ≥ 1      sequences per optimizer step, over all data-parallel replicas
+    seq_len?            int ≥ 1      tokens per sequence
 
 ``step`` — one per reported step. Count-like fields (collectives, tokens, alloc_retries, ooms) are
 *this step's* increments; the agent accumulates them into counters::
@@ -75,6 +83,11 @@ that restarted learns the rank's layout and a hung-but-alive rank does not expir
                                      group (hello names, "default" the world) since its hooks began, as of
                                      the step's end: every member of a group counts the same at the same
                                      step, unless one skipped or added a call
+    groups?             {group: {bytes: int, seconds: float ≥ 0}}   this step's timed collective calls (send/recv
+                                     included) by process group (hello names): the bytes handed to them and the
+                                     seconds the training thread waited on them (as ``exposed_collective_seconds``
+                                     counts them): what a plan's traffic and exposed time per group are checked
+                                     against
     loss?               float        NaN/±Infinity allowed: a diverging run is data, not an error
     grad_norm?          float ≥ 0    NaN/Infinity allowed, as for loss
     nonfinite?          bool         a non-finite loss or gradient was seen this step
@@ -190,9 +203,11 @@ from gpuwatch.protocol.records import (
     FoldedPipeline,
     FoldedStep,
     Gpu,
+    GroupTotals,
     Hello,
     InFlight,
     Memory,
+    ModelShapeFields,
     Pipeline,
     Probe,
     ProbeResult,
@@ -669,6 +684,13 @@ _HELLO = _kind(
         "command": _list(_text(MAX_COMMAND_ARG_CHARS), MAX_COMMAND_ARGS),
         "unavailable_from_outside": _list(_choice(*UNAVAILABLE_FROM_OUTSIDE), len(UNAVAILABLE_FROM_OUTSIDE)),
         "notes": _list(_text(MAX_TEXT_CHARS), MAX_NOTES),
+        "model": _object(
+            ModelShapeFields,
+            dict.fromkeys(("layers", "hidden", "heads", "kv_heads", "ffn", "vocab"), _integer(1, 2**31)),
+            {"tied_embeddings": _BOOLEAN, "gated": _BOOLEAN, "bias": _BOOLEAN, "norm_params": _integer(1, 2),
+             "positions": _integer(0, 2**31), "source": _label(16)},
+        ),
+        "global_batch": _integer(1, 2**31), "seq_len": _integer(1, 2**31),
     },
 )
 
@@ -683,6 +705,7 @@ _STEP_OPTIONAL = {
     "collectives": _COLLECTIVES,
     "gradient_sync_bytes": _COUNT,
     "collective_calls": _mapping(_label(64), _COUNT, 17),
+    "groups": _mapping(_label(64), _object(GroupTotals, {"bytes": _COUNT, "seconds": _SECONDS}), 17),
     "loss": _LOSS,
     "grad_norm": _GRAD_NORM,
     "nonfinite": _BOOLEAN,

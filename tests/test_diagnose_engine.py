@@ -32,6 +32,7 @@ CATALOGUE = {
     "TOPO001": ("topology", "critical"), "TOPO002": ("topology", "warning"),
     "HANG001": ("hangs", "critical"), "HANG002": ("hangs", "critical"), "HANG003": ("hangs", "critical"),
     "HANG004": ("hangs", "critical"), "HANG005": ("hangs", "warning"),
+    "PLAN001": ("plan", "warning"), "PLAN002": ("plan", "warning"),
 }
 
 
@@ -68,7 +69,7 @@ def _codes(*prefixes: str) -> list[str]:
     (["NCCL"], [], _codes("NCCL")),
     (["perf001", " MEM "], [], ["PERF001", *_codes("MEM")]),
     (["CONV00"], ["CONV005"], [code for code in _codes("CONV00") if code != "CONV005"]),
-    (["ALL"], ["NCCL", "HW", "PERF", "MEM", "CONV", "HANG"], _codes("TOPO")),
+    (["ALL"], ["NCCL", "HW", "PERF", "MEM", "CONV", "HANG", "PLAN"], _codes("TOPO")),
     ([], ["TOPO"], [c for c in CATALOGUE if not c.startswith("TOPO")]),
     (["HW001"], ["HW"], []),
 ])

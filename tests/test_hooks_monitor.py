@@ -16,7 +16,7 @@ from gpuwatch.protocol.schema import COLLECTIVE_BUCKETS, decode, encode
 from gpuwatch.trainer import hooks
 from gpuwatch.trainer.hooks import memory
 from gpuwatch.trainer.hooks import monitor as monitor_module
-from gpuwatch.trainer.hooks.collectives import Call, exposed_seconds
+from gpuwatch.trainer.hooks.collectives import Call, by_group, by_phase, exposed_seconds
 from gpuwatch.trainer.hooks.gradients import similarity_of
 from gpuwatch.trainer.hooks.identity import hello_record
 
@@ -121,16 +121,19 @@ def test_a_step_without_collectives_has_no_exposed_time_and_samples_only_when_gi
 
 def test_exposed_collective_time_is_blocking_calls_whole_and_the_overlapped_tail_of_each_phase():
     calls = [
-        Call("all_reduce", 8, 10.0, blocking=False, phase="compute", end=10.5),  # hidden behind compute
-        Call("all_reduce", 8, 10.2, blocking=False, phase="compute", end=10.9),  # the last launch: tail 10.2-11.0
-        Call("send", 8, 11.5, blocking=True, phase="optimizer", end=11.6),
+        Call("all_reduce", 8, 10.0, blocking=False, phase="compute", end=10.5, group="dp"),  # hidden behind compute
+        Call("all_reduce", 8, 10.2, blocking=False, phase="compute", end=10.9, group="dp"),  # last launch: 10.2-11.0
+        Call("send", 4, 11.5, blocking=True, phase="optimizer", end=11.6, group="pp"),
         Call("barrier", 0, 12.0, blocking=True, phase=None, end=12.25),
         Call("all_reduce", 8, 12.5, blocking=False, phase=None, end=12.6),  # no phase end to measure against
     ]
     for call in calls:
         call.seconds = call.end - call.start
-    exposed = exposed_seconds(calls, {"compute": 11.0, "optimizer": 11.7}, ManualClock())
-    assert exposed == pytest.approx({"compute": 0.8, "optimizer": 0.1, None: 0.25})
+    waited = exposed_seconds(calls, {"compute": 11.0, "optimizer": 11.7}, ManualClock())
+    assert by_phase(waited) == pytest.approx({"compute": 0.8, "optimizer": 0.1, None: 0.25})
+    groups = by_group(calls, waited)  # the barrier and the last all-reduce name no group
+    assert groups == {"dp": {"bytes": 16, "seconds": pytest.approx(0.8)},
+                      "pp": {"bytes": 4, "seconds": pytest.approx(0.1)}}
 
 
 def test_data_wrapper_times_the_wait_for_each_batch_as_part_of_the_step_it_feeds(records, clock):

@@ -80,7 +80,8 @@ def test_the_fetch_serves_every_rule_once_as_a_whole_job_or_through_what_it_decl
         assert {selector for selector, codes in served.selectors.items() if code in codes} == {
             part for part in entry.coverage if isinstance(part, Selector)}, code
     # The rules the outlier fetch reports as not run, and those it serves through the environments' minorities.
-    assert set(served.whole_job) == {"PERF004", "MEM003", "CONV005", "CONV006", "TOPO001", "TOPO002"}
+    assert set(served.whole_job) == {"PERF004", "MEM003", "CONV005", "CONV006", "TOPO001", "TOPO002", "PLAN001",
+                                     "PLAN002"}
     assert set(served.env_minority) == {"NCCL001", "NCCL002", "NCCL004", "MEM001"}
     # A node whose collectors are down shows no hardware fault: every hardware rule reads it.
     assert served.selectors[COLLECTORS_DOWN] == tuple(code for code, entry in REGISTRY.items()

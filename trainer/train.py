@@ -33,6 +33,7 @@ import torch._dynamo  # torch.optim imports it lazily (~1.5 s): pay that once, b
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from gpuwatch.plan.model import from_reference
 from gpuwatch.trainer import checkpoint, faults
 from gpuwatch.trainer.config import ConfigError, TrainConfig
 from gpuwatch.trainer.data import DistributedSampler, SyntheticCorpus
@@ -249,7 +250,10 @@ def instrument(trainer: Trainer, signals: Iterable[str] = SIGNALS) -> Monitor:
         grad_similarity_every=cfg.grad_similarity_every, checksum_every=cfg.checksum_every,
         memory_every=cfg.memory_every,
         flops_per_token=model_flops_per_token(trainer) / (grid.tp * grid.pp),  # this rank's share
-        shard_groups=(grid.tp_group, grid.pp_group), hello={"faults": list(cfg.faults)}, signals=signals,
+        shard_groups=(grid.tp_group, grid.pp_group), signals=signals,
+        # the model's shape and batch too: diagnosis predicts the step from them (PLAN rules, gpuwatch.plan)
+        hello={"faults": list(cfg.faults), "model": from_reference(cfg.model).as_record().as_dict(),
+               "global_batch": cfg.global_batch, "seq_len": cfg.model.seq_len},
     )
     trainer.monitor = monitor
     comm.set_timer(monitor.collective)

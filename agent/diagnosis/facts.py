@@ -18,6 +18,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeGuard
 
 from gpuwatch.agent.telemetry.window import WindowSummary
+from gpuwatch.plan.gpus import Calibration
+from gpuwatch.protocol.records import GroupTotals, ModelShapeFields
 
 #: Clock-event reasons that mean the GPU slowed itself down (not idling, not an application clock setting).
 #: ``sw_power_cap`` is left out: a fully loaded GPU sits at its power cap as a matter of course.
@@ -178,6 +180,16 @@ class Layout:
     precision: str | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What a rank trains, from its hello: the model's shape and the batch, which with its layout is what
+    `gpuwatch plan` predicts a step from (PLAN rules)."""
+
+    model: ModelShapeFields
+    global_batch: int
+    seq_len: int
+
+
 @dataclasses.dataclass
 class StepFacts:
     """The rank's latest step."""
@@ -193,6 +205,8 @@ class StepFacts:
     gradient_sync_bytes: float | None = None  # DDP's all-reduce volume, where its calls are not timed
     #: collective calls (not send/recv) made on each process group (hello names) by the step's end
     collective_calls: dict[str, int] | None = None
+    #: bytes handed to and seconds waited on each process group's timed calls (hello names), this step
+    groups: dict[str, GroupTotals] | None = None
     bubble_ratio: float | None = None
     bubble_ratio_theoretical: float | None = None
     loss: float | None = None
@@ -293,6 +307,7 @@ class RankFacts:
     node: str | None = None
     hostname: str | None = None
     layout: Layout | None = None
+    workload: Workload | None = None
     gpu_index: int | None = None
     gpu_uuid: str | None = None
     env: dict[str, str] | None = None
@@ -423,6 +438,9 @@ class Facts:
     peers: dict[tuple[str, int | None, str], Peers] = dataclasses.field(default_factory=dict)
     #: Rules a source says cannot be run on its facts, by code, with the reason.
     unjudged: dict[str, Unjudged] = dataclasses.field(default_factory=dict)
+    #: This cluster's measured matmul throughput and bus bandwidths (``--calibration``), which the PLAN rules predict
+    #: with in place of a GPU preset's datasheet figures; None when not given.
+    calibration: Calibration | None = None
 
     def jobs(self) -> dict[str, list[RankFacts]]:
         """Ranks by job, each list sorted by rank."""
@@ -468,6 +486,7 @@ class Facts:
         self.peers.update(other.peers)
         for code, unjudged in other.unjudged.items():
             self.unjudged.setdefault(code, unjudged)
+        self.calibration = self.calibration or other.calibration
 
 
 def _fill(target: Any, source: Any) -> None:

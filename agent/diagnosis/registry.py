@@ -26,6 +26,7 @@ FAMILIES = {
     "convergence": "CONV",
     "topology": "TOPO",
     "hangs": "HANG",
+    "plan": "PLAN",
 }
 
 

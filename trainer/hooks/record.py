@@ -16,7 +16,7 @@ import torch
 
 from gpuwatch.protocol.schema import SCHEMA_VERSION, STEP_PHASES
 from gpuwatch.trainer.hooks.clock import Clock, Mark
-from gpuwatch.trainer.hooks.collectives import exposed_seconds, histogram, resolve
+from gpuwatch.trainer.hooks.collectives import by_group, by_phase, exposed_seconds, histogram, resolve
 from gpuwatch.trainer.hooks.gradient_stats import combine_measured
 from gpuwatch.trainer.hooks.safety import Failures
 
@@ -42,9 +42,11 @@ def step_record(monitor: Monitor, step: Step) -> dict[str, Any] | None:
         phase_ends[name] = end
     calls = [call for call in step.calls if call.end is not None] if step.calls else None
     exposed: dict[str | None, float] = {}
+    groups: dict[str, dict[str, Any]] = {}
     if calls:
         resolve(calls, clock)
-        exposed = exposed_seconds(calls, phase_ends, clock)
+        waited = exposed_seconds(calls, phase_ends, clock)
+        exposed, groups = by_phase(waited), by_group(calls, waited)
     for phase, start, end in step.waits:  # DDP's all-reduce tail, waited for whole
         exposed[phase] = exposed.get(phase, 0.0) + (
             max(0.0, end - start) if on_host else clock.seconds(start, end))
@@ -70,6 +72,8 @@ def step_record(monitor: Monitor, step: Step) -> dict[str, Any] | None:
         record["gradient_sync_bytes"] = watch.sync_bytes
     if step.collective_calls:
         record["collective_calls"] = step.collective_calls
+    if groups:
+        record["groups"] = groups
     assert step.scalars is not None  # set when the step ended; only ended steps are recorded
     values: dict[str, Any] = dict(step.scalars)
     if step.reported is not None:

@@ -319,7 +319,9 @@ class CollectiveTimer:
             step = self.step
             if self.start is not None:
                 end = self.clock.mark()
-                step.calls.append(Call(self.op, self.nbytes, self.start, True, step.phase, end))
+                in_flight = self.in_flight
+                step.calls.append(Call(self.op, self.nbytes, self.start, True, step.phase, end,
+                                       group=None if in_flight is None else in_flight.group))
                 if self.progress.device_done is not None and self.in_flight is not None:
                     self.progress.on_device = (self.in_flight, end)  # done once the device passes it
             self.progress.at(step.phase or "step")

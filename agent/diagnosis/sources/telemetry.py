@@ -17,6 +17,7 @@ from gpuwatch.agent.diagnosis.facts import (
     RankFacts,
     Sampled,
     StepFacts,
+    Workload,
     group_members,
 )
 from gpuwatch.agent.telemetry.readings import RankReadings, SampledAt
@@ -58,6 +59,13 @@ def layout(hello: Hello) -> Layout:
         schedule=hello.schedule, micro_batches=hello.micro_batches, precision=hello.precision)
 
 
+def workload(hello: Hello) -> Workload | None:
+    """What the rank trains, where its hello says it all (the reference trainer's does)."""
+    if hello.model is None or hello.global_batch is None or hello.seq_len is None:
+        return None
+    return Workload(hello.model, hello.global_batch, hello.seq_len)
+
+
 def step(body: Step, memory: Memory | None) -> StepFacts:
     """The latest step record, with the latest memory reading (a step in N has one: `memory_every`)."""
     pipeline = body.pipeline
@@ -67,6 +75,7 @@ def step(body: Step, memory: Memory | None) -> StepFacts:
         exposed_collective_seconds=body.exposed_collective_seconds,
         gradient_sync_bytes=body.gradient_sync_bytes,
         collective_calls=dict(body.collective_calls) if body.collective_calls is not None else None,
+        groups=dict(body.groups) if body.groups is not None else None,
         bubble_ratio=pipeline.bubble_ratio if pipeline else None,
         bubble_ratio_theoretical=pipeline.bubble_ratio_theoretical if pipeline else None,
         loss=body.loss, grad_norm=body.grad_norm, loss_scale=body.loss_scale,
@@ -111,6 +120,7 @@ def rank_facts(rank: RankReadings, *, node: str | None, history: History | None 
         job=rank.job, rank=rank.rank, node=node or (hello.hostname if hello else None),
         hostname=hello.hostname if hello else None,
         layout=layout(hello) if hello and "layout" not in (hello.unavailable_from_outside or ()) else None,
+        workload=workload(hello) if hello else None,
         gpu_index=gpu.index if gpu else None, gpu_uuid=gpu.uuid if gpu else None,
         env=dict(hello.env) if hello and hello.env is not None else None,
         process_groups={name: list(members) for name, members in hello.process_groups.items()}

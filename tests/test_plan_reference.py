@@ -2,16 +2,13 @@
 parameters, gradients and Adam states each rank allocates, and the bytes per step each rank hands each process
 group's collectives as the hooks measure them, equal the prediction for that rank's pipeline stage.
 
-The hooks' figures: the step records of the run log (`collectives`: bytes per op, which the per-group counts must
-add up to) and, per group, the hooks' own attribution of each call to a group (`Monitor.in_flight`, which names the
-group as the hello does), summed over a step. The hooks' own collectives (gradient similarity, checksums) are
-turned off: they are not the training's traffic. Adam's `step` counters (one 4-byte scalar per parameter tensor)
-are not counted: the planner counts bytes per parameter.
+The hooks' figures: the step records of the run log, whose `groups` give the bytes handed to each process group's
+calls (named as the hello names the groups) and whose `collectives` the same bytes per op. The hooks' own
+collectives (gradient similarity, checksums) are turned off: they are not the training's traffic. Adam's `step`
+counters (one 4-byte scalar per parameter tensor) are not counted: the planner counts bytes per parameter.
 """
 
 from __future__ import annotations
-
-from collections import defaultdict
 
 import pytest
 from hooks_helpers import read_run_log
@@ -29,22 +26,11 @@ STEPS = 2
 
 
 def _train_and_count(device, cfg: TrainConfig) -> dict:
-    """train()'s loop on this rank, with every collective's bytes summed per step and group as the hooks
-    attribute them, then what the rank allocated."""
-    from gpuwatch.trainer.hooks.monitor import Monitor
+    """train()'s loop on this rank, then what the rank allocated."""
     from gpuwatch.trainer.parallel import comm
     from gpuwatch.trainer.parallel.groups import build_grid
     from gpuwatch.trainer.train import Trainer, instrument
 
-    by_step: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    attribute = Monitor.in_flight
-
-    def counted(self, op, nbytes, group):
-        found = attribute(self, op, nbytes, group)
-        by_step[self.current.number][found.group] += nbytes
-        return found
-
-    Monitor.in_flight = counted
     grid = build_grid(cfg.tp, cfg.pp, cfg.dp)
     trainer = Trainer(cfg, grid, device)
     monitor = instrument(trainer)
@@ -59,7 +45,6 @@ def _train_and_count(device, cfg: TrainConfig) -> dict:
         "weight_bytes": sum(p.nbytes for p in trainer.params),
         "grad_bytes": sum(p.grad.nbytes for p in trainer.params),
         "optimizer_bytes": sum(s["exp_avg"].nbytes + s["exp_avg_sq"].nbytes for s in states),
-        "by_group": {step: dict(groups) for step, groups in by_step.items()},
     }
 
 
@@ -91,6 +76,6 @@ def test_reference_trainer_allocates_and_sends_what_the_plan_predicts(tmp_path, 
         steps = [record for record in records[rank] if record["kind"] == "step"]
         assert len(steps) == STEPS
         for record in steps:
-            by_group = measured["by_group"].get(record["step"], {})
+            by_group = {group: totals["bytes"] for group, totals in record.get("groups", {}).items()}
             assert by_group == predicted, (rank, record["step"])
             assert sum(op["bytes"] for op in record.get("collectives", {}).values()) == sum(by_group.values())

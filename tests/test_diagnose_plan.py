@@ -31,16 +31,17 @@ def expected(cluster: Cluster | None = None) -> Prediction:
 
 
 def job(prediction: Prediction, *, extra: dict[str, float] | None = None, memory: dict[int, float] | None = None,
-        slow_rank: int = 5, **nodes) -> Facts:
-    """Eight ranks on one H100 node, each measured as ``prediction`` says; ``extra`` seconds added to one term of
-    ``slow_rank``'s step (a phase field, or a group), ``memory`` a stage's peak as a multiple of its prediction."""
+        slow_rank: int | None = 5, **nodes) -> Facts:
+    """Eight ranks on one H100 node, each measured as ``prediction`` says; ``extra`` seconds added to terms of
+    ``slow_rank``'s step (phase fields, or groups), of every rank's with ``slow_rank`` None; ``memory`` a stage's
+    peak as a multiple of its prediction."""
     extra, memory = extra or {}, memory or {}
     slot = prediction.compute_seconds / LAYOUT.micro_batches
     groups = {"tp": prediction.exposed["tp"], "pp": prediction.exposed["pp"] + (LAYOUT.pp - 1) * slot,
               "dp": prediction.exposed["dp"]}
     ranks = []
     for number in range(8):
-        added = extra if number == slow_rank else {}
+        added = extra if slow_rank in (number, None) else {}
         stage = number // 4
         tensors = prediction.stages[stage].memory.total - prediction.stages[stage].memory.allowance
         last = StepFacts(
@@ -76,20 +77,35 @@ def test_a_job_measured_as_its_plan_predicts_is_quiet():
     *((field, name) for field, name in UNMODELLED.items()),
 ])
 def test_a_fault_in_each_term_of_the_step_is_named_with_its_term(term, named):
+    """A rank's own time on one rank (a slow GPU, its data loader, its callbacks); a group's on every member (a slow
+    link: every member of a group waits for the transfer)."""
     prediction = expected()
-    report = run("PLAN001", job(prediction, extra={term: prediction.step_seconds}))  # the step doubles
+    own = term not in GROUP_NAMES
+    report = run("PLAN001", job(prediction, extra={term: prediction.step_seconds}, slow_rank=5 if own else None))
     assert [finding.code for finding in report.findings] == ["PLAN001"]
     finding = report.findings[0]
-    assert finding.title.startswith(f"step 2.0× predicted in job job-1: {named} ")
-    assert finding.evidence[0].where.rank == 5
+    assert finding.title.startswith(f"step 2.0× predicted in job job-1: {named} ")  # the step doubled
+    assert finding.evidence[0].where.rank == (5 if own else 0)
     assert finding.evidence[1].values["term"] == named  # the largest excess first
     assert finding.evidence[1].values["measured_seconds"] == pytest.approx(
         finding.evidence[1].values["predicted_seconds"] + prediction.step_seconds)
 
 
+def test_a_late_rank_is_named_as_its_compute_not_as_its_peers_wait_for_it():
+    """Rank 5 computes a step longer; its DP peers wait that long for it in the gradient reduction (and it does
+    not): the excess is its compute."""
+    prediction = expected()
+    late = job(prediction, extra={"compute_seconds": prediction.step_seconds})
+    for fact in late.ranks:
+        if fact.rank != 5 and fact.last is not None and fact.last.groups is not None:
+            waited = fact.last.groups["dp"]
+            fact.last.groups["dp"] = GroupTotals(waited.bytes, waited.seconds + prediction.step_seconds)
+    assert run("PLAN001", late).findings[0].title.startswith("step 2.0× predicted in job job-1: compute ")
+
+
 def test_a_step_within_the_threshold_stays_quiet_whatever_its_terms():
     prediction = expected()
-    report = run("PLAN001", job(prediction, extra={"dp": 0.4 * prediction.step_seconds}))  # 1.4× < 1.5×
+    report = run("PLAN001", job(prediction, extra={"dp": 0.4 * prediction.step_seconds}, slow_rank=None))  # 1.4×
     assert report.ran == ["PLAN001"] and report.findings == []
 
 

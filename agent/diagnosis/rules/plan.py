@@ -39,7 +39,7 @@ GROUP_NAMES = {"tp": "TP collectives", "pp": "pipeline wait (transfers and bubbl
 
 @dataclass(frozen=True)
 class Term:
-    """One part of the step: its seconds measured (the worst rank's) and predicted."""
+    """One part of the step: its seconds measured (`terms` says on which rank) and predicted."""
 
     name: str
     measured: float
@@ -125,25 +125,27 @@ PREDICTABLE = Need("figures to predict the step with (a calibration or a GPU pre
 
 
 def terms(plan: JobPlan) -> list[Term]:
-    """The step's terms, measured on the job's worst rank for each (window medians; per group, the latest step)
-    against the prediction's."""
+    """The step's terms against the prediction's. A rank's own time (compute, the unmodelled phases) is the job's
+    worst rank's window median; a group's exposed collectives are the latest step's of the rank that waited least on
+    it: every member waits for the last to arrive, so the least-waiting member's time is the transfer's (plus the
+    schedule's idle slots, for the pipeline), and a late peer shows as its compute, not as the others' wait."""
     prediction, ranks = plan.prediction, plan.ranks
     layout = prediction.layout
     slot_compute = prediction.compute_seconds / layout.micro_batches
-    predicted = {"compute": prediction.compute_seconds, "tp": prediction.exposed["tp"],
-                 "pp": prediction.exposed["pp"] + (layout.pp - 1) * slot_compute, "dp": prediction.exposed["dp"]}
-    found = [Term("compute", _worst([windowed(rank, "compute_seconds") for rank in ranks]), predicted["compute"])]
+    predicted = {"tp": prediction.exposed["tp"], "pp": prediction.exposed["pp"] + (layout.pp - 1) * slot_compute,
+                 "dp": prediction.exposed["dp"]}
+    found = [Term("compute", _most([windowed(rank, "compute_seconds") for rank in ranks]),
+                  prediction.compute_seconds)]
     for group, name in GROUP_NAMES.items():
-        if getattr(layout, group) == 1:
-            continue
-        waited = _worst([totals.seconds for rank in ranks if rank.last is not None and rank.last.groups
-                         and (totals := rank.last.groups.get(group)) is not None])
-        found.append(Term(name, waited, predicted[group]))
-    found += [Term(name, _worst([windowed(rank, field) for rank in ranks]), 0.0) for field, name in UNMODELLED.items()]
+        waited = [totals.seconds for rank in ranks if rank.last is not None and rank.last.groups
+                  and (totals := rank.last.groups.get(group)) is not None]
+        if getattr(layout, group) > 1:
+            found.append(Term(name, min(waited, default=0.0), predicted[group]))
+    found += [Term(name, _most([windowed(rank, field) for rank in ranks]), 0.0) for field, name in UNMODELLED.items()]
     return found
 
 
-def _worst(values: list[float | None]) -> float:
+def _most(values: list[float | None]) -> float:
     return max((value for value in values if value is not None), default=0.0)
 
 
@@ -159,10 +161,12 @@ def step_over_plan(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """The planner (`gpuwatch plan`) predicts a job's step from its model, layout and GPUs: compute at the
     GPUs' achieved FLOP/s, the TP collectives between a layer's matmuls, the pipeline's transfers and bubble, the
     DP gradient reduction. A job whose median step is `max_step_ratio` × the prediction or more has lost time
-    somewhere the plan did not expect; the rule compares each term of the step, measured on the job's worst rank,
-    with its prediction and names the one that exceeds it most (a DP reduction exposed far beyond its predicted
-    time on a congested or mis-routed network, a slow stage's compute, a bubble past the schedule's, or time the
-    plan does not model at all: data wait, the optimizer, callbacks). Quiet while the step holds to the plan."""
+    somewhere the plan did not expect. The rule compares each term of the step with its prediction (a rank's own
+    time on the job's slowest rank, a group's collectives on the member that waited least, so that a late peer is
+    named as the compute it is and not as the others' wait for it) and names the one that exceeds it most: a DP
+    reduction exposed far beyond its predicted time on a congested or mis-routed network, a slow stage's compute,
+    a bubble past the schedule's, or time the plan does not model at all (data wait, the optimizer, callbacks).
+    Quiet while the step holds to the plan."""
     for plan in job_plans(facts):
         if isinstance(plan, tuple):
             continue
@@ -183,7 +187,7 @@ def step_over_plan(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
             f"{plan.prediction.layout.name} predicts {predicted:.3g} s with {plan.basis}",
             Where(job=plan.job, rank=slowest.rank),
             {"measured_seconds": measured, "predicted_seconds": predicted, "ratio": ratio})]
-        evidence += [Evidence(f"{term.name}: {term.measured:.3g} s measured (worst rank), {term.predicted:.3g} s "
+        evidence += [Evidence(f"{term.name}: {term.measured:.3g} s measured, {term.predicted:.3g} s "
                               "predicted" + (" (not modelled)" if term.name in UNMODELLED.values() else ""),
                               Where(job=plan.job), {"term": term.name, "measured_seconds": term.measured,
                                                     "predicted_seconds": term.predicted})

@@ -23,6 +23,7 @@ from gpuwatch.agent.diagnosis.facts import Facts
 from gpuwatch.agent.diagnosis.registry import REGISTRY, Severity
 from gpuwatch.agent.diagnosis.sources import HTTP_TIMEOUT, SourceError, agent, httpconfig, local, prometheus, run_log
 from gpuwatch.agent.diagnosis.sources.httpconfig import HttpConfig
+from gpuwatch.plan import calibrate
 
 #: Where ``gpuwatch diagnose`` without a source looks for the node's agent (ranks' environment and telemetry).
 DEFAULT_AGENT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
@@ -113,6 +114,10 @@ def _fail(message: str) -> NoReturn:
               show_default=True, help="Where sysfs is mounted, for the local node (a fixture tree can stand in).")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
               help="YAML file of threshold overrides: thresholds: {PERF002: {straggler_ratio: 1.5}}.")
+@click.option("--calibration", "calibration_path", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
+              help="This cluster's measured matmul FLOP/s and bus bandwidths (gpuwatch calibrate), which the PLAN "
+                   "rules predict the step with instead of a GPU preset's datasheet (and on CPU ranks, which have "
+                   "none).")
 @click.option("--format", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="text for people, json (docs/diagnose-report.schema.json) for automation.")
 @click.option("--fail-on", type=click.Choice(FAIL_ON), default="critical", show_default=True,
@@ -122,7 +127,7 @@ def _fail(message: str) -> NoReturn:
 def diagnose(agent_urls: tuple[str, ...], run_log_path: Path | None, prometheus_url: str | None,
              http_config_path: Path | None, query_timeout: float, fetch_mode: str, allow_partial: bool, preflight: bool,
              select: str | None, ignore: str | None, sysfs_root: Path, config_path: Path | None,
-             output_format: str, fail_on: str, list_rules: bool, explain: str | None) -> None:
+             calibration_path: Path | None, output_format: str, fail_on: str, list_rules: bool, explain: str | None) -> None:
     """Find what slows, hangs or derails training, with the evidence and the fix.
 
     Without a source option it judges this node, with the ranks of the local agent if one answers.
@@ -137,7 +142,8 @@ def diagnose(agent_urls: tuple[str, ...], run_log_path: Path | None, prometheus_
         rules = engine.select(_codes(select), _codes(ignore))
         overrides = engine.load_config(config_path) if config_path else {}
         http_config = httpconfig.load(http_config_path) if http_config_path else HttpConfig()
-    except (engine.SelectionError, engine.ConfigError, httpconfig.HttpConfigError) as exc:
+        calibration = calibrate.read(calibration_path) if calibration_path else None
+    except (engine.SelectionError, engine.ConfigError, httpconfig.HttpConfigError, calibrate.CalibrationError) as exc:
         _fail(str(exc))
     if list_rules:
         if output_format == "json":
@@ -151,6 +157,7 @@ def diagnose(agent_urls: tuple[str, ...], run_log_path: Path | None, prometheus_
                         PromQLAccess(http_config, query_timeout, fetch_mode, overrides))
     except SourceError as exc:
         _fail(http_config.redact(str(exc)))
+    facts.calibration = calibration
     result = engine.run(facts, rules, overrides)
     if output_format == "json":
         click.echo(json.dumps(report.to_json(result), indent=2, allow_nan=False))

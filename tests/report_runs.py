@@ -35,14 +35,14 @@ def finished_run(directory: Path, job: str, *args: str) -> Path:
     return directory
 
 
-@pytest.fixture(scope="session")
-def straggler_log(tmp_path_factory) -> Path:
+@pytest.fixture(scope="session", name="straggler_log")
+def straggler_log_fixture(tmp_path_factory) -> Path:
     return finished_run(tmp_path_factory.mktemp("straggler"), "straggler", "--tp", "1", "--pp", "2", "--dp", "2",
                         "--fault", "slow-rank", "--fault-rank", str(STRAGGLER))
 
 
-@pytest.fixture(scope="session")
-def bubble_log(tmp_path_factory) -> Path:
+@pytest.fixture(scope="session", name="bubble_log")
+def bubble_log_fixture(tmp_path_factory) -> Path:
     return finished_run(tmp_path_factory.mktemp("bubble"), "bubble", "--tp", "1", "--pp", "4", "--dp", "1",
                         "--micro-batches", "1")
 
@@ -62,8 +62,8 @@ def _waiting(directory: Path) -> bool:
     return True
 
 
-@pytest.fixture(scope="session")
-def hang_log(tmp_path_factory) -> Path:
+@pytest.fixture(scope="session", name="hang_log")
+def hang_log_fixture(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("hang")
     run_log = directory / "log"
     no_agent = types.SimpleNamespace(telemetry_socket=directory / "no-agent.sock")

@@ -5,6 +5,7 @@ not one) as one line or a page that says what is missing. The browser's side: te
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import shutil
@@ -12,7 +13,13 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from report_runs import STEPS, STRAGGLER, bubble_log, hang_log, straggler_log  # noqa: F401 - fixtures
+from report_runs import (  # noqa: F401 - the session's run logs, as fixtures
+    STEPS,
+    STRAGGLER,
+    bubble_log_fixture,
+    hang_log_fixture,
+    straggler_log_fixture,
+)
 
 from gpuwatch.plan.cli import plan
 from gpuwatch.report.cli import report
@@ -80,7 +87,7 @@ def test_the_trace_is_trace_event_format_one_process_per_rank_one_track_per_phas
         for step in range(1, STEPS + 1):  # a step's phases are laid end to end: none overlaps the next
             phases = sorted((e for e in slices if e["args"]["step"] == step and e["tid"] <= len(PHASES)),
                             key=lambda e: e["ts"])
-            assert all(a["ts"] + a["dur"] <= b["ts"] + 1 for a, b in zip(phases, phases[1:], strict=False))
+            assert all(a["ts"] + a["dur"] <= b["ts"] + 1 for a, b in itertools.pairwise(phases))
 
 
 def test_the_bubble_is_measured_per_stage_against_the_schedule(bubble_log, tmp_path):

@@ -2,7 +2,8 @@
 
 It starts an agent (a simulated dgx-h100 node unless NVML finds GPUs), runs the reference trainer
 (tp 2 × pp 2 × dp 2; gloo on CPU) with one planted fault while its hooks report to that agent, prints
-what ``gpuwatch diagnose --agent`` finds, and how to point Prometheus and Grafana at the agent. Every
+what ``gpuwatch diagnose --agent`` finds, and how to point Prometheus and Grafana at the agent; it ends by writing
+the job's ``gpuwatch report`` page (from the job's run log) and printing its path. Every
 process it started is stopped on the way out, also on Ctrl-C or SIGTERM: the agent and the trainer run
 in sessions of their own, so a terminal's Ctrl-C reaches only the demo, which then ends them in order.
 """
@@ -28,6 +29,8 @@ from typing import IO
 
 import click
 
+from gpuwatch.report.cli import write_report
+from gpuwatch.report.gather import ReportError
 from gpuwatch.trainer.config import FAULTS, gpus_present
 
 #: The rule each planted fault is meant to trip (what the demo tells the user to look for).
@@ -95,6 +98,7 @@ class _Demo:
     def __init__(self, workdir: Path, port: int, keep_agent: bool) -> None:
         self.workdir = workdir
         self.socket = workdir / "telemetry.sock"
+        self.run_log = workdir / "run-log"  # every step of every rank, for the report
         self.url = f"http://127.0.0.1:{port}"
         self.port = port
         self.keep_agent = keep_agent
@@ -127,7 +131,7 @@ class _Demo:
 
     def _start_training(self, options: list[str], steps: int, **output) -> subprocess.Popen:
         command = [sys.executable, "-m", "gpuwatch.cli.main", "train", "--job", JOB, "--steps", str(steps),
-                   "--telemetry-socket", str(self.socket), *options]
+                   "--telemetry-socket", str(self.socket), "--run-log", str(self.run_log), *options]
         self.trainer = self._spawn(command, stdin=subprocess.DEVNULL, **output)
         return self.trainer
 
@@ -224,6 +228,14 @@ def _diagnose(url: str) -> None:
     click.echo(result.stdout.rstrip())
 
 
+def _report(run_log: Path, output: Path) -> None:
+    """The job's page, from its run log (every step), written before the demo's directory goes."""
+    try:
+        write_report(run_log, (), None, JOB, output)
+    except ReportError as exc:
+        raise DemoError(f"gpuwatch report --run-log {run_log} failed: {exc}") from None
+
+
 def _next_steps(url: str, port: int, kept: _Demo | None) -> None:
     if kept is None:
         click.echo("\nThe agent has stopped. With --keep-agent it keeps running for Prometheus and Grafana:")
@@ -266,7 +278,10 @@ def _sigterm_raises() -> Iterator[None]:
 @click.option("--tp", type=click.IntRange(min=1), default=2, show_default=True, help="Tensor-parallel ranks.")
 @click.option("--pp", type=click.IntRange(min=1), default=2, show_default=True, help="Pipeline stages.")
 @click.option("--dp", type=click.IntRange(min=1), default=2, show_default=True, help="Data-parallel replicas.")
-def demo(fault: str, steps: int, port: int | None, keep_agent: bool, tp: int, pp: int, dp: int) -> None:
+@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Where to write the job's HTML report (gpuwatch report).  [default: a new file in the temp dir]")
+def demo(fault: str, steps: int, port: int | None, keep_agent: bool, tp: int, pp: int, dp: int,
+         report_path: Path | None) -> None:
     """Run an agent and a short training job with a planted fault, then diagnose it.
 
     On a machine without GPUs the agent simulates a dgx-h100 node and the job trains on CPU (gloo). The exit
@@ -297,6 +312,11 @@ def demo(fault: str, steps: int, port: int | None, keep_agent: bool, tp: int, pp
                 demo_run.wait_for_ranks(tp * pp * dp, steps)
             click.echo(f"\n$ gpuwatch diagnose --agent {demo_run.url}")
             _diagnose(demo_run.url)
+            if report_path is None:
+                handle, name = tempfile.mkstemp(prefix="gpuwatch-demo-report-", suffix=".html")
+                os.close(handle)
+                report_path = Path(name)
+            _report(demo_run.run_log, report_path)
             succeeded = True
         except KeyboardInterrupt:
             click.echo("\ninterrupted: stopping the processes the demo started", err=True)
@@ -307,3 +327,4 @@ def demo(fault: str, steps: int, port: int | None, keep_agent: bool, tp: int, pp
         finally:
             demo_run.close(succeeded)
     _next_steps(demo_run.url, demo_run.port, demo_run if keep_agent else None)
+    click.echo(f"\nThe job's report (findings, every rank's steps and phases; open it in a browser):\n  {report_path}")

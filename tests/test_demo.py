@@ -64,6 +64,13 @@ def test_healthy_run_has_no_warning_and_stops_its_agent():
     assert f'targets: ["127.0.0.1:{port}"]' in result.stdout and "The agent has stopped" in result.stdout
     assert port_free(port)
     assert "training" not in result.stderr.splitlines()  # the progress bar is drawn on a terminal only
+    # it ends with the job's report: a page of every rank (tp2 × pp2 × dp2), from the job's run log
+    report = Path(result.stdout.strip().splitlines()[-1].strip())
+    try:
+        assert result.stdout.strip().splitlines()[-2].startswith("The job's report")
+        assert report.suffix == ".html" and '"job":"gpuwatch-demo"' in report.read_text()
+    finally:
+        report.unlink(missing_ok=True)
 
 
 def test_keep_agent_leaves_only_the_agent_running_and_says_how_to_stop_it():

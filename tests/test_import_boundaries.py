@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Top-level folder -> the import name it is installed under (pyproject.toml's package-dir).
 PACKAGES = {"agent": "gpuwatch.agent", "trainer": "gpuwatch.trainer", "protocol": "gpuwatch.protocol",
             "cli": "gpuwatch.cli", "alerts": "gpuwatch.alerts", "dashboards": "gpuwatch.dashboards",
-            "plan": "gpuwatch.plan"}
+            "plan": "gpuwatch.plan", "report": "gpuwatch.report"}
 
 
 def _imports(path: Path) -> set[str]:
@@ -57,13 +57,16 @@ def _violations(folder: str, forbidden: tuple[str, ...], allowed: tuple[str, ...
      "the trainer speaks the protocol; it may read its node through the collectors (the probe), never judge"),
     ("plan", ("torch", "gpuwatch.agent", "gpuwatch.cli", "gpuwatch.trainer"), ("gpuwatch.trainer.config",),
      "the planner runs without torch, wherever gpuwatch does; of the trainer it reads only its torch-free config"),
+    ("report", ("torch", "gpuwatch.trainer", "gpuwatch.cli", "gpuwatch.plan", "gpuwatch.agent.diagnosis.rules"), (),
+     "the report reads what the diagnosis sources read and shows the engine's findings: it judges nothing itself, "
+     "and reads a plan as its JSON"),
 ])
 def test_import_boundary(folder, forbidden, allowed, why):
     assert _violations(folder, forbidden, allowed) == {}, why
 
 
 #: The parts whose modules must not use each other's private names (tests may: see `test_no_private_name_...`).
-PRIVATE_CHECKED = ("agent", "trainer", "protocol", "cli", "alerts", "dashboards", "plan")
+PRIVATE_CHECKED = ("agent", "trainer", "protocol", "cli", "alerts", "dashboards", "plan", "report")
 #: A named tuple's API: public, though spelled with an underscore so as not to clash with its fields.
 NAMED_TUPLE_API = frozenset({"_asdict", "_field_defaults", "_fields", "_make", "_replace"})
 

@@ -30,3 +30,13 @@ def test_agent_dependencies_exclude_torch_and_deprecated_pynvml():
     names = {dep.split(">")[0].split("=")[0].split("~")[0].strip().lower() for dep in project["dependencies"]}
     assert "torch" not in names
     assert "pynvml" not in names and "nvidia-ml-py" in names
+
+
+def test_the_report_ships_its_page_assets_and_the_vendored_chart_library_with_its_licence():
+    """The page inlines them at run time (report/render.py): a wheel without them writes no page."""
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    patterns = data["gpuwatch.report"]
+    shipped = {path.relative_to(ROOT / "report").as_posix() for pattern in patterns
+               for path in (ROOT / "report").glob(pattern)}
+    assert {"page.js", "page.css", "vendor/uplot/uPlot.iife.min.js", "vendor/uplot/uPlot.min.css",
+            "vendor/uplot/LICENSE"} <= shipped

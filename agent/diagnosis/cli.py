@@ -60,8 +60,9 @@ class PromQLAccess:
     overrides: engine.Overrides
 
 
-def _gather(agent_urls: tuple[str, ...], run_log_path: Path | None, prometheus_url: str | None, preflight: bool,
+def gather(agent_urls: tuple[str, ...], run_log_path: Path | None, prometheus_url: str | None, preflight: bool,
             sysfs_root: Path, access: PromQLAccess) -> Facts:
+    """The facts of every source given, merged (the local node when none is): also what ``gpuwatch report`` reads."""
     loaders: list[Callable[[], Facts]] = []
     if preflight:
         loaders.append(lambda: local.collect(sysfs_root, env=os.environ))
@@ -153,7 +154,7 @@ def diagnose(agent_urls: tuple[str, ...], run_log_path: Path | None, prometheus_
             click.echo(report.render_rules(rules), nl=False)
         return
     try:
-        facts = _gather(agent_urls, run_log_path, prometheus_url, preflight, sysfs_root,
+        facts = gather(agent_urls, run_log_path, prometheus_url, preflight, sysfs_root,
                         PromQLAccess(http_config, query_timeout, fetch_mode, overrides))
     except SourceError as exc:
         _fail(http_config.redact(str(exc)))

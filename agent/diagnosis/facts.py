@@ -15,7 +15,7 @@ import dataclasses
 import math
 import statistics
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, TypeGuard
+from typing import Any, NamedTuple, TypeGuard
 
 from gpuwatch.agent.telemetry.window import WindowSummary
 from gpuwatch.plan.gpus import Calibration
@@ -229,6 +229,8 @@ class CollectiveFacts:
     bytes: float | None = None
     p50_seconds: float | None = None
     p99_seconds: float | None = None
+    #: calls per latency bucket (``schema.COLLECTIVE_BUCKETS`` and the overflow), where the source keeps them
+    buckets: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass
@@ -248,13 +250,39 @@ class Sampled:
         return ("step", self.step) if self.step is not None else ("as_of", self.as_of_step)
 
 
+class StepRow(NamedTuple):
+    """One step of a rank as its step record told it, for the per-step views of ``gpuwatch report`` (the heatmap, the
+    phases, the curves, the trace): no rule reads it, the rules judge windows. ``time`` is the rank's wall clock when
+    the step ended; ``collectives`` the step's calls per op, as (op, count, seconds). A named tuple: a run log of
+    1,024 ranks × 1,000 steps holds a million of them."""
+
+    step: int
+    time: float
+    step_seconds: float
+    dataloader_wait_seconds: float | None = None
+    compute_seconds: float | None = None
+    optimizer_seconds: float | None = None
+    outside_model_seconds: float | None = None
+    exposed_collective_seconds: float | None = None
+    bubble_ratio: float | None = None
+    bubble_ratio_theoretical: float | None = None
+    loss: float | None = None
+    grad_norm: float | None = None
+    lr: float | None = None
+    grad_cosine: float | None = None
+    memory_peak_bytes: float | None = None
+    collectives: tuple[tuple[str, int, float], ...] = ()
+
+
 @dataclasses.dataclass
 class History:
-    """Per-step series of one rank, oldest first, as (step, value); only a run log has them whole."""
+    """Per-step series of one rank, oldest first, as (step, value); only a run log has them whole. ``steps`` holds
+    every step record whole (``StepRow``), for the report's views; the rules read the series."""
 
     loss: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     grad_norm: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     host_rss_bytes: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    steps: list[StepRow] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,8 @@ one per rank, ``rank-NNNNN.jsonl``).
 
 Every line is validated with the agent's own ``decode``; a bad line is reported (line number and reason)
 and skipped. Counters are accumulated by the agent's own ``TelemetryStore``, so a run log and a live agent
-count alike; the per-step history (loss, grad norm, host RSS) is what only a log has.
+count alike; the per-step history (loss, grad norm, host RSS, and every step whole for ``gpuwatch report``'s
+views) is what only a log has.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import dataclasses
 import math
 from pathlib import Path
 
-from gpuwatch.agent.diagnosis.facts import Facts, History, SourceInfo
+from gpuwatch.agent.diagnosis.facts import Facts, History, SourceInfo, StepRow
 from gpuwatch.agent.diagnosis.sources import SourceError
 from gpuwatch.agent.diagnosis.sources.telemetry import bandwidth, rank_facts
 from gpuwatch.agent.snapshot import json_safe
@@ -30,15 +31,20 @@ HISTORY_LIMIT = 20_000
 MAX_QUOTED_BAD_LINES = 20
 
 
+#: The History series of (step, value) the rules read; ``History.steps`` is kept beside them, whole rows.
+SERIES = tuple(field.name for field in dataclasses.fields(History) if field.name != "steps")
+
+
 class _Series:
-    """The latest HISTORY_LIMIT points of every History series of one rank."""
+    """The latest HISTORY_LIMIT points of every History series of one rank, and its steps whole."""
 
     def __init__(self) -> None:
         self.points: dict[str, collections.deque[tuple[int, float]]] = {
-            field.name: collections.deque(maxlen=HISTORY_LIMIT) for field in dataclasses.fields(History)}
+            name: collections.deque(maxlen=HISTORY_LIMIT) for name in SERIES}
+        self.steps: collections.deque[StepRow] = collections.deque(maxlen=HISTORY_LIMIT)
 
     def history(self) -> History:
-        return History(**{name: list(points) for name, points in self.points.items()})
+        return History(**{name: list(points) for name, points in self.points.items()}, steps=list(self.steps))
 
 
 def _files(path: Path) -> list[Path]:
@@ -95,3 +101,11 @@ def _add(series: _Series, step: Step) -> None:
     for name, value in (("loss", step.loss), ("grad_norm", step.grad_norm), ("host_rss_bytes", host_rss)):
         if value is not None:
             series.points[name].append((step.step, value))
+    pipeline = step.pipeline
+    series.steps.append(StepRow(
+        step.step, step.time, step.step_seconds, step.dataloader_wait_seconds, step.compute_seconds,
+        step.optimizer_seconds, step.outside_model_seconds, step.exposed_collective_seconds,
+        pipeline.bubble_ratio if pipeline else None, pipeline.bubble_ratio_theoretical if pipeline else None,
+        step.loss, step.grad_norm, step.lr, step.grad_cosine_similarity,
+        memory.peak_bytes if memory is not None else None,
+        tuple((op, calls.count, calls.seconds) for op, calls in (step.collectives or {}).items())))

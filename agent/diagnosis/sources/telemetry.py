@@ -49,7 +49,7 @@ def histogram_quantile(quantile: float, buckets: Sequence[int]) -> float | None:
 def collective(op: str, totals: CollectiveTotals) -> CollectiveFacts:
     return CollectiveFacts(op=op, count=totals.count, seconds=totals.seconds, bytes=totals.bytes,
                            p50_seconds=histogram_quantile(0.5, totals.buckets),
-                           p99_seconds=histogram_quantile(0.99, totals.buckets))
+                           p99_seconds=histogram_quantile(0.99, totals.buckets), buckets=tuple(totals.buckets))
 
 
 def layout(hello: Hello) -> Layout:

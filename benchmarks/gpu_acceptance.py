@@ -22,6 +22,8 @@ timeout: a call that hangs in the driver costs its check, never the run. Checks,
 * diagnose-fp16: fp16 without a loss scaler makes CONV001 fire;
 * diagnose-healthy: a healthy run draws no warning or critical finding;
 * probe: `gpuwatch probe` on NCCL reports bus bandwidth (needs 2 GPUs);
+* plan: the planner, calibrated on the GPU, against the reference trainer at 3 one-GPU layouts: step time within
+  10 %, the allocator's peak within 5 % of the predicted tensors;
 * frameworks-gpu: the frameworks that need CUDA to run at all (torchtitan, Megatron-core), where installed, train a
   few steps under `gpuwatch run` (benchmarks/gpu_framework_job.py): each is named in the hello, its layout read from
   its groups, every optimizer step recorded with the collectives timed.
@@ -587,6 +589,86 @@ def probe(ctx: Context) -> Outcome:
                    {"ranks": ranks, "average_busbw_gbps": float(average), "peak_busbw_gbps": max(busbw)})
 
 
+#: plan: the reference trainer on one GPU (one process per GPU, so tp1 pp1 dp1 on the one GPU every machine has), at
+#: layouts that differ where a single GPU lets them: micro-batch count (the matmuls' size) and precision. The model
+#: is hooks-overhead's (~100 M parameters, a step of ~100 ms on an H100: matmul-bound, as the planner's model is);
+#: the dry run's CPU takes a tiny one. Targets: the issue's.
+PLAN_LAYOUTS = (("m1-fp32", 1, "fp32"), ("m4-fp32", 4, "fp32"), ("m1-bf16", 1, "bf16"))
+PLAN_GLOBAL_BATCH = 8
+PLAN_STEPS, PLAN_WARMUP = 8, 3
+PLAN_DRY_RUN_MODEL = {"hidden": 64, "heads": 4, "layers": 2, "seq_len": 32, "vocab_size": 128}
+MAX_STEP_ERROR, MAX_MEMORY_ERROR = 0.10, 0.05
+
+
+def plan_rank(device: Any, cfg: Any) -> dict[str, Any]:
+    """One rank of the reference trainer for cfg.steps steps: each step's synchronised wall time, and the CUDA
+    allocator's peak (None on the CPU, which has no such figure)."""
+    import torch
+
+    from gpuwatch.trainer.parallel.groups import build_grid
+    from gpuwatch.trainer.train import Trainer
+
+    trainer = Trainer(cfg, build_grid(cfg.tp, cfg.pp, cfg.dp), device)
+    seconds = [trainer.train_step().step_time_s for _ in range(cfg.steps)]
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {"step_seconds": seconds, "peak_bytes": peak}
+
+
+def plan_check(ctx: Context) -> Outcome:
+    """The planner calibrated on this GPU (its matmuls' FLOP/s at the model's shapes, swept over micro-batch sizes)
+    against the reference trainer at each of PLAN_LAYOUTS: median step time within MAX_STEP_ERROR, the CUDA
+    allocator's peak within MAX_MEMORY_ERROR of the predicted tensors (parameters, gradients, Adam states,
+    activations, embeddings and logits; the allowance for the CUDA context and NCCL is not the allocator's)."""
+    from gpuwatch.plan import calibrate
+    from gpuwatch.plan.gpus import Cluster, preset
+    from gpuwatch.plan.model import from_reference
+    from gpuwatch.plan.planner import predict
+    from gpuwatch.plan.run import Layout, Run, numerics
+    from gpuwatch.trainer.config import ModelConfig, TrainConfig
+    from gpuwatch.trainer.launch import launch
+
+    model = ModelConfig(**(PLAN_DRY_RUN_MODEL if ctx.dry_run else OVERHEAD_MODEL))
+    shape = from_reference(model)
+    measured = {}
+    for name, micro_batches, precision in PLAN_LAYOUTS:  # every run before CUDA touches this process (fork)
+        cfg = TrainConfig(model=model, micro_batches=micro_batches, precision=precision, steps=PLAN_STEPS,
+                          global_batch=PLAN_GLOBAL_BATCH, device=ctx.device)
+        measured[name] = launch(plan_rank, 1, cfg, device=ctx.device)[0]
+    sizes = sorted({PLAN_GLOBAL_BATCH // m for _, m, _ in PLAN_LAYOUTS})
+    calibrations = {precision: calibrate.measure(
+        calibrate.model_shapes(shape, model.seq_len * PLAN_GLOBAL_BATCH), ctx.device, precision,
+        sweep=calibrate.sweep_shapes(shape, model.seq_len, sizes)) for precision in {p for *_, p in PLAN_LAYOUTS}}
+    figures: dict[str, Any] = {"model": dataclasses.asdict(model), "calibration": {
+        precision: calibrate.as_json(calibration) for precision, calibration in calibrations.items()}}
+    problems, parts = [], []
+    for name, micro_batches, precision in PLAN_LAYOUTS:
+        run = Run(PLAN_GLOBAL_BATCH, model.seq_len, numerics(precision, reference=True), sequence_parallel=False)
+        cluster = Cluster(1, 1, preset("h100-80gb"), calibration=calibrations[precision])
+        prediction = predict(shape, cluster, run, Layout(1, 1, 1, micro_batches))
+        step = statistics.median(measured[name]["step_seconds"][PLAN_WARMUP:])
+        tensors = prediction.memory.total - prediction.memory.allowance
+        peak = measured[name]["peak_bytes"]
+        result = {"measured_step_seconds": step, "predicted_step_seconds": prediction.step_seconds,
+                  "step_error": prediction.step_seconds / step - 1, "measured_peak_bytes": peak,
+                  "predicted_tensor_bytes": tensors, "memory_error": None if peak is None else tensors / peak - 1}
+        figures[name] = result
+        memory = "no allocator peak" if peak is None else f"memory {result['memory_error']:+.1%}"
+        parts.append(f"{name} step {step * 1e3:.1f} ms {result['step_error']:+.1%}, {memory}")
+        if abs(result["step_error"]) > MAX_STEP_ERROR:
+            problems.append(f"{name}: step {step * 1e3:.1f} ms measured, {prediction.step_seconds * 1e3:.1f} ms "
+                            f"predicted ({result['step_error']:+.1%}, target ±{MAX_STEP_ERROR:.0%})")
+        if peak is not None and abs(result["memory_error"]) > MAX_MEMORY_ERROR:
+            problems.append(f"{name}: peak {peak / 2**20:.0f} MiB allocated, {tensors / 2**20:.0f} MiB predicted "
+                            f"({result['memory_error']:+.1%}, target ±{MAX_MEMORY_ERROR:.0%})")
+    summary = "; ".join(parts)
+    if ctx.dry_run:
+        raise Skipped(f"dry run: the ±{MAX_STEP_ERROR:.0%} step and ±{MAX_MEMORY_ERROR:.0%} memory targets are "
+                      f"judged on a GPU's matmul-bound step and its allocator ({summary} on the CPU's tiny model)",
+                      figures)
+    require(not problems, "; ".join(problems))
+    return Outcome(summary, figures)
+
+
 #: The frameworks frameworks-gpu runs where they are installed, by the hello's name: the module each is imported as.
 GPU_FRAMEWORKS = {"megatron": "megatron.core", "torchtitan": "torchtitan"}
 FRAMEWORK_STEPS = 5
@@ -637,6 +719,7 @@ CHECKS = (
     Check("diagnose-fp16", diagnose_fp16, 60),
     Check("diagnose-healthy", diagnose_healthy, 60),
     Check("probe", probe, 90),
+    Check("plan", plan_check, 120),
     Check("frameworks-gpu", frameworks_gpu, 120),
 )
 

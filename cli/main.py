@@ -35,7 +35,8 @@ class LazyGroup(click.Group):
           "alerts": ("gpuwatch.alerts.cli", "alerts"),
           "dashboards": ("gpuwatch.dashboards.cli", "dashboards"), "demo": ("gpuwatch.cli.demo", "demo"),
           "run": ("gpuwatch.cli.run", "run"), "plan": ("gpuwatch.plan.cli", "plan"),
-          "report": ("gpuwatch.report.cli", "report")},
+          "report": ("gpuwatch.report.cli", "report"),
+          "calibrate": ("gpuwatch.plan.cli", "calibrate_command")},
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
 @click.version_option(__version__, prog_name="gpuwatch")

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
 import click
 
-from gpuwatch.plan.gpus import DEFAULT_EFFICIENCY, GIB, PRESETS, Cluster, ClusterError, preset
+from gpuwatch.plan import calibrate
+from gpuwatch.plan.calibrate import CalibrationError
+from gpuwatch.plan.gpus import DEFAULT_EFFICIENCY, GIB, PRESETS, Calibration, Cluster, ClusterError, preset
 from gpuwatch.plan.model import ModelError, ModelShape, from_reference, read_hf_config
 from gpuwatch.plan.planner import plan as make_plan
 from gpuwatch.plan.report import as_json, as_text
@@ -25,11 +28,15 @@ class OneLineCommand(click.Command):
         try:
             return super().parse_args(ctx, args)
         except click.UsageError as error:
-            fail(error.format_message())  # the status says it: 2, as click's own usage errors
+            fail(error.format_message(), ctx.info_name)  # the status says it: 2, as click's own usage errors
 
 
-def fail(message: str) -> NoReturn:
-    click.echo(f"gpuwatch plan: {message}", err=True)
+def fail(message: str, command: str | None = None) -> NoReturn:
+    """One line on stderr, exit status 2, in the name of ``command`` (default: the one running, plan or
+    calibrate)."""
+    context = click.get_current_context(silent=True)
+    name = command or (context.info_name if context else None) or "plan"
+    click.echo(f"gpuwatch {name}: {message}", err=True)
     sys.exit(2)
 
 
@@ -56,18 +63,35 @@ def model_shape(model: str | None, reference: bool, seq_len: int | None, flags: 
                       ffn=given.get("ffn", 4 * hidden), vocab=given["vocab"])
 
 
+def model_options(command: Callable[..., None]) -> Callable[..., None]:
+    """The model's flags, shared by `plan` and `calibrate`."""
+    for option in reversed((
+        click.option("--model", type=str, help="A Hugging Face config.json (Llama-style: num_hidden_layers, "
+                     "hidden_size, num_attention_heads, num_key_value_heads, intermediate_size, vocab_size, "
+                     "tie_word_embeddings)."),
+        click.option("--reference", is_flag=True, help="The reference trainer's GPT (gpuwatch train), with "
+                     "--layers, --hidden, --heads, --vocab, --seq-len or its defaults."),
+        click.option("--layers", type=int, help="Transformer layers (without --model)."),
+        click.option("--hidden", type=int, help="Hidden size."),
+        click.option("--heads", type=int, help="Attention heads."),
+        click.option("--kv-heads", type=int, help="Key/value heads (grouped-query attention; default: --heads)."),
+        click.option("--ffn", type=int, help="MLP width (default 4 × --hidden; a SwiGLU MLP with flags)."),
+        click.option("--vocab", type=int, help="Vocabulary size."),
+        click.option("--seq-len", type=int, help="Tokens per sequence (required but with --reference)."),
+    )):
+        command = option(command)
+    return command
+
+
+def sequence_length(shape: ModelShape, seq_len: int | None) -> int:
+    length = seq_len if seq_len is not None else shape.positions or None
+    if length is None:
+        raise RunError("--seq-len is required")
+    return length
+
+
 @click.command(cls=OneLineCommand)
-@click.option("--model", type=str, help="A Hugging Face config.json (Llama-style: num_hidden_layers, hidden_size, "
-              "num_attention_heads, num_key_value_heads, intermediate_size, vocab_size, tie_word_embeddings).")
-@click.option("--reference", is_flag=True, help="The reference trainer's GPT (gpuwatch train), with --layers, "
-              "--hidden, --heads, --vocab, --seq-len or its defaults.")
-@click.option("--layers", type=int, help="Transformer layers (without --model).")
-@click.option("--hidden", type=int, help="Hidden size.")
-@click.option("--heads", type=int, help="Attention heads.")
-@click.option("--kv-heads", type=int, help="Key/value heads (grouped-query attention; default: --heads).")
-@click.option("--ffn", type=int, help="MLP width (default 4 × --hidden; a SwiGLU MLP with flags).")
-@click.option("--vocab", type=int, help="Vocabulary size.")
-@click.option("--seq-len", type=int, help="Tokens per sequence (required but with --reference).")
+@model_options
 @click.option("--gpus", type=int, required=True, help="GPUs in the job.")
 @click.option("--gpus-per-node", type=int, default=8, show_default=True)
 @click.option("--gpu", default="h100-80gb", show_default=True, help=f"A preset: {', '.join(PRESETS)}.")
@@ -79,6 +103,9 @@ def model_shape(model: str | None, reference: bool, seq_len: int | None, flags: 
 @click.option("--dp-overlap", is_flag=True, help="The DP reduction overlaps the last backward pass (DDP buckets).")
 @click.option("--efficiency", type=float, default=DEFAULT_EFFICIENCY, show_default=True,
               help="Share of the peak FLOP/s the matmuls achieve.")
+@click.option("--calibration", type=str, metavar="FILE", help="Figures measured on the machine (gpuwatch "
+              "calibrate): its matmuls' FLOP/s and bus bandwidth per size in place of the preset's peak × "
+              "--efficiency and link speeds.")
 @click.option("--allowance-gib", type=float, default=2.0, show_default=True,
               help="Memory for the CUDA context, NCCL and the like, per GPU.")
 @click.option("--top", type=int, default=10, show_default=True, help="Feasible layouts shown.")
@@ -86,7 +113,8 @@ def model_shape(model: str | None, reference: bool, seq_len: int | None, flags: 
 def plan(model: str | None, reference: bool, layers: int | None, hidden: int | None, heads: int | None,
          kv_heads: int | None, ffn: int | None, vocab: int | None, seq_len: int | None, gpus: int,
          gpus_per_node: int, gpu: str, global_batch: int, precision: str, main_grads: str, sequence_parallel: bool,
-         dp_overlap: bool, efficiency: float, allowance_gib: float, top: int, output: str) -> None:
+         dp_overlap: bool, efficiency: float, calibration: str | None, allowance_gib: float, top: int,
+         output: str) -> None:
     """Which tp × pp × dp layout (micro-batches, schedule, recomputation, ZeRO-1) a model should run with: every
     feasible one ranked by predicted step time, with the heaviest rank's memory, the bubble, the traffic per group
     and MFU; every rejected one with its reason (docs/plan.md). Example: gpuwatch plan --model config.json
@@ -96,17 +124,69 @@ def plan(model: str | None, reference: bool, layers: int | None, hidden: int | N
         if top < 1:
             raise RunError(f"--top must be at least 1 (got {top})")
         shape = model_shape(model, reference, seq_len, flags)
-        length = seq_len if seq_len is not None else shape.positions or None
-        if length is None:
-            raise RunError("--seq-len is required")
-        cluster = Cluster(gpus, gpus_per_node, preset(gpu), efficiency=efficiency)
+        length = sequence_length(shape, seq_len)
+        measured = Calibration() if calibration is None else calibrate.read(Path(calibration))
+        if measured.precision not in (None, precision):
+            raise RunError(f"{calibration} timed {measured.precision} matmuls, and the plan is for --precision "
+                           f"{precision}: give --precision {measured.precision}, or calibrate in {precision}")
+        cluster = Cluster(gpus, gpus_per_node, preset(gpu), efficiency=efficiency, calibration=measured)
         run = Run(global_batch, length, numerics(precision, main_grads == "fp32", shape.source == "reference"),
                   sequence_parallel=sequence_parallel and shape.source != "reference", dp_overlap=dp_overlap,
                   allowance_bytes=int(allowance_gib * GIB))
-    except (ModelError, ClusterError, RunError) as error:
+    except (ModelError, ClusterError, RunError, CalibrationError) as error:
         fail(str(error))
     result = make_plan(shape, cluster, run)
     if output == "json":
         click.echo(json.dumps(as_json(result, top), indent=1))
     else:
         click.echo(as_text(result, top))
+
+
+@click.command(cls=OneLineCommand)
+@model_options
+@click.option("-o", "--output", "output", type=str, required=True, metavar="FILE",
+              help="The calibration file to write (gpuwatch.calibration/1).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,
+              help="The matmuls' element type (the plan's --precision must match).")
+@click.option("--micro-batch-size", type=int, default=1, show_default=True,
+              help="Sequences of the micro-batch whose matmul shapes give matmul_flops.")
+@click.option("--tp", type=int, default=1, show_default=True, help="The TP degree the shapes are sliced by.")
+@click.option("--sweep", type=str, default="1,2,4,8", show_default=True,
+              help="Micro-batch sizes to sweep for flops_by_work, comma-separated ('' for none).")
+@click.option("--probe", "probes", type=str, multiple=True, metavar="FILE",
+              help="A gpuwatch probe --run-log file: its all-reduce bus bandwidth per size (repeatable: one "
+                   "probe within a node, one across nodes).")
+@click.option("--repeats", type=int, default=calibrate.REPEATS, show_default=True, help="Timed rounds (median).")
+@click.option("--threads", type=int, default=1, show_default=True,
+              help="CPU threads (a reference trainer rank runs one).")
+def calibrate_command(model: str | None, reference: bool, layers: int | None, hidden: int | None,
+                      heads: int | None, kv_heads: int | None, ffn: int | None, vocab: int | None,
+                      seq_len: int | None, output: str, device: str, precision: str, micro_batch_size: int, tp: int,
+                      sweep: str, probes: tuple[str, ...], repeats: int, threads: int) -> None:
+    """Measure this machine for gpuwatch plan --calibration: the FLOP/s its matmuls achieve at the model's shapes
+    (a micro-batch's tokens × the layer's weights, sliced by --tp), swept over micro-batch sizes, and the bus
+    bandwidth per size of gpuwatch probe's results (docs/plan.md). Example: gpuwatch calibrate --reference
+    --device cpu --probe probe.jsonl -o calibration.json"""
+    flags = {"layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads, "ffn": ffn, "vocab": vocab}
+    try:
+        shape = model_shape(model, reference, seq_len, flags)
+        length = sequence_length(shape, seq_len)
+        sizes = [int(size) for size in sweep.split(",") if size.strip()] if sweep.strip() else []
+        if min([micro_batch_size, tp, repeats, threads, *sizes]) < 1:
+            raise RunError("--micro-batch-size, --tp, --repeats, --threads and the --sweep sizes must be at least 1")
+        for path in probes:
+            calibrate.read_probe(Path(path))  # a bad file is said before minutes of measuring
+        result = calibrate.measure(calibrate.model_shapes(shape, length * micro_batch_size, tp), device, precision,
+                                   repeats, threads, [Path(path) for path in probes],
+                                   calibrate.sweep_shapes(shape, length, sizes, tp))
+        calibrate.write(result, Path(output))
+    except ValueError as error:  # ModelError, RunError, CalibrationError; a --sweep that is not integers
+        fail(str(error))
+    except OSError as error:
+        fail(f"{output}: {error.strerror or error}")
+    except RuntimeError as error:  # torch: no CUDA device, an unsupported dtype on this device
+        fail(f"--device {device}: {str(error).splitlines()[0]}")
+    assert result.matmul_flops is not None
+    click.echo(f"{output}: matmuls {result.matmul_flops / 1e12:.3f} TFLOP/s on {device} ({precision}), "
+               f"{len(result.flops_by_work)} sizes swept, links {', '.join(result.bus_bandwidth) or 'none'}")

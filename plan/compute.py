@@ -22,11 +22,16 @@ from gpuwatch.plan.model import ModelShape
 PASSES = 3
 
 
+def layer_matmul_flops(shape: ModelShape) -> float:
+    """Forward FLOPs of one layer's weight matmuls, per token: 2 a weight (Q, K, V, the output projection, the
+    MLP's matrices)."""
+    h = shape.hidden
+    return 2 * (2 * h * h + 2 * h * shape.kv_width + shape.mlp_matrices * h * shape.ffn)
+
+
 def layer_forward_flops(shape: ModelShape, seq: int) -> float:
     """Forward FLOPs of one layer, per token: its matmul weights and the attention over ``seq`` tokens."""
-    h = shape.hidden
-    matmul_weights = 2 * h * h + 2 * h * shape.kv_width + shape.mlp_matrices * h * shape.ffn
-    return 2 * matmul_weights + attention_forward_flops(shape, seq)
+    return layer_matmul_flops(shape) + attention_forward_flops(shape, seq)
 
 
 def attention_forward_flops(shape: ModelShape, seq: int) -> float:

@@ -13,8 +13,9 @@ PERFORMANCE.md) is bounded by one direction. The InfiniBand figure is one adapte
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 GIB = 2**30
 TERA = 1e12
@@ -99,10 +100,17 @@ def preset(name: str) -> GpuSpec:
 class Calibration:
     """Figures measured on the machine, used in place of the datasheet's: the achieved matmul FLOP/s (the
     efficiency is then 1: it is measured in), and per link the bus bandwidth at each message size, as
-    (bytes, bytes/s) pairs (`gpuwatch probe`'s sweep)."""
+    (bytes, bytes/s) pairs (`gpuwatch probe`'s sweep). ``flops_by_work``: the achieved FLOP/s swept over the work
+    of one layer's matmuls (forward FLOPs per micro-batch on one rank), as (FLOPs, FLOP/s) pairs, ascending: small
+    matmuls run far below big ones, so a layout's micro-batch size and TP degree move its speed, as a message's size
+    moves its bus bandwidth. ``precision``: the element type the matmuls were timed in (None: not said);
+    ``measured``: how and where (free-form provenance, gpuwatch.plan.calibrate writes it)."""
 
     matmul_flops: float | None = None
     bus_bandwidth: Mapping[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    flops_by_work: tuple[tuple[float, float], ...] = ()
+    precision: str | None = None
+    measured: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -126,22 +134,29 @@ class Cluster:
         if not 0 < self.efficiency <= 1:
             raise ClusterError(f"--efficiency must be in (0, 1] (got {self.efficiency})")
 
-    def achieved_flops(self, precision: str) -> float:
-        """FLOP/s one GPU's matmuls run at: measured, else the datasheet peak × the efficiency."""
+    def achieved_flops(self, precision: str, work: float | None = None) -> float:
+        """FLOP/s one GPU's matmuls run at: measured at the ``work`` of a layer's matmuls (forward FLOPs per
+        micro-batch on one rank) where a sweep was, else measured, else the datasheet peak × the efficiency."""
+        if self.calibration.flops_by_work and work is not None:
+            return swept(self.calibration.flops_by_work, work)
         if self.calibration.matmul_flops is not None:
             return self.calibration.matmul_flops
         return self.gpu.peak_flops[precision] * self.efficiency
 
     def bus_bandwidth(self, link: str, nbytes: int) -> float:
-        """Bytes/s a collective of ``nbytes`` reaches on ``link``: the measured figure of the largest size swept
-        that is not larger (the smallest size's below it), else the datasheet's."""
+        """Bytes/s a collective of ``nbytes`` reaches on ``link``: measured where the probe swept it, else the
+        datasheet's."""
         points = self.calibration.bus_bandwidth.get(link)
-        if not points:
-            return self.gpu.bus_bandwidth[link]
-        index = bisect.bisect_right([size for size, _ in points], nbytes) - 1
-        return points[max(index, 0)][1]
+        return swept(points, nbytes) if points else self.gpu.bus_bandwidth[link]
 
     def link(self, span: int) -> str:
         """The link a group whose members lie within ``span`` consecutive ranks crosses (ranks are placed node by
         node, as launchers do)."""
         return "nvlink" if span <= self.gpus_per_node else "ib"
+
+
+def swept(points: Sequence[tuple[float, float]], size: float) -> float:
+    """The figure a sweep of (size, figure) pairs, ascending, gives ``size``: that of the largest size swept that is
+    not larger (the smallest size's below the sweep): a conservative step, never an extrapolation."""
+    index = bisect.bisect_right([point for point, _ in points], size) - 1
+    return points[max(index, 0)][1]

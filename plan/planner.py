@@ -143,8 +143,8 @@ def predict(shape: ModelShape, cluster: Cluster, run: Run, layout: Layout) -> Pr
         parameters = stage_parameters(shape, layout, index, layers)
         stages.append(Stage(index, layers, parameters, stage_memory(shape, run, layout, index, layers, parameters),
                             stage_traffic(shape, run, layout, cluster, index, layers, parameters)))
-    flops = cluster.achieved_flops(run.numerics.precision)
     tokens = batch * run.seq_len
+    flops = cluster.achieved_flops(run.numerics.precision, compute.layer_matmul_flops(shape) * tokens / layout.tp)
     slot_compute = [compute.stage_flops_per_token(shape, run.seq_len, s.layers, s.index == layout.pp - 1,
                                                   layout.recompute) * tokens / layout.tp / flops for s in stages]
     m, p = layout.micro_batches, layout.pp

@@ -10,8 +10,9 @@ from collections import defaultdict
 from dataclasses import asdict
 from typing import Any
 
+from gpuwatch.plan import calibrate
 from gpuwatch.plan.comm import GROUPS
-from gpuwatch.plan.gpus import GIB
+from gpuwatch.plan.gpus import GIB, Calibration, Cluster
 from gpuwatch.plan.planner import Plan, Prediction, Rejection
 
 SCHEMA = "gpuwatch.plan/1"
@@ -63,13 +64,32 @@ def as_json(plan: Plan, top: int | None = None) -> dict[str, Any]:
         "cluster": {"gpus": plan.cluster.gpus, "gpus_per_node": plan.cluster.gpus_per_node, "gpu": gpu.name,
                     "memory_bytes": gpu.memory_bytes, "peak_flops": dict(gpu.peak_flops),
                     "bus_bandwidth": dict(gpu.bus_bandwidth), "efficiency": plan.cluster.efficiency,
-                    "sources": list(gpu.sources)},
+                    "sources": list(gpu.sources), "calibration": calibration_json(plan.cluster.calibration)},
         "run": asdict(plan.run),
         "assumptions": ASSUMPTIONS,
         "feasible_count": len(plan.feasible),
         "feasible": [prediction_json(rank, prediction) for rank, prediction in enumerate(shown, 1)],
         "rejected": [rejection_json(rejection) for rejection in plan.rejected],
     }
+
+
+def calibration_json(calibration: Calibration) -> dict[str, Any] | None:
+    """The measured figures the plan used (gpuwatch.calibration/1's fields but its schema), or None."""
+    if calibration == Calibration():
+        return None
+    document = calibrate.as_json(calibration)
+    del document["schema"]
+    return document
+
+
+def matmul_speed(cluster: Cluster) -> str:
+    calibration = cluster.calibration
+    if calibration.flops_by_work:
+        rates = [rate for _, rate in calibration.flops_by_work]
+        return f"matmuls at {min(rates) / 1e12:.3g}-{max(rates) / 1e12:.3g} TFLOP/s measured by size"
+    if calibration.matmul_flops is not None:
+        return f"matmuls at {calibration.matmul_flops / 1e12:.3g} TFLOP/s measured"
+    return f"matmuls at {cluster.efficiency:.0%} of peak"
 
 
 def _gib(value: float) -> str:
@@ -82,7 +102,7 @@ def as_text(plan: Plan, top: int) -> str:
         f"model: {shape.total_parameters() / 1e9:.2f} B parameters, {shape.layers} layers, hidden {shape.hidden}, "
         f"{shape.heads} heads ({shape.kv_heads} kv), ffn {shape.ffn}, vocabulary {shape.vocab} ({shape.source})",
         f"cluster: {cluster.gpus} × {cluster.gpu.name} ({cluster.gpus_per_node} a node), "
-        f"{_gib(cluster.gpu.memory_bytes)} GiB each, matmuls at {cluster.efficiency:.0%} of peak",
+        f"{_gib(cluster.gpu.memory_bytes)} GiB each, {matmul_speed(cluster)}",
         f"run: global batch {run.global_batch} × {run.seq_len} tokens, {run.numerics.precision}, "
         f"sequence parallel {'on' if run.sequence_parallel else 'off'}",
         f"{len(plan.feasible)} feasible layouts, {len(plan.rejected)} rejected; the {min(top, len(plan.feasible))} "

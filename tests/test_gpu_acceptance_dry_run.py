@@ -17,7 +17,7 @@ import gpu_acceptance  # noqa: E402
 
 NAMES = [check.name for check in gpu_acceptance.CHECKS]
 #: What only a GPU can show: skipped in the dry run, with the reason.
-GPU_ONLY = {"agent-load", "diagnose-fragmentation", "hooks-overhead", "frameworks-gpu"}
+GPU_ONLY = {"agent-load", "diagnose-fragmentation", "hooks-overhead", "frameworks-gpu", "plan"}
 
 
 @pytest.mark.integration
@@ -34,6 +34,10 @@ def test_dry_run_runs_every_check_for_real(tmp_path):
     for name in GPU_ONLY:
         assert checks[name]["status"] == "skip" and checks[name]["reason"].startswith("dry run:"), checks[name]
     assert "ratio" in checks["hooks-overhead"]["figures"]  # measured on the CPU, not judged
+    plan = checks["plan"]["figures"]  # predicted and measured on the CPU, not judged
+    assert {name for name, *_ in gpu_acceptance.PLAN_LAYOUTS} <= plan.keys()
+    assert all(plan[name]["predicted_step_seconds"] > 0 and plan[name]["measured_peak_bytes"] is None
+               for name, *_ in gpu_acceptance.PLAN_LAYOUTS)
     passed = {name for name, check in checks.items() if check["status"] == "pass"}
     assert passed == set(checks) - GPU_ONLY, {name: checks[name].get("reason") for name in set(checks) - passed}
     assert checks["diagnose-fp16"]["figures"]["findings"].keys() == {"CONV001"}

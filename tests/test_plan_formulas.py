@@ -128,3 +128,14 @@ def test_activations_differ_from_megatrons_by_the_final_norms_output_bytes():
     run = Run(8, 2048, numerics("bf16"))
     memory = predict(shape, Cluster(64, 8, H100), run, Layout(8, 1, 8, 1, recompute="selective")).memory
     assert memory.activations + memory.embeddings_logits == 10_335_815_680 - 6_291_456
+
+
+@pytest.mark.parametrize("pp", [1, 2, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 32])
+def test_the_planners_bubble_is_the_one_the_trainers_step_records_carry(pp, m):
+    """The reference trainer's step records give each stage's measured bubble beside `theoretical_bubble` (the hooks'
+    PipelineClock): the same (p − 1)/(m + p − 1) as the planner's, p − 1 idle slots of m + p − 1, for GPipe and 1F1B
+    alike. The measured ratio is timing, so it is compared in benchmarks/plan_ranking.py, not here."""
+    from gpuwatch.trainer.hooks.pipeline import theoretical_bubble
+
+    assert compute.bubble_fraction(pp, m) == theoretical_bubble(pp, m) == (pp - 1) / (m + pp - 1)

@@ -71,11 +71,17 @@ def cluster_for(facts: Facts, ranks: list[RankFacts]) -> tuple[Cluster, str] | s
     gpus = [gpu for rank in ranks if (gpu := facts.gpu_of(rank)) is not None and gpu.model is not None]
     spec = preset_for(gpus[0].model, gpus[0].memory_total_bytes) if gpus else None
     calibration = facts.calibration
-    if calibration is not None and calibration.matmul_flops is not None:
-        if spec is None:  # the CPU, or a GPU without a preset: the calibration's figures stand for one
-            spec = GpuSpec("calibrated", 0, dict.fromkeys(PRECISIONS, calibration.matmul_flops),
-                           {link: points[-1][1] for link, points in calibration.bus_bandwidth.items()}, ())
-        return Cluster(world, per_node, spec, calibration=calibration), "the calibration given (--calibration)"
+    if calibration is not None:
+        timed = ranks[0].layout.precision if ranks[0].layout else None
+        if calibration.precision is not None and timed is not None and calibration.precision != timed:
+            return (f"the calibration timed its matmuls in {calibration.precision}, and the job trains in {timed}: "
+                    f"calibrate again with --precision {timed}")
+        flops = calibration.matmul_flops or max((rate for _, rate in calibration.flops_by_work), default=None)
+        if flops is not None:
+            if spec is None:  # the CPU, or a GPU without a preset: the calibration's figures stand for one
+                spec = GpuSpec("calibrated", 0, dict.fromkeys(PRECISIONS, flops),
+                               {link: points[-1][1] for link, points in calibration.bus_bandwidth.items()}, ())
+            return Cluster(world, per_node, spec, calibration=calibration), "the calibration given (--calibration)"
     if spec is None:
         seen = sorted({gpu.model for gpu in gpus if gpu.model})
         return ("no figures to predict with: " + (f"no GPU preset for {', '.join(seen)}" if seen else

@@ -128,7 +128,8 @@ def _fail(message: str) -> NoReturn:
 def diagnose(agent_urls: tuple[str, ...], run_log_path: Path | None, prometheus_url: str | None,
              http_config_path: Path | None, query_timeout: float, fetch_mode: str, allow_partial: bool, preflight: bool,
              select: str | None, ignore: str | None, sysfs_root: Path, config_path: Path | None,
-             calibration_path: Path | None, output_format: str, fail_on: str, list_rules: bool, explain: str | None) -> None:
+             calibration_path: Path | None, output_format: str, fail_on: str, list_rules: bool,
+             explain: str | None) -> None:
     """Find what slows, hangs or derails training, with the evidence and the fix.
 
     Without a source option it judges this node, with the ranks of the local agent if one answers.

@@ -23,6 +23,7 @@ from gpuwatch.agent.diagnosis.coverage import WholeJob
 from gpuwatch.agent.diagnosis.facts import Facts, RankFacts, Where, describe_ranks, gib
 from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Need, Severity, Threshold, rule
 from gpuwatch.agent.diagnosis.rules.common import window_text, windowed
+from gpuwatch.plan.calibrate import LINKS
 from gpuwatch.plan.gpus import DEFAULT_EFFICIENCY, Cluster, GpuSpec, preset_for
 from gpuwatch.plan.model import ModelError, from_record
 from gpuwatch.plan.planner import Prediction, predict
@@ -68,8 +69,9 @@ def cluster_for(facts: Facts, ranks: list[RankFacts]) -> tuple[Cluster, str] | s
     for rank in ranks:
         per_host[rank.host] = per_host.get(rank.host, 0) + 1
     per_node = max(per_host.values())
-    gpus = [gpu for rank in ranks if (gpu := facts.gpu_of(rank)) is not None and gpu.model is not None]
-    spec = preset_for(gpus[0].model, gpus[0].memory_total_bytes) if gpus else None
+    gpus = [(gpu.model, gpu.memory_total_bytes) for rank in ranks
+            if (gpu := facts.gpu_of(rank)) is not None and gpu.model is not None]
+    spec = preset_for(*gpus[0]) if gpus else None
     calibration = facts.calibration
     if calibration is not None:
         timed = ranks[0].layout.precision if ranks[0].layout else None
@@ -79,11 +81,14 @@ def cluster_for(facts: Facts, ranks: list[RankFacts]) -> tuple[Cluster, str] | s
         flops = calibration.matmul_flops or max((rate for _, rate in calibration.flops_by_work), default=None)
         if flops is not None:
             if spec is None:  # the CPU, or a GPU without a preset: the calibration's figures stand for one
+                measured = {link: points[-1][1] for link, points in calibration.bus_bandwidth.items() if points}
+                if not measured:
+                    return "the calibration has no bus bandwidth (calibrate with --probe) and the GPUs no preset"
                 spec = GpuSpec("calibrated", 0, dict.fromkeys(PRECISIONS, flops),
-                               {link: points[-1][1] for link, points in calibration.bus_bandwidth.items()}, ())
+                               {link: measured.get(link, min(measured.values())) for link in LINKS}, ())
             return Cluster(world, per_node, spec, calibration=calibration), "the calibration given (--calibration)"
     if spec is None:
-        seen = sorted({gpu.model for gpu in gpus if gpu.model})
+        seen = sorted({model for model, _ in gpus})
         return ("no figures to predict with: " + (f"no GPU preset for {', '.join(seen)}" if seen else
                 "the ranks' GPUs are unknown (CPU ranks, or no NVML facts)") +
                 "; give --calibration (gpuwatch calibrate)")

@@ -182,7 +182,7 @@ def test_preflight_json_matches_schema_and_keeps_secrets_out():
 def test_fail_on_levels(monkeypatch, level, status):
     """One warning-level finding (HW001: a down NVLink link): exit 1 from --fail-on warning down."""
     down_link = facts([node("sim", nvlinks=[NvlinkFacts(0, 18, (2,), 1.0)])])
-    monkeypatch.setattr(diagnose_cli, "_gather", lambda *args: down_link)
+    monkeypatch.setattr(diagnose_cli, "gather", lambda *args: down_link)
     result = invoke("--select", "HW001", "--fail-on", level)
     assert result.exit_code == status and "HW001" in result.output
 
@@ -205,7 +205,7 @@ def test_simulated_port_down_is_found_from_local_sysfs(tmp_path, monkeypatch):
 
 def test_text_report_is_grouped_by_severity_and_coloured_only_on_a_tty(monkeypatch):
     ranks = [rank(r, dp=4, last=step(compute_seconds=0.9 if r == 2 else 0.3, loss=math.nan)) for r in range(4)]
-    monkeypatch.setattr(diagnose_cli, "_gather", lambda *args: facts([node()], ranks))
+    monkeypatch.setattr(diagnose_cli, "gather", lambda *args: facts([node()], ranks))
     plain = invoke("--select", "PERF002,CONV001", "--fail-on", "never")
     assert plain.exit_code == 0 and "\x1b[" not in plain.output
     lines = plain.output.splitlines()

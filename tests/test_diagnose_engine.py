@@ -138,7 +138,7 @@ def test_findings_sorted_by_severity_and_a_rule_that_fails_is_a_finding_of_its_s
 def test_a_failing_critical_rule_fails_the_command(monkeypatch):
     """`--fail-on critical` must not exit 0 when a critical rule crashed instead of judging."""
     monkeypatch.setitem(REGISTRY, "CONV001", dataclasses.replace(REGISTRY["CONV001"], check=_broken))
-    monkeypatch.setattr(diagnose_cli, "_gather", lambda *args: facts(ranks=[rank(0)]))
+    monkeypatch.setattr(diagnose_cli, "gather", lambda *args: facts(ranks=[rank(0)]))
     result = CliRunner().invoke(main, ["diagnose", "--select", "CONV001", "--fail-on", "critical"])
     assert result.exit_code == 1, result.output
     assert "rule CONV001 failed and could not judge: KeyError: 'gpu'" in result.output

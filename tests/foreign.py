@@ -54,7 +54,7 @@ SERIOUS = ("warning", "critical")
 #: The node the user's agent ran on: a simulated DGX H100 (8 GPUs, NVLink, 8 active InfiniBand ports).
 AGENT_ARGS = ("--simulate", "dgx-h100", "--interval", "1", "--log-level", "warning")
 #: A whole workload (torchrun start, rendezvous, the steps, shutdown); far above the ~5-10 s one takes.
-RUN_TIMEOUT_S = 180.0
+RUN_TIMEOUT_S = 300.0
 #: How long the agent may take to show a finished run's last steps: a few of its 1 s sampling rounds.
 SETTLE_TIMEOUT_S = 20.0
 

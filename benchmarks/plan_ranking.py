@@ -134,6 +134,18 @@ def kendall_tau_b(xs: list[float], ys: list[float]) -> float:
     return (concordant - discordant) / math.sqrt((pairs - ties_x) * (pairs - ties_y))
 
 
+def separated_pairs(ranges: list[tuple[float, float]], predicted: list[float]) -> tuple[int, int]:
+    """Of the pairs of layouts measured apart (their rounds' min-max ranges do not overlap: an order the noise
+    cannot swap), how many the prediction orders the same way, and how many there are. τ-b counts every pair,
+    those within each other's noise too."""
+    right = total = 0
+    for ((low1, high1), p1), ((low2, high2), p2) in combinations(zip(ranges, predicted, strict=True), 2):
+        if high1 < low2 or high2 < low1:
+            total += 1
+            right += (low1 < low2) == (p1 < p2)
+    return right, total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="runs of every layout, taking turns")
@@ -172,7 +184,7 @@ def main() -> None:
 
 def report(shape: ModelShape, calibration: Calibration, measured: dict[Layout, list[Measured]]) -> None:
     run = Run(GLOBAL_BATCH, MODEL.seq_len, numerics("fp32", reference=True), sequence_parallel=False)
-    medians, predicted, unswept = [], [], []
+    medians, predicted, unswept, ranges = [], [], [], []
     print(f"{'layout':<34} {'measured step s min / median / max':>36} {'predicted':>9} {'error':>7} "
           f"{'unswept':>9} {'error':>7}")
     for layout, runs in measured.items():
@@ -182,12 +194,15 @@ def report(shape: ModelShape, calibration: Calibration, measured: dict[Layout, l
         rounds = [statistics.median(m.steps) for m in runs]
         median = statistics.median(rounds)
         medians.append(median)
+        ranges.append((min(rounds), max(rounds)))
         predicted.append(prediction)
         unswept.append(plain)
         print(f"{layout.name:<34} {spread(rounds, ' s', 3):>36} {prediction:>9.3f} "
               f"{(prediction - median) / median:>+7.1%} {plain:>9.3f} {(plain - median) / median:>+7.1%}")
     print(f"Kendall tau-b, measured against predicted: {kendall_tau_b(medians, predicted):.3f} (one matmul figure, "
           f"no sweep: {kendall_tau_b(medians, unswept):.3f})")
+    right, apart = separated_pairs(ranges, predicted)
+    print(f"pairs measured apart (min-max ranges disjoint) ranked in their measured order: {right} of {apart}")
     print("bubble, measured by the hooks (median over steps and rounds, per stage) against (p - 1)/(m + p - 1):")
     for layout, runs in measured.items():
         if layout.pp == 1:

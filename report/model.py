@@ -20,7 +20,7 @@ from gpuwatch.agent.diagnosis.engine import Report
 from gpuwatch.agent.diagnosis.facts import RankFacts, StepRow, finite, rank_list
 from gpuwatch.agent.diagnosis.registry import Finding
 from gpuwatch.agent.telemetry.window import BUSY
-from gpuwatch.protocol.schema import COLLECTIVE_BUCKETS, STEP_PHASES
+from gpuwatch.protocol.schema import COLLECTIVE_BUCKETS, STEP_PHASES, bucket_index
 
 #: The heatmap's cell budget (ranks × step columns): 64 ranks × 1,000 steps whole, 1,024 ranks in bins of 6 steps.
 MAX_HEATMAP_CELLS = 65_536
@@ -123,6 +123,22 @@ class CollectiveOp:
 
 
 @dataclasses.dataclass(frozen=True)
+class CollectiveGroup:
+    """One process group across the job (the hello's names: tp, pp, dp, ...): the seconds a rank waited on the
+    group's calls in a step (step records' ``groups``), counted per latency bucket over every rank's steps; each
+    rank's median; their skew (the most-waiting rank's median over the median rank's: in a synchronous group the
+    rank that waits least is the late one)."""
+
+    group: str
+    bucket_bounds: list[float]
+    buckets: list[int]
+    rank_median_seconds: list[float | None]
+    skew: float | None
+    most_waiting_rank: int | None
+    least_waiting_rank: int | None
+
+
+@dataclasses.dataclass(frozen=True)
 class Curve:
     """A value over the steps across the ranks that report it: the median, lowest and highest rank each step."""
 
@@ -185,6 +201,7 @@ class ReportModel:
     phases: PhaseBars | None
     bubble: Bubble | None
     collectives: tuple[CollectiveOp, ...]
+    groups: tuple[CollectiveGroup, ...]
     curves: tuple[Curve, ...]
     hang: Hang | None
     plan: PlanOverlay | None
@@ -313,6 +330,34 @@ def collectives(ranks: Sequence[RankFacts]) -> tuple[CollectiveOp, ...]:
     return tuple(found)
 
 
+def collective_groups(ranks: Sequence[RankFacts]) -> tuple[CollectiveGroup, ...]:
+    waits = [_waits_by_group(_steps(rank)) for rank in ranks]
+    found = []
+    for group in sorted({name for by_group in waits for name in by_group}):
+        buckets = [0] * (len(COLLECTIVE_BUCKETS) + 1)
+        medians: list[float | None] = []
+        for by_group in waits:
+            seconds = by_group.get(group, [])
+            medians.append(statistics.median(seconds) if seconds else None)
+            for value in seconds:
+                buckets[bucket_index(value)] += 1
+        present = [(value, rank.rank) for value, rank in zip(medians, ranks, strict=True) if value is not None]
+        typical = _median(medians)
+        most, least = (max(present), min(present)) if present else (None, None)
+        found.append(CollectiveGroup(group, [*COLLECTIVE_BUCKETS, math.inf], buckets, medians,
+                                     most[0] / typical if most is not None and typical else None,
+                                     most[1] if most else None, least[1] if least else None))
+    return tuple(found)
+
+
+def _waits_by_group(rows: Sequence[StepRow]) -> dict[str, list[float]]:
+    found: dict[str, list[float]] = {}
+    for row in rows:
+        for group, seconds in row.groups:
+            found.setdefault(group, []).append(seconds)
+    return found
+
+
 def curve(name: str, field: str, unit: str, ranks: Sequence[RankFacts], planned: float | None = None) -> Curve | None:
     per_step: dict[int, list[float]] = {}
     for rank in ranks:
@@ -416,7 +461,8 @@ def build(report: Report, job: str, plan: Mapping[str, Any] | None, generated_at
         ranks=tuple(_row(rank) for rank in ranks), findings=findings,
         not_run=tuple(f"{s.code}: {s.reason}" for s in report.skipped), notes=tuple(report.notes), missing=(),
         heatmap=heatmap(ranks), phases=phase_bars(ranks), bubble=bubble(ranks, planned("bubble")),
-        collectives=collectives(ranks), curves=tuple(c for c in curves if c is not None),
+        collectives=collectives(ranks), groups=collective_groups(ranks),
+        curves=tuple(c for c in curves if c is not None),
         hang=hang(ranks, findings), plan=overlay)
     return dataclasses.replace(model, missing=tuple(missing(model, ranks)))
 

@@ -269,18 +269,28 @@
     redraws.push(() => u.redraw());
   }
 
-  if (data.collectives.length) {
-    const body = section("collectives", "Collective latency per op",
-      "Calls per latency bucket, summed over the ranks; skew is the slowest rank's mean latency over the median rank's. " +
-      "Step records count calls by op: the process group of each call is not recorded.");
+  const bucketPlot = (body, title, bounds, buckets, label) => {
+    const names = bounds.map((b) => (b === null ? "+Inf" : fmt(b, "s")));
+    plot(body, title, buckets.map((_, i) => i),
+      [{ label, values: buckets.map((n) => (n ? n : null)), colour: "#3b7dd8", fill: "#3b7dd855",
+        paths: uPlot.paths.bars({ size: [0.8, 40] }) }],
+      { xLabel: "≤ seconds", xValues: (_, ticks) => ticks.map((t) => names[t] || "") });
+  };
+  if (data.collectives.length || data.groups.length) {
+    const body = section("collectives", "Collectives: waits per process group, latency per op",
+      "Per process group (the hello's names): the seconds each rank waited on the group's calls in a step, counted per bucket " +
+      "over every rank's steps; skew is the most-waiting rank's median over the median rank's, and the rank that waits least " +
+      "is the one the others wait for. Per op: calls per latency bucket, summed over the ranks; skew is the slowest rank's " +
+      "mean latency over the median rank's.");
+    for (const g of data.groups) {
+      body.append(el("p", { className: "skew", "data-group": g.group, text: `group ${g.group}: skew ${g.skew === null ? "–" : g.skew.toFixed(2) + "x"}` +
+        (g.most_waiting_rank !== null ? `, most waiting r${g.most_waiting_rank}, least waiting r${g.least_waiting_rank}` : "") }));
+      bucketPlot(body, `group ${g.group}: rank-steps per waited time`, g.bucket_bounds, g.buckets, "rank-steps");
+    }
     for (const op of data.collectives) {
       body.append(el("p", { className: "skew", "data-op": op.op, text: `${op.op}: skew ${op.skew === null ? "–" : op.skew.toFixed(2) + "x"}` +
         (op.slowest_rank !== null ? `, slowest rank r${op.slowest_rank}` : "") }));
-      const bounds = op.bucket_bounds.map((b) => (b === null ? "+Inf" : fmt(b, "s")));
-      plot(body, `${op.op}: calls per latency bucket`, op.buckets.map((_, i) => i),
-        [{ label: "calls", values: op.buckets.map((n) => (n ? n : null)), colour: "#3b7dd8", fill: "#3b7dd855",
-          paths: uPlot.paths.bars({ size: [0.8, 40] }) }],
-        { xLabel: "≤ latency", xValues: (_, ticks) => ticks.map((t) => bounds[t] || "") });
+      bucketPlot(body, `${op.op}: calls per latency bucket`, op.bucket_bounds, op.buckets, "calls");
     }
   }
 

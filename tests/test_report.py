@@ -60,6 +60,10 @@ def test_the_page_needs_no_network_and_shows_the_straggler_first(straggler_log, 
     assert {c["name"] for c in data["curves"]} >= {"step time", "loss", "gradient norm", "learning rate",
                                                    "gradient cosine similarity"}
     assert {op["op"] for op in data["collectives"]} >= {"all_reduce", "send", "recv"}
+    groups = {group["group"]: group for group in data["groups"]}
+    assert set(groups) >= {"dp", "pp"}
+    waited = dict(zip([r["rank"] for r in data["ranks"]], groups["dp"]["rank_median_seconds"], strict=True))
+    assert waited[STRAGGLER + 1] > waited[STRAGGLER]  # its DP partner waits for the straggler, which does not
     assert data["hang"] is None  # every rank closed: its last progress record is no stall
 
 

@@ -253,7 +253,8 @@ class Sampled:
 class StepRow(NamedTuple):
     """One step of a rank as its step record told it, for the per-step views of ``gpuwatch report`` (the heatmap, the
     phases, the curves, the trace): no rule reads it, the rules judge windows. ``time`` is the rank's wall clock when
-    the step ended; ``collectives`` the step's calls per op, as (op, count, seconds). A named tuple: a run log of
+    the step ended; ``collectives`` the step's calls per op, as (op, count, seconds); ``groups`` the seconds it
+    waited on each process group's calls, as (group, seconds). A named tuple: a run log of
     1,024 ranks × 1,000 steps holds a million of them."""
 
     step: int
@@ -272,6 +273,7 @@ class StepRow(NamedTuple):
     grad_cosine: float | None = None
     memory_peak_bytes: float | None = None
     collectives: tuple[tuple[str, int, float], ...] = ()
+    groups: tuple[tuple[str, float], ...] = ()
 
 
 @dataclasses.dataclass

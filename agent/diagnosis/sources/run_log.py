@@ -108,4 +108,5 @@ def _add(series: _Series, step: Step) -> None:
         pipeline.bubble_ratio if pipeline else None, pipeline.bubble_ratio_theoretical if pipeline else None,
         step.loss, step.grad_norm, step.lr, step.grad_cosine_similarity,
         memory.peak_bytes if memory is not None else None,
-        tuple((op, calls.count, calls.seconds) for op, calls in (step.collectives or {}).items())))
+        tuple((op, calls.count, calls.seconds) for op, calls in (step.collectives or {}).items()),
+        tuple((group, totals.seconds) for group, totals in (step.groups or {}).items())))

@@ -472,7 +472,8 @@ def missing(model: ReportModel, ranks: Sequence[RankFacts]) -> list[str]:
     lines = []
     if not any(_steps(rank) for rank in ranks):
         lines.append("no per-step history: the source keeps only each rank's window (a run log has every step); "
-                     "the heatmap and phases show window medians, the curves are left out")
+                     "the heatmap and phases show window medians, the curves and the waits per process group are "
+                     "left out")
     stepped = [rank.rank for rank in ranks if not _steps(rank) and not rank.window]
     if stepped:
         lines.append(f"ranks {rank_list(stepped)} reported no step")
@@ -480,6 +481,9 @@ def missing(model: ReportModel, ranks: Sequence[RankFacts]) -> list[str]:
         lines.append("no pipeline bubble: the job has one pipeline stage, or its ranks gave no layout")
     if not model.collectives:
         lines.append("no collective timings: the ranks timed no collective calls")
+    elif not any(sum(op.buckets) for op in model.collectives):  # a PromQL engine: the fetch reads count and sum
+        lines.append("no collective latency buckets: the source gives each op's calls and time, not their histogram "
+                     "(an agent or a run log has it); the skew per op is shown")
     have = {c.name for c in model.curves}
     absent = [name for name, _, _ in CURVES if name not in have]
     if absent and any(_steps(rank) for rank in ranks):

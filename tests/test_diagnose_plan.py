@@ -15,10 +15,12 @@ from gpuwatch.agent.diagnosis import engine
 from gpuwatch.agent.diagnosis.facts import Facts, StepFacts, Workload
 from gpuwatch.agent.diagnosis.rules.plan import GROUP_NAMES, UNMODELLED
 from gpuwatch.plan.gpus import Calibration, Cluster, preset
-from gpuwatch.plan.model import ModelShape
+from gpuwatch.plan.model import ModelShape, from_record, from_reference
 from gpuwatch.plan.planner import Prediction, predict
 from gpuwatch.plan.run import Layout, Run, numerics
-from gpuwatch.protocol.records import GroupTotals
+from gpuwatch.protocol.records import GroupTotals, Hello, ModelShapeFields
+from gpuwatch.protocol.schema import SCHEMA_VERSION, decode, encode
+from gpuwatch.trainer.config import ModelConfig
 
 SHAPE = ModelShape(layers=8, hidden=2048, heads=16, kv_heads=16, ffn=8192, vocab=32000)
 WORK = Workload(SHAPE.as_record(), global_batch=64, seq_len=2048)
@@ -143,3 +145,23 @@ def test_a_job_whose_hellos_do_not_say_what_it_trains_is_not_judged_and_says_so(
         fact.workload = None
     skipped = run("PLAN001", anonymous).skipped
     assert "model's shape" in skipped[0].reason
+
+
+def test_the_hello_carries_every_field_of_a_model_shape_and_reads_back_the_same_shape():
+    """The hello's record (protocol.records.ModelShapeFields) and the planner's ModelShape declare the same fields:
+    a field added to one and not the other fails here."""
+    assert set(ModelShapeFields.__struct_fields__) == {field.name for field in dataclasses.fields(ModelShape)}
+    for shape in (SHAPE, from_reference(ModelConfig()),
+                  ModelShape(layers=2, hidden=64, heads=8, kv_heads=2, ffn=96, vocab=100, tied_embeddings=True,
+                             source="hf")):
+        assert from_record(decode_hello_model(shape.as_record().as_dict())) == shape
+
+
+def decode_hello_model(body: dict) -> ModelShapeFields:
+    """The model as an agent or a run log reads it from a hello: through the schema's own decoder."""
+    hello = {"v": SCHEMA_VERSION, "kind": "hello", "job": "j", "rank": 0, "time": 1.0, "local_rank": 0,
+             "world_size": 1, "tp_size": 1, "pp_size": 1, "dp_size": 1, "tp_rank": 0, "pp_stage": 0, "dp_rank": 0,
+             "hostname": "h", "pid": 1, "model": body, "global_batch": 8, "seq_len": 16}
+    decoded = decode(encode(hello)).body
+    assert isinstance(decoded, Hello) and decoded.model is not None
+    return decoded.model

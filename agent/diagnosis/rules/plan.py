@@ -15,6 +15,7 @@ not model and so predicts none of (data wait, optimizer, outside the model).
 from __future__ import annotations
 
 import types
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ from gpuwatch.plan.calibrate import LINKS
 from gpuwatch.plan.gpus import DEFAULT_EFFICIENCY, Cluster, GpuSpec, preset_for
 from gpuwatch.plan.model import ModelError, from_record
 from gpuwatch.plan.planner import Prediction, predict
-from gpuwatch.plan.run import PRECISIONS, Layout, Run, RunError, numerics
+from gpuwatch.plan.run import PRECISIONS, SCHEDULES, Layout, Run, RunError, numerics
 
 FAMILY = "plan"
 
@@ -53,22 +54,18 @@ class Term:
 
 @dataclass(frozen=True)
 class JobPlan:
-    """A job's prediction, and the cluster it was predicted for (what evidence says it assumed)."""
+    """A job's prediction, and the basis of the figures it was predicted with (what evidence says it assumed)."""
 
     job: str
     ranks: list[RankFacts]
     prediction: Prediction
-    cluster: Cluster
     basis: str
 
 
 def cluster_for(facts: Facts, ranks: list[RankFacts]) -> tuple[Cluster, str] | str:
     """The cluster a job runs on, as the planner takes it, and the basis of its figures; else why there is none."""
     world = ranks[0].layout.world_size if ranks[0].layout else len(ranks)
-    per_host: dict[str | None, int] = {}
-    for rank in ranks:
-        per_host[rank.host] = per_host.get(rank.host, 0) + 1
-    per_node = max(per_host.values())
+    per_node = max(Counter(rank.host for rank in ranks).values())
     gpus = [(gpu.model, gpu.memory_total_bytes) for rank in ranks
             if (gpu := facts.gpu_of(rank)) is not None and gpu.model is not None]
     spec = preset_for(*gpus[0]) if gpus else None
@@ -105,10 +102,11 @@ def job_plans(facts: Facts) -> Iterator[JobPlan | tuple[str, str]]:
         first = described[0]
         assert first.workload is not None and first.layout is not None
         work, place = first.workload, first.layout
-        cluster = cluster_for(facts, ranks)
-        if isinstance(cluster, str):
-            yield job, cluster
+        found = cluster_for(facts, ranks)
+        if isinstance(found, str):
+            yield job, found
             continue
+        cluster, basis = found
         try:
             shape = from_record(work.model)
             run = Run(work.global_batch, work.seq_len,
@@ -118,8 +116,8 @@ def job_plans(facts: Facts) -> Iterator[JobPlan | tuple[str, str]]:
             yield job, f"its hello's model cannot be planned: {error}"
             continue
         layout = Layout(place.tp_size, place.pp_size, place.dp_size, place.micro_batches or 1,
-                        place.schedule if place.schedule in ("1f1b", "gpipe") else "1f1b")
-        yield JobPlan(job, ranks, predict(shape, cluster[0], run, layout), cluster[0], cluster[1])
+                        place.schedule if place.schedule in SCHEDULES else SCHEDULES[0])
+        yield JobPlan(job, ranks, predict(shape, cluster, run, layout), basis)
 
 
 def _predictable(facts: Facts) -> str | None:
@@ -148,10 +146,11 @@ def terms(plan: JobPlan) -> list[Term]:
     found = [Term("compute", _most([windowed(rank, "compute_seconds") for rank in ranks]),
                   prediction.compute_seconds)]
     for group, name in GROUP_NAMES.items():
+        if getattr(layout, group) == 1:
+            continue
         waited = [totals.seconds for rank in ranks if rank.last is not None and rank.last.groups
                   and (totals := rank.last.groups.get(group)) is not None]
-        if getattr(layout, group) > 1:
-            found.append(Term(name, min(waited, default=0.0), predicted[group]))
+        found.append(Term(name, min(waited, default=0.0), predicted[group]))
     found += [Term(name, _most([windowed(rank, field) for rank in ranks]), 0.0) for field, name in UNMODELLED.items()]
     return found
 

@@ -33,7 +33,13 @@ from foreign import GPUWATCH_RUN, WORKLOADS
 from gpuwatch.protocol.schema import COLLECTIVE_OPS, P2P_OPS
 from gpuwatch.trainer.auto import instrumented_environment
 from gpuwatch.trainer.auto import layout as layout_module
-from gpuwatch.trainer.auto.instrument import collective_functions, op_of, takes_async_op
+from gpuwatch.trainer.auto.collectives import (
+    NAMESPACES,
+    collective_functions,
+    functional_collective_ops,
+    op_of,
+    takes_async_op,
+)
 
 from conftest import wait_until
 
@@ -102,9 +108,41 @@ def test_a_collective_whose_name_fits_no_op_would_be_left_unwrapped_and_fail_the
                                                                                          "all_gather")
 
 
+def test_every_functional_collective_the_dispatcher_knows_counts_as_an_op():
+    """DTensor's collectives: every public op of the functional namespaces the installed torch registers launches a
+    collective the record knows, but `wait_tensor`, which is the wait; a new op of another name fails here."""
+    ops = functional_collective_ops()
+    every = {tuple(name.split("::")) for name in torch._C._dispatch_get_all_op_names()
+             if name.split("::")[0] in NAMESPACES and not name.split("::")[1].startswith("_")}
+    assert set(ops) == every
+    assert {name for name, op in ops.items() if op is None} == {("_c10d_functional", "wait_tensor")}
+    assert {op for op in ops.values() if op is not None} <= set(COLLECTIVE_OPS)
+    assert {("_c10d_functional", "all_reduce"), ("_c10d_functional", "all_gather_into_tensor"),
+            ("_c10d_functional", "reduce_scatter_tensor"), ("_c10d_functional", "all_to_all_single"),
+            ("_c10d_functional_autograd", "all_gather_into_tensor")} <= set(ops)
+    future = functional_collective_ops(["_c10d_functional::all_frobnicate", "_c10d_functional::reduce_scatter_v",
+                                        "_c10d_functional::_private", "aten::add"])
+    assert future == {("_c10d_functional", "all_frobnicate"): None, ("_c10d_functional", "reduce_scatter_v"):
+                      "reduce_scatter"}
+
+
+def test_after_install_every_functional_collective_keeps_its_identity_and_is_routed():
+    """Routed in place: the op objects torch made stay the same objects, with the same overloads (torch's tables
+    key on `.default`), and each call goes through the hooks."""
+    probe = ("import json, torch, torch.distributed as dist\n"
+             "from gpuwatch.trainer.auto.collectives import functional_collective_ops\n"
+             "from torch._ops import OpOverloadPacket\n"
+             "ops = [getattr(getattr(torch.ops, ns), name) for ns, name in functional_collective_ops()]\n"
+             "print(json.dumps([len(ops), sum(type(op).__name__ == '_Timed' for op in ops),"
+             " all(isinstance(op, OpOverloadPacket) and op.default.overloadpacket is op for op in ops)]))\n")
+    result = _instrumented_python("-c", probe)
+    assert json.loads(result.stdout) == [len(functional_collective_ops()), len(functional_collective_ops()), True], \
+        result.stderr[-3000:]
+
+
 def test_after_install_every_entry_point_and_work_wait_are_the_wrappers():
     probe = ("import json, torch, torch.distributed as dist\n"
-             "from gpuwatch.trainer.auto.instrument import collective_functions\n"
+             "from gpuwatch.trainer.auto.collectives import collective_functions\n"
              "names = collective_functions()\n"
              "bare = [n for n in names if not hasattr(getattr(dist.distributed_c10d, n), '__wrapped__')"
              " or (hasattr(dist, n) and getattr(dist, n) is not getattr(dist.distributed_c10d, n))]\n"

@@ -60,25 +60,31 @@ each part would set the others' state.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import multiprocessing.util
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from types import ModuleType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.data import dataloader
 from torch.utils.hooks import RemovableHandle
 
 from gpuwatch.protocol.schema import MAX_NOTES, MAX_TEXT_CHARS, UNAVAILABLE_FROM_OUTSIDE
-from gpuwatch.trainer.auto import status
+from gpuwatch.trainer.auto import pipelining, status
+from gpuwatch.trainer.auto.collectives import (
+    ASYNCHRONOUS_POINT_TO_POINT,
+    collective_functions,
+    time_functional_collectives,
+)
 from gpuwatch.trainer.auto.layout import detect_layout
 from gpuwatch.trainer.hooks.identity import Layout
 from gpuwatch.trainer.hooks.monitor import SIGNALS, Monitor
@@ -86,19 +92,15 @@ from gpuwatch.trainer.hooks.safety import Failures
 from gpuwatch.trainer.hooks.step import CollectiveTimer, Phase, Step
 from gpuwatch.trainer.telemetry import captured_command
 
-#: The ops a collective's name starts with (schema.COLLECTIVE_OPS), longest first: `reduce_scatter_tensor` is a
-#: reduce-scatter, not a reduce.
-_OPS_BY_PREFIX = ("reduce_scatter", "all_reduce", "all_gather", "all_to_all", "broadcast", "barrier", "reduce",
-                  "gather", "scatter")
-#: torch.distributed's point-to-point calls, which take no `async_op`: `isend`/`irecv` return a Work to wait for.
-POINT_TO_POINT: Mapping[str, str] = {"send": "send", "recv": "recv", "isend": "send", "irecv": "recv"}
-ASYNCHRONOUS_POINT_TO_POINT = frozenset({"isend", "irecv"})
 #: The module a framework is known by, in the order they are told apart (Hugging Face's Trainer imports accelerate,
 #: Lightning may import transformers): the hello's `framework`, "plain" when none is loaded.
 FRAMEWORK_MODULES = (("torchtitan", "torchtitan"), ("megatron", "megatron"), ("lightning", "lightning"),
                      ("pytorch_lightning", "lightning"), ("transformers", "transformers"),
                      ("accelerate", "accelerate"))
 
+#: Functional collectives launched and never waited for (a job that drops an output) that are kept before the freed
+#: ones are forgotten: far above the few a step has in flight.
+MAX_UNWAITED = 256
 #: The one instrumentation of this process, made by `install`.
 active: AutoMonitor | None = None
 
@@ -111,30 +113,6 @@ def install() -> AutoMonitor:
         active.install()
         status.note("instrumented")
     return active
-
-
-def op_of(name: str) -> str | None:
-    """The op (schema.COLLECTIVE_OPS) a torch.distributed function's name counts as, None for no collective."""
-    if name in POINT_TO_POINT:
-        return POINT_TO_POINT[name]
-    return next((op for op in _OPS_BY_PREFIX if name == op or name.startswith(op + "_")), None)
-
-
-def takes_async_op(function: object) -> bool:
-    """Whether `function` takes `async_op`: what every collective of torch.distributed has in common."""
-    try:
-        return callable(function) and "async_op" in inspect.signature(function).parameters  # type: ignore[arg-type]
-    except (TypeError, ValueError):  # a builtin without a signature
-        return False
-
-
-def collective_functions(module: ModuleType = dist.distributed_c10d) -> dict[str, str]:
-    """Every collective the installed torch.distributed exports, by name, with the op it counts as: its public
-    functions that take `async_op`, whatever their entry point, and the point-to-point calls. A function of that
-    kind whose name fits no op is left out here: tests/test_gpuwatch_run.py fails on it."""
-    names = [name for name in dir(module) if not name.startswith("_") and takes_async_op(getattr(module, name))]
-    names += [name for name in POINT_TO_POINT if callable(getattr(module, name, None))]
-    return {name: op for name in names if (op := op_of(name)) is not None}
 
 
 def unavailable_from_outside(layout: Layout | None, whole_gradients: bool, counted: Iterable[str] = ()) -> list[str]:
@@ -189,6 +167,18 @@ class AutoMonitor:
         self._in_collective = False  # inside a timed collective: the collectives it calls are its own
         #: asynchronous collectives launched and not yet waited for: their timers, started by Work.wait()
         self._launched: weakref.WeakKeyDictionary[Any, CollectiveTimer] = weakref.WeakKeyDictionary()
+        #: functional collectives launched and not yet waited for, by their outputs' storage (what `wait_tensor` is
+        #: given is another tensor on the same storage: the AsyncCollectiveTensor's), with a weak reference that
+        #: tells a storage freed and its address reused; a coalesced call's outputs share a timer, timed once
+        self._launched_storages: dict[int, tuple[CollectiveTimer, StorageWeakRef]] = {}
+        self._group_by_name: dict[str, Any] = {}  # a functional collective's group name → its ProcessGroup
+        #: torch.distributed.pipelining: whether its classes are patched; the schedule whose step() runs now (a
+        #: training one, not an eval), and the micro-batch losses its last stage computed in the step open now
+        self._pipelining_patched = False
+        self._schedule: Any = None
+        self._pipeline_shape: pipelining.PipelineShape | None = None
+        self._micro_batch_losses: list[torch.Tensor] = []
+        self._layout_known = False  # the Monitor's layout came from the job (gpuwatch.trainer.auto.layout)
         #: the device meshes init_device_mesh made (a framework's world mesh among them: the layout)
         self.meshes: list[Any] = []
         #: this step's losses scaled by a GradScaler: (the scaled tensor, the loss before scaling, the scale)
@@ -211,6 +201,8 @@ class AutoMonitor:
             for name, op in collective_functions().items():
                 self._patch(dist.distributed_c10d, name, functools.partial(self._wrap_collective, name, op))
             self._patch(dist.Work, "wait", self._wrap_wait)
+            time_functional_collectives(self._launch_functional, self._wait_functional)
+            self._patch_pipelining()
             from torch.distributed import device_mesh  # imported by torch.distributed already: no cost
 
             self._patch(device_mesh, "init_device_mesh", self._wrap_init_device_mesh)
@@ -272,6 +264,7 @@ class AutoMonitor:
     def _await_forward(self) -> None:
         """Have the next module forward in training mode call `_on_first_forward`."""
         try:
+            self._patch_pipelining()
             if self._first_forward is None and self.monitor is None:
                 status.note("process_group", rank=dist.get_rank(), world_size=dist.get_world_size())
                 self._first_forward = register_module_forward_pre_hook(self._on_first_forward)
@@ -288,9 +281,11 @@ class AutoMonitor:
             if self._first_forward is not None:
                 self._first_forward.remove()
                 self._first_forward = None
+            self._patch_pipelining()
             self.monitor = self._make_monitor(module)
             self.model = module
-            module.register_forward_pre_hook(self._on_forward)
+            # first among the model's own pre-hooks: the time a job's hooks take is the model's compute
+            module.register_forward_pre_hook(self._on_forward, prepend=True)
             # A multiprocessing child (a launcher's forked or spawned rank) ends in os._exit, past atexit: its
             # last steps would be lost without closing at multiprocessing's own exit
             multiprocessing.util.Finalize(self.monitor, self.monitor.close, exitpriority=0)
@@ -309,6 +304,7 @@ class AutoMonitor:
         except Exception as error:  # a framework's state not as expected: measure on, the layout unknown
             self.failures.record("AutoMonitor.detect_layout", error)
             layout = None
+        self._layout_known = layout is not None
         whole = whole_gradients(model, layout)
         fsdp = sys.modules.get("torch.distributed.fsdp")  # FSDP1 clips through its own method; loaded if used
         if fsdp is not None and isinstance(model, fsdp.FullyShardedDataParallel):
@@ -550,7 +546,9 @@ class AutoMonitor:
                 return
             self._close_phase()
             losses, self.losses = self.losses, []
-            step.report(loss=_total(losses), lr=_learning_rate(optimizer), grad_norm=self._grad_norm,
+            micro_batch_losses, self._micro_batch_losses = self._micro_batch_losses, []
+            loss = _mean(micro_batch_losses) if micro_batch_losses else _total(losses)
+            step.report(loss=loss, lr=_learning_rate(optimizer), grad_norm=self._grad_norm,
                         loss_scale=self._loss_scale)
             self._scaled, self._loss_scale, self._grad_norm = [], None, None
             self.step = None
@@ -565,13 +563,14 @@ class AutoMonitor:
     def _wrap_backward(self, backward: Callable) -> Callable:
         """`torch.autograd.backward`: compute until it returns, and a loss kept: the one one-element tensor a
         backward starts from with the implicit gradient 1 (`loss.backward()`, or a pipeline's last stage calling
-        autograd itself); a backward from activations and their gradients (a pipeline's other stages) is no loss."""
+        autograd itself); a backward from activations and their gradients (a pipeline's other stages) is no loss,
+        and inside a torch.distributed.pipelining schedule the losses are the schedule's (`_wrap_compute_loss`)."""
         @functools.wraps(backward)
         def wrapper(tensors: Any, grad_tensors: Any = None, *args: Any, **kwargs: Any) -> Any:
             if self.step is None:
                 return backward(tensors, grad_tensors, *args, **kwargs)
             try:
-                if grad_tensors is None:
+                if grad_tensors is None and self._schedule is None:  # a schedule's losses are its micro-batches'
                     loss = tensors[0] if isinstance(tensors, (list, tuple)) and len(tensors) == 1 else tensors
                     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
                         self.losses.append(self._unscaled(loss))
@@ -593,7 +592,8 @@ class AutoMonitor:
 
         @functools.wraps(collective)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            timer = self._timer(op, place, args, kwargs)
+            first = args[0] if args else next(iter(kwargs.values()), None)
+            timer = self._timer(op, _argument("group", place, args, kwargs), first)
             if timer is None:
                 return collective(*args, **kwargs)
             if asynchronous_always or _argument("async_op", place, args, kwargs):
@@ -609,16 +609,14 @@ class AutoMonitor:
 
         return wrapper
 
-    def _timer(self, op: str, place: Mapping[str, int], args: tuple,
-               kwargs: Mapping[str, Any]) -> CollectiveTimer | None:
-        """The Monitor's timer for this call, numbered on its group now, or None for a call left alone (no step
-        open, a call inside a timed one)."""
+    def _timer(self, op: str, group: Any, first: Any) -> CollectiveTimer | None:
+        """The Monitor's timer for a call of `op` on `group` whose first argument is `first` (its bytes), numbered on
+        its group now, or None for a call left alone (no step open, a call inside a timed one)."""
         try:
             if self.step is None or self._in_collective:
                 return None
             assert self.monitor is not None
-            first = args[0] if args else next(iter(kwargs.values()), None)
-            timer = self.monitor.collective(op, _nbytes(first), _argument("group", place, args, kwargs))
+            timer = self.monitor.collective(op, _nbytes(first), group)
             return timer if isinstance(timer, CollectiveTimer) else None
         except Exception as error:
             self.failures.record("AutoMonitor._timer", error)
@@ -662,6 +660,138 @@ class AutoMonitor:
         except Exception as error:
             self.failures.record("AutoMonitor._waited", error)
             return None
+
+
+    def _launch_functional(self, op: str, group_name: str | None, args: tuple, kwargs: dict,
+                           launch: Callable[..., Any]) -> Any:
+        """A functional collective launched (DTensor's, tensor parallelism's: gpuwatch.trainer.auto.collectives):
+        numbered on its group now, timed while `wait_tensor` blocks on its output."""
+        timer = self._timer(op, self._functional_group(group_name), args[0] if args else None)
+        output = launch(*args, **kwargs)
+        if timer is not None:
+            try:
+                launched = self._launched_storages
+                if len(launched) >= MAX_UNWAITED:  # outputs never waited for: forget those already freed
+                    for key in [key for key, (_, alive) in launched.items() if alive.expired()]:
+                        del launched[key]
+                for tensor in output if isinstance(output, (list, tuple)) else (output,):
+                    if isinstance(tensor, torch.Tensor):
+                        storage = tensor.untyped_storage()
+                        launched[storage._cdata] = (timer, StorageWeakRef(storage))
+            except Exception as error:
+                self.failures.record("AutoMonitor._launch_functional", error)
+        return output
+
+    def _functional_group(self, group_name: str | None) -> Any:
+        """The ProcessGroup a functional collective names (None: unknown, taken as the default group)."""
+        if group_name is None:
+            return None
+        group = self._group_by_name.get(group_name)
+        if group is None:
+            group = self._group_by_name[group_name] = dist.distributed_c10d._resolve_process_group(
+                group_name)  # type: ignore[arg-type]
+        return group
+
+    def _wait_functional(self, args: tuple, kwargs: dict, wait: Callable[..., Any]) -> Any:
+        """`wait_tensor`: the time the training thread waits for a functional collective launched in a step, in the
+        step and phase open now; it is the collective in flight while it waits."""
+        timer = self._waited_tensor(args[0] if args else kwargs.get("tensor"))
+        if timer is None:
+            return wait(*args, **kwargs)
+        self._in_collective = True
+        try:
+            with timer:
+                return wait(*args, **kwargs)
+        finally:
+            self._in_collective = False
+
+    def _waited_tensor(self, tensor: Any) -> CollectiveTimer | None:
+        try:
+            if not self._launched_storages or self._in_collective or not isinstance(tensor, torch.Tensor):
+                return None
+            launched = self._launched_storages.pop(tensor.untyped_storage()._cdata, None)
+            if launched is None or launched[1].expired() or self.step is None:
+                return None
+            timer = launched[0]
+            if timer.start is not None:  # a coalesced call's later output
+                return None
+            timer.step = self.step
+            return timer
+        except Exception as error:
+            self.failures.record("AutoMonitor._waited_tensor", error)
+            return None
+
+    # -- torch.distributed.pipelining ------------------------------------------------------------------
+
+    def _patch_pipelining(self) -> None:
+        """Wrap torch.distributed.pipelining's schedules and stages (gpuwatch.trainer.auto.pipelining), once, where
+        the job has imported it: importing it here would cost every job that does not pipeline."""
+        schedules = sys.modules.get(pipelining.SCHEDULES_MODULE)
+        if self._pipelining_patched or schedules is None:
+            return
+        self._pipelining_patched = True
+        base = schedules._PipelineSchedule
+        for schedule_class in {base, *_subclasses(base)}:
+            if "step" in vars(schedule_class):
+                self._patch(schedule_class, "step", self._wrap_schedule_step)
+        self._patch(base, "_compute_loss", self._wrap_compute_loss)
+
+    def _wrap_schedule_step(self, schedule_step: Callable) -> Callable:
+        """A training schedule's `step()`: the pipeline's window on this rank and the losses computed in it. A
+        schedule step inside another (a subclass calling its base's) is the outer one's."""
+        @functools.wraps(schedule_step)
+        def wrapper(schedule: Any, *args: Any, **kwargs: Any) -> Any:
+            if self._schedule is not None or self.step is None or not getattr(schedule, "_has_backward", True):
+                return schedule_step(schedule, *args, **kwargs)
+            clock = self._enter_schedule(schedule)
+            try:
+                return schedule_step(schedule, *args, **kwargs)
+            finally:
+                self._schedule = None
+                if clock is not None:
+                    clock.stop()
+
+        return wrapper
+
+    def _enter_schedule(self, schedule: Any) -> Any:
+        """This step's pipeline clock, started (the first schedule step of an optimizer step opens the window, the
+        last closes it); the layout and hello told the pipeline's shape the first time it is seen or changes."""
+        try:
+            self._schedule = schedule
+            shape = pipelining.read_schedule(schedule)
+            if shape is None or self.step is None or self.monitor is None:
+                return None
+            if shape != self._pipeline_shape:
+                self._pipeline_shape = shape
+                self._describe_pipeline(shape)
+            clock = self.step.window_clock(shape.group, shape.bubble_theoretical)
+            clock.start()
+            return clock
+        except Exception as error:
+            self.failures.record("AutoMonitor._enter_schedule", error)
+            return None
+
+    def _describe_pipeline(self, shape: pipelining.PipelineShape) -> None:
+        """The Monitor's layout and hello with the pipeline's shape: the schedule, micro-batches, stages a rank and
+        the modules of this rank's stages; the layout known where only the pipeline tells it."""
+        assert self.monitor is not None
+        layout = _pipeline_layout(self.monitor.layout, shape, known=self._layout_known)
+        self._layout_known = True
+        unavailable = [name for name in unavailable_from_outside(layout, False, self.counted) if name != "pipeline"]
+        hello = {"virtual_stages": shape.virtual_stages, "stage_modules": list(shape.modules),
+                 "unavailable_from_outside": unavailable}
+        self.monitor.relayout(layout, hello)
+
+    def _wrap_compute_loss(self, compute_loss: Callable) -> Callable:
+        """A micro-batch's loss on the last stage, kept for the step's (their mean)."""
+        @functools.wraps(compute_loss)
+        def wrapper(schedule: Any, *args: Any, **kwargs: Any) -> Any:
+            loss = compute_loss(schedule, *args, **kwargs)
+            if self._schedule is not None and isinstance(loss, torch.Tensor) and loss.numel() == 1:
+                self._micro_batch_losses.append(loss.detach())
+            return loss
+
+        return wrapper
 
 
 def _training(module: nn.Module) -> bool:
@@ -708,6 +838,35 @@ def _total(losses: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.stack([loss.reshape(()) for loss in losses]).sum()
 
 
+def _mean(losses: list[torch.Tensor]) -> torch.Tensor:
+    """A pipeline step's loss: the mean of its micro-batches' (one op, no sync)."""
+    return torch.stack([loss.reshape(()) for loss in losses]).mean()
+
+
 def _learning_rate(optimizer: torch.optim.Optimizer) -> float | None:
     lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
     return float(lr) if isinstance(lr, (int, float)) else None
+
+
+def _subclasses(cls: type) -> set[type]:
+    """Every subclass of `cls` defined so far, at any depth."""
+    found: set[type] = set()
+    sub: type
+    for sub in cls.__subclasses__():
+        found |= {sub, *_subclasses(sub)}
+    return found
+
+
+def _pipeline_layout(layout: Layout, shape: pipelining.PipelineShape, known: bool) -> Layout:
+    """The layout with the pipeline's shape: its schedule and micro-batches; where no layout was `known` (no device
+    mesh, no --layout) and the pipeline spans the world, a pipeline of `shape.ranks` stages with this rank at its
+    place."""
+    layout = dataclasses.replace(layout, schedule=shape.schedule, micro_batches=shape.micro_batches)
+    if not known and shape.ranks == layout.world_size > 1:
+        members = tuple(dist.get_process_group_ranks(shape.group)) if shape.group is not None else tuple(
+            range(layout.world_size))
+        layout = dataclasses.replace(
+            layout, pp_size=shape.ranks, pp_stage=shape.rank, dp_size=1, dp_rank=0, tp_size=1, tp_rank=0,
+            process_groups={"pp": members, "tp": (layout.rank,), "dp": (layout.rank,)},
+            backends=dict.fromkeys(("pp", "tp", "dp"), dist.get_backend(shape.group)))
+    return layout

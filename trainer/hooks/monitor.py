@@ -168,7 +168,8 @@ class Monitor:
         #: a DDP model that reduces its gradients in C++ (no bucket hook), watched through autograd (`DdpWatch`)
         self.ddp_watch: DdpWatch | None = None
         self._last_number = 0
-        self._hello = hello_with(hello_record(self.job, self.layout, self.device), hello or {})
+        self._hello_fields = dict(hello or {})
+        self._hello = hello_with(hello_record(self.job, self.layout, self.device), self._hello_fields)
         self._send_hello()
         #: the training thread's place (this thread's: the one that makes the Monitor runs the loop), and the
         #: watchdog that reports it while a step is overdue; collectives numbered per process group
@@ -269,16 +270,38 @@ class Monitor:
             self.failures.record("Monitor.in_flight", error)
             return None
 
+    def group_name(self, group: Any) -> str:
+        """A process group's name in the hello (`process_groups`; "default" for the world)."""
+        identity = self._group_names.get(group)
+        if identity is None:
+            identity = self._group_names[group] = self._identify(group)
+        return identity[0]
+
     def _identify(self, group: Any) -> tuple[str, int, int]:
+        """A group's name in the hello, its size and this rank's place in it. The world is "default", unless the
+        tensor or pipeline dimension spans it (a one-dimensional device mesh over the world hands out the default
+        group as its dimension's): then it is that dimension's."""
         if group is None or group is dist.GroupMember.WORLD or not dist.is_initialized():
             size = dist.get_world_size() if dist.is_initialized() else 1
-            return "default", size, self.layout.rank
+            spanning = (name for name in ("tp", "pp") if len(self.layout.process_groups.get(name, ())) == size > 1)
+            return next(spanning, "default"), size, self.layout.rank
         ranks = tuple(dist.get_process_group_ranks(group))
         name = next((name for name, members in self.layout.process_groups.items() if tuple(members) == ranks),
                     None)
         if name is None:
             name = "default" if len(ranks) == self.layout.world_size else f"ranks-{ranks[0]}-{ranks[-1]}"
         return name, len(ranks), ranks.index(self.layout.rank) if self.layout.rank in ranks else 0
+
+    @guarded
+    def relayout(self, layout: Layout, hello: Mapping[str, Any]) -> None:
+        """The job's layout as learnt after the Monitor was made (`gpuwatch run` learns a pipeline's schedule from
+        its first step), with fields for the hello: said again, so the agent and the run log have it. A hello the
+        schema refuses leaves both as they were (counted in `failures`)."""
+        fields = {**self._hello_fields, **hello}
+        self._hello = hello_with(hello_record(self.job, layout, self.device), fields)
+        self._hello_fields, self.layout = fields, layout
+        self._group_names.clear()  # groups are named by the layout's process_groups
+        self._send_hello()
 
     def close(self) -> None:
         """Send the steps still waiting for the device (at most CLOSE_TIMEOUT_S), then close the client, which

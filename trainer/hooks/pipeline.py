@@ -31,7 +31,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from gpuwatch.plan.compute import bubble_fraction
 from gpuwatch.trainer.hooks.clock import Clock, Mark
+from gpuwatch.trainer.hooks.collectives import Call
 from gpuwatch.trainer.hooks.safety import Failures, guarded
 
 #: Tag of the end markers (gloo matches point-to-point messages by tag; NCCL by order).
@@ -39,8 +41,9 @@ MARKER_TAG = 0x6777
 
 
 def theoretical_bubble(stages: int, micro_batches: int) -> float:
-    """Idle share of a non-interleaved GPipe or 1F1B schedule with equal stages: (p-1)/(m+p-1)."""
-    return (stages - 1) / (micro_batches + stages - 1)
+    """Idle share of a non-interleaved GPipe or 1F1B schedule with equal stages: (p-1)/(m+p-1), the planner's
+    formula (gpuwatch.plan.compute, which also knows the other schedules)."""
+    return bubble_fraction(stages, micro_batches)
 
 
 class PipelineClock:
@@ -114,6 +117,50 @@ class PipelineClock:
         busy = min(window, sum(self._clock.seconds(start, end) for start, end in self._passes))
         return {"busy_seconds": busy, "idle_seconds": window - busy, "bubble_ratio": (window - busy) / window,
                 "bubble_ratio_theoretical": self._theoretical}
+
+
+class WindowClock:
+    """One stage, one step, measured from outside its schedule (`gpuwatch run` around torch.distributed.pipelining):
+    the window opens as the rank enters the schedule's step and closes as it leaves it (several schedule steps in
+    one optimizer step share one window, from the first entry to the last exit). Its idle time is what the training
+    thread spent waiting on the pipeline's own sends and receives (the step's timed calls on the pipeline's group):
+    waiting for a neighbour's activations or gradients is what a bubble is; all else in the window, the schedule's
+    own work included, is busy.
+
+    No end marker as `PipelineClock` exchanges: `gpuwatch run` sends nothing on a job's own process groups. The
+    windows still agree once the schedule runs step after step: a stage that leaves the schedule early (the last
+    stage, whose last backward comes first) enters the next step that much earlier and waits for its first input
+    there, so every stage's window is the pipeline's period and a balanced GPipe or 1F1B schedule idles
+    (p-1)/(m+p-1) of it on every stage. The first step, which no earlier one staggered, reads lower on later stages."""
+
+    def __init__(self, clock: Clock, calls: list[Call], group: str, theoretical: float | None) -> None:
+        self._clock, self._calls, self._group, self._theoretical = clock, calls, group, theoretical
+        self._start: Mark | None = None
+        self._end: Mark | None = None
+
+    def start(self) -> None:
+        if self._start is None:
+            self._start = self._clock.mark()
+
+    def stop(self) -> None:
+        self._end = self._clock.mark()
+
+    def marks(self) -> list[Mark]:
+        return [mark for mark in (self._start, self._end) if mark is not None]
+
+    def ready(self) -> bool:
+        return self._end is not None and self._clock.ready(self._end)
+
+    def result(self) -> dict[str, float] | None:
+        """The step record's `pipeline` field, once `ready` and the step's calls are resolved."""
+        if self._start is None or not self.ready():
+            return None
+        window = self._clock.seconds(self._start, self._end)
+        if window <= 0:
+            return None
+        idle = min(window, sum(call.seconds for call in self._calls if call.group == self._group and call.blocking))
+        result = {"busy_seconds": window - idle, "idle_seconds": idle, "bubble_ratio": idle / window}
+        return result if self._theoretical is None else {**result, "bubble_ratio_theoretical": self._theoretical}
 
 
 def _when_done(work: dist.Work, callback: Callable[[object], None]) -> None:

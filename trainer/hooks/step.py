@@ -24,7 +24,7 @@ from gpuwatch.trainer.hooks.clock import Mark
 from gpuwatch.trainer.hooks.collectives import Call
 from gpuwatch.trainer.hooks.gradients import GradientSimilarity
 from gpuwatch.trainer.hooks.off import OFF, Off
-from gpuwatch.trainer.hooks.pipeline import PipelineClock
+from gpuwatch.trainer.hooks.pipeline import PipelineClock, WindowClock
 from gpuwatch.trainer.hooks.progress import InFlight, error_record
 from gpuwatch.trainer.hooks.record import HostValues, plain
 from gpuwatch.trainer.hooks.safety import Failures
@@ -61,7 +61,7 @@ class Step:
     values: dict[str, float | torch.Tensor]  # what the user reported
     #: tensors the monitor made on a measuring step (a tensor, or one per parameter), read with the record
     measured: dict[str, torch.Tensor | list[torch.Tensor]] | None
-    pipeline: PipelineClock | None
+    pipeline: PipelineClock | WindowClock | None
     memory: dict[str, Any] | None
     time: float
     scalars: dict[str, float | list[float]] | None  # the values read on the host, at the end
@@ -245,6 +245,14 @@ class Step:
         except Exception as error:
             self.failures.record("Step.pipeline_clock", error)
         return OFF
+
+    def window_clock(self, group: ProcessGroup | None, theoretical: float | None) -> PipelineClock | WindowClock:
+        """This step's pipeline clock seen from outside the schedule over `group` (`WindowClock`, for `gpuwatch
+        run`): the one the step has already, or a new one; `theoretical` the schedule's bubble with equal stages,
+        where known."""
+        if self.pipeline is None:
+            self.pipeline = WindowClock(self.monitor.clock, self.calls, self.monitor.group_name(group), theoretical)
+        return self.pipeline
 
     def ready(self) -> bool:
         """Whether the device has passed every mark, so the record can be built without waiting."""

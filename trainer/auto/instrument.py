@@ -15,7 +15,7 @@ Each phase is measured where it happens, whatever framework runs the loop (the s
 * *data*: the time inside a DataLoader iterator's `__next__` (`_BaseDataLoaderIter`, which Hugging Face's and
   accelerate's loaders and Lightning's fetchers all call) while the model trains; a loader read while the model is
   in eval mode (an evaluation) is not the step's input;
-* *compute*: from a forward of the model in training mode (a pre-hook on the Monitor's model) to the end of the
+* *compute*: from a forward of the model in training mode (a pre-hook on the Monitor's model, first of its pre-hooks) to the end of the
   backward (`torch.autograd.backward`, wrapped, which `Tensor.backward` calls), including a forward and backward run
   inside the closure an optimizer step is given (Lightning's automatic optimization): the closure is wrapped, and
   only the step's time outside it is the update;
@@ -40,6 +40,11 @@ Values:
   among them, and the point-to-point calls), not a hand list. A blocking call is timed whole; an asynchronous one
   (`async_op=True`, `isend`, `irecv`: FSDP2's all-gathers and reduce-scatters) is numbered when launched and timed
   while its `Work.wait()` blocks the training thread; calls one collective makes inside another are its own;
+* so is every functional collective (DTensor's, tensor and sequence parallelism's: gpuwatch.trainer.auto.collectives),
+  numbered when launched and timed while `wait_tensor` blocks on its output;
+* a `torch.distributed.pipelining` schedule is read when its `step()` runs (gpuwatch.trainer.auto.pipelining): its
+  shape goes into the hello, its window on this rank is the step's pipeline clock, and the step's loss is the mean of
+  the micro-batch losses its last stage computed;
 * a framework adapter (gpuwatch.trainer.auto.adapters) may add the step's samples (`count`).
 
 The Monitor is made with the job's layout where one is known (gpuwatch.trainer.auto.layout: `--layout`, Megatron's

@@ -24,7 +24,7 @@ from typing import Any
 
 from torch import nn
 
-from gpuwatch.trainer.hooks.pipeline import theoretical_bubble
+from gpuwatch.plan.compute import schedule_bubble
 
 #: torch.distributed.pipelining's module of schedules, where the classes patched are defined.
 SCHEDULES_MODULE = "torch.distributed.pipelining.schedules"
@@ -54,16 +54,9 @@ class PipelineShape:
 
     @property
     def bubble_theoretical(self) -> float | None:
-        """The idle share of the step with equal stages: GPipe and 1F1B (p−1)/(m+p−1) (Huang et al. 2019; Narayanan
-        et al. 2021 §2.2.1); interleaved 1F1B and looped BFS with v stages a rank (p−1)/(v·m+p−1), the bubble time
-        (p−1)/(v·m) of the ideal time of Narayanan et al. 2021 §2.2.2 as a share of the step. None for the
-        zero-bubble schedules, whose bubble depends on the split of each backward into input and weight parts
-        (Qi et al. 2023)."""
-        if self.schedule in ("gpipe", "1f1b"):
-            return theoretical_bubble(self.ranks, self.micro_batches)
-        if self.schedule in ("interleaved_1f1b", "looped_bfs"):
-            return theoretical_bubble(self.ranks, self.micro_batches * self.virtual_stages)
-        return None
+        """The share of the step a balanced pipeline of this shape idles, per schedule (`plan.compute.schedule_bubble`
+        gives each formula and its source); None where the schedule's is not modelled."""
+        return schedule_bubble(self.schedule, self.ranks, self.micro_batches, self.virtual_stages)
 
 
 def read_schedule(schedule: Any) -> PipelineShape | None:

@@ -15,8 +15,9 @@ Each phase is measured where it happens, whatever framework runs the loop (the s
 * *data*: the time inside a DataLoader iterator's `__next__` (`_BaseDataLoaderIter`, which Hugging Face's and
   accelerate's loaders and Lightning's fetchers all call) while the model trains; a loader read while the model is
   in eval mode (an evaluation) is not the step's input;
-* *compute*: from a forward of the model in training mode (a pre-hook on the Monitor's model, first of its pre-hooks) to the end of the
-  backward (`torch.autograd.backward`, wrapped, which `Tensor.backward` calls), including a forward and backward run
+* *compute*: from a forward of the model in training mode (a pre-hook on the Monitor's model, the first of its
+  pre-hooks, so the job's own count as compute) to the end of the backward (`torch.autograd.backward`, wrapped,
+  which `Tensor.backward` calls), including a forward and backward run
   inside the closure an optimizer step is given (Lightning's automatic optimization): the closure is wrapped, and
   only the step's time outside it is the update;
 * *optimizer*: `optimizer.step()` outside its closure, and gradient clipping (`clip_grad_norm_`, wrapped);

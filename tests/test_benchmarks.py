@@ -244,7 +244,7 @@ def test_framework_cost_times_both_arms_of_a_round():
     assert "load average before" in out and "load average after" in out
     assert "round 1   off then on" in out
     assert "whole job (wall), min / median / max: off " in out and "ratio of the medians" in out
-    assert "training (the Trainer's train_runtime)" in out
+    assert "training (the job's train_runtime)" in out
 
 
 def test_the_agent_cost_gate_refuses_a_workload_other_than_its_baselines():

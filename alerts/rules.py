@@ -110,6 +110,9 @@ RECORD_HEADINGS = {
     "gpuwatch:train_rank_info:one_by_job": "Per job: one of its ranks, and per shard (tensor rank × stage) the "
         "distinct parameter checksums of its data-parallel replicas: what the fetch would otherwise scan every "
         "rank for.",
+    "gpuwatch:train_window_bubble_ratio:median_by_job": "Per job, what the whole-job selectors compare: its median "
+        "pipeline bubble, the earliest hello of its ranks that reported no step, and whether one of those closed its "
+        "hooks (the fetch holds the thresholds): one series per job instead of one per rank.",
     "gpuwatch:gpu_rank:info": "Which job and rank run on which GPU of a node, by the node's own GPU index: the "
         "agent's gpuwatch_gpu_job_info carries the rank's view of the index (CUDA_VISIBLE_DEVICES renumbers), the "
         "UUID joins it to the node's.",
@@ -220,9 +223,9 @@ GROUPS = (
               unless on (instance, job, rank) gpuwatch_train_in_flight_collective_seq
             and on (job) (count by (job) (gpuwatch_train_in_flight_collective_seq) > 0)
             """,
-              heading="Hangs (HANG001, HANG003, HANG004). A rank's hooks report its progress about every second "
-                      "once it has made none for 5x its median step (3 s at least); these series exist only while "
-                      "a rank is overdue.",
+              heading="Hangs (HANG001, HANG003, HANG004, HANG006). A rank's hooks report its progress about every "
+                      "second once it has made none for 5x its median step (3 s at least); these series exist only "
+                      "while a rank is overdue.",
               comment="The culprit: a rank stuck outside any collective while others of its job wait in one.",
               summary="Training job {{ $labels.job }} hangs: rank {{ $labels.rank }} is missing at a collective",
               description="Rank {{ $labels.rank }} of job {{ $labels.job }} has made no progress for "
@@ -251,6 +254,25 @@ GROUPS = (
               description="The process of rank {{ $labels.rank }} of job {{ $labels.job }} is gone since "
                           "{{ $value | humanizeTimestamp }} (the first of the job's ranks to go): gpuwatch diagnose "
                           "says how (its exception, or a signal)."),
+        Alert("TrainingAllRanksStopped", "HANG006", """
+            count by (job) (gpuwatch_train_stalled_seconds >= ${stall_seconds})
+              == count by (job) (gpuwatch_train_rank_info)
+            unless on (job) gpuwatch_train_in_flight_collective_seq
+            unless on (job) gpuwatch_train_phase{phase="closed"}
+            unless on (job) gpuwatch_train_rank_exited_timestamp_seconds
+            unless on (job) gpuwatch_train_step_raised_timestamp_seconds
+            unless on (job) (gpuwatch_train_rank_info unless on (instance, job, rank) gpuwatch_train_last_step)
+            """, for_minutes=1,
+              comment="Every rank of the job is still and none is in a collective gpuwatch knows (those are the "
+                      "alerts above), none died, none closed its hooks (a job that ends), and every rank has "
+                      "stepped (before its first step a stall is a compilation). For a minute: a checkpoint or an "
+                      "evaluation on every rank stills them all for seconds and ends by itself; gpuwatch diagnose "
+                      "names the stop at once.",
+              summary="Training job {{ $labels.job }} stopped: every rank is still, none in a known collective",
+              description="All {{ $value }} ranks of job {{ $labels.job }} have made no progress for "
+                          "${for_minutes} minute(s) or more, and none is inside a collective gpuwatch sees: a "
+                          "deadlock, a collective its hooks do not wrap, or a data loader that stopped. gpuwatch "
+                          "diagnose names each rank's phase, the rank that stopped first and its stack."),
         Alert("TrainingLossNotFinite", "CONV001",
               "count by (job) ((gpuwatch_train_loss != gpuwatch_train_loss) or (abs(gpuwatch_train_loss) == +Inf)) "
               "> 0", for_minutes=1,

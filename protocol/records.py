@@ -121,6 +121,8 @@ class Hello(CommonFields, tag="hello"):
     cpus: int | None = None
     schedule: str | None = None
     micro_batches: int | None = None
+    virtual_stages: int | None = None
+    stage_modules: list[str] | None = None
     precision: str | None = None
     gpu: Gpu | None = None
     torch_version: str | None = None
@@ -301,6 +303,18 @@ class StackFrame(Fields):
     function: str
 
 
+class RecorderEntry(Fields):
+    """The oldest collective (or send/recv) PyTorch's Flight Recorder has not seen finish on a stalled rank: its op,
+    torch's name and description of its process group, its per-group number, whether point-to-point, its state."""
+
+    op: str
+    group: str
+    seq: int
+    p2p: bool
+    state: str
+    group_desc: str | None = None
+
+
 class StepError(Fields):
     """The exception a step raised."""
 
@@ -318,6 +332,7 @@ class Progress(CommonFields, tag="progress"):
     collective: InFlight | None = None
     stack: list[StackFrame] | None = None
     error: StepError | None = None
+    flight_recorder: RecorderEntry | None = None
 
 
 

@@ -18,8 +18,15 @@ that restarted learns the rank's layout and a hung-but-alive rank does not expir
     pid                 int          the rank's process id (in its own pid namespace)
     cpus?               int          CPUs the rank's process may run on (its affinity): with the ranks per
                                      host, whether CPU ranks wait for a CPU (diagnosis without node facts)
-    schedule?           label        pipeline schedule: "gpipe", "1f1b", ...
+    schedule?           label        pipeline schedule (``PIPELINE_SCHEDULES``: torch.distributed.pipelining's
+                                     schedule classes in snake case, "gpipe", "1f1b", "interleaved_1f1b", ...);
+                                     another label is kept, and diagnosis knows no theoretical bubble for it
     micro_batches?      int
+    virtual_stages?     int ≥ 1      pipeline stages this rank holds (an interleaved or V-shaped schedule's
+                                     model chunks: 2 for interleaved 1F1B with 2 virtual stages); absent: 1
+    stage_modules?      [text]       the names of the modules this rank's pipeline stage holds ("layers.2",
+                                     "norm", "output"), at most MAX_STAGE_MODULES of MAX_MODULE_NAME_CHARS: which
+                                     layers a slow stage could give away (PERF006)
     precision?          label        "fp32", "bf16", "fp16", ...
     gpu?                {index: int, uuid: label}   NVML index and UUID of the rank's GPU; null on CPU.
                                      The UUID is authoritative: torch's device ordinal differs from
@@ -167,6 +174,14 @@ closed (phase "closed"), so that a rank's exit after it is a normal end, not a d
                                      locals; once the rank has stalled for a few seconds
     error?              {type: label, message: text}   the exception a step raised (the rank may be
                                      about to die)
+    flight_recorder?    {op: label, group: text, group_desc?: text, seq: int, p2p: bool, state: label}
+                                     a second source, where PyTorch's Flight Recorder is on: the oldest
+                                     collective (or send/recv) it has not seen finish on this rank, by
+                                     torch's own account: op ("all_reduce"), torch's name ("0" the
+                                     world) and description ("default_pg", a ``group_desc``) of its
+                                     process group (at most MAX_GROUP_TEXT_CHARS), its per-group
+                                     number (collectives and send/recv apart), its state ("scheduled",
+                                     "started"; gloo's stay "scheduled")
 
 Types are strict: an int field takes only JSON integers, a float field integers or floats, never
 strings or booleans. Non-finite numbers are written as ``json.dumps`` writes them by default
@@ -175,7 +190,7 @@ strings or booleans. Non-finite numbers are written as ``json.dumps`` writes the
 Prometheus labels (``label`` above) are 1..N characters of ``[A-Za-z0-9_.:+/-]``: no quotes,
 backslashes, braces or newlines can reach the exposition.
 
-Past 500 lines on purpose: the wire format is documented here (the first ~160 lines) beside the checks that
+Past 500 lines on purpose: the wire format is documented here (the first ~180 lines) beside the checks that
 enforce it, so the two are read and changed together.
 """
 
@@ -212,6 +227,7 @@ from gpuwatch.protocol.records import (
     Probe,
     ProbeResult,
     Progress,
+    RecorderEntry,
     StackFrame,
     Step,
     StepError,
@@ -248,8 +264,19 @@ STEP_PHASES = {"data": "dataloader_wait_seconds", "compute": "compute_seconds", 
 #: The innermost frames of a stalled rank's stack that a progress record carries, and a frame's text fields.
 MAX_STACK_FRAMES = 32
 MAX_TEXT_CHARS = 512
+#: A progress record's ``flight_recorder``: the longest process-group name or description it carries.
+MAX_GROUP_TEXT_CHARS = 128
 #: The most notes a hello carries.
 MAX_NOTES = 8
+#: The pipeline schedules the instrumentation names in a hello's ``schedule``: torch.distributed.pipelining's
+#: schedule classes in snake case (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS,
+#: ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV). Not enforced: a framework's own
+#: schedule is sent under its own label, whose theoretical bubble diagnosis then does not know.
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble",
+                      "dualpipev")
+#: A hello's ``stage_modules``: at most this many module names, each at most this long.
+MAX_STAGE_MODULES = 64
+MAX_MODULE_NAME_CHARS = 128
 #: Optional memory fields: allocator state on CUDA; host_rss reports only peak_bytes.
 MEMORY_COUNTS = ("allocated_bytes", "reserved_bytes", "inactive_split_bytes", "alloc_retries", "ooms")
 #: Why a client dropped a record instead of sending it.
@@ -674,6 +701,8 @@ _HELLO = _kind(
     {
         "cpus": _integer(1, 2**20),
         "schedule": _label(32), "micro_batches": _integer(1, MAX_RANK + 1), "precision": _label(32),
+        "virtual_stages": _integer(1, 1024),
+        "stage_modules": _list(_text(MAX_MODULE_NAME_CHARS), MAX_STAGE_MODULES),
         "gpu": _object(Gpu, {"index": _integer(0, 1023), "uuid": _label(96)}),
         "torch_version": _label(64), "nccl_version": _label(64),
         "process_groups": _mapping(_label(64), _list(_RANK, 65536), 16),
@@ -771,6 +800,10 @@ _PROGRESS = _kind(
         "stack": _list(_object(StackFrame, {"file": _text(MAX_TEXT_CHARS), "line": _integer(0, 2**31),
                                 "function": _text(MAX_TEXT_CHARS)}), MAX_STACK_FRAMES),
         "error": _object(StepError, {"type": _label(128), "message": _text(MAX_TEXT_CHARS)}),
+        "flight_recorder": _object(RecorderEntry, {
+            "op": _label(64), "group": _text(MAX_GROUP_TEXT_CHARS), "seq": _integer(0, 2**53), "p2p": _BOOLEAN,
+            "state": _label(32),
+        }, {"group_desc": _text(MAX_GROUP_TEXT_CHARS)}),
     },
 )
 

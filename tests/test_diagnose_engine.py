@@ -24,14 +24,14 @@ CATALOGUE = {
     "HW004": ("hardware", "critical"), "HW005": ("hardware", "warning"),
     "PERF001": ("performance", "warning"), "PERF002": ("performance", "warning"),
     "PERF003": ("performance", "warning"), "PERF004": ("performance", "warning"),
-    "PERF005": ("performance", "warning"),
+    "PERF005": ("performance", "warning"), "PERF006": ("performance", "warning"),
     "MEM001": ("memory", "warning"), "MEM002": ("memory", "warning"), "MEM003": ("memory", "warning"),
     "CONV001": ("convergence", "critical"), "CONV002": ("convergence", "warning"),
     "CONV003": ("convergence", "critical"), "CONV004": ("convergence", "warning"),
     "CONV005": ("convergence", "info"), "CONV006": ("convergence", "critical"),
     "TOPO001": ("topology", "critical"), "TOPO002": ("topology", "warning"),
     "HANG001": ("hangs", "critical"), "HANG002": ("hangs", "critical"), "HANG003": ("hangs", "critical"),
-    "HANG004": ("hangs", "critical"), "HANG005": ("hangs", "warning"),
+    "HANG004": ("hangs", "critical"), "HANG005": ("hangs", "warning"), "HANG006": ("hangs", "critical"),
     "PLAN001": ("plan", "warning"), "PLAN002": ("plan", "warning"),
 }
 

@@ -136,6 +136,7 @@ SCENARIOS: dict[str, Scenario] = {
     "HANG003": Scenario(**HANG, after=dict.fromkeys(range(4), in_collective(7))),
     "HANG004": Scenario(**HANG, after={2: raised}),
     "HANG005": Scenario(hello=each({"time": time.time() - 300}), steps=0),
+    "HANG006": Scenario(**HANG, after=dict.fromkeys(range(4), computing)),
     "MEM001": Scenario(step={1: {"memory": {**HEALTHY_MEMORY, "reserved_bytes": 8 * GIB, "allocated_bytes": 4 * GIB,
                                             "alloc_retries": 9}}}),
     "MEM002": Scenario(step={1: {"memory": {**HEALTHY_MEMORY, "peak_bytes": 79 * GIB, "reserved_bytes": 79 * GIB}}}),
@@ -156,6 +157,8 @@ SCENARIOS: dict[str, Scenario] = {
     "PERF003": Scenario(step=each({"dataloader_wait_seconds": 0.3})),
     "PERF004": Scenario(step=each({"step_seconds": 1.0, "exposed_collective_seconds": 0.6})),
     "PERF005": Scenario(after={0: slow_probe}),
+    # stage 1 (ranks 2-3) computes twice as long as stage 0
+    "PERF006": Scenario(layout=PP2, step={2: {"compute_seconds": 0.6}, 3: {"compute_seconds": 0.6}}),
     "TOPO001": Scenario(layout=PP2, hello=each({"process_groups": {"pp": [0, 1, 2, 3], "dp": [0, 1, 2, 3]}})),
     "TOPO002": Scenario(layout={"tp_size": 4, "pp_size": 1, "dp_size": 1}),
 }

@@ -1,15 +1,21 @@
 """The hang rules on facts built by hand: who waits for whom, mismatched sequence numbers, a transport that stopped,
-deaths and their consequences, ranks that said hello and never stepped, and what must stay quiet (a pause shorter
-than the stall threshold, a job whose ranks all moved on)."""
+deaths and their consequences, ranks that said hello and never stepped, every rank stopped outside any collective,
+and what must stay quiet (a pause shorter than the stall threshold, a job whose ranks all moved on)."""
 
 from __future__ import annotations
 
 import math
 
 from diagnose_facts import facts, rank, step
+from telemetry_records import hello
+from telemetry_records import progress as progress_record
+from telemetry_records import step as step_record
 from test_diagnose_rules import fired, not_run, silent
 
+from gpuwatch.agent.diagnosis import engine
 from gpuwatch.agent.diagnosis.facts import InFlightFacts, ProgressFacts
+from gpuwatch.agent.diagnosis.sources import run_log
+from gpuwatch.trainer.telemetry import TelemetryClient
 
 DP = (0, 1, 2, 3)
 
@@ -222,3 +228,98 @@ def test_hang005_leaves_hung_and_dead_ranks_to_the_other_hang_rules():
 
 def test_hang005_not_run_without_telemetry():
     not_run("HANG005", facts(), "no training telemetry")
+
+
+def stopped(number: int, phase: str = "compute", stalled: float = 30.0, world: int = 4, **fields):
+    """A rank of a job of ``world`` ranks (dp) that stepped, then stopped ``stalled`` s ago outside any collective."""
+    return rank(number, dp=world, progress=ProgressFacts(
+        step=41, phase=phase, stalled_seconds=stalled, overdue_seconds=3.0,
+        stack=("/app/train.py:88 main", f"/app/model.py:{40 + number} forward",
+               "/site-packages/torch/nn/modules/module.py:1750 _call_impl")), **fields)
+
+
+def test_hang006_every_rank_stopped_outside_any_collective_names_phases_the_first_and_its_stack():
+    """The observed case: rank 0 still for 30 s in compute, rank 1 in step, no collective in flight."""
+    (finding,) = fired("HANG006", facts(ranks=[stopped(0, "compute", 30.0, world=2),
+                                               stopped(1, "step", 25.0, world=2)]))
+    assert finding.severity.label == "critical"
+    assert finding.title == ("job job-1 stopped: all 2 ranks still for 25 s or more, none in a collective gpuwatch "
+                             "sees; rank 0 stopped first")
+    first, *phases = finding.evidence
+    assert first.where.rank == 0 and first.values["stalled_seconds"] == 30.0
+    assert first.values["stack_top"] == "/app/model.py:40 forward"  # its own code, not torch's
+    assert first.values["stack"][-1].endswith("_call_impl") and "5 s before the next" in first.text
+    assert [(e.values["ranks"], e.values["phase"]) for e in phases] == [([0], "compute"), ([1], "step")]
+    assert "read the stack of rank 0" in finding.fix
+    for code in ("HANG001", "HANG002", "HANG003", "HANG004", "HANG005"):
+        silent(code, facts(ranks=[stopped(0, world=2), stopped(1, "step", world=2)]))
+
+
+def test_hang006_ranks_stopped_within_a_heartbeat_are_not_ordered():
+    (finding,) = fired("HANG006", facts(ranks=[stopped(n, stalled=30.0 - n * 0.5) for n in range(4)]))
+    assert finding.title.endswith("ranks 0-3 stopped first")
+    assert "ranks 1-3 stopped within 2 s of it, which first cannot be told" in finding.evidence[0].text
+    # one phase and step for all: one line for them
+    assert [e.values["ranks"] for e in finding.evidence[1:]] == [[0, 1, 2, 3]]
+
+
+def test_hang006_from_a_partial_view_says_so():
+    """An agent on one node of two: it sees ranks 0-1 of 4 stopped; the others may wait for them in a collective."""
+    (finding,) = fired("HANG006", facts(ranks=[stopped(0), stopped(1)]))
+    assert "the 2 ranks seen of 4" in finding.title and "all 2 ranks" not in finding.title
+    assert finding.evidence[-1].values == {"ranks_seen": 2, "world_size": 4}
+    assert "the others may be waiting in a collective for these" in finding.evidence[-1].text
+
+
+def test_hang006_quiet_on_healthy_finished_partly_moving_or_other_hang_rules_jobs():
+    silent("HANG006", facts(ranks=[rank(n, dp=4) for n in DP]))  # steps flow
+    silent("HANG006", facts(ranks=[stopped(0), stopped(1), stopped(2), rank(3, dp=4)]))  # rank 3 moves
+    silent("HANG006", facts(ranks=[stopped(n, stalled=4.0) for n in DP]))  # below the stall threshold
+    closed = ProgressFacts(step=100, phase="closed", stalled_seconds=0, overdue_seconds=0)
+    silent("HANG006", facts(ranks=[rank(n, dp=4, progress=closed, exited_at=1000.0) for n in DP]))  # it ended
+    silent("HANG006", facts(ranks=[stopped(0), stopped(1), stopped(2), rank(3, dp=4, progress=closed)]))  # ending
+    silent("HANG006", facts(ranks=[waiting(0), waiting(1), waiting(2), elsewhere(3)]))  # HANG001's
+    silent("HANG006", facts(ranks=[stopped(0), stopped(1), stopped(2), stopped(3, exited_at=1000.0)]))  # HANG004's
+    never = rank(3, dp=4, last=None, window=None, steps=0, hello_age_seconds=300.0, progress=ProgressFacts(
+        step=0, phase="compute", stalled_seconds=90, overdue_seconds=60))
+    silent("HANG006", facts(ranks=[stopped(0), stopped(1), stopped(2), never]))  # HANG005's
+    # a rank in phase collective without the call's details (DDP's all-reduce) is in no collective gpuwatch names
+    assert fired("HANG006", facts(ranks=[stopped(n, "collective") for n in DP]))
+
+
+def test_hang006_from_prometheus_without_stacks_or_overdue_marks():
+    bare = [rank(n, dp=2, progress=ProgressFacts(step=41, phase="step", stalled_seconds=12.0 + n,
+                                                 overdue_seconds=0.0)) for n in range(2)]
+    (finding,) = fired("HANG006", facts(ranks=bare))
+    assert "its stack is not known to this source" in finding.evidence[0].text
+    assert finding.evidence[0].where.rank == 1
+
+
+def test_hang006_not_run_without_telemetry():
+    not_run("HANG006", facts(), "no training telemetry")
+
+
+def test_hang006_and_perf006_from_a_run_log_of_records(tmp_path):
+    """Facts read back from records as the hooks write them: a run log of two stages (stage 1 computing twice as long,
+    its hellos naming its modules) whose ranks then stopped outside any collective."""
+    layout = {"world_size": 2, "tp_size": 1, "pp_size": 2, "dp_size": 1, "tp_rank": 0, "dp_rank": 0,
+              "process_groups": {"pp": [0, 1]}, "schedule": "interleaved_1f1b", "virtual_stages": 2}
+    modules = {0: ["tok_embeddings", "layers.0", "layers.1"], 1: ["layers.2", "layers.3", "norm", "output"]}
+    path = tmp_path / "run.jsonl"
+    with TelemetryClient(tmp_path / "no-agent.sock", run_log=path, heartbeat_interval=0) as client:
+        for r in range(2):
+            client.send(hello(r, local_rank=r, pp_stage=r, stage_modules=modules[r], **layout))
+        for number in range(1, 11):
+            for r in range(2):
+                client.send(step_record(r, number, compute_seconds=0.27 if r else 0.134, optimizer_seconds=0.0,
+                                        dataloader_wait_seconds=0.0, exposed_collective_seconds=0.01 if r else 0.18))
+        for r in range(2):
+            client.send(progress_record(r, stalled=30.0 - 3 * r, step=10, phase="compute" if r == 0 else "step",
+                                        stack=[{"file": "/app/train.py", "line": 88, "function": "main"}]))
+    facts = run_log.read(path)
+    assert [r.layout.stage_modules for r in facts.ranks] == [tuple(modules[0]), tuple(modules[1])]
+    assert [r.layout.virtual_stages for r in facts.ranks] == [2, 2]
+    findings = {f.code: f for f in engine.run(facts).findings}
+    assert findings["HANG006"].evidence[0].values["rank"] == 0
+    assert findings["HANG006"].evidence[0].values["stack"] == ["/app/train.py:88 main"]
+    assert findings["PERF006"].evidence[0].values["modules"] == modules[1]

@@ -355,6 +355,35 @@ def test_perf001_not_run_without_bubble_or_micro_batches():
     not_run("PERF001", facts(ranks=_pipeline(m=None, measured=None)), "neither a measured bubble nor micro_batches")
 
 
+def _scheduled(ranks: list[RankFacts], schedule: str, virtual_stages: int | None = None) -> list[RankFacts]:
+    return [dataclasses.replace(r, layout=dataclasses.replace(r.layout, schedule=schedule,
+                                                              virtual_stages=virtual_stages)) for r in ranks]
+
+
+def test_perf001_theory_follows_the_schedule_the_hellos_name():
+    """p=4, m=4: GPipe and 1F1B idle 3/7 of the step; interleaved over v=2 chunks 3/11; a zero-bubble schedule
+    with m ≥ p nothing, so the same measured bubble is the stages' fault, not the micro-batches'."""
+    for schedule in ("gpipe", "1f1b"):
+        (finding,) = fired("PERF001", facts(ranks=_scheduled(_pipeline(m=4, measured=0.45), schedule)))
+        assert "too few micro-batches" in finding.title and "theoretical 43%" in finding.evidence[0].text
+    (finding,) = fired("PERF001", facts(ranks=_scheduled(_pipeline(m=4, measured=0.45), "interleaved_1f1b", 2)))
+    assert "too few micro-batches" in finding.title and "theoretical 27%" in finding.evidence[0].text
+    assert "from 4 to at least 6" in finding.fix  # 3/(2·6+3) = 20 %
+    (finding,) = fired("PERF001", facts(ranks=_scheduled(_pipeline(m=4, measured=0.45), "zbv_zero_bubble", 2)))
+    assert "against 0% in theory" in finding.title and "rebalance layers" in finding.fix
+    silent("PERF001", facts(ranks=_scheduled(_pipeline(m=8, measured=0.15), "interleaved_1f1b", 2)))
+
+
+def test_perf001_a_schedule_it_does_not_model_takes_the_ranks_own_theory():
+    """Interleaved without its chunk count, DualPipeV, a framework's own: the bubble the ranks report stands in."""
+    for schedule, chunks in (("interleaved_1f1b", None), ("dualpipev", 2), ("my_schedule", None)):
+        (finding,) = fired("PERF001", facts(ranks=_scheduled(_pipeline(m=4, measured=0.45, theory=0.1), schedule,
+                                                             chunks)))
+        assert "against 10% in theory" in finding.title, schedule
+    (finding,) = fired("PERF001", facts(ranks=_scheduled(_pipeline(m=2, measured=0.6), "zbv_zero_bubble", 2)))
+    assert "theoretical" not in finding.evidence[0].text  # m < p: not modelled, and no rank says
+
+
 def _compute(times: dict[int, float], dp: int = 8, pp: int = 1, hosts=None) -> list[RankFacts]:
     hosts = hosts or {}
     # Whole-step times are even (the all-reduce waits for the slowest): only busy time tells, here all compute.
@@ -656,6 +685,105 @@ def test_perf005_silent_at_the_fraction():
 
 def test_perf005_not_run_without_measurement():
     not_run("PERF005", facts([node()], [rank(0)]), "gpuwatch probe")
+
+
+def _stages(busy: dict[int, float | list[float]], dp: int = 2, wait: float = 0.18, modules=None,
+            **fields) -> list[RankFacts]:
+    """A pipeline of len(busy) stages × dp replicas: each stage's ranks computing ``busy[stage]`` seconds a step (a
+    list: one figure per replica), the other stages waiting ``wait`` in collectives; ``modules`` by stage."""
+    pp, ranks = len(busy), []
+    slowest = max(busy, key=lambda s: max(busy[s]) if isinstance(busy[s], list) else busy[s])
+    for number in range(pp * dp):
+        stage, replica = number // dp, number % dp
+        own = busy[stage][replica] if isinstance(busy[stage], list) else busy[stage]
+        r = rank(number, pp=pp, dp=dp, micro_batches=8, last=step(
+            step_seconds=0.45, compute_seconds=own, exposed_collective_seconds=0.01 if stage == slowest else wait,
+            bubble_ratio=0.4 if stage != slowest else 0.05), **fields)
+        if modules is not None:
+            r.layout = dataclasses.replace(r.layout, stage_modules=tuple(modules[stage]))
+        ranks.append(r)
+    return ranks
+
+
+def test_perf006_names_the_slow_stage_its_layers_and_the_wait_of_its_neighbour():
+    """The observed case: stage 1 busy 271 ms a step against stage 0's 134 ms, which waits 180 ms in its receives."""
+    modules = {0: ["tok_embeddings", "layers.0", "layers.1"], 1: ["layers.2", "layers.3", "norm", "output"]}
+    (finding,) = fired("PERF006", facts(ranks=_stages({0: 0.134, 1: 0.271}, modules=modules)))
+    assert finding.title == ("pipeline stage 1 of job job-1 is busy 2.02x the other stages: they wait for it every "
+                             "micro-batch")
+    slow, phase, other = finding.evidence[:3]
+    assert (slow.values["pp_stage"], slow.values["ranks"], slow.values["busy_seconds"],
+            slow.values["others_seconds"]) == (1, [2, 3], 0.271, 0.134)
+    assert slow.values["modules"] == modules[1] and "it holds layers.2, layers.3, norm, output" in slow.text
+    assert phase.values["phase"] == "compute"
+    assert (other.values["pp_stage"], other.values["wait_seconds"]) == (0, 0.18)
+    assert "waits 0.18 s a step in collectives" in other.text
+    assert "move layers from stage 1 (layers.2, layers.3, norm, output)" in finding.fix
+    assert "the last stage also holds the output layer and the loss" in finding.fix
+    assert "pipeline_parallel_split_points" in finding.fix and "--decoder-last-pipeline-num-layers" in finding.fix
+
+
+def test_perf006_silent_on_balanced_stages_and_just_under_its_ratio():
+    silent("PERF006", facts(ranks=_stages({0: 0.2, 1: 0.2, 2: 0.21, 3: 0.2})))
+    silent("PERF006", facts(ranks=_stages({0: 0.2, 1: 0.259})))  # 1.295x
+    assert fired("PERF006", facts(ranks=_stages({0: 0.2, 1: 0.262})))  # 1.31x
+    silent("PERF006", facts(ranks=[rank(n, dp=4) for n in range(4)]))  # no pipeline
+    # a margin that does not matter against the step: 1.5x of 20 ms in a 450 ms step
+    silent("PERF006", facts(ranks=_stages({0: 0.02, 1: 0.03})))
+
+
+def test_perf006_leaves_a_slow_replica_to_perf002():
+    """One slow rank of a stage (a slow device) does not make its stage slow: the stage's figure is the lower median
+    of its ranks', which one rank does not move with three replicas, and is the faster one's with two."""
+    for busy in ({0: 0.134, 1: [0.134, 0.4, 0.134]}, {0: 0.134, 1: [0.134, 0.4]}):
+        ranks = _stages(busy, dp=len(busy[1]))
+        silent("PERF006", facts(ranks=ranks))
+        (straggler,) = fired("PERF002", facts(ranks=ranks))
+        assert straggler.evidence[0].where.rank == len(busy[1]) + 1
+    # every replica of the stage slow alike: the stage
+    assert fired("PERF006", facts(ranks=_stages({0: 0.134, 1: [0.27, 0.28, 0.27]}, dp=3)))
+
+
+def test_perf006_leaves_a_stage_waiting_for_its_input_to_perf003():
+    """Stage 0 loads the data: its ranks' extra time all in the loader is the input pipeline's, not the split's."""
+    ranks = _stages({0: 0.134, 1: 0.134})
+    for r in ranks[:2]:
+        r.last = dataclasses.replace(r.last, dataloader_wait_seconds=0.2)
+        r.window = window(r.last)
+    silent("PERF006", facts(ranks=ranks))
+    assert fired("PERF003", facts(ranks=ranks))
+
+
+def test_perf006_says_what_it_does_not_know():
+    """No stage_modules in the hellos, and an agent that sees two stages of four."""
+    seen = [r for r in _stages({0: 0.134, 1: 0.271, 2: 0.134, 3: 0.134}) if r.layout.pp_stage < 2]
+    (finding,) = fired("PERF006", facts(ranks=seen))
+    texts = [e.text for e in finding.evidence]
+    assert "only stage(s) 0, 1 of the job's 4 are seen by this source (busy times over a full window): the others " \
+           "are not compared" in texts
+    assert "which modules each stage holds is unknown: the hellos carry no stage_modules" in texts
+    assert "holds" not in finding.fix.split(" to the other stages")[0]
+
+
+def test_perf006_on_cpus_needs_the_larger_ratio():
+    """CPU ranks share cores: 2x apart is not enough to tell, 3.5x is."""
+    silent("PERF006", facts(ranks=_on_cpu(_stages({0: 0.134, 1: 0.271}))))
+    (finding,) = fired("PERF006", facts(ranks=_on_cpu(_stages({0: 0.1, 1: 0.35}))))
+    assert "compute on CPUs" in finding.evidence[-1].text
+
+
+def test_perf006_and_perf001_do_not_both_report_the_slow_stage():
+    """The slow stage's neighbours idle: the measured bubble is far above a sound schedule's (p=2, m=8: 11 %). PERF006
+    names the stage; PERF001 says nothing more. Balanced stages with the same bubble are PERF001's."""
+    ranks = _stages({0: 0.134, 1: 0.271})
+    silent("PERF001", facts(ranks=ranks))
+    assert fired("PERF006", facts(ranks=ranks))
+    (finding,) = fired("PERF001", facts(ranks=_stages({0: 0.2, 1: 0.21})))
+    assert "stages unbalanced or waiting on communication" in finding.title
+
+
+def test_perf006_not_run_without_busy_times():
+    not_run("PERF006", facts(ranks=[rank(n, pp=2, window=None) for n in range(2)]), "busy time")
 
 
 # -- memory -----------------------------------------------------------------------------------------

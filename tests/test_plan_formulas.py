@@ -86,6 +86,28 @@ def test_bubble_is_gpipes_and_narayananss(pp, m):
     assert fraction == pytest.approx(ideal / (1 + ideal))
 
 
+@pytest.mark.parametrize(("schedule", "pp", "m", "v", "expected"), [
+    ("gpipe", 4, 8, None, 3 / 11), ("1f1b", 4, 8, 2, 3 / 11), (None, 4, 8, None, 3 / 11),
+    ("interleaved_1f1b", 4, 8, 2, 3 / 19), ("looped_bfs", 4, 8, 4, 3 / 35), ("interleaved_1f1b", 4, 8, None, None),
+    ("zbv_zero_bubble", 4, 4, 2, 0.0), ("interleaved_zero_bubble", 4, 8, 2, 0.0), ("zbv_zero_bubble", 4, 2, 2, None),
+    ("dualpipev", 4, 8, 2, None), ("my_schedule", 4, 8, None, None), ("interleaved_1f1b", 1, 8, 2, 0.0),
+])
+def test_the_bubble_follows_the_schedule_as_a_share_of_the_step(schedule, pp, m, v, expected):
+    """Interleaved over v chunks: Narayanan et al.'s (p − 1)/(v·m) of the ideal time, as a share of the step; the
+    zero-bubble schedules nothing once m ≥ p; what is not modelled, None."""
+    assert compute.schedule_bubble(schedule, pp, m, v) == (pytest.approx(expected) if expected is not None else None)
+    if expected and v:
+        ideal = (pp - 1) / ((v if schedule in compute.INTERLEAVED_SCHEDULES else 1) * m)
+        assert expected == pytest.approx(ideal / (1 + ideal))
+
+
+@pytest.mark.parametrize(("pp", "bubble", "v"), [(4, 0.2, 1), (8, 0.2, 1), (4, 0.2, 2), (8, 0.1, 4)])
+def test_micro_batches_for_is_the_fewest_under_the_bubble(pp, bubble, v):
+    m = compute.micro_batches_for(pp, bubble, v)
+    assert compute.bubble_fraction(pp, m, v) <= bubble + 1e-12
+    assert m == 1 or compute.bubble_fraction(pp, m - 1, v) > bubble
+
+
 # --- Megatron-LM's estimator on the same inputs -------------------------------------------------------------------
 
 LLAMA_7B = ModelShape(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000, tied_embeddings=False)

@@ -14,7 +14,10 @@ from gpuwatch.protocol import schema
 from gpuwatch.protocol.schema import (
     COLLECTIVE_BUCKETS,
     MAX_FOLDED_STEPS,
+    MAX_GROUP_TEXT_CHARS,
+    MAX_MODULE_NAME_CHARS,
     MAX_RECORD_BYTES,
+    MAX_STAGE_MODULES,
     REJECT_REASONS,
     RecordRejected,
     bucket_index,
@@ -70,6 +73,19 @@ def test_the_fields_that_say_what_a_rank_runs_on_and_why_a_signal_is_missing():
     assert body["unavailable"] == {"grad_cosine_similarity": "zero_gradient"}
     assert _reason(encode(step(unavailable={"loss": "zero_gradient"}))) == ("out_of_range", "unavailable.loss")
     assert _reason(encode(step(unavailable={"grad_norm": "because"}))) == ("out_of_range", "unavailable.grad_norm")
+
+
+def test_the_pipeline_layout_a_hello_says_its_virtual_stages_and_the_modules_of_its_stage():
+    modules = ["layers.2", "layers.3", "norm", "output"]
+    body = decode(encode(hello(schedule="interleaved_1f1b", virtual_stages=2, stage_modules=modules))).body
+    assert (body.schedule, body.virtual_stages, body.stage_modules) == ("interleaved_1f1b", 2, modules)
+    assert decode(encode(hello())).body.virtual_stages is None  # absent: one stage per rank
+    assert _reason(encode(hello(virtual_stages=0))) == ("out_of_range", "virtual_stages")
+    assert _reason(encode(hello(stage_modules=["layers.0"] * (MAX_STAGE_MODULES + 1)))) == ("out_of_range",
+                                                                                          "stage_modules")
+    assert _reason(encode(hello(stage_modules=["x" * (MAX_MODULE_NAME_CHARS + 1)]))) == ("out_of_range",
+                                                                                       "stage_modules.0")
+    assert _reason(encode(hello(stage_modules=[3]))) == ("bad_type", "stage_modules.0")
 
 
 def test_minimal_step_of_a_partially_instrumented_script_is_accepted():
@@ -311,3 +327,28 @@ def test_a_null_optional_field_is_absent_in_either_form():
     assert schema._TYPED.decode(datagram).loss is None
     assert decode(datagram).body.as_dict() == _by_the_checks_alone(datagram).body.as_dict()
     assert "loss" not in decode(datagram).body.as_dict()
+
+
+_RECORDER = {"op": "all_reduce", "group": "0", "group_desc": "default_pg", "seq": 4, "p2p": False,
+             "state": "scheduled"}
+
+
+@pytest.mark.parametrize(("change", "reason", "field"), [
+    ({"op": "all reduce"}, "bad_label", "flight_recorder.op"),
+    ({"group": "g" * (MAX_GROUP_TEXT_CHARS + 1)}, "out_of_range", "flight_recorder.group"),
+    ({"group_desc": 3}, "bad_type", "flight_recorder.group_desc"),
+    ({"seq": -1}, "out_of_range", "flight_recorder.seq"),
+    ({"p2p": 0}, "bad_type", "flight_recorder.p2p"),
+    ({"seq": None}, "missing_field", "flight_recorder.seq"),
+])
+def test_a_progress_record_carries_the_flight_recorders_unfinished_collective(change, reason, field):
+    """The second source of a stalled rank (trainer/hooks/flight_recorder.py): the same body in either form, its
+    description optional, its fields judged like the rest."""
+    datagram = encode(progress(collective={}, flight_recorder=_RECORDER))
+    assert decode(datagram).body.as_dict()["flight_recorder"] == _RECORDER
+    assert _verdict(decode, datagram) == _verdict(_by_the_checks_alone, datagram)
+    assert msgspec.to_builtins(schema._TYPED.decode(datagram)) == decode(datagram).body.as_dict()
+    without_desc = {key: value for key, value in _RECORDER.items() if key != "group_desc"}
+    assert decode(encode(progress(flight_recorder=without_desc))).body.as_dict()["flight_recorder"] == without_desc
+    changed = {key: value for key, value in {**_RECORDER, **change}.items() if value is not None}
+    assert _reason(encode(progress(flight_recorder=changed))) == (reason, field)

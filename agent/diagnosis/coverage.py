@@ -23,18 +23,12 @@ import dataclasses
 import types
 from collections.abc import Callable, Mapping
 
-from gpuwatch.agent.metricspec import by_field
-from gpuwatch.agent.sampler import COLLECTOR_UP
 from gpuwatch.agent.telemetry.metrics import (
     ENV_INFO,
     EXITED,
-    HELLO_TIME,
-    LAST_STEP,
-    PHASE,
     PROBE_INFO,
     RAISED,
     STALLED,
-    WINDOW_GAUGES,
 )
 
 #: What a selector answers one row per (its ``by``): a node, whose series are then read in detail...
@@ -44,9 +38,6 @@ INSTANCE = "instance"
 JOB = "job"
 #: A rank's identity in its series.
 RANK = "instance, job, rank"
-
-#: The family of each window's bubble ratio, which PIPELINE_BUBBLE reads.
-_BUBBLE_RATIO = by_field(WINDOW_GAUGES, "bubble_ratio")
 
 #: A rule's thresholds by its code, ``--config`` overrides applied (``t("PERF002").straggler_ratio``).
 Thresholds = Callable[[str], types.SimpleNamespace]
@@ -95,7 +86,7 @@ PCIE_BELOW_MAX = Selector("PCIe links below their maximum", lambda t, y: y["gpuw
 GPU_SLOWDOWN = Selector("GPUs slowing themselves down", lambda t, y: y["gpuwatch:gpu_slowdown:by_instance"])
 NVLINK_DOWN = Selector("NVLink links down", lambda t, y: y["gpuwatch:nvlink_down:by_instance"])
 #: A node whose collector is down shows none of what the hardware rules look for: it is read, so that they say so.
-COLLECTORS_DOWN = Selector("collectors down", lambda t, y: f"{COLLECTOR_UP} != 1")
+COLLECTORS_DOWN = Selector("collectors down", lambda t, y: y["gpuwatch:collector_down:by_instance"])
 IB_PORT_UNHEALTHY = Selector(
     "InfiniBand/RoCE ports not ACTIVE beside an ACTIVE peer, slower than the node's fastest, or erring",
     lambda t, y: y["gpuwatch:ib_port_unhealthy:by_instance"])
@@ -126,14 +117,24 @@ RANK_OVERDUE_DEAD_OR_FAILED = Selector("jobs with an overdue, dead or failed ran
                                        lambda t, y: f"{STALLED} or {EXITED} or {RAISED}", by=JOB)
 NO_STEP_SINCE_HELLO = Selector(
     "jobs with ranks that said hello long ago, or ended, and reported no step",
-    lambda t, y: f'(time() - {HELLO_TIME} >= {t("HANG005").min_age_seconds:g} or {PHASE}{{phase="closed"}}) '
-                 f"unless on ({RANK}) {LAST_STEP}", by=JOB)
+    lambda t, y: f'time() - {y["gpuwatch:train_hello_without_step:min_by_job"]} >= {t("HANG005").min_age_seconds:g}'
+                 f' or {y["gpuwatch:train_closed_without_step:by_job"]}', by=JOB)
 REPLICAS_DIVERGED = Selector(
     "jobs whose replicas of one shard hold different parameter checksums",
     lambda t, y: f'{y["gpuwatch:train_param_checksum:distinct_by_shard"]} > 1', by=JOB)
 PIPELINE_BUBBLE = Selector(
     "jobs whose median pipeline bubble is high",
-    lambda t, y: f"quantile by (job) (0.5, {_BUBBLE_RATIO}) > {t('PERF001').max_bubble_ratio:g}",
+    lambda t, y: f'{y["gpuwatch:train_window_bubble_ratio:median_by_job"]} > {t("PERF001").max_bubble_ratio:g}',
+    by=JOB)
+#: A superset of PERF006's: a stage's median busy time beyond its ratio times the job's least busy rank, in jobs of
+#: more than one stage (the rule compares a stage's lower median, at most its median, with the other stages' lower
+#: medians, each at least the least busy rank's).
+PIPELINE_STAGES_UNBALANCED = Selector(
+    "jobs whose busiest pipeline stage is busy well beyond their least busy rank",
+    lambda t, y: f'(max by (job) ({y["gpuwatch:train_window_busy_seconds:median_by_stage"]}) > '
+                 f"{min(t('PERF006').stage_ratio, t('PERF006').stage_shared_cpu_ratio):g} * "
+                 f'min by (job) ({y["gpuwatch:train_window_busy_seconds:judged"]})) and on (job) '
+                 f'(count by (job) ({y["gpuwatch:train_window_busy_seconds:median_by_stage"]}) > 1)',
     by=JOB)
 PROBE_RAN = Selector("nodes that ran an interconnect probe", lambda t, y: PROBE_INFO.name)
 

@@ -178,6 +178,11 @@ class Layout:
     schedule: str | None = None
     micro_batches: int | None = None
     precision: str | None = None
+    #: Pipeline stages the rank holds (an interleaved or V-shaped schedule's model chunks); None: unknown, 1 unless the
+    #: schedule says otherwise.
+    virtual_stages: int | None = None
+    #: The modules of the rank's pipeline stage, by name ("layers.2", "output"); None where the hello did not say.
+    stage_modules: tuple[str, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """Hangs: ranks stuck in a collective, who they wait for and what that rank does instead; mismatched collectives;
-a transport that stopped; ranks that died; ranks that said hello and never reported a step.
+a transport that stopped; ranks that died; ranks that said hello and never reported a step; every rank stopped
+outside any collective.
 
 Every rule reads the ranks' progress records (schema "progress"), which the hooks send only while a rank is overdue:
 it has made no progress (no phase, collective or step began or ended) for longer than its own rhythm allows, a
@@ -9,6 +10,11 @@ process group (from the hello) say who it waits for: the members not in the same
 sequence number on that group. Following those waits from rank to rank leads to the ranks that wait for no one:
 the cause. This is the "who is missing" question PyTorch's Flight Recorder answers from its dumps after the
 watchdog's timeout (PyTorch docs, "Flight Recorder for Debugging Stuck Jobs"), asked live of every rank's state.
+Where every rank is stuck and none is in a collective the hooks know, there are no waits to follow: HANG006 names
+each rank's phase, the rank that stopped first and its stack.
+
+Past 500 lines on purpose: the HANG rules share what a rank is doing (stuck, dead, closed, in which collective) and
+who waits for whom, in one family.
 """
 
 from __future__ import annotations
@@ -488,3 +494,98 @@ def never_stepped(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
                 "README \"Training hooks\")",
             reason="a rank without step records is measured by no timing, learning or memory rule: the job would "
                    "look healthy only because nothing of it was seen")
+
+
+#: The innermost frames of the first rank's stack an evidence line shows (the whole stack is in its values).
+_STACK_SHOWN = 6
+
+
+def _stopped_outside(members: list[RankFacts], t: types.SimpleNamespace) -> bool:
+    """Every rank of the job the source sees is stuck outside any collective it knows of: none dead (HANG004's) or
+    closed (a job that ends: its ranks close one by one), none in a collective (HANG001-003's), none without a step
+    yet (HANG005's: before the first step a stall is a compilation or a loop the hooks do not see)."""
+    return bool(members) and not any(
+        _dead(r) or _closed(r) or _collective_of(r) is not None or _never_stepped(r) or not _stuck(r, t)
+        for r in members)
+
+
+@rule("HANG006", family=FAMILY, severity=Severity.CRITICAL, title="Every rank stopped, none in a known collective",
+      needs=(needs.TELEMETRY,),
+      thresholds={**_STALL, "apart_seconds": Threshold(
+          2.0, "progress records come about once a second (the watchdog's interval), each rank's stall measured when "
+               "its own record was sent: ranks whose stalls lie less than two intervals apart cannot be ordered")},
+      coverage=(RANK_OVERDUE_DEAD_OR_FAILED,))
+def all_stopped(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
+    """Every rank of a job has stopped making progress (each overdue by its own rhythm and still for at least
+    stall_seconds) and none is inside a collective gpuwatch knows: no one waits in a call whose members say who is
+    missing (HANG001), no call is mismatched (HANG002) or stalled with every member in it (HANG003). The job is stuck
+    where gpuwatch does not see: a collective its hooks do not wrap (a functional or DTensor collective, a
+    framework's own communicator, a barrier through the store), a deadlock of the program's own (a lock, a queue, a
+    thread it joins), a data loader or filesystem that stopped answering on every rank, or a checkpoint or
+    evaluation that takes every rank far past its usual step (which ends: not a hang). The finding names each rank's
+    last phase and how long it has been still, the rank that stopped first (the longest still: the others stopped
+    after it, most likely waiting for it in what gpuwatch cannot name; stalls closer than apart_seconds cannot be
+    ordered, and the finding says so), and its stack from its progress record (the agent and a run log carry it;
+    Prometheus does not export stacks). A job with a dead rank is HANG004's, one whose ranks closed their hooks ends,
+    and a rank that never stepped is HANG005's. A source that sees fewer ranks than the job's world size (an agent
+    on one of its nodes) says so rather than that the whole job stopped: the ranks it does not see may be waiting in a
+    collective for these."""
+    for job, members in facts.jobs().items():
+        if not _stopped_outside(members, t):
+            continue
+        still = sorted(members, key=lambda r: (-(r.progress.stalled_seconds if r.progress else 0.0), r.rank))
+        first = still[0]
+        progress = first.progress
+        assert progress is not None, "a stuck rank has a progress record"
+        tied = [r for r in still[1:] if r.progress is not None
+                and progress.stalled_seconds - r.progress.stalled_seconds < t.apart_seconds]
+        world = max((r.layout.world_size for r in members if r.layout is not None), default=None)
+        partial = world is None or world > len(members)
+        evidence = []
+        frames = progress.stack[-_STACK_SHOWN:]
+        order = (f"{_ranks_text([r.rank for r in tied])} stopped within {t.apart_seconds:g} s of it, which first "
+                 "cannot be told" if tied else
+                 f"{progress.stalled_seconds - still[1].progress.stalled_seconds:.0f} s before the next"
+                 if len(still) > 1 and still[1].progress is not None else "the only rank seen")
+        evidence.append(Evidence(
+            f"rank {first.rank} stopped first: still for {progress.stalled_seconds:.0f} s ({order}), in phase "
+            f"{progress.phase} after step {progress.step}"
+            + (f", at {progress.stack_top}; its stack, innermost first: {' ← '.join(reversed(frames))}" if frames else
+               "; its stack is not known to this source (the agent and a run log carry it, Prometheus does not)"),
+            first.where,
+            {"rank": first.rank, "phase": progress.phase, "step": progress.step,
+             "stalled_seconds": progress.stalled_seconds, "stack_top": progress.stack_top,
+             "stack": list(progress.stack), "tied": [r.rank for r in tied]}))
+        for (phase, step), ranks in group_by(sorted(still, key=lambda r: r.rank),
+                                             lambda r: (r.progress.phase, r.progress.step) if r.progress else ("", 0)):
+            stalls = [r.progress.stalled_seconds for r in ranks if r.progress is not None]
+            span = f"{min(stalls):.0f} s" if round(min(stalls)) == round(max(stalls)) else \
+                f"{min(stalls):.0f}-{max(stalls):.0f} s"
+            data = " (the data loader)" if phase == "data" else ""
+            evidence.append(Evidence(
+                f"{describe_ranks(ranks)}: in phase {phase}{data} after step {step}, still for {span}",
+                Where(job=job, rank=ranks[0].rank if len(ranks) == 1 else None),
+                {"ranks": [r.rank for r in ranks], "phase": phase, "step": step,
+                 "stalled_seconds": max(stalls), "min_stalled_seconds": min(stalls)}))
+        if partial:
+            evidence.append(Evidence(
+                f"this source sees {len(members)} of the job's " + (f"{world} ranks" if world is not None else
+                                                                   "ranks (its world size is unknown to it)")
+                + ": the others may be waiting in a collective for these, or still running; diagnose them too "
+                  "(--agent on their nodes, a run log of every rank, or --prometheus)",
+                Where(job=job), {"ranks_seen": len(members), "world_size": world}))
+        shortest = min(r.progress.stalled_seconds for r in still if r.progress is not None)
+        what = f"all {len(members)} ranks" if not partial else (
+            f"the {len(members)} ranks seen of {world}" if world is not None else f"the {len(members)} ranks seen")
+        yield Issue(
+            title=f"job {job} stopped: {what} still for {shortest:.0f} s or more, none in a collective gpuwatch "
+                  f"sees; {_ranks_text(sorted([first.rank, *(r.rank for r in tied)]))} stopped first",
+            evidence=capped(evidence, what="groups of ranks"),
+            fix=f"read the stack of rank {first.rank} (above; py-spy dump --pid PID shows every thread): a collective "
+                "gpuwatch does not wrap (a functional or DTensor collective, a framework's own communicator, a "
+                "store barrier) that it waits in, a deadlock of the program's own (a lock, a queue, a thread "
+                "joined), or a data loader or filesystem that stopped answering; a checkpoint or an evaluation on "
+                "every rank also stills them all and ends by itself. Until fixed, a process-group timeout "
+                "(init_process_group(timeout=...)) makes the job fail instead of idling",
+            reason="no rank makes progress and none is in a collective whose members would say who is missing: "
+                   "the stacks, the first stopped rank's above all, are what is left to tell why")

@@ -7,12 +7,19 @@ Past 500 lines on purpose: the PERF rules, each with the evidence helpers only i
 from __future__ import annotations
 
 import dataclasses
-import math
+import statistics
 import types
 from collections.abc import Iterator
 
 from gpuwatch.agent.diagnosis import needs
-from gpuwatch.agent.diagnosis.coverage import INPUT_WAIT, PIPELINE_BUBBLE, PROBE_RAN, STRAGGLERS, WholeJob
+from gpuwatch.agent.diagnosis.coverage import (
+    INPUT_WAIT,
+    PIPELINE_BUBBLE,
+    PIPELINE_STAGES_UNBALANCED,
+    PROBE_RAN,
+    STRAGGLERS,
+    WholeJob,
+)
 from gpuwatch.agent.diagnosis.facts import (
     RATED_BY,
     BandwidthMeasurement,
@@ -28,37 +35,51 @@ from gpuwatch.agent.diagnosis.facts import (
 from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
 from gpuwatch.agent.diagnosis.rules.common import capped, cpu_sharing, ratio_text, window_text, windowed
 from gpuwatch.agent.telemetry.window import BUSY, PHASE_TIMINGS
+from gpuwatch.plan.compute import ZERO_BUBBLE_SCHEDULES, micro_batches_for, schedule_bubble
 from gpuwatch.protocol.schema import STEP_PHASES
 
 FAMILY = "performance"
 
 
-def theoretical_bubble(stages: int, micro_batches: int) -> float:
-    """GPipe / 1F1B idle share: (p − 1) / (m + p − 1)."""
-    return (stages - 1) / (micro_batches + stages - 1)
-
-
-def micro_batches_for(stages: int, max_bubble: float) -> int:
-    """The fewest micro-batches whose theoretical bubble is at most ``max_bubble``."""
-    return max(1, math.ceil((stages - 1) * (1 - max_bubble) / max_bubble - 1e-9))
+#: What PERF001 and PERF006 share: when one pipeline stage is busy beyond the others, PERF006 names it, and PERF001
+#: does not report the bubble that stage causes a second time.
+_STAGES = {
+    "stage_ratio": Threshold(
+        1.3, "a pipeline runs at the pace of its slowest stage: a stage busy 1.3x the others leaves them idle "
+             "1 - 1/1.3 = 23 % of their schedule beyond the bubble, more than PERF001's 20 %; and one layer more "
+             "than the others, the split a layer count not divisible by p forces (plan.run.stage_layers), is at most "
+             "1.25x for stages of 4 layers or more, so 1.3 is beyond what rounding the split causes"),
+    "stage_min_step_share": Threshold(
+        0.1, "as PERF002's min_step_share: the stage's extra busy time must cost a tenth of the job's median step, "
+             "below which a difference on a shared CPU is noise and a real one costs too little to act on"),
+    "stage_shared_cpu_ratio": Threshold(
+        3.0, "as PERF002's shared_cpu_ratio: ranks computing on CPUs share cores, and healthy ranks measured up to "
+             "1.9x apart (benchmarks/false_alarms.py)"),
+}
 
 
 @rule("PERF001", family=FAMILY, severity=Severity.WARNING, title="Pipeline bubble ratio high",
       needs=(needs.PIPELINE,),
       thresholds={"max_bubble_ratio": Threshold(
           0.2, "GPipe (Huang et al. 2019): the bubble is (p−1)/(m+p−1), so p=8 stages and m=4 micro-batches idle "
-               "64 %; m ≥ 4p, where GPipe found the bubble negligible, keeps it under 0.2 for any p")},
+               "64 %; m ≥ 4p, where GPipe found the bubble negligible, keeps it under 0.2 for any p"), **_STAGES},
       coverage=(PIPELINE_BUBBLE,))
 def pipeline_bubble(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
-    """A pipeline of p stages fed m micro-batches per step idles (p − 1)/(m + p − 1) of the step at best:
-    the first stage waits for the pipeline to drain, the last for it to fill (GPipe, Huang et al. 2019;
-    p=8, m=4 idles 7/11 = 64 %, m=32 idles 18 %). The rule takes each job's measured bubble (median over its
-    ranks), falls back to the theoretical one when nothing is measured, and compares it with the
-    threshold. When the schedule itself is the cause (theoretical above the threshold) it says how many
-    micro-batches bring the bubble under it; when the measured bubble is far above the theoretical one,
-    the stages are unbalanced or waiting on communication, and more micro-batches will not help. On a
-    node with more ranks than CPUs (CPU ranks, a test machine) a stage that waits for a CPU counts as
-    idle, so a measured bubble above a sound schedule's is only reported as information there."""
+    """A pipeline of p stages fed m micro-batches per step idles (p − 1)/(m + p − 1) of the step at best under
+    GPipe and 1F1B: the first stage waits for the pipeline to drain, the last for it to fill (GPipe, Huang et al.
+    2019; PipeDream-Flush, Narayanan et al. 2021 §2.2.1; p=8, m=4 idles 7/11 = 64 %, m=32 idles 18 %). The
+    theoretical bubble follows the schedule the hellos name (gpuwatch.plan.compute.schedule_bubble, with its
+    sources): interleaved 1F1B with v model chunks per rank idles (p − 1)/(v·m + p − 1) (Narayanan et al. 2021
+    §2.2.2), the zero-bubble schedules (Qi et al. 2024) about nothing once m ≥ p; where the schedule's is not
+    modelled (DualPipeV, a framework's own), the one the ranks report (bubble_ratio_theoretical) stands in. The rule
+    takes each job's measured bubble (median over its ranks), falls back to the theoretical one when nothing is
+    measured, and compares it with the threshold. When the schedule itself is the cause (theoretical above the
+    threshold) it says how many micro-batches bring the bubble under it; when the measured bubble is far above the
+    theoretical one, the stages are unbalanced or waiting on communication, and more micro-batches will not help:
+    where one stage is busy beyond the others by PERF006's margins (the same thresholds here, stage_*), PERF006 names
+    that stage and this rule says nothing more. On a node with more ranks than CPUs (CPU ranks, a test machine) a
+    stage that waits for a CPU counts as idle, so a measured bubble above a sound schedule's is only reported as
+    information there."""
     for job, ranks in facts.jobs().items():
         piped = [rank for rank in ranks if rank.layout is not None and rank.layout.pp_size > 1]
         if not piped:
@@ -68,9 +89,10 @@ def pipeline_bubble(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
         stages, micro = layout.pp_size, layout.micro_batches
         bubbles = {r.rank: b for r in piped if (b := windowed(r, "bubble_ratio")) is not None}
         measured = [rank for rank in piped if rank.rank in bubbles]
-        theory = theoretical_bubble(stages, micro) if micro else next(
-            (r.last.bubble_ratio_theoretical for r in piped if r.last is not None
-             and r.last.bubble_ratio_theoretical is not None), None)
+        theory = schedule_bubble(layout.schedule, stages, micro, layout.virtual_stages) if micro else None
+        if theory is None:
+            theory = next((r.last.bubble_ratio_theoretical for r in piped if r.last is not None
+                           and r.last.bubble_ratio_theoretical is not None), None)
         bubble = median(bubbles.values()) if measured else theory
         if bubble is None or bubble <= t.max_bubble_ratio:
             continue
@@ -90,15 +112,20 @@ def pipeline_bubble(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
         evidence += sharing
         against = f" against {ratio_text(theory)} in theory" if theory is not None else ""
         if theory is not None and theory > t.max_bubble_ratio:
-            needed = micro_batches_for(stages, t.max_bubble_ratio)
+            chunks = layout.virtual_stages or 1
+            zero_bubble = layout.schedule in ZERO_BUBBLE_SCHEDULES
+            needed = stages if zero_bubble else micro_batches_for(stages, t.max_bubble_ratio, chunks)
+            formula = "(p−1)/(v·m+p−1)" if chunks > 1 else "(p−1)/(m+p−1)"
             yield Issue(
                 title=f"pipeline bubble {ratio_text(bubble)} in job {job} ({shape}): too few micro-batches",
                 evidence=tuple(evidence),
                 fix=f"raise the micro-batches per step from {micro or 'the current count'} to at least {needed} "
-                    f"(bubble ≤ {ratio_text(t.max_bubble_ratio)}; the rule of thumb m ≥ 4p = {4 * stages}), "
-                    "keeping the micro-batch size (e.g. --micro-batches)",
-                reason=f"With p={stages} stages the pipeline idles (p−1)/(m+p−1) of every step; more micro-batches "
-                       "shrink that share.",
+                    + ("(a zero-bubble schedule fills its idle slots once m ≥ p)" if zero_bubble else
+                       f"(bubble ≤ {ratio_text(t.max_bubble_ratio)}; the rule of thumb m ≥ 4p = {4 * stages})")
+                    + ", keeping the micro-batch size (e.g. --micro-batches)",
+                reason=(f"With p={stages} stages a zero-bubble schedule idles unless m ≥ p" if zero_bubble else
+                        f"With p={stages} stages the pipeline idles {formula} of every step")
+                       + "; more micro-batches shrink that share.",
             )
         elif sharing:
             yield Issue(
@@ -110,7 +137,7 @@ def pipeline_bubble(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
                        "shows the CPU shortage rather than unbalanced stages.",
                 severity=Severity.INFO,
             )
-        else:
+        elif not _slow_stages(facts, job, ranks, t):  # else PERF006 names the slow stage
             yield Issue(
                 title=f"pipeline bubble {ratio_text(bubble)} in job {job}{against}: "
                       "stages unbalanced or waiting on communication",
@@ -543,4 +570,198 @@ def bandwidth_below_rating(facts: Facts, t: types.SimpleNamespace) -> Iterator[I
                 "rerun the probe with NCCL_DEBUG=INFO to see which transport NCCL picked",
             reason="Collectives cannot beat the bandwidth the path actually delivers; far below its rating, it "
                    "is degraded or bypassed.",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stage:
+    """One pipeline stage of a job as its ranks with a busy time show it: ``busy`` the lower median of their window
+    medians (see PERF006 for why the lower)."""
+
+    stage: int
+    ranks: list[RankFacts]
+    busy: float
+
+    def median_of(self, timing: str) -> float | None:
+        values = [v for r in self.ranks if (v := windowed(r, timing)) is not None]
+        return median(values) if values else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unbalanced:
+    """A job's stages, the ones busy beyond the others (slowest first, each with the median of the other stages'
+    busy times), its median step and the evidence that its ranks share CPUs."""
+
+    stages: dict[int, _Stage]
+    slow: list[tuple[_Stage, float]]
+    step: float
+    sharing: list[Evidence]
+
+
+def _stages(ranks: list[RankFacts]) -> dict[int, _Stage]:
+    """The job's pipeline stages with a busy time, by stage number."""
+    busy = {r.rank: b for r in ranks if r.layout is not None and r.layout.pp_size > 1
+            and (b := windowed(r, BUSY)) is not None and b > 0}
+    timed = sorted((r for r in ranks if r.rank in busy), key=lambda r: (r.layout.pp_stage if r.layout else 0, r.rank))
+    return {stage: _Stage(stage, members, statistics.median_low(busy[r.rank] for r in members))
+            for stage, members in group_by(timed, lambda r: r.layout.pp_stage)}
+
+
+def _slow_stages(facts: Facts, job: str, ranks: list[RankFacts], t: types.SimpleNamespace) -> _Unbalanced | None:
+    """The stages of a job busy beyond the median of the others by ``stage_ratio`` (``stage_shared_cpu_ratio`` where
+    its ranks share CPUs) and by ``stage_min_step_share`` of its median step; None when none is, or fewer than two
+    stages are known."""
+    stages = _stages(ranks)
+    if len(stages) < 2:
+        return None
+    steps = [s for stage in stages.values() for r in stage.ranks if (s := windowed(r, "step_seconds")) is not None]
+    if not steps:
+        return None
+    step = median(steps)
+    timed = [r for stage in stages.values() for r in stage.ranks]
+    sharing = cpu_sharing(facts, ranks)
+    if not sharing and all(r.gpu_uuid is None and r.gpu_index is None for r in timed):
+        sharing = [Evidence(f"the ranks of job {job} compute on CPUs, whose cores they share with each other and the "
+                            "rest of the host: their timings include waiting for a core", Where(job=job),
+                            {"cpu_ranks": len(timed)})]
+    ratio = max(t.stage_ratio, t.stage_shared_cpu_ratio) if sharing else t.stage_ratio
+    busy = [stage.busy for stage in stages.values()]
+    slow = [(stage, others) for stage, others in zip(stages.values(), medians_of_others(busy), strict=True)
+            if stage.busy > ratio * others and stage.busy - others >= t.stage_min_step_share * step
+            and _extra_phase(stage, [other for other in stages.values() if other is not stage]) != "data"]
+    if not slow:
+        return None
+    slow.sort(key=lambda pair: -pair[0].busy / pair[1])
+    return _Unbalanced(stages, slow, step, sharing)
+
+
+def _holds(stage: _Stage) -> tuple[str, ...] | None:
+    """The modules a stage holds, from the first of its ranks whose hello names them."""
+    return next((r.layout.stage_modules for r in stage.ranks if r.layout and r.layout.stage_modules is not None), None)
+
+
+def _modules_text(modules: tuple[str, ...]) -> str:
+    shown = ", ".join(modules[:12])
+    return f"{shown}, ... ({len(modules)} modules)" if len(modules) > 12 else shown
+
+
+def _phase_extras(slow: _Stage, others: list[_Stage]) -> list[tuple[float, str, float, float]]:
+    """Each phase a slow stage reports: (its extra over the other stages' median of that phase, the phase, its
+    median there, the other stages' median)."""
+    found = []
+    for field in PHASE_TIMINGS:
+        own = slow.median_of(field)
+        theirs = [v for stage in others if (v := stage.median_of(field)) is not None]
+        if own is not None:
+            usual = median(theirs) if theirs else 0.0
+            found.append((own - usual, _PHASE_OF[field], own, usual))
+    return found
+
+
+def _extra_phase(slow: _Stage, others: list[_Stage]) -> str | None:
+    """The phase holding most of a slow stage's extra time; None when it reports none."""
+    found = _phase_extras(slow, others)
+    return max(found)[1] if found else None
+
+
+@rule("PERF006", family=FAMILY, severity=Severity.WARNING, title="Pipeline stages unbalanced",
+      needs=(needs.BUSY, needs.LAYOUT),
+      thresholds=_STAGES,
+      coverage=(PIPELINE_STAGES_UNBALANCED,))
+def stages_unbalanced(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
+    """A pipeline runs at the pace of its slowest stage: every micro-batch passes through each stage in turn, so a
+    stage busy longer than the others makes its neighbours wait for its activations (forward) and gradients
+    (backward) in their receives, every micro-batch, and the whole pipeline idles the difference on every other
+    stage. The usual cause is the split: the layers (and the embedding on the first stage, the output layer and the
+    loss on the last) are not spread by their cost. Each stage's busy time (the step without its waits in
+    collectives, as PERF002 judges a straggler: its window median) is the lower median over its ranks, its tensor-
+    and data-parallel peers, which do the same work; a stage whose figure exceeds the median of the other stages' by
+    stage_ratio and by stage_min_step_share of the job's median step is named, with its ranks, its busy time against
+    the others', the wait of the other stages in collectives (their receives from it among them), the phase its
+    extra time is in, and the modules it holds where its hellos say (``stage_modules``). The fix is to move layers
+    from it to the others. A stage whose extra time is mostly its wait for data (in pipeline parallelism the first
+    stage loads the input) is not named: moving layers does not speed a loader, and a wait most ranks of a stage
+    share is PERF003's (the input pipeline).
+
+    Kept apart from a straggler (PERF002): the stage's figure is the lower median of its ranks' busy times, so one
+    slow rank or one slow data-parallel replica does not move it where the stage has three or more ranks (dp ≥ 3,
+    or a tensor-parallel group per replica), and with two ranks (dp = 2, tp = 1) it is the faster one's: a stage
+    is named only when all its replicas are slow alike, which a slow device does not do to two replicas at once;
+    one slow rank of two is PERF002's (peers: the same stage). A stage of one rank (tp = dp = 1) cannot be told
+    from a slow device on that rank: the finding says to check the device where the extra is not in compute
+    proportional to its layers. Kept apart from the bubble (PERF001): where a stage is named here, PERF001 does not
+    also report a measured bubble above the schedule's (it shares these thresholds to know). Ranks computing on
+    CPUs share cores and only a larger gap (stage_shared_cpu_ratio) counts. A source that sees only some stages of
+    a job (an agent on one node of several) compares the stages it sees, and says so."""
+    for job, ranks in facts.jobs().items():
+        found = _slow_stages(facts, job, ranks, t)
+        if found is None:
+            continue
+        stages = found.stages
+        slowest, others_busy = found.slow[0]
+        others = [stage for number, stage in stages.items() if number != slowest.stage]
+        layout = slowest.ranks[0].layout
+        assert layout is not None, "staged ranks have a layout"
+        evidence = []
+        for stage, theirs in found.slow:
+            holds = _holds(stage)
+            evidence.append(Evidence(
+                f"stage {stage.stage} ({describe_ranks(stage.ranks)}) is busy {stage.busy:.3g} s per step "
+                f"({window_text(stage.ranks[0])}, the lower median of its {len(stage.ranks)} rank(s)), "
+                f"{stage.busy / theirs:.2f}x the {theirs:.3g} s median of the other stages, in a {found.step:.3g} s "
+                "step" + (f"; it holds {_modules_text(holds)}" if holds else ""),
+                Where(job=job, rank=stage.ranks[0].rank if len(stage.ranks) == 1 else None),
+                {"pp_stage": stage.stage, "ranks": [r.rank for r in stage.ranks], "busy_seconds": stage.busy,
+                 "others_seconds": theirs, "ratio": stage.busy / theirs, "step_seconds": found.step,
+                 "modules": list(holds) if holds else None}))
+        extras = _phase_extras(slowest, others)
+        if extras:
+            _, phase, own, theirs_phase = max(extras)
+            evidence.append(Evidence(
+                f"stage {slowest.stage}'s extra time is in {_PHASE_ADVICE[phase][0]}: {own:.3g} s against the "
+                f"other stages' {theirs_phase:.3g} s", Where(job=job),
+                {"pp_stage": slowest.stage, "phase": phase, "seconds": own, "others_seconds": theirs_phase}))
+        for stage in others:
+            if any(stage is slow for slow, _ in found.slow):
+                continue
+            wait, bubble, holds = stage.median_of("exposed_collective_seconds"), stage.median_of("bubble_ratio"), \
+                _holds(stage)
+            evidence.append(Evidence(
+                f"stage {stage.stage} ({describe_ranks(stage.ranks)}): busy {stage.busy:.3g} s"
+                + (f", waits {wait:.3g} s a step in collectives (its receives from the slow stage among them)"
+                   if wait is not None else "")
+                + (f", idle {ratio_text(bubble)} of its schedule" if bubble is not None else "")
+                + (f"; holds {len(holds)} module(s)" if holds else ""),
+                Where(job=job, rank=stage.ranks[0].rank if len(stage.ranks) == 1 else None),
+                {"pp_stage": stage.stage, "busy_seconds": stage.busy, "wait_seconds": wait, "bubble_ratio": bubble,
+                 "modules": len(holds) if holds else None}))
+        if len(stages) < layout.pp_size:
+            evidence.append(Evidence(
+                f"only stage(s) {', '.join(str(s) for s in sorted(stages))} of the job's {layout.pp_size} are seen "
+                "by this source (busy times over a full window): the others are not compared", Where(job=job),
+                {"stages_seen": len(stages), "pp_size": layout.pp_size}))
+        if not _holds(slowest):
+            evidence.append(Evidence("which modules each stage holds is unknown: the hellos carry no stage_modules",
+                                     Where(job=job)))
+        evidence += found.sharing
+        first_or_last = ("the first stage also holds the embedding and loads the data" if slowest.stage == 0 else
+                         "the last stage also holds the output layer and the loss"
+                         if slowest.stage == layout.pp_size - 1 else "")
+        holds = _holds(slowest)
+        yield Issue(
+            title=f"pipeline stage {slowest.stage} of job {job} is busy {slowest.busy / others_busy:.2f}x the other "
+                  "stages: they wait for it every micro-batch",
+            evidence=capped(evidence, what="stages"),
+            fix=f"move layers from stage {slowest.stage}"
+                + (f" ({_modules_text(holds)})" if holds else "")
+                + " to the other stages" + (f" ({first_or_last}: give it fewer layers)" if first_or_last else "")
+                + ": in torchtitan, pipeline_parallel_split_points ([parallelism] of its job config: the module each "
+                  "stage after the first starts with); in Megatron-LM, --decoder-first-pipeline-num-layers and "
+                  "--decoder-last-pipeline-num-layers (uneven first and last stages); with torch.distributed."
+                  "pipelining's own split, fewer modules in that stage's PipelineStage. Where its extra time is not "
+                  "in compute (the phase above), moving layers does not help: that phase's own cause does (its "
+                  "data loader, its callbacks); and a stage of one rank slow on its own may be its device (HW005, "
+                  "HW002 on its node)",
+            reason="A pipeline runs at the pace of its slowest stage: every other stage waits for it in its receives "
+                   "on every micro-batch, so its extra time is idle time on every other GPU of the pipeline.",
         )

@@ -56,7 +56,9 @@ def layout(hello: Hello) -> Layout:
     return Layout(
         world_size=hello.world_size, tp_size=hello.tp_size, pp_size=hello.pp_size, dp_size=hello.dp_size,
         tp_rank=hello.tp_rank, pp_stage=hello.pp_stage, dp_rank=hello.dp_rank, local_rank=hello.local_rank,
-        schedule=hello.schedule, micro_batches=hello.micro_batches, precision=hello.precision)
+        schedule=hello.schedule, micro_batches=hello.micro_batches, precision=hello.precision,
+        virtual_stages=hello.virtual_stages,
+        stage_modules=tuple(hello.stage_modules) if hello.stage_modules is not None else None)
 
 
 def workload(hello: Hello) -> Workload | None:

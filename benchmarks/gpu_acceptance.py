@@ -22,6 +22,8 @@ timeout: a call that hangs in the driver costs its check, never the run. Checks,
 * diagnose-fp16: fp16 without a loss scaler makes CONV001 fire;
 * diagnose-healthy: a healthy run draws no warning or critical finding;
 * probe: `gpuwatch probe` on NCCL reports bus bandwidth (needs 2 GPUs);
+* flight-recorder: a 2-rank NCCL job under `gpuwatch run` with PyTorch's Flight Recorder on: per process group, the
+  collectives the recorder saw complete agree with gpuwatch's count of them (needs 2 GPUs);
 * plan: the planner, calibrated on the GPU, against the reference trainer at 3 one-GPU layouts: step time within
   10 %, the allocator's peak within 5 % of the predicted tensors;
 * frameworks-gpu: the frameworks that need CUDA to run at all (torchtitan, Megatron-core), where installed, train a
@@ -146,10 +148,11 @@ class Check:
 # -- running gpuwatch -------------------------------------------------------------------------------------------------
 
 
-def gpuwatch(ctx: Context, log_name: str, *args: str) -> str:
-    """`gpuwatch ARGS` to completion, its output kept in the raw files; its standard output; Failed on a non-zero
-    exit."""
-    result = subprocess.run([sys.executable, "-m", "gpuwatch.cli.main", *args], capture_output=True, text=True)
+def gpuwatch(ctx: Context, log_name: str, *args: str, env: dict[str, str] | None = None) -> str:
+    """`gpuwatch ARGS` to completion (with `env` added to this process's environment), its output kept in the raw
+    files; its standard output; Failed on a non-zero exit."""
+    result = subprocess.run([sys.executable, "-m", "gpuwatch.cli.main", *args], capture_output=True, text=True,
+                            env={**os.environ, **env} if env else None)
     with (ctx.raw / log_name).open("a") as log:
         log.write(f"$ gpuwatch {' '.join(args)}\n{result.stdout}{result.stderr}\n")
     if result.returncode != 0:
@@ -704,6 +707,68 @@ def frameworks_gpu(ctx: Context) -> Outcome:
                    figures)
 
 
+#: flight-recorder: the job's steps, and the recorder's buffer (entries; the job records ~25 a rank).
+RECORDER_STEPS, RECORDER_BUFFER = 5, 2000
+
+
+def gpuwatch_group(group: dict[str, Any], hello: dict[str, Any]) -> str:
+    """The name gpuwatch gives a process group the recorder names by torch (flight_recorder_job.py's `groups`
+    entry), by its members, as the hooks name groups (`Monitor._identify`): the world "default" (or the tensor or
+    pipeline dimension's, where one spans it), else the hello's group with the same ranks."""
+    ranks, world = group["ranks"], hello["world_size"]
+    layout = hello.get("process_groups") or {}
+    if group["world"]:
+        return next((name for name in ("tp", "pp") if len(layout.get(name, ())) == world > 1), "default")
+    if ranks is None:
+        return f"torch group {group['desc'] or '?'} (members unknown)"
+    named = next((name for name, members in layout.items() if members == ranks), None)
+    return named or ("default" if len(ranks) == world else f"ranks-{ranks[0]}-{ranks[-1]}")
+
+
+def flight_recorder(ctx: Context) -> Outcome:
+    """PyTorch's Flight Recorder as a second source: a 2-rank job under `gpuwatch run` with the recorder on
+    (benchmarks/flight_recorder_job.py); per rank and process group, the collectives the recorder saw complete
+    against those gpuwatch counted (the last step record's `collective_calls`, counted since the hooks began)."""
+    ranks = 2
+    ctx.gpus(ranks, "a 2-rank NCCL job with the Flight Recorder on")
+    backend, variable = ("gloo", "TORCH_FR_BUFFER_SIZE") if ctx.dry_run else ("nccl", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+    run_log, dumps = ctx.raw / "run-log", ctx.raw / "flight-recorder"
+    gpuwatch(ctx, "job.log", "run", "--run-log", str(run_log), "--layout", f"1,1,{ranks}", "--", sys.executable, "-m",
+             "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+             str(Path(__file__).resolve().parent / "flight_recorder_job.py"), "--backend", backend, "--out",
+             str(dumps), "--steps", str(RECORDER_STEPS), env={variable: str(RECORDER_BUFFER)})
+    figures: dict[str, Any] = {"backend": backend, "variable": variable}
+    problems = []
+    for path in sorted(run_log.glob("rank-*.jsonl")):
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        hello = [r for r in records if r["kind"] == "hello"][-1]
+        steps = [r for r in records if r["kind"] == "step"]
+        rank = hello["rank"]
+        require([s["step"] for s in steps] == list(range(1, RECORDER_STEPS + 1)),
+                f"rank {rank}: steps {[s['step'] for s in steps]}")
+        counted = {group: calls for group, calls in (steps[-1].get("collective_calls") or {}).items() if calls}
+        dump = json.loads((dumps / f"rank-{rank}.json").read_text())
+        why = "this torch has no Flight Recorder dump" if dump["entries"] is None else "its dump is empty"
+        require(bool(dump["entries"]), f"rank {rank}: the Flight Recorder recorded nothing with {variable}="
+                                       f"{RECORDER_BUFFER}: {why}")
+        recorded: dict[str, int] = {}
+        for torch_name, group in dump["groups"].items():
+            name = gpuwatch_group(group, hello)
+            recorded[name] = recorded.get(name, 0) + group["finished"]
+            if group["unfinished"]:
+                problems.append(f"rank {rank}: {group['unfinished']} collectives on torch group {torch_name} "
+                                f"({group['desc']}) never completed by the recorder's account")
+        figures[f"rank {rank}"] = {"recorder": recorded, "gpuwatch": counted, "groups": dump["groups"]}
+        if recorded != counted:
+            problems.append(f"rank {rank}: the recorder completed {recorded}, gpuwatch counted {counted}")
+    require(len(figures) == 2 + ranks, f"{len(figures) - 2} of {ranks} ranks wrote a run log (raw/{ctx.raw.name})")
+    require(not problems, "; ".join(problems))
+    agreed = figures["rank 0"]["recorder"]
+    return Outcome(f"{backend}, {ranks} ranks × {RECORDER_STEPS} steps: the recorder's completed collectives per group "
+                   f"agree with gpuwatch's counts ({', '.join(f'{g} {n}' for g, n in sorted(agreed.items()))})",
+                   figures)
+
+
 #: Every check in the order it runs, with its timeout (seconds, Python start-up included). They add up to more than
 #: the budget: a timeout bounds a hang, and the budget the run.
 CHECKS = (
@@ -719,6 +784,7 @@ CHECKS = (
     Check("diagnose-fp16", diagnose_fp16, 60),
     Check("diagnose-healthy", diagnose_healthy, 60),
     Check("probe", probe, 90),
+    Check("flight-recorder", flight_recorder, 90),
     Check("plan", plan_check, 120),
     Check("frameworks-gpu", frameworks_gpu, 120),
 )

@@ -180,8 +180,10 @@ closed (phase "closed"), so that a rank's exit after it is a normal end, not a d
                                      torch's own account: op ("all_reduce"), torch's name ("0" the
                                      world) and description ("default_pg", a ``group_desc``) of its
                                      process group (at most MAX_GROUP_TEXT_CHARS), its per-group
-                                     number (collectives and send/recv apart), its state ("scheduled",
-                                     "started"; gloo's stay "scheduled")
+                                     number (torch's: every call on the group since it was made,
+                                     collectives and send/recv apart, so it may run ahead of
+                                     ``collective.seq``), its state ("scheduled", "started"; gloo's
+                                     stay "scheduled")
 
 Types are strict: an int field takes only JSON integers, a float field integers or floats, never
 strings or booleans. Non-finite numbers are written as ``json.dumps`` writes them by default

@@ -342,10 +342,12 @@ def test_perf001_above_a_sound_schedule_on_an_oversubscribed_node_is_information
     assert finding.severity == Severity.INFO and "fewer CPUs than ranks" in finding.title
     assert finding.evidence[-1].text == "node node-a runs 4 CPU ranks on 2 CPUs: their timings include waiting for " \
                                        "a CPU"
-    # A CPU per rank, or ranks computing on GPUs: the stages are to blame again.
-    for ranks, cpus in ((_on_cpu(_pipeline(m=16, measured=0.45)), 4), (_pipeline(m=16, measured=0.45), 2)):
-        (finding,) = fired("PERF001", facts([node(cpus=cpus)], ranks=ranks))
-        assert finding.severity == Severity.WARNING and "rebalance layers" in finding.fix
+    # A CPU per rank: gloo's sends and receives between stages still outweigh a CPU micro-batch's share of a GPU's.
+    (finding,) = fired("PERF001", facts([node(cpus=4)], ranks=_on_cpu(_pipeline(m=16, measured=0.45))))
+    assert finding.severity == Severity.INFO and finding.title.endswith("on CPU ranks")
+    # Ranks computing on GPUs: the stages are to blame again.
+    (finding,) = fired("PERF001", facts([node(cpus=2)], ranks=_pipeline(m=16, measured=0.45)))
+    assert finding.severity == Severity.WARNING and "rebalance layers" in finding.fix
     # Too few micro-batches is the schedule's own bubble, however busy the node.
     (finding,) = fired("PERF001", facts([node(cpus=2)], ranks=_on_cpu(_pipeline(m=1, measured=0.74))))
     assert finding.severity == Severity.WARNING and "too few micro-batches" in finding.title

@@ -94,6 +94,7 @@ from gpuwatch.trainer.auto.collectives import (
 from gpuwatch.trainer.auto.layout import detect_layout
 from gpuwatch.trainer.hooks.identity import Layout
 from gpuwatch.trainer.hooks.monitor import SIGNALS, Monitor
+from gpuwatch.trainer.hooks.pipeline import WindowClock
 from gpuwatch.trainer.hooks.safety import Failures
 from gpuwatch.trainer.hooks.step import CollectiveTimer, Phase, Step
 from gpuwatch.trainer.telemetry import captured_command
@@ -297,6 +298,8 @@ class AutoMonitor:
             multiprocessing.util.Finalize(self.monitor, self.monitor.close, exitpriority=0)
             status.note("monitor", rank=self.monitor.layout.rank, framework=detect_framework())
             self._open_step()
+            if self._schedule is not None:  # the first forward inside a pipeline schedule's first step
+                self._enter_schedule()
             self._on_forward(module, inputs)
         except Exception as error:
             self.failures.record("AutoMonitor._on_first_forward", error)
@@ -747,35 +750,40 @@ class AutoMonitor:
         schedule step inside another (a subclass calling its base's) is the outer one's."""
         @functools.wraps(schedule_step)
         def wrapper(schedule: Any, *args: Any, **kwargs: Any) -> Any:
-            if self._schedule is not None or self.step is None or not getattr(schedule, "_has_backward", True):
+            if self._schedule is not None or not getattr(schedule, "_has_backward", True):
                 return schedule_step(schedule, *args, **kwargs)
-            clock = self._enter_schedule(schedule)
+            self._schedule = schedule
+            self._enter_schedule()
             try:
                 return schedule_step(schedule, *args, **kwargs)
             finally:
                 self._schedule = None
-                if clock is not None:
-                    clock.stop()
+                self._leave_schedule()
 
         return wrapper
 
-    def _enter_schedule(self, schedule: Any) -> Any:
-        """This step's pipeline clock, started (the first schedule step of an optimizer step opens the window, the
-        last closes it); the layout and hello told the pipeline's shape the first time it is seen or changes."""
+    def _enter_schedule(self) -> None:
+        """The schedule running now opens this step's pipeline window (the first schedule step of an optimizer step
+        opens it, the last closes it); the layout and hello told the pipeline's shape the first time it is seen or
+        changes. Before the first step (the first schedule step makes the model's first forward, which makes the
+        Monitor) that forward calls this again."""
         try:
-            self._schedule = schedule
-            shape = pipelining.read_schedule(schedule)
+            shape = pipelining.read_schedule(self._schedule)
             if shape is None or self.step is None or self.monitor is None:
-                return None
+                return
             if shape != self._pipeline_shape:
                 self._pipeline_shape = shape
                 self._describe_pipeline(shape)
-            clock = self.step.window_clock(shape.group, shape.bubble_theoretical)
-            clock.start()
-            return clock
+            self.step.window_clock(shape.group, shape.bubble_theoretical).start()
         except Exception as error:
             self.failures.record("AutoMonitor._enter_schedule", error)
-            return None
+
+    def _leave_schedule(self) -> None:
+        try:
+            if self.step is not None and isinstance(self.step.pipeline, WindowClock):
+                self.step.pipeline.stop()
+        except Exception as error:
+            self.failures.record("AutoMonitor._leave_schedule", error)
 
     def _describe_pipeline(self, shape: pipelining.PipelineShape) -> None:
         """The Monitor's layout and hello with the pipeline's shape: the schedule, micro-batches, stages a rank and

@@ -18,6 +18,13 @@ the device. The hooks therefore also keep the last collective the host has left 
 recorded after it on the device, and while the device has not passed that mark (`device_done`, which asks without
 waiting) the watchdog reports it as the collective in flight.
 
+Where PyTorch's Flight Recorder is on (`flight_recorder.FlightRecorder.enabled`: TORCH_FR_BUFFER_SIZE or
+TORCH_NCCL_TRACE_BUFFER_SIZE above 0, or unset on a torch that records by default), a record also carries, as a
+second source, the oldest collective the recorder has not seen finish (``flight_recorder``: op, torch's name and
+description of its group, its per-group number, its state): PyTorch's own account, kept by the process group itself,
+of where the rank waits, which holds where the hooks see no collective (one they do not wrap, one a C++ framework
+launches). It is read on the watchdog's thread, only when a record is sent: never while steps flow.
+
 The watchdog reads what the training thread writes without a lock: each attribute is one reference, replaced
 whole, so a read sees an old or a new value, never a torn one; a record may mix the phase of one moment with the
 collective of the next, which the next second's record corrects.
@@ -25,6 +32,7 @@ collective of the next, which the next second's record corrects.
 
 from __future__ import annotations
 
+import re
 import statistics
 import sys
 import threading
@@ -34,7 +42,8 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from gpuwatch.protocol.schema import MAX_STACK_FRAMES, MAX_TEXT_CHARS, SCHEMA_VERSION
+from gpuwatch.protocol.schema import MAX_GROUP_TEXT_CHARS, MAX_STACK_FRAMES, MAX_TEXT_CHARS, SCHEMA_VERSION
+from gpuwatch.trainer.hooks.flight_recorder import FlightEntry, FlightRecorder
 
 #: A step is overdue once the training thread has made no progress for this many times its median step ...
 OVERDUE_FACTOR = 5.0
@@ -88,13 +97,17 @@ class Progress:
 
 class Watchdog:
     """Sends ``progress`` records (gpuwatch.protocol.schema) while the training thread is overdue; `check` is the
-    decision, with the clocks injected, and the thread calls it every `interval` seconds."""
+    decision, with the clocks injected, and the thread calls it every `interval` seconds. `recorder` gives a record's
+    ``flight_recorder`` field (or None); by default `flight_recorder_field` where the Flight Recorder is on."""
 
     def __init__(self, progress: Progress, send: Callable[[Mapping[str, Any]], None], job: str, rank: int,
                  thread_id: int, *, interval: float = INTERVAL_SECONDS, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time,
+                 recorder: Callable[[], dict[str, Any] | None] | None = None) -> None:
         self.progress, self.send, self.job, self.rank, self.thread_id = progress, send, job, rank, thread_id
         self.interval, self._clock, self._wall = interval, clock, wall
+        #: read only when a record is sent; None: the Flight Recorder is off in this process, and is not read
+        self.recorder = recorder or (flight_recorder_field if FlightRecorder.enabled() else None)
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -129,6 +142,13 @@ class Watchdog:
             stack = thread_stack(self.thread_id)
             if stack:
                 record["stack"] = stack
+        if self.recorder is not None:
+            try:
+                unfinished = self.recorder()
+            except Exception:  # a second source that fails takes nothing from the first
+                unfinished = None
+            if unfinished is not None:
+                record["flight_recorder"] = unfinished
         return record
 
     def _still_on_device(self) -> InFlight | None:
@@ -155,6 +175,26 @@ class Watchdog:
         self._closed.set()
         if self._thread is not None:
             self._thread.join(2 * self.interval)
+
+
+_NOT_LABEL = re.compile(r"[^A-Za-z0-9_.:+/-]")
+
+
+def flight_recorder_field(entries: list[FlightEntry] | None = None) -> dict[str, Any] | None:
+    """A progress record's ``flight_recorder``: the oldest entry of this process's Flight Recorder (or of
+    `entries`) not finished, fitted to the schema (labels and lengths); None where every entry finished, there is
+    none, or the recorder cannot be read."""
+    if entries is None:
+        entries = FlightRecorder.read(only_active=True)
+    entry = FlightRecorder.oldest_unfinished(entries)
+    if entry is None:
+        return None
+    field: dict[str, Any] = {
+        "op": _NOT_LABEL.sub("_", entry.op)[:64] or "unknown", "group": entry.group[:MAX_GROUP_TEXT_CHARS],
+        "seq": min(entry.seq, 2**53), "p2p": entry.p2p, "state": _NOT_LABEL.sub("_", entry.state)[:32] or "unknown"}
+    if entry.group_desc:
+        field["group_desc"] = entry.group_desc[:MAX_GROUP_TEXT_CHARS]
+    return field
 
 
 def thread_stack(thread_id: int) -> list[dict[str, Any]]:

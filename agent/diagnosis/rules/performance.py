@@ -79,7 +79,8 @@ def pipeline_bubble(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     where one stage is busy beyond the others by PERF006's margins (the same thresholds here, stage_*), PERF006 names
     that stage and this rule says nothing more. On a node with more ranks than CPUs (CPU ranks, a test machine) a
     stage that waits for a CPU counts as idle, so a measured bubble above a sound schedule's is only reported as
-    information there."""
+    information there, and so on CPU ranks (gloo), where a send or receive between stages is a far larger share
+    of a micro-batch than on a GPU."""
     for job, ranks in facts.jobs().items():
         piped = [rank for rank in ranks if rank.layout is not None and rank.layout.pp_size > 1]
         if not piped:
@@ -135,6 +136,17 @@ def pipeline_bubble(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
                 fix="measure the bubble where every rank has a CPU (or a GPU) to itself; here the schedule is sound",
                 reason="A stage waiting for a CPU counts as idle, so on an oversubscribed node the measured bubble "
                        "shows the CPU shortage rather than unbalanced stages.",
+                severity=Severity.INFO,
+            )
+        elif measured and all(r.gpu_uuid is None and r.gpu_index is None for r in measured):
+            yield Issue(
+                title=f"pipeline bubble {ratio_text(bubble)} in job {job}{against}, on CPU ranks",
+                evidence=tuple(evidence),
+                fix="judge the bubble on the GPUs the job trains on; on the CPU the schedule is sound",
+                reason="On CPU ranks (gloo) a send or receive between stages and the schedule's own work between "
+                       "passes are a far larger share of a micro-batch than on a GPU, so the stages wait on each "
+                       "other above the schedule's bubble without a fault of the pipeline's; a stage slower than "
+                       "the others is PERF006's.",
                 severity=Severity.INFO,
             )
         elif not _slow_stages(facts, job, ranks, t):  # else PERF006 names the slow stage

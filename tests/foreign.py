@@ -47,6 +47,10 @@ UNMODIFIED_SCRIPTS = ("plain_ddp",)
 #: Jobs on the real frameworks (Hugging Face Trainer, accelerate, Lightning, FSDP2), no gpuwatch import either, run
 #: under GPUWATCH_RUN: the same options, their faults those of workloads/framework_job.py (tests/test_frameworks.py).
 FRAMEWORK_SCRIPTS = ("hf_trainer", "accelerate_loop", "lightning_fit", "fsdp2_loop")
+#: Hybrid parallelism from PyTorch's own parts (DTensor tensor parallelism, FSDP2, torch.distributed.pipelining), no
+#: gpuwatch import, run under GPUWATCH_RUN: ``--layout L`` among their arguments, their own faults
+#: (workloads/hybrid_job.py; tests/test_hybrid_parallel.py).
+HYBRID_SCRIPTS = ("hybrid_job",)
 #: The command a workload runs under to be measured from outside.
 GPUWATCH_RUN = (sys.executable, "-m", "gpuwatch.cli.main", "run", "--")
 #: A finding at these severities on a healthy run is a false alarm.
@@ -170,7 +174,7 @@ class Workload:
     wrapper: tuple[str, ...] = ()  # what torchrun runs under, e.g. GPUWATCH_RUN
 
     def __post_init__(self) -> None:
-        known = SCRIPTS + UNMODIFIED_SCRIPTS + FRAMEWORK_SCRIPTS
+        known = SCRIPTS + UNMODIFIED_SCRIPTS + FRAMEWORK_SCRIPTS + HYBRID_SCRIPTS
         if self.script not in known:
             raise ValueError(f"unknown workload {self.script!r}; known: {', '.join(known)}")
         self.job = self.job or f"{self.script}-{self.nproc}r-{self.fault}-{uuid.uuid4().hex[:6]}"

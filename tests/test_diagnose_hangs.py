@@ -4,6 +4,7 @@ and what must stay quiet (a pause shorter than the stall threshold, a job whose 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from diagnose_facts import facts, rank, step
@@ -13,8 +14,9 @@ from telemetry_records import step as step_record
 from test_diagnose_rules import fired, not_run, silent
 
 from gpuwatch.agent.diagnosis import engine
-from gpuwatch.agent.diagnosis.facts import InFlightFacts, ProgressFacts
+from gpuwatch.agent.diagnosis.facts import InFlightFacts, ProgressFacts, RankFacts
 from gpuwatch.agent.diagnosis.sources import run_log
+from gpuwatch.protocol.records import RecorderEntry
 from gpuwatch.trainer.telemetry import TelemetryClient
 
 DP = (0, 1, 2, 3)
@@ -253,6 +255,24 @@ def test_hang006_every_rank_stopped_outside_any_collective_names_phases_the_firs
     assert "read the stack of rank 0" in finding.fix
     for code in ("HANG001", "HANG002", "HANG003", "HANG004", "HANG005"):
         silent(code, facts(ranks=[stopped(0, world=2), stopped(1, "step", world=2)]))
+
+
+def test_hang006_names_the_collective_pytorchs_flight_recorder_has_unfinished():
+    """A second source: where the Flight Recorder is on, a rank's progress record carries the oldest collective it has
+    not seen finish, one the hooks did not see (a communicator's own, one issued from C++); the finding shows it."""
+    def recorded(number: int, stalled: float) -> RankFacts:
+        ranked = stopped(number, "compute", stalled, world=2)
+        entry = RecorderEntry(op="all_reduce", group="1", seq=7, p2p=False, state="scheduled", group_desc="mesh_tp")
+        assert ranked.progress is not None
+        return dataclasses.replace(ranked, progress=dataclasses.replace(ranked.progress, recorder=entry))
+
+    (finding,) = fired("HANG006", facts(ranks=[recorded(0, 30.0), stopped(1, "step", 25.0, world=2)]))
+    (line,) = [e for e in finding.evidence if "Flight Recorder" in e.text]
+    assert line.where.rank == 0 and line.values["seq"] == 7 and line.values["group_desc"] == "mesh_tp"
+    assert "all_reduce #7 on process group 1 (mesh_tp) unfinished (scheduled)" in line.text
+    assert finding.fix.startswith("the Flight Recorder names the collective the ranks wait in")
+    (plain,) = fired("HANG006", facts(ranks=[stopped(0, world=2), stopped(1, "step", world=2)]))
+    assert not any("Flight Recorder" in e.text for e in plain.evidence) and "Flight Recorder" not in plain.fix
 
 
 def test_hang006_ranks_stopped_within_a_heartbeat_are_not_ordered():

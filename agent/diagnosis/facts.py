@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, TypeGuard
 
 from gpuwatch.agent.telemetry.window import WindowSummary
 from gpuwatch.plan.gpus import Calibration
-from gpuwatch.protocol.records import GroupTotals, ModelShapeFields
+from gpuwatch.protocol.records import GroupTotals, ModelShapeFields, RecorderEntry
 
 #: Clock-event reasons that mean the GPU slowed itself down (not idling, not an application clock setting).
 #: ``sw_power_cap`` is left out: a fully loaded GPU sits at its power cap as a matter of course.
@@ -324,6 +324,8 @@ class ProgressFacts:
     stack: tuple[str, ...] = ()
     error: str | None = None  # "Type: message" of the exception a step raised
     time: float | None = None  # the rank's wall clock when it sent the record
+    #: a second source, where PyTorch's Flight Recorder is on: the oldest collective it has not seen finish
+    recorder: RecorderEntry | None = None
 
     @property
     def stack_top(self) -> str | None:

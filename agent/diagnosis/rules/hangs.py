@@ -518,18 +518,19 @@ def _stopped_outside(members: list[RankFacts], t: types.SimpleNamespace) -> bool
 def all_stopped(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """Every rank of a job has stopped making progress (each overdue by its own rhythm and still for at least
     stall_seconds) and none is inside a collective gpuwatch knows: no one waits in a call whose members say who is
-    missing (HANG001), no call is mismatched (HANG002) or stalled with every member in it (HANG003). The job is stuck
-    where gpuwatch does not see: a collective its hooks do not wrap (a functional or DTensor collective, a
-    framework's own communicator, a barrier through the store), a deadlock of the program's own (a lock, a queue, a
-    thread it joins), a data loader or filesystem that stopped answering on every rank, or a checkpoint or
-    evaluation that takes every rank far past its usual step (which ends: not a hang). The finding names each rank's
-    last phase and how long it has been still, the rank that stopped first (the longest still: the others stopped
-    after it, most likely waiting for it in what gpuwatch cannot name; stalls closer than apart_seconds cannot be
-    ordered, and the finding says so), and its stack from its progress record (the agent and a run log carry it;
-    Prometheus does not export stacks). A job with a dead rank is HANG004's, one whose ranks closed their hooks ends,
-    and a rank that never stepped is HANG005's. A source that sees fewer ranks than the job's world size (an agent
-    on one of its nodes) says so rather than that the whole job stopped: the ranks it does not see may be waiting in a
-    collective for these."""
+    missing (HANG001), no call is mismatched (HANG002) or stalled with every member in it (HANG003). The job is
+    stuck where gpuwatch does not see: a collective its hooks do not wrap (a framework's own communicator, a
+    functional collective issued from C++, a barrier through the store; where PyTorch's Flight Recorder is on, the
+    ranks' progress records name its oldest unfinished collective, and the finding shows it), a deadlock of the
+    program's own (a lock, a queue, a thread it joins), a data loader or filesystem that stopped answering on every
+    rank, or a checkpoint or evaluation that takes every rank far past its usual step (which ends: not a hang). The
+    finding names each rank's last phase and how long it has been still, the rank that stopped first (the longest
+    still: the others stopped after it, most likely waiting for it in what gpuwatch cannot name; stalls closer than
+    apart_seconds cannot be ordered, and the finding says so), and its stack from its progress record (the agent and
+    a run log carry it; Prometheus does not export stacks). A job with a dead rank is HANG004's, one whose ranks
+    closed their hooks ends, and a rank that never stepped is HANG005's. A source that sees fewer ranks than the
+    job's world size (an agent on one of its nodes) says so rather than that the whole job stopped: the ranks it
+    does not see may be waiting in a collective for these."""
     for job, members in facts.jobs().items():
         if not _stopped_outside(members, t):
             continue
@@ -567,6 +568,14 @@ def all_stopped(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
                 Where(job=job, rank=ranks[0].rank if len(ranks) == 1 else None),
                 {"ranks": [r.rank for r in ranks], "phase": phase, "step": step,
                  "stalled_seconds": max(stalls), "min_stalled_seconds": min(stalls)}))
+        recorded = [(r, r.progress.recorder) for r in still if r.progress is not None and r.progress.recorder]
+        for rank, entry in recorded:
+            evidence.append(Evidence(
+                f"rank {rank.rank}: PyTorch's Flight Recorder has {entry.op} #{entry.seq} on process group "
+                f"{entry.group}{f' ({entry.group_desc})' if entry.group_desc else ''} unfinished ({entry.state}): "
+                "a collective the hooks did not see", rank.where,
+                {"rank": rank.rank, "op": entry.op, "group": entry.group, "group_desc": entry.group_desc,
+                 "seq": entry.seq, "state": entry.state, "p2p": entry.p2p}))
         if partial:
             evidence.append(Evidence(
                 f"this source sees {len(members)} of the job's " + (f"{world} ranks" if world is not None else
@@ -581,9 +590,11 @@ def all_stopped(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
             title=f"job {job} stopped: {what} still for {shortest:.0f} s or more, none in a collective gpuwatch "
                   f"sees; {_ranks_text(sorted([first.rank, *(r.rank for r in tied)]))} stopped first",
             evidence=capped(evidence, what="groups of ranks"),
-            fix=f"read the stack of rank {first.rank} (above; py-spy dump --pid PID shows every thread): a collective "
-                "gpuwatch does not wrap (a functional or DTensor collective, a framework's own communicator, a "
-                "store barrier) that it waits in, a deadlock of the program's own (a lock, a queue, a thread "
+            fix=("the Flight Recorder names the collective the ranks wait in (above): find where the job calls it, "
+                 "and why a member of its group does not; " if recorded else "")
+                + f"read the stack of rank {first.rank} (above; py-spy dump --pid PID shows every thread): a "
+                "collective gpuwatch does not wrap (a framework's own communicator, one issued from C++, a store "
+                "barrier) that it waits in, a deadlock of the program's own (a lock, a queue, a thread "
                 "joined), or a data loader or filesystem that stopped answering; a checkpoint or an evaluation on "
                 "every rank also stills them all and ends by itself. Until fixed, a process-group timeout "
                 "(init_process_group(timeout=...)) makes the job fail instead of idling",

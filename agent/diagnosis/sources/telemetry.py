@@ -103,7 +103,7 @@ def progress(body: Progress, hello: Hello | None) -> ProgressFacts:
         step=body.step, phase=body.phase, stalled_seconds=body.stalled_seconds,
         overdue_seconds=body.overdue_seconds, collective=in_flight,
         stack=tuple(f"{frame.file}:{frame.line} {frame.function}" for frame in body.stack or ()),
-        error=f"{error.type}: {error.message}" if error else None, time=body.time)
+        error=f"{error.type}: {error.message}" if error else None, time=body.time, recorder=body.flight_recorder)
 
 
 def rank_facts(rank: RankReadings, *, node: str | None, history: History | None = None,

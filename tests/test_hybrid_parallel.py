@@ -24,10 +24,11 @@ schedule's ``step``, and only the last stage has a loss (the mean of its micro-b
 * a straggler (one rank sleeping 0.2 s a step in its forward) is named by PERF002 with its rank and the compute phase,
   nothing blames the network, and its peers' wait for it shows in each mesh dimension it shares with them;
 * a slow pipeline stage (every rank of it sleeping in its stage's forward) is named by the slow-stage rule;
-* a rank that stops for good (before a tensor-parallel collective; between two steps of an FSDP × TP job) is named
+* a rank that stops for good (before a tensor-parallel collective; between two steps of an FSDP × TP job; before a
+  pipeline stage sends its activations) is named
   by a critical HANG finding while the job hangs, live through the agent and from the run log.
 
-Runs: 14 jobs (6 healthy, 3 of them again without gpuwatch, 2 stragglers, 1 slow stage, 2 hangs), each made once and
+Runs: 15 jobs (6 healthy, 3 of them again without gpuwatch, 2 stragglers, 1 slow stage, 3 hangs: one per dimension), each made once and
 shared by every test that reads it (``runs``, ``bare``, ``hangs``); one agent serves the module. No test asserts how
 fast anything is: where a 0.2 s sleep is, which rank or stage is named, which fields a record has.
 """
@@ -82,7 +83,7 @@ SLOW_STAGE_RULE = "PERF006"
 #: Findings that blame the network: a compute straggler on one node must raise none of them.
 NETWORK_RULES = ("PERF004", "PERF005")
 #: The hang runs: (layout, fault, the group its peer waits for it in); the last rank stops at step 4.
-HANGS = (("tp", "hang", "tp"), ("fsdp_tp", "hang-dp", "dp"))
+HANGS = (("tp", "hang", "tp"), ("fsdp_tp", "hang-dp", "dp"), ("pp_1f1b", "hang", "pp"))
 HANG_STEP = 4
 #: How long a hang is polled for at most, from when every rank has done the step before it: a cap that keeps a
 #: broken build from hanging CI, not what is asserted (the watchdog's 3 s floor and the rules' 5 s take ~10 s).

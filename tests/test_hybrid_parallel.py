@@ -25,12 +25,12 @@ schedule's ``step``, and only the last stage has a loss (the mean of its micro-b
   nothing blames the network, and its peers' wait for it shows in each mesh dimension it shares with them;
 * a slow pipeline stage (every rank of it sleeping in its stage's forward) is named by the slow-stage rule;
 * a rank that stops for good (before a tensor-parallel collective; between two steps of an FSDP × TP job; before a
-  pipeline stage sends its activations) is named
-  by a critical HANG finding while the job hangs, live through the agent and from the run log.
+  pipeline stage sends its activations) is named by a critical HANG finding while the job hangs, live through the
+  agent and from the run log.
 
-Runs: 15 jobs (6 healthy, 3 of them again without gpuwatch, 2 stragglers, 1 slow stage, 3 hangs: one per dimension), each made once and
-shared by every test that reads it (``runs``, ``bare``, ``hangs``); one agent serves the module. No test asserts how
-fast anything is: where a 0.2 s sleep is, which rank or stage is named, which fields a record has.
+Runs: 15 jobs (6 healthy, 3 of them again without gpuwatch, 2 stragglers, 1 slow stage, 3 hangs: one per dimension),
+each made once and shared by every test that reads it (``runs``, ``bare``, ``hangs``); one agent serves the module. No
+test asserts how fast anything is: where a 0.2 s sleep is, which rank or stage is named, which fields a record has.
 """
 
 from __future__ import annotations

@@ -441,9 +441,11 @@ class AutoMonitor:
         return outer
 
     def _resume(self) -> None:
-        """Back to the phase the training thread is in when it is neither fetching nor computing: the update inside
-        the optimizer's step (outside its closure), else outside the model."""
-        self._enter_named("optimizer" if self._in_optimizer and not self._in_closure else None)
+        """Back to the phase the training thread is in between a fetch or a backward and what comes next: compute
+        inside a pipeline schedule's step (which runs the model: its passes, its loss, its sends and receives), the
+        update inside the optimizer's step (outside its closure), else outside the model."""
+        self._enter_named("compute" if self._schedule is not None else
+                          "optimizer" if self._in_optimizer and not self._in_closure else None)
 
     def _close_phase(self) -> None:
         phase, self.phase = self.phase, None
@@ -775,6 +777,7 @@ class AutoMonitor:
                 self._pipeline_shape = shape
                 self._describe_pipeline(shape)
             self.step.window_clock(shape.group, shape.bubble_theoretical).start()
+            self._enter_named("compute")
         except Exception as error:
             self.failures.record("AutoMonitor._enter_schedule", error)
 
@@ -782,6 +785,7 @@ class AutoMonitor:
         try:
             if self.step is not None and isinstance(self.step.pipeline, WindowClock):
                 self.step.pipeline.stop()
+            self._resume()
         except Exception as error:
             self.failures.record("AutoMonitor._leave_schedule", error)
 

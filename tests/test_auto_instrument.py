@@ -208,6 +208,32 @@ def _mesh(names: tuple[str, ...] | None, shape: tuple[int, ...], coordinate: lis
                            get_coordinate=lambda: coordinate)
 
 
+def test_the_jobs_own_forward_pre_hooks_are_the_models_compute(tmp_path):
+    """A job's pre-hook on its model (FSDP2's all-gather, a TP plan's input preparation, a user's own), registered
+    before gpuwatch's, runs after it: its 0.2 s a step is compute, not outside the model. One rank, gloo."""
+    job = tmp_path / "job.py"
+    job.write_text(
+        "import os, time, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo', init_method=f'file://{os.environ[\"STORE\"]}', rank=0, world_size=1)\n"
+        "model = torch.nn.Linear(4, 1)\n"
+        "model.register_forward_pre_hook(lambda module, inputs: time.sleep(0.2))\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for _ in range(3):\n"
+        "    model(torch.ones(2, 4)).sum().backward()\n"
+        "    optimizer.step()\n"
+        "dist.destroy_process_group()\n")
+    env = {**instrumented_environment(os.environ, new_job="pre-hook", run_log=str(tmp_path / "log")),
+           "STORE": str(tmp_path / "store")}
+    env.pop("GPUWATCH_RUN_STATUS", None)
+    result = subprocess.run([sys.executable, str(job)], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [record for line in (tmp_path / "log" / "rank-00000.jsonl").read_text().splitlines()
+             if (record := json.loads(line))["kind"] == "step"]
+    assert len(steps) == 3
+    for step in steps:
+        assert step["compute_seconds"] >= 0.2 > step["outside_model_seconds"], step
+
+
 def test_fsdp2s_default_mesh_without_names_over_the_world_is_data_parallel(monkeypatch):
     monkeypatch.setattr(layout_module.dist, "get_backend", lambda group=None: "gloo")
     found = layout_module._from_mesh(_mesh(None, (4,), [2]), 2, 4, 0)

@@ -16,6 +16,7 @@ how it ends, and what layout it reads from a device mesh.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from foreign import GPUWATCH_RUN, WORKLOADS
 
 from gpuwatch.protocol.schema import COLLECTIVE_OPS, P2P_OPS
-from gpuwatch.trainer.auto import instrumented_environment
+from gpuwatch.trainer.auto import instrumented_environment, pipelining
 from gpuwatch.trainer.auto import layout as layout_module
 from gpuwatch.trainer.auto.collectives import (
     NAMESPACES,
@@ -206,6 +207,31 @@ def _mesh(names: tuple[str, ...] | None, shape: tuple[int, ...], coordinate: lis
     """What detect_layout reads of a DeviceMesh (its public `mesh`, `mesh_dim_names`, `get_coordinate()`)."""
     return SimpleNamespace(mesh=torch.arange(math.prod(shape)).reshape(shape), mesh_dim_names=names,
                            get_coordinate=lambda: coordinate)
+
+
+def test_every_pipeline_schedule_torch_exports_has_its_label_and_a_known_bubble_or_none():
+    """The hello's `schedule` of each of torch.distributed.pipelining's public schedules (a new one fails here, not
+    silently named by its class), and the planner's bubble for it where one is modelled."""
+    from torch.distributed.pipelining import schedules
+
+    public = {name for name in dir(schedules) if name.startswith("Schedule") and isinstance(getattr(schedules, name),
+                                                                                          type)
+              and issubclass(getattr(schedules, name), schedules._PipelineSchedule)}
+    assert public <= set(pipelining.SCHEDULE_LABELS), public - set(pipelining.SCHEDULE_LABELS)
+    assert {"ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"} <= public
+    shape = pipelining.PipelineShape(schedule="interleaved_1f1b", stages=4, ranks=2, rank=0, micro_batches=4,
+                                     virtual_stages=2, group=None, modules=())
+    assert shape.bubble_theoretical == 1 / 9  # (p-1)/(v·m+p-1)
+    assert dataclasses.replace(shape, schedule="dualpipev").bubble_theoretical is None
+
+
+def test_a_stage_names_its_layers_one_level_into_its_containers():
+    """torchtitan's stage modules: `layers` is a ModuleDict whose remaining keys are the stage's layers."""
+    model = torch.nn.Module()
+    model.tok_embeddings = torch.nn.Embedding(4, 2)
+    model.layers = torch.nn.ModuleDict({"2": torch.nn.Linear(2, 2), "3": torch.nn.Linear(2, 2)})
+    model.norm = torch.nn.LayerNorm(2)
+    assert list(pipelining.module_names(model)) == ["tok_embeddings", "layers.2", "layers.3", "norm"]
 
 
 def test_the_jobs_own_forward_pre_hooks_are_the_models_compute(tmp_path):

@@ -677,7 +677,7 @@ class AutoMonitor:
                            launch: Callable[..., Any]) -> Any:
         """A functional collective launched (DTensor's, tensor parallelism's: gpuwatch.trainer.auto.collectives):
         numbered on its group now, timed while `wait_tensor` blocks on its output."""
-        timer = self._timer(op, self._functional_group(group_name), args[0] if args else None)
+        timer = self._functional_timer(op, group_name, args[0] if args else None)
         output = launch(*args, **kwargs)
         if timer is not None:
             try:
@@ -693,15 +693,20 @@ class AutoMonitor:
                 self.failures.record("AutoMonitor._launch_functional", error)
         return output
 
-    def _functional_group(self, group_name: str | None) -> Any:
-        """The ProcessGroup a functional collective names (None: unknown, taken as the default group)."""
-        if group_name is None:
+    def _functional_timer(self, op: str, group_name: str | None, first: Any) -> CollectiveTimer | None:
+        """The timer of a functional collective on the group it names (by its name: torch's registry of groups
+        resolves it); None for a call left alone, or one whose group cannot be told."""
+        if self.step is None or self._in_collective:
             return None
-        group = self._group_by_name.get(group_name)
-        if group is None:
-            group = self._group_by_name[group_name] = dist.distributed_c10d._resolve_process_group(
-                group_name)  # type: ignore[arg-type]
-        return group
+        try:
+            group = self._group_by_name.get(group_name) if group_name is not None else None
+            if group is None and group_name is not None:
+                group = self._group_by_name[group_name] = dist.distributed_c10d._resolve_process_group(
+                    group_name)  # type: ignore[arg-type]
+        except Exception as error:
+            self.failures.record("AutoMonitor._functional_timer", error)
+            return None
+        return self._timer(op, group, first)
 
     def _wait_functional(self, args: tuple, kwargs: dict, wait: Callable[..., Any]) -> Any:
         """`wait_tensor`: the time the training thread waits for a functional collective launched in a step, in the
@@ -735,8 +740,8 @@ class AutoMonitor:
     # -- torch.distributed.pipelining ------------------------------------------------------------------
 
     def _patch_pipelining(self) -> None:
-        """Wrap torch.distributed.pipelining's schedules and stages (gpuwatch.trainer.auto.pipelining), once, where
-        the job has imported it: importing it here would cost every job that does not pipeline."""
+        """Wrap torch.distributed.pipelining's schedules (gpuwatch.trainer.auto.pipelining), once, where the job has
+        imported it: importing it here would cost every job that does not pipeline."""
         schedules = sys.modules.get(pipelining.SCHEDULES_MODULE)
         if self._pipelining_patched or schedules is None:
             return

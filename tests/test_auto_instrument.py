@@ -214,9 +214,9 @@ def test_every_pipeline_schedule_torch_exports_has_its_label_and_a_known_bubble_
     silently named by its class), and the planner's bubble for it where one is modelled."""
     from torch.distributed.pipelining import schedules
 
-    public = {name for name in dir(schedules) if name.startswith("Schedule") and isinstance(getattr(schedules, name),
-                                                                                          type)
-              and issubclass(getattr(schedules, name), schedules._PipelineSchedule)}
+    classes = {name: getattr(schedules, name) for name in dir(schedules) if name.startswith("Schedule")}
+    public = {name for name, cls in classes.items()
+              if isinstance(cls, type) and issubclass(cls, schedules._PipelineSchedule)}
     assert public <= set(pipelining.SCHEDULE_LABELS), public - set(pipelining.SCHEDULE_LABELS)
     assert {"ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"} <= public
     shape = pipelining.PipelineShape(schedule="interleaved_1f1b", stages=4, ranks=2, rank=0, micro_batches=4,

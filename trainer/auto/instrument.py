@@ -213,6 +213,8 @@ class AutoMonitor:
             from torch.distributed import device_mesh  # imported by torch.distributed already: no cost
 
             self._patch(device_mesh, "init_device_mesh", self._wrap_init_device_mesh)
+            # torchtitan 0.3.0 makes a one-dimensional "world" mesh and unflattens it into its named dimensions
+            self._patch(device_mesh.DeviceMesh, "_unflatten", self._wrap_init_device_mesh)
         self._patch(torch.amp.grad_scaler.GradScaler, "scale", self._wrap_scale)
         self._patch(torch.nn.utils, "clip_grad_norm_", self._wrap_clip_grad_norm)
         self._patch(torch.nn.utils, "clip_grads_with_norm_", self._wrap_clip_grads_with_norm)
@@ -328,6 +330,7 @@ class AutoMonitor:
         return monitor
 
     def _wrap_init_device_mesh(self, init_device_mesh: Callable) -> Callable:
+        """`init_device_mesh`, or a mesh's `_unflatten`: the meshes made before the first forward, for the layout."""
         @functools.wraps(init_device_mesh)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             mesh = init_device_mesh(*args, **kwargs)

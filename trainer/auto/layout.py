@@ -9,10 +9,12 @@
    `get_pipeline_model_parallel_world_size/_rank/_group`, `get_data_parallel_world_size/_rank/_group`
    (https://docs.nvidia.com/megatron-core/developer-guide/latest/api-guide/parallel_state.html). Nothing is imported
    here: a job that does not use Megatron never loads it.
-3. A device mesh spanning the world made by `torch.distributed.device_mesh.init_device_mesh`, as torchtitan's
-   `ParallelDims` builds its world mesh (`mesh_dim_names` among "pp", "dp_replicate", "dp_shard", "dp", "tp";
+3. A device mesh spanning the world made by `torch.distributed.device_mesh.init_device_mesh` or unflattened from
+   one (`DeviceMesh._unflatten`: torchtitan 0.3.0's `ParallelDims` unflattens a one-dimensional "world" mesh into
+   its named dimensions), the latest first (`mesh_dim_names` among "pp", "dp_replicate", "dp_shard", "dp", "batch"
+   (torchtitan's data-loading dimension, dp_replicate × dp_shard), "tp", and any other of size 1;
    https://docs.pytorch.org/docs/stable/distributed.html#torch.distributed.device_mesh.init_device_mesh). The
-   AutoMonitor wraps `init_device_mesh` and hands the meshes it returned here; the groups come from the mesh's
+   AutoMonitor wraps both and hands the meshes they returned here; the groups come from the mesh's
    own rank grid, so no order is assumed. A one-dimensional mesh without names over the world is data parallel:
    it is the mesh FSDP2's `fully_shard` makes when given none (its default `(world_size,)` mesh shards the model
    over every rank, each rank a replica's shard fed its own data).
@@ -44,7 +46,8 @@ log = logging.getLogger("gpuwatch.trainer.auto")
 
 MEGATRON_STATE = "megatron.core.parallel_state"
 #: A mesh dimension's name → the Layout dimension it counts toward (torchtitan's names, and the plain ones).
-MESH_DIMENSIONS: Mapping[str, str] = {"tp": "tp", "pp": "pp", "dp": "dp", "dp_replicate": "dp", "dp_shard": "dp"}
+MESH_DIMENSIONS: Mapping[str, str] = {"tp": "tp", "pp": "pp", "dp": "dp", "dp_replicate": "dp", "dp_shard": "dp",
+                                      "batch": "dp"}
 
 
 def detect_layout(model: nn.Module, meshes: Sequence[Any] = (), environ: Mapping[str, str] = os.environ,

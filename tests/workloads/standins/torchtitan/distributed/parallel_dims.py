@@ -1,5 +1,8 @@
-"""Stand-in for `torchtitan.distributed.parallel_dims` (see ../../README.md): `ParallelDims.build_mesh` makes the world
-mesh as torchtitan does, with the real `init_device_mesh`, torchtitan's dimension names and order."""
+"""Stand-in for `torchtitan.distributed.parallel_dims` (see ../../README.md): `ParallelDims.build_mesh` makes its meshes
+as torchtitan 0.3.0 does, with the real `init_device_mesh` and `DeviceMesh._unflatten`: a one-dimensional world mesh
+named "world", unflattened into the data-loading mesh ("pp", "batch", "cp", "tp") and the mesh FSDP shards over
+("pp", "dp_replicate", "dp_shard", "cp", "tp") (torchtitan/distributed/parallel_dims.py, `build_mesh`; torchtitan
+gives degree-1 dimensions a "fake" backend, left out here: they make real groups of one rank)."""
 
 from __future__ import annotations
 
@@ -18,8 +21,9 @@ class ParallelDims:
     world_size: int
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        sizes = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
-        names = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-        kept = [(size, name) for size, name in zip(sizes, names, strict=True) if size > 1]
-        return init_device_mesh(device_type, tuple(size for size, _ in kept),
-                                mesh_dim_names=tuple(name for _, name in kept))
+        """The mesh FSDP shards over (torchtitan keeps each of its meshes; the others are not needed here)."""
+        world = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("world",))
+        batch = self.dp_replicate * self.dp_shard
+        world._unflatten(0, (self.pp, batch, self.cp, self.tp), ("pp", "batch", "cp", "tp"))
+        return world._unflatten(0, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
+                                ("pp", "dp_replicate", "dp_shard", "cp", "tp"))

@@ -142,16 +142,18 @@ def report(timings: dict[str, list[Timing]]) -> None:
     """Per arm min / median / max, the ratio of the medians, and the spread of the per-round ratios, for the whole
     job's wall and CPU time, for the job's training time and its training thread's CPU a step (where every run
     printed them)."""
-    for what, label in (("wall", "whole job (wall)"), ("cpu", "whole job (CPU time of its processes)"),
-                        ("train", "training (the job's train_runtime)"),
-                        ("thread_cpu", "rank 0's training thread, CPU a step")):
-        values = {arm: [getattr(t, what) for t in timings[arm]] for arm in ARMS}
+    for what, label, scale, unit in (("wall", "whole job (wall)", 1, " s"),
+                                     ("cpu", "whole job (CPU time of its processes)", 1, " s"),
+                                     ("train", "training (the job's train_runtime)", 1, " s"),
+                                     ("thread_cpu", "rank 0's training thread, CPU a step", 1000, " ms")):
+        values = {arm: [None if (value := getattr(t, what)) is None else value * scale for t in timings[arm]]
+                  for arm in ARMS}
         if any(value is None for arm in ARMS for value in values[arm]):
             print(f"{label}: not printed by every run")
             continue
         medians = {arm: statistics.median(values[arm]) for arm in ARMS}
         rounds = [on / off for off, on in zip(values["off"], values["on"], strict=True)]
-        print(f"{label}, min / median / max: off {spread(values['off'], ' s')}, on {spread(values['on'], ' s')}\n"
+        print(f"{label}, min / median / max: off {spread(values['off'], unit)}, on {spread(values['on'], unit)}\n"
               f"  on/off, ratio of the medians: {medians['on'] / medians['off']:.3f}; per round (min / median / "
               f"max): {spread(rounds, digits=3)}")
 

@@ -18,14 +18,17 @@ from gpuwatch.agent.diagnosis.facts import (
     CollectiveFacts,
     Facts,
     History,
+    InterfaceFacts,
     NvlinkFacts,
     Peers,
     RankFacts,
     Sampled,
+    SourceInfo,
     StepFacts,
     medians_of_others,
 )
 from gpuwatch.agent.diagnosis.registry import Severity
+from gpuwatch.protocol.records import GroupTotals
 from gpuwatch.protocol.schema import STEP_PHASES
 
 
@@ -669,6 +672,109 @@ def test_perf004_leaves_latency_bound_all_reduces_of_tiny_models_alone():
 
 def test_perf004_not_run_without_exposed_collective_time():
     not_run("PERF004", facts(ranks=[rank(0, dp=2, collectives={})]), "step records lack exposed_collective_seconds")
+
+
+def _over_two_nodes(exposed: dict[int, float], *, sync_bytes: float | None = 8 * 2**20, compute: float = 1.0,
+                    backend: str = "gloo", env: dict | None = None, **fields) -> list[RankFacts]:
+    """A 4-rank DDP job, ranks 0-1 on node-a and 2-3 on node-b, each rank's step with its exposed collective time
+    and DDP's all-reduce volume."""
+    return [rank(r, dp=4, host="node-a" if r < 2 else "node-b", backends={"default": backend}, env=env,
+                 process_groups={"default": [0, 1, 2, 3]},
+                 last=step(step_seconds=2.5, compute_seconds=compute, exposed_collective_seconds=e,
+                           gradient_sync_bytes=sync_bytes), **fields) for r, e in exposed.items()]
+
+
+def _nic_nodes(speed: float | None = 10e9 / 8, mgmt: float | None = 1e9 / 8, **parts) -> list:
+    """node-a and node-b, each with eth0 at ``speed`` (bytes/s) and a slower management NIC."""
+    return [node(name, ib_ports=[], interfaces=[
+        InterfaceFacts("eth0", True, False, (f"10.0.0.{i}",), speed_bytes_per_second=speed),
+        InterfaceFacts("mgmt0", True, False, (f"192.168.0.{i}",), speed_bytes_per_second=mgmt),
+        InterfaceFacts("lo", True, True, ("127.0.0.1",))], **parts) for i, name in enumerate(("node-a", "node-b"))]
+
+
+def test_perf004_from_a_partial_view_says_whom_the_ranks_wait_for_never_a_verdict():
+    """Node a's agent sees ranks 0-1 of 4, which wait 0.74 s a step for rank 3 on node b: no transfer time can be
+    taken from them, and the rule says so, with how to see the whole job."""
+    seen = _over_two_nodes({0: 0.74, 1: 0.74})
+    agent_a = SourceInfo("agent", "http://node-a:9400")
+    (finding,) = fired("PERF004", facts(_nic_nodes(), seen, sources=[agent_a]))
+    assert finding.severity is Severity.INFO
+    assert finding.title == ("job job-1: ranks 0-1 wait a median 0.74 s a step in collectives, with ranks not "
+                             "reporting here (2-3): transfer or waiting cannot be told apart from this partial view")
+    assert finding.evidence[0].values == {"wait_seconds": 0.74, "ranks": [0, 1], "missing_ranks": [2, 3],
+                                          "world_size": 4}
+    assert "--agent http://node-a:9400 --agent URL" in finding.fix and "--prometheus" in finding.fix
+    assert "communication-bound" not in texts([finding])
+    # The whole job: rank 3 computes 0.74 s longer and waits for no one; the others wait for it, not for transfer.
+    whole = seen + [dataclasses.replace(r, last=step(step_seconds=2.5, compute_seconds=1.74 if r.rank == 3 else 1.0,
+                                                     exposed_collective_seconds=0.0 if r.rank == 3 else 0.74,
+                                                     gradient_sync_bytes=8 * 2**20))
+                    for r in _over_two_nodes({2: 0.74, 3: 0.0})]
+    whole = [dataclasses.replace(r, window=window(r.last)) for r in whole]
+    silent("PERF004", facts(_nic_nodes(), whole))
+    assert fired("PERF002", facts(_nic_nodes(), whole))[0].evidence[0].where.rank == 3
+
+
+def test_perf004_names_a_slow_network_with_its_bandwidth_against_the_nics_rating():
+    """8 MiB all-reduced in 1.3 s over 4 ranks is 77 Mb/s of bus bandwidth (algbw × 2(n−1)/n) on NICs rated
+    10 Gb/s: the network, not the job."""
+    (finding,) = fired("PERF004", facts(_nic_nodes(), _over_two_nodes({r: 1.3 for r in range(4)})))
+    busbw = 8 * 2**20 / 1.3 * 2 * 3 / 4
+    assert finding.title == (
+        "job job-1 is communication-bound on a slow network: sockets (TCP) across nodes node-a, node-b "
+        "(node-a:eth0 (10 Gb/s), node-b:eth0 (10 Gb/s)) delivers 77.4 Mb/s bus bandwidth of its rated 10 Gb/s (1%) "
+        "to group default, CCR 1.30")
+    (bandwidth,) = [e for e in finding.evidence if "busbw_bytes_per_second" in e.values]
+    assert bandwidth.values["busbw_bytes_per_second"] == pytest.approx(busbw)
+    assert bandwidth.values["crosses_nodes"] is True and bandwidth.values["nodes"] == ["node-a", "node-b"]
+    assert "algbw 51.6 Mb/s × 2(4−1)/4" in bandwidth.text
+    assert "tc qdisc show" in finding.fix and "node-a, node-b" in finding.fix and "no_sync" not in finding.fix
+    # GLOO_SOCKET_IFNAME names the NIC the job uses: the 1 Gb/s one is the rating then.
+    (finding,) = fired("PERF004", facts(_nic_nodes(), _over_two_nodes({r: 1.3 for r in range(4)},
+                                                                      env={"GLOO_SOCKET_IFNAME": "mgmt0"})))
+    assert "of its rated 1 Gb/s" in finding.title and "GLOO_SOCKET_IFNAME=mgmt0" in texts([finding])
+
+
+def test_perf004_a_heavy_job_on_a_healthy_network_keeps_the_job_shaped_fix():
+    """1 GiB a step in 1.3 s is 9.9 Gb/s of bus bandwidth on 10 Gb/s NICs: the path is healthy, the job heavy."""
+    ranks = _over_two_nodes({r: 1.3 for r in range(4)}, sync_bytes=2**30)
+    (finding,) = fired("PERF004", facts(_nic_nodes(), ranks))
+    assert finding.title.endswith("with pure data parallelism over 4 ranks, a heavy job on a healthy path")
+    assert "no_sync" in finding.fix and "bucket_cap_mb" in finding.fix
+    (bandwidth,) = [e for e in finding.evidence if "busbw_bytes_per_second" in e.values]
+    assert "99% of its rated 10 Gb/s" in bandwidth.text
+    # Just at a quarter of the rating is still the job's.
+    quarter = _over_two_nodes({r: 1.3 for r in range(4)}, sync_bytes=0.25 * 10e9 / 8 * 1.3 / 1.5 * 1.001)
+    assert "healthy path" in fired("PERF004", facts(_nic_nodes(), quarter))[0].title
+    # Unknown NIC speeds: no verdict on the network, and it says why.
+    unknown = fired("PERF004", facts(_nic_nodes(speed=None, mgmt=None), ranks))[0]
+    assert "the path's rating is unknown" in unknown.title
+
+
+def test_perf004_judges_each_timed_group_and_gives_a_sharded_job_its_own_fix():
+    """An FSDP job timed by the hooks: its all-gathers and reduce-scatters (bus factor (n−1)/n) over NCCL and two
+    NDR ports a node (800 Gb/s), 100 GiB a step in 1 s (644 Gb/s of bus bandwidth) is healthy; the fix speaks FSDP."""
+    moved = {"all_gather": CollectiveFacts("all_gather", 100, 60.0, bytes=1e12),
+             "reduce_scatter": CollectiveFacts("reduce_scatter", 100, 40.0, bytes=5e11)}
+    ranks = [dataclasses.replace(r, collectives=moved, last=dataclasses.replace(
+        r.last, groups={"default": GroupTotals(bytes=100 * GIB, seconds=1.0)}))
+        for r in _over_two_nodes({r: 1.3 for r in range(4)}, backend="nccl", sync_bytes=None)]
+    nodes = [node(name, ib_ports=[port("mlx5_0"), port("mlx5_1")]) for name in ("node-a", "node-b")]
+    (finding,) = fired("PERF004", facts(nodes, ranks))
+    assert "sharded data parallelism" in finding.title and "healthy path" in finding.title
+    assert "reshard_after_forward" in finding.fix and "no_sync" not in finding.fix
+    (bandwidth,) = [e for e in finding.evidence if "busbw_bytes_per_second" in e.values]
+    assert bandwidth.values["busbw_bytes_per_second"] == pytest.approx(100 * GIB * 3 / 4)
+    assert bandwidth.values["rated_bytes_per_second"] == 2 * NDR and bandwidth.values["path"] == "InfiniBand"
+    assert bandwidth.values["links"] == ["node-a:mlx5_0/1", "node-a:mlx5_1/1", "node-b:mlx5_0/1", "node-b:mlx5_1/1"]
+    slow = [dataclasses.replace(r, last=dataclasses.replace(r.last, groups={"default": GroupTotals(
+        bytes=GIB, seconds=1.0)})) for r in ranks]
+    assert "on a slow network: InfiniBand across nodes" in fired("PERF004", facts(nodes, slow))[0].title
+    # A group moving a few bytes (a logged loss) is bound by latency: no evidence of a slow path.
+    logged = [dataclasses.replace(r, last=dataclasses.replace(r.last, groups={
+        "default": GroupTotals(bytes=100 * GIB, seconds=1.0), "dp": GroupTotals(bytes=4, seconds=0.001)}),
+        process_groups={"default": [0, 1, 2, 3], "dp": [0, 1, 2, 3]}) for r in ranks]
+    assert "healthy path" in fired("PERF004", facts(nodes, logged))[0].title
 
 
 def test_perf005_nvlink_below_rating():

@@ -126,6 +126,8 @@ class InterfaceFacts:
     up: bool
     loopback: bool
     addresses: tuple[str, ...] = ()
+    #: The link's negotiated speed (``/sys/class/net/NAME/speed``, through psutil); None when the driver does not say.
+    speed_bytes_per_second: float | None = None
 
 
 @dataclasses.dataclass

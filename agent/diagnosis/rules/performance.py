@@ -31,8 +31,10 @@ from gpuwatch.agent.diagnosis.facts import (
     group_by,
     median,
     medians_of_others,
+    rank_list,
 )
 from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
+from gpuwatch.agent.diagnosis.rules import paths
 from gpuwatch.agent.diagnosis.rules.common import capped, cpu_sharing, ratio_text, window_text, windowed
 from gpuwatch.agent.telemetry.window import BUSY, PHASE_TIMINGS
 from gpuwatch.plan.compute import ZERO_BUBBLE_SCHEDULES, micro_batches_for, schedule_bubble
@@ -442,6 +444,23 @@ def _bytes_per_step(rank: RankFacts) -> float | None:
     return rank.last.gradient_sync_bytes if rank.last is not None else None
 
 
+#: The fix of a heavy job, by its kind of data parallelism (PyTorch docs: DistributedDataParallel's no_sync and
+#: bucket_cap_mb, its communication hooks; FSDP2's fully_shard(reshard_after_forward), set_modules_to_forward_prefetch
+#: and a 2-D DeviceMesh for hybrid sharding).
+_HEAVY_FIX = {
+    False: "give each all-reduce more compute (a larger per-GPU batch, or gradient accumulation with the all-reduce "
+           "only on the last micro-batch: DDP no_sync), overlap it with the backward pass (DDP's gradient buckets, "
+           "bucket_cap_mb), compress it (a DDP communication hook: bf16_compress_hook, PowerSGD), or move to hybrid "
+           "parallelism (tensor parallel inside the node, data parallel across nodes)",
+    True: "the job shards its parameters (FSDP/ZeRO-3: all-gathers and reduce-scatters): keep the parameters gathered "
+          "from forward to backward (FSDP2 fully_shard(reshard_after_forward=False), FSDP1 SHARD_GRAD_OP), prefetch "
+          "the next all-gather (FSDP2 set_modules_to_forward_prefetch / set_modules_to_backward_prefetch), shard "
+          "inside a node and replicate across nodes (hybrid sharding: fully_shard over a 2-D DeviceMesh, FSDP1 "
+          "HYBRID_SHARD), or, where the model, its gradients and optimizer state fit one GPU, do not shard it (DDP "
+          "all-reduces once a step what FSDP gathers twice and reduce-scatters once)",
+}
+
+
 @rule("PERF004", family=FAMILY, severity=Severity.WARNING, title="Communication-bound data parallelism",
       needs=(needs.EXPOSED_COLLECTIVES, needs.COMPUTE),
       thresholds={
@@ -455,19 +474,36 @@ def _bytes_per_step(rank: RankFacts) -> float | None:
                      "bandwidth only nears the link's at megabytes), and neither more GPUs nor hybrid parallelism "
                      "changes a latency: a tiny model's few-KiB all-reduce over gloo takes 1-2 ms against 0.5 ms of "
                      "compute (benchmarks/false_alarms.py) and is not what this rule is about"),
+          "min_path_fraction": Threshold(
+              0.25, "a healthy NCCL bus bandwidth reaches 75-95 % of line rate (nccl-tests' PERFORMANCE.md; PERF005's "
+                    "0.7), and a job's own figure, its bytes over its exposed collective time, overstates what the "
+                    "path gave (overlap with the backward pass hides part of the transfer): below a quarter of the "
+                    "path's rating the path, not the job's volume, is the cause"),
       },
       coverage=(WholeJob("it splits each job's exposed collective time over all its ranks"),))
 def communication_bound(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
-    """The communication-to-computation ratio (CCR) of a pure data-parallel job is the time its collectives
-    take to transfer per step over its compute time per step: above 0.5 the gradient all-reduce, not the
-    GPUs, sets the pace, and adding GPUs stops paying off. Transfer is not waiting: a rank that waits in the
-    all-reduce for a late peer is not communicating, so the transfer is taken from the rank that waited
-    least (see ``_waiting``), and a late rank is PERF002's finding. Only the collective time the training
-    thread actually waited for counts (DDP overlaps bucket all-reduces with the backward pass), only when it
-    matters against the step (a fifth of it or more), and only for all-reduces large enough to be bound by
-    bandwidth (min_bytes_per_step): a latency-bound all-reduce of a tiny model is not helped by the advice.
-    Judged on jobs with tp = pp = 1 (hybrid jobs communicate by design), with window medians (compute: the
-    median over the job's ranks)."""
+    """The communication-to-computation ratio (CCR) of a data-parallel job is the time its collectives take to
+    transfer per step over its compute time per step: above 0.5 the collectives, not the GPUs, set the pace, and
+    adding GPUs stops paying off. Transfer is not waiting: a rank that waits in the all-reduce for a late peer is
+    not communicating, so the transfer is taken from the rank that waited least (see ``_waiting``), and a late rank
+    is PERF002's finding. Only the collective time the training thread actually waited for counts (DDP overlaps
+    bucket all-reduces with the backward pass), only when it matters against the step (a fifth of it or more), and
+    only for collectives large enough to be bound by bandwidth (min_bytes_per_step). Judged on jobs with tp = pp = 1
+    (hybrid jobs communicate by design), with window medians (compute: the median over the job's ranks).
+
+    Slow network or heavy job: the finding states the bus bandwidth each process group achieved (its bytes over its
+    seconds, nccl-tests' conventions: algbw × 2(n−1)/n for all-reduce, × (n−1)/n for all-gather and reduce-scatter;
+    https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md) against what the group's path is rated
+    for: across nodes, InfiniBand/RoCE from the ports' rate for NCCL, else the sockets over each node's NIC, rated
+    at its link speed (/sys/class/net/NAME/speed, the NIC NCCL_SOCKET_IFNAME or GLOO_SOCKET_IFNAME names); inside a
+    node, NVLink for NCCL. It names the nodes and NICs. Below min_path_fraction of the rating the network is slow,
+    and the fix is the link, the NIC or the transport (a fallback to sockets), not the job; else the job is heavy,
+    and the fix follows its kind of data parallelism: DDP (buckets, no_sync) or sharded (FSDP/ZeRO-3:
+    reshard_after_forward, prefetch, hybrid sharding, not sharding a model that fits).
+
+    Never judged from a partial view: a source that sees fewer of the job's ranks than its world size (the
+    hellos' layout; an agent on one node of several) cannot tell transfer from waiting for a rank it does not see,
+    and gives information instead: how long the ranks it sees wait, for which ranks, and how to see them all."""
     for job, ranks in facts.jobs().items():
         pure = [r for r in ranks if r.layout is not None and r.layout.tp_size == r.layout.pp_size == 1
                 and r.layout.dp_size > 1]
@@ -484,29 +520,104 @@ def communication_bound(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issu
         if ccr <= t.max_ccr or transfer < t.min_step_share * step or (
                 volume is not None and volume < t.min_bytes_per_step):
             continue
-        most = max(waits.values())
-        moved = f", {volume / 2**20:.3g} MiB per step" if volume is not None else ""
+        exposed = {rank: wait + transfer for rank, wait in waits.items()}
+        partial = paths.waits_for_unseen(pure, exposed)
+        if partial is not None:
+            yield _partial_view(facts, job, pure, exposed, partial)
+            continue
         layout = pure[0].layout
         assert layout is not None, "pure data-parallel ranks have a layout"
+        groups = paths.achieved(last, pure, transfer, volume)
+        judged = [(group, paths.path_of(facts, pure, group)) for group in groups]
+        # a group moving less than min_bytes_per_step (a logged loss's all-reduce) is bound by latency, not the path
+        slow = [(g, p) for g, p in judged if p.rating and g.bytes >= t.min_bytes_per_step
+                and g.busbw < t.min_path_fraction * p.rating]
+        moved = f", {volume / 2**20:.3g} MiB per step" if volume is not None else ""
+        evidence = [
+            Evidence(f"transfer {transfer:.3g} s per step{moved}: the exposed collective time of rank "
+                     f"{last.rank}, which waits least ({window_text(last)})", last.where,
+                     {"transfer_seconds": transfer, "rank": last.rank, "bytes_per_step": volume}),
+            Evidence(f"compute {compute:.3g} s per step (median over {len(computes)} ranks), in a {step:.3g} s "
+                     f"step: transfer is {ratio_text(transfer / step)} of it", Where(job=job),
+                     {"compute_seconds": compute, "step_seconds": step, "ccr": ccr}),
+            Evidence(f"the other ranks wait up to {max(waits.values()):.3g} s more per step for late peers (not "
+                     "counted as transfer)", Where(job=job), {"max_wait_seconds": max(waits.values())}),
+            *(_bandwidth_evidence(job, group, path) for group, path in judged),
+        ]
+        if slow:
+            group, path = slow[0]
+            assert path.rating is not None
+            yield Issue(
+                title=f"job {job} is communication-bound on a slow network: {path.describe()} delivers "
+                      f"{paths.rate_text(group.busbw)} bus bandwidth of its rated {paths.rate_text(path.rating)} "
+                      f"({ratio_text(group.busbw / path.rating)}) to group {group.group}, CCR {ccr:.2f}",
+                evidence=tuple(evidence),
+                fix=f"repair the path, not the job: check the links between {', '.join(path.nodes)} "
+                    + (f"({', '.join(path.links)}) " if path.links else "")
+                    + "for a lower negotiated speed (`ethtool`), errors and drops (`ip -s link`, HW003), a shaping "
+                      "or policing qdisc (`tc qdisc show`) and a congested or misconfigured switch port; check that "
+                      "the collectives use the fast fabric (NCCL_DEBUG=INFO prints NET/IB or NET/Socket: a fallback "
+                      "to sockets, NCCL_IB_DISABLE or NCCL_NET=Socket, NCCL001; NCCL_SOCKET_IFNAME / "
+                      "GLOO_SOCKET_IFNAME naming the fast NIC); measure the path alone with `gpuwatch probe` across "
+                      "the nodes (PERF005 judges it)",
+                reason="The job moves no more than a healthy path carries easily: the path delivers a small part "
+                       "of its rating, so the collectives wait on the network, and restructuring the job would only "
+                       "hide a fault that a repair removes.",
+            )
+            continue
+        heavy = "heavy job on a healthy path" if any(p.rating for _, p in judged) else \
+            "heavy job (the path's rating is unknown: " + "; ".join(p.how for _, p in judged[:1]) + ")" \
+            if judged else "heavy job (its bandwidth is unknown: no bytes per step)"
+        sharded_job = paths.sharded(pure)
         yield Issue(
-            title=f"job {job} is communication-bound: CCR {ccr:.2f} (collective transfer / compute) with pure "
-                  f"data parallelism over {layout.dp_size} ranks",
-            evidence=(
-                Evidence(f"transfer {transfer:.3g} s per step{moved}: the exposed collective time of rank "
-                         f"{last.rank}, which waits least ({window_text(last)})", last.where,
-                         {"transfer_seconds": transfer, "rank": last.rank, "bytes_per_step": volume}),
-                Evidence(f"compute {compute:.3g} s per step (median over {len(computes)} ranks), in a {step:.3g} s "
-                         f"step: transfer is {ratio_text(transfer / step)} of it", Where(job=job),
-                         {"compute_seconds": compute, "step_seconds": step, "ccr": ccr}),
-                Evidence(f"the other ranks wait up to {most:.3g} s more per step for late peers (not counted as "
-                         "transfer)", Where(job=job), {"max_wait_seconds": most}),
-            ),
-            fix="give each all-reduce more compute (a larger per-GPU batch, or gradient accumulation with the "
-                "all-reduce only on the last micro-batch: DDP no_sync), overlap it with the backward pass (gradient "
-                "buckets), or move to hybrid parallelism (tensor parallel inside the node, pipeline across nodes)",
-            reason="Above a CCR of 0.5 the gradient all-reduce, not the GPUs, sets the step time, and adding "
-                   "data-parallel ranks makes it worse.",
+            title=f"job {job} is communication-bound: CCR {ccr:.2f} (collective transfer / compute) with "
+                  f"{'sharded ' if sharded_job else 'pure '}data parallelism over {layout.dp_size} ranks, a {heavy}",
+            evidence=tuple(evidence),
+            fix=_HEAVY_FIX[sharded_job],
+            reason="Above a CCR of 0.5 the collectives, not the GPUs, set the step time, and adding data-parallel "
+                   "ranks makes it worse; the path delivers what it is rated for, so the job's volume is the cause.",
         )
+
+
+def _bandwidth_evidence(job: str, group: paths.Achieved, path: paths.Path) -> Evidence:
+    """A group's achieved bus bandwidth against its path's rating, where the path is named."""
+    n = len(group.members)
+    factor = f"{'' if group.sharded else '2'}({n}−1)/{n}"
+    rated = f", {ratio_text(group.busbw / path.rating)} of its rated {paths.rate_text(path.rating)} ({path.how})" \
+        if path.rating else f"; {path.how}"
+    return Evidence(
+        f"group {group.group} (ranks {rank_list(group.members)}) over {path.describe()}: bus bandwidth "
+        f"{paths.rate_text(group.busbw)} (algbw {paths.rate_text(group.algbw)} × {factor}; {group.source}){rated}",
+        Where(job=job, node=path.nodes[0] if len(path.nodes) == 1 else None),
+        {"group": group.group, "ranks": n, "bytes": group.bytes, "seconds": group.seconds,
+         "algbw_bytes_per_second": group.algbw, "busbw_bytes_per_second": group.busbw,
+         "rated_bytes_per_second": path.rating, "path": path.name, "nodes": list(path.nodes),
+         "crosses_nodes": path.crosses, "links": list(path.links)})
+
+
+def _partial_view(facts: Facts, job: str, ranks: list[RankFacts], exposed: dict[int, float],
+                  partial: tuple[float, list[int], int]) -> Issue:
+    """What a source that sees only some of a job's ranks can say: how long those wait, for whom, how to see all."""
+    typical, missing, world = partial
+    seen = [r for r in ranks if r.rank in exposed]
+    nodes = sorted({r.host for r in seen if r.host is not None})
+    agents = [s.location.removesuffix("/api/v1/state") for s in facts.sources if s.kind == "agent"]
+    unseen = paths.unseen_text(ranks, missing)
+    return Issue(
+        title=f"job {job}: {describe_ranks(seen)} wait a median {typical:.3g} s a step in collectives, with "
+              f"{unseen}: transfer or waiting cannot be told apart from this partial view",
+        evidence=(Evidence(
+            f"{describe_ranks(seen)} on {', '.join(nodes) or 'an unknown node'} wait a median {typical:.3g} s a step "
+            f"in collectives for {unseen} or for the transfer; this source sees {len(exposed)} of the job's {world} "
+            "ranks, and a rank waiting for a peer it cannot see is no evidence of transfer time", Where(job=job),
+            {"wait_seconds": typical, "ranks": sorted(exposed), "missing_ranks": missing, "world_size": world}),),
+        fix="judge the job from all nodes: `gpuwatch diagnose "
+            + " ".join(f"--agent {a}" for a in agents) + (" " if agents else "")
+            + "--agent URL ...` (one for each node the job runs on) or `--prometheus URL`",
+        reason="Whether the ranks seen here wait for a slow network, a heavy all-reduce or a straggler elsewhere "
+               "depends on the ranks this source does not see.",
+        severity=Severity.INFO,
+    )
 
 
 #: Port link layer of each network a probe can name.

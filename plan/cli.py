@@ -13,7 +13,16 @@ import click
 
 from gpuwatch.plan import calibrate
 from gpuwatch.plan.calibrate import CalibrationError
-from gpuwatch.plan.gpus import DEFAULT_EFFICIENCY, GIB, PRESETS, Calibration, Cluster, ClusterError, preset
+from gpuwatch.plan.gpus import (
+    DEFAULT_EFFICIENCY,
+    GEMM_EFFICIENCY,
+    GIB,
+    PRESETS,
+    Calibration,
+    Cluster,
+    ClusterError,
+    preset,
+)
 from gpuwatch.plan.model import ModelError, ModelShape, from_reference, read_hf_config
 from gpuwatch.plan.planner import plan as make_plan
 from gpuwatch.plan.report import as_json, as_text
@@ -101,8 +110,15 @@ def sequence_length(shape: ModelShape, seq_len: int | None) -> int:
               help="Gradient dtype with bf16/fp16 (fp32: Megatron-LM's 18 bytes a parameter; bf16: ZeRO's 16).")
 @click.option("--sequence-parallel/--no-sequence-parallel", default=True, show_default=True)
 @click.option("--dp-overlap", is_flag=True, help="The DP reduction overlaps the last backward pass (DDP buckets).")
-@click.option("--efficiency", type=float, default=DEFAULT_EFFICIENCY, show_default=True,
-              help="Share of the peak FLOP/s the matmuls achieve.")
+@click.option("--efficiency", type=float, default=None,
+              help=f"A flat share of the peak FLOP/s for all of a layer's work (the planner's old default: "
+                   f"{DEFAULT_EFFICIENCY}); default: the shape model, matmuls on the roofline at "
+                   f"{GEMM_EFFICIENCY:.0%} of the peak and elementwise work at the HBM's bandwidth.")
+@click.option("--flash-attention/--no-flash-attention", default=True, show_default=True,
+              help="Attention keeps no s × s scores and recomputes them in the backward pass (Dao et al. 2022).")
+@click.option("--pp-scatter-gather/--no-pp-scatter-gather", default=True, show_default=True,
+              help="Pipeline sends between nodes split over the TP group's NICs (one NIC per GPU assumed) and "
+                   "all-gathered over NVLink (Narayanan et al. 2021, §4.1).")
 @click.option("--calibration", type=str, metavar="FILE", help="Figures measured on the machine (gpuwatch "
               "calibrate): its matmuls' FLOP/s and bus bandwidth per size in place of the preset's peak × "
               "--efficiency and link speeds.")
@@ -113,9 +129,11 @@ def sequence_length(shape: ModelShape, seq_len: int | None) -> int:
 def plan(model: str | None, reference: bool, layers: int | None, hidden: int | None, heads: int | None,
          kv_heads: int | None, ffn: int | None, vocab: int | None, seq_len: int | None, gpus: int,
          gpus_per_node: int, gpu: str, global_batch: int, precision: str, main_grads: str, sequence_parallel: bool,
-         dp_overlap: bool, efficiency: float, calibration: str | None, allowance_gib: float, top: int,
+         dp_overlap: bool, efficiency: float | None, flash_attention: bool, pp_scatter_gather: bool,
+         calibration: str | None, allowance_gib: float, top: int,
          output: str) -> None:
-    """Which tp × pp × dp layout (micro-batches, schedule, recomputation, ZeRO-1) a model should run with: every
+    """Which tp × pp × dp layout (micro-batches, schedule and virtual stages, recomputation, ZeRO-1) a model should
+    run with: every
     feasible one ranked by predicted step time, with the heaviest rank's memory, the bubble, the traffic per group
     and MFU; every rejected one with its reason (docs/plan.md). Example: gpuwatch plan --model config.json
     --gpus 64 --gpus-per-node 8 --gpu h100-80gb --global-batch 512 --seq-len 4096"""
@@ -132,6 +150,7 @@ def plan(model: str | None, reference: bool, layers: int | None, hidden: int | N
         cluster = Cluster(gpus, gpus_per_node, preset(gpu), efficiency=efficiency, calibration=measured)
         run = Run(global_batch, length, numerics(precision, main_grads == "fp32", shape.source == "reference"),
                   sequence_parallel=sequence_parallel and shape.source != "reference", dp_overlap=dp_overlap,
+                  flash_attention=flash_attention, pp_scatter_gather=pp_scatter_gather,
                   allowance_bytes=int(allowance_gib * GIB))
     except (ModelError, ClusterError, RunError, CalibrationError) as error:
         fail(str(error))

@@ -7,9 +7,17 @@ Volumes (Narayanan et al. 2021, arXiv:2104.04473, §3.2 and §4.1; Shoeybi et al
   The vocabulary-parallel embedding all-reduces its output forward, the head its input's gradient backward, and the
   vocabulary-parallel cross-entropy exchanges three s·b fp32 figures per token (its maximum, sum of exponentials
   and target logit).
-* PP: per micro-batch, s·b·h activations forward and their gradient backward over each stage boundary: a stage
-  sends to and receives from each neighbour it has. Tied embeddings on separate stages add the embedding
-  gradient's all-reduce between the first and the last stage (Megatron-LM's embedding group), counted here.
+* PP: per micro-batch, s·b·h activations forward and their gradient backward over each boundary between model
+  chunks on different ranks: a stage sends to and receives from each neighbour it has, once per chunk it holds —
+  v times as much under interleaved 1F1B (Narayanan et al. 2021, §2.2.2: "the amount of communication also
+  increases by v"); ZB-V's turn at the last rank stays on that rank (`run.Layout.chunk_stage`). Where TP splits
+  the activation, each TP rank sends only its 1/t: with sequence parallelism the tensor between stages is already
+  split along the sequence (Megatron-LM sends it so); without it, where the stages are on different nodes, the
+  scatter/gather of Narayanan et al. §4.1 (``Run.pp_scatter_gather``) sends 1/t from each of the t TP ranks, each
+  over its own NIC — assuming one NIC per GPU, as the presets' DGX systems have — and the receiving stage
+  all-gathers the slices over NVLink (that all-gather's bytes are counted on TP, its time in the pipeline's).
+  Tied embeddings on separate stages add the embedding gradient's all-reduce between the first and the last stage
+  (Megatron-LM's embedding group), counted here; none where ZB-V puts both on one rank.
 * DP: the gradients of the stage's parameters, all-reduced once per step (with ZeRO-1, reduce-scattered, and the
   updated weights all-gathered: the same bus volume for 16-bit weights and 16-bit gradients).
 * Per step, the gradient norm's one fp32 scalar over the TP and the PP group, and the loss's over DP on the last
@@ -71,7 +79,7 @@ def stage_traffic(shape: ModelShape, run: Run, layout: Layout, cluster: Cluster,
     n = run.numerics
     batch = layout.micro_batch_size(run.global_batch)
     m, t, p, d = layout.micro_batches, layout.tp, layout.pp, layout.dp
-    first, last = stage == 0, stage == p - 1
+    first, last = stage == 0, stage == layout.last_stage
     sbh = run.seq_len * batch * shape.hidden
     link = {group: cluster.link(span) for group, span in spans(layout).items()}
 
@@ -88,11 +96,16 @@ def stage_traffic(shape: ModelShape, run: Run, layout: Layout, cluster: Cluster,
 
     pp_bytes = pp_seconds = 0.0
     if p > 1:
-        neighbours = (not first) + (not last)
         activation = sbh * n.residual
-        pp_bytes = m * 2 * neighbours * activation + SCALAR_BYTES
-        pp_seconds = m * 2 * neighbours * activation / cluster.bus_bandwidth(link["pp"], activation)
-        if shape.tied_embeddings and (first or last):
+        transfers = boundary_transfers(layout, stage)
+        gather = t > 1 and not run.sequence_parallel and run.pp_scatter_gather and link["pp"] == "ib"
+        send = activation / t if t > 1 and (run.sequence_parallel or gather) else activation
+        pp_bytes = m * transfers * send + SCALAR_BYTES
+        pp_seconds = m * transfers * send / cluster.bus_bandwidth(link["pp"], int(send))
+        if gather:  # each received slice all-gathered over the TP group's NVLink
+            tp_bytes += m * transfers / 2 * send
+            pp_seconds += m * transfers / 2 * (t - 1) * send / cluster.bus_bandwidth(link["tp"], int(activation))
+        if shape.tied_embeddings and (first or last) and layout.last_stage != 0:
             embedding = shape.vocab_per_rank(t) * shape.hidden * n.grad
             pp_bytes += embedding
             pp_seconds += all_reduce_seconds(cluster, link["pp"], embedding, 2)
@@ -109,6 +122,20 @@ def stage_traffic(shape: ModelShape, run: Run, layout: Layout, cluster: Cluster,
             dp_seconds = all_reduce_seconds(cluster, link["dp"], gradients, d)
         dp_bytes += SCALAR_BYTES if last else 0
     return Traffic(int(tp_bytes), int(pp_bytes), int(dp_bytes), tp_seconds, pp_seconds, dp_seconds)
+
+
+def boundary_transfers(layout: Layout, stage: int) -> int:
+    """Sends and receives of one micro-batch's activation or gradient by the rank of ``stage``: for each of its
+    chunks, the forward send and backward receive to the next chunk and the forward receive and backward send from
+    the previous one, where that chunk is on another rank."""
+    total = layout.pp * layout.chunks
+    count = 0
+    for chunk in range(total):
+        if layout.chunk_stage(chunk) != stage:
+            continue
+        count += 2 * (chunk + 1 < total and layout.chunk_stage(chunk + 1) != stage)
+        count += 2 * (chunk > 0 and layout.chunk_stage(chunk - 1) != stage)
+    return count
 
 
 def all_reduce_seconds(cluster: Cluster, link: str, nbytes: float, ranks: int) -> float:

@@ -25,6 +25,13 @@ GB = 1e9
 #: transformer training reaches 40-55 % MFU on A100 and H100 (Narayanan et al. 2021 report 52 % of the peak on
 #: 3,072 A100; Chowdhery et al. 2022, PaLM, 46 % MFU).
 DEFAULT_EFFICIENCY = 0.5
+#: The shape model's share of the datasheet peak a compute-bound matmul achieves, where nothing measured it
+#: (``Cluster`` with ``efficiency=None``): an assumption, one figure for every GPU, shape and row, not measured here
+#: (no GPU): the low end of what large half-precision GEMMs are commonly reported to reach on A100 and H100 (clocks
+#: below boost under load, tile and wave quantization: NVIDIA's "Matrix Multiplication Background User's Guide").
+#: benchmarks/README.md shows how the published comparisons move with 0.75 and 0.8. `gpuwatch calibrate` measures
+#: the real figure by shape.
+GEMM_EFFICIENCY = 0.7
 
 
 class ClusterError(ValueError):
@@ -34,41 +41,44 @@ class ClusterError(ValueError):
 @dataclass(frozen=True)
 class GpuSpec:
     """One GPU model's figures. ``peak_flops`` by precision (dense FLOP/s), ``bus_bandwidth`` by link (bytes/s,
-    one direction), ``sources``: where each figure is published."""
+    one direction), ``sources``: where each figure is published; ``memory_bandwidth``: the HBM's bytes/s (the
+    datasheet's), which bounds the elementwise work (norms, activation functions, dropout, residual adds, a softmax
+    kept whole)."""
 
     name: str
     memory_bytes: int
     peak_flops: Mapping[str, float]
     bus_bandwidth: Mapping[str, float]
     sources: tuple[str, ...]
+    memory_bandwidth: float = 0.0
 
 
 H100_SOURCES = (
     "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM: 80 GB, FP32 67 TFLOPS, BF16/FP16 1,979 TFLOPS with sparsity, "
-    "989 dense, NVLink 900 GB/s): https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet",
+    "989 dense, HBM3 3.35 TB/s, NVLink 900 GB/s): https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet",
     "NVIDIA DGX H100 datasheet (8 × single-port ConnectX-7, 400 Gb/s InfiniBand per GPU): "
     "https://resources.nvidia.com/en-us-dgx-systems/ai-enterprise-dgx",
 )
 A100_SOURCES = (
     "NVIDIA A100 Tensor Core GPU datasheet (A100 SXM 40/80 GB: FP32 19.5 TFLOPS, BF16/FP16 312 TFLOPS dense, "
-    "NVLink 600 GB/s): https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+    "HBM 1,555 / 2,039 GB/s, NVLink 600 GB/s): https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
     "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf",
     "NVIDIA DGX A100 datasheet (8 × single-port ConnectX-6, 200 Gb/s HDR InfiniBand per GPU): "
     "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/nvidia-dgx-a100-datasheet.pdf",
 )
 H200_SOURCES = (
     "NVIDIA H200 Tensor Core GPU page (H200 SXM: 141 GB, FP32 67 TFLOPS, BF16/FP16 1,979 TFLOPS with sparsity, "
-    "NVLink 900 GB/s): https://www.nvidia.com/en-us/data-center/h200/",
+    "HBM3e 4.8 TB/s, NVLink 900 GB/s): https://www.nvidia.com/en-us/data-center/h200/",
     H100_SOURCES[1].replace("DGX H100", "DGX H100/H200"),
 )
 
 _HOPPER_FLOPS = {"bf16": 989 * TERA, "fp16": 989 * TERA, "fp32": 67 * TERA}
 _AMPERE_FLOPS = {"bf16": 312 * TERA, "fp16": 312 * TERA, "fp32": 19.5 * TERA}
 PRESETS: dict[str, GpuSpec] = {spec.name: spec for spec in (
-    GpuSpec("h100-80gb", 80 * GIB, _HOPPER_FLOPS, {"nvlink": 450 * GB, "ib": 50 * GB}, H100_SOURCES),
-    GpuSpec("h200-141gb", 140 * GIB, _HOPPER_FLOPS, {"nvlink": 450 * GB, "ib": 50 * GB}, H200_SOURCES),
-    GpuSpec("a100-80gb", 80 * GIB, _AMPERE_FLOPS, {"nvlink": 300 * GB, "ib": 25 * GB}, A100_SOURCES),
-    GpuSpec("a100-40gb", 40 * GIB, _AMPERE_FLOPS, {"nvlink": 300 * GB, "ib": 25 * GB}, A100_SOURCES),
+    GpuSpec("h100-80gb", 80 * GIB, _HOPPER_FLOPS, {"nvlink": 450 * GB, "ib": 50 * GB}, H100_SOURCES, 3350 * GB),
+    GpuSpec("h200-141gb", 140 * GIB, _HOPPER_FLOPS, {"nvlink": 450 * GB, "ib": 50 * GB}, H200_SOURCES, 4800 * GB),
+    GpuSpec("a100-80gb", 80 * GIB, _AMPERE_FLOPS, {"nvlink": 300 * GB, "ib": 25 * GB}, A100_SOURCES, 2039 * GB),
+    GpuSpec("a100-40gb", 40 * GIB, _AMPERE_FLOPS, {"nvlink": 300 * GB, "ib": 25 * GB}, A100_SOURCES, 1555 * GB),
 )}
 
 
@@ -115,13 +125,15 @@ class Calibration:
 
 @dataclass(frozen=True)
 class Cluster:
-    """``gpus`` in nodes of ``gpus_per_node`` of one kind. ``efficiency``: the share of the datasheet's peak the
-    matmuls achieve (ignored when ``calibration`` measured it)."""
+    """``gpus`` in nodes of ``gpus_per_node`` of one kind. ``efficiency``: the share of the datasheet's peak all
+    of a layer's work achieves, flat (ignored when ``calibration`` measured the matmuls); None: the shape model
+    (`compute.stage_seconds`): the matmuls at ``GEMM_EFFICIENCY`` of the peak and the elementwise work at the HBM's
+    bandwidth, so that bigger layers run closer to the peak. `gpuwatch plan` uses the shape model by default."""
 
     gpus: int
     gpus_per_node: int
     gpu: GpuSpec
-    efficiency: float = DEFAULT_EFFICIENCY
+    efficiency: float | None = DEFAULT_EFFICIENCY
     calibration: Calibration = field(default_factory=Calibration)
 
     def __post_init__(self) -> None:
@@ -131,8 +143,14 @@ class Cluster:
         if self.gpus % self.gpus_per_node and self.gpus > self.gpus_per_node:
             raise ClusterError(f"--gpus {self.gpus} is not a whole number of nodes of --gpus-per-node "
                                f"{self.gpus_per_node}")
-        if not 0 < self.efficiency <= 1:
+        if self.efficiency is not None and not 0 < self.efficiency <= 1:
             raise ClusterError(f"--efficiency must be in (0, 1] (got {self.efficiency})")
+
+    @property
+    def shape_model(self) -> bool:
+        """Whether the step's compute follows the shape model (no flat efficiency, no measured matmuls)."""
+        calibration = self.calibration
+        return self.efficiency is None and not calibration.flops_by_work and calibration.matmul_flops is None
 
     def achieved_flops(self, precision: str, work: float | None = None) -> float:
         """FLOP/s one GPU's matmuls run at: measured at the ``work`` of a layer's matmuls (forward FLOPs per
@@ -141,7 +159,7 @@ class Cluster:
             return swept(self.calibration.flops_by_work, work)
         if self.calibration.matmul_flops is not None:
             return self.calibration.matmul_flops
-        return self.gpu.peak_flops[precision] * self.efficiency
+        return self.gpu.peak_flops[precision] * (GEMM_EFFICIENCY if self.efficiency is None else self.efficiency)
 
     def bus_bandwidth(self, link: str, nbytes: int) -> float:
         """Bytes/s a collective of ``nbytes`` reaches on ``link``: measured where the probe swept it, else the

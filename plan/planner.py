@@ -1,9 +1,10 @@
 """Every layout of a model on a cluster: each feasible one predicted and ranked by step time, each other one
 rejected with its reason.
 
-The step, as predicted: the pipeline runs m + p − 1 slots, each as long as the slowest stage's micro-batch (its
-compute at the GPUs' achieved FLOP/s, plus its TP collectives, which sit on the critical path between a layer's
-matmuls and are never overlapped); each slot also waits for its point-to-point sends (a forward and a backward
+The step, as predicted: the pipeline runs m/(1 − bubble) slots (`compute.schedule_bubble`: m + p − 1 for GPipe and
+1F1B, m + (p − 1)/v interleaved, m for ZB-V), each as long as the slowest stage's micro-batch (its compute at the
+GPUs' achieved FLOP/s, plus its TP collectives, which sit on the critical path between a layer's matmuls and are
+never overlapped); each slot also waits for its point-to-point sends (a forward and a backward
 transfer, not overlapped: conservative); then the DP gradient reduction, whole after the backward pass (the
 reference trainer's way), or with ``Run.dp_overlap`` overlapped with the last micro-batch's backward pass but for
 its last bucket. MFU is the model's FLOPs (no recomputation) over the step time × the GPUs' datasheet peak.
@@ -19,7 +20,7 @@ from gpuwatch.plan.comm import GROUPS, Traffic, stage_traffic
 from gpuwatch.plan.gpus import GIB, Cluster
 from gpuwatch.plan.memory import Memory, stage_memory
 from gpuwatch.plan.model import ModelShape
-from gpuwatch.plan.run import RECOMPUTE, SCHEDULES, Layout, Run, stage_layers
+from gpuwatch.plan.run import INTERLEAVED, RECOMPUTE, ZBV, Layout, Run, stage_layers
 
 #: The share of a micro-batch's compute that is its backward pass (2 of its 3 passes).
 BACKWARD_SHARE = 2 / 3
@@ -115,13 +116,35 @@ def structural(shape: ModelShape, run: Run, cluster: Cluster, tp: int, pp: int, 
     return [(code, reason) for ok, code, reason in checks if not ok]
 
 
-def variants(layout: Layout, run: Run) -> Iterator[Layout]:
-    """Every micro-batch count, schedule, recomputation and optimizer sharding of a grid (ZeRO-1 only with DP)."""
+def schedules(layers: int, pp: int, micro_batches: int) -> Iterator[tuple[str, int]]:
+    """The (schedule, virtual stages) a pipeline of ``pp`` stages of ``layers`` layers can run ``micro_batches``
+    with: GPipe and 1F1B always; with pp > 1 and m ≥ p, interleaved 1F1B with each v ≥ 2 that divides a stage's
+    layers (`run.stage_layers`: the fewest or the most) and leaves every chunk a layer, and ZB-V where every stage
+    has two layers for its two chunks (below m = p the zero-bubble schedule has no bubble formula:
+    `compute.schedule_bubble`). A stage's chunks may differ by a layer where the split is uneven (Llama 3 405B's
+    126 layers over 16 stages); the planner times the stage's layers, not its chunks."""
+    yield "1f1b", 1
+    yield "gpipe", 1
+    if pp == 1 or micro_batches < pp:
+        return
+    fewest, most = layers // pp, -(-layers // pp)
+    for v in sorted({v for n in (fewest, most) for v in divisors(n) if 2 <= v <= fewest}):
+        yield INTERLEAVED, v
+    if fewest >= 2:
+        yield ZBV, 2
+
+
+def variants(layout: Layout, run: Run, layers: int | None = None) -> Iterator[Layout]:
+    """Every micro-batch count, schedule (with its virtual stages), recomputation and optimizer sharding of a grid
+    (ZeRO-1 only with DP; selective recomputation not under flash attention, where it is none). ``layers``: the
+    model's, for the schedules that split them into chunks (without it only GPipe and 1F1B)."""
     for m in divisors(run.global_batch // layout.dp):
-        for schedule in SCHEDULES:
+        for schedule, v in schedules(layers or 1, layout.pp if layers else 1, m):
             for recompute in RECOMPUTE:
+                if recompute == "selective" and run.flash_attention:
+                    continue  # the same as none: flash attention keeps no scores to spare
                 for zero1 in (False, True) if layout.dp > 1 else (False,):
-                    yield Layout(layout.tp, layout.pp, layout.dp, m, schedule, recompute, zero1)
+                    yield Layout(layout.tp, layout.pp, layout.dp, m, schedule, recompute, zero1, v)
 
 
 def stage_parameters(shape: ModelShape, layout: Layout, stage: int, layers: int) -> int:
@@ -129,8 +152,8 @@ def stage_parameters(shape: ModelShape, layout: Layout, stage: int, layers: int)
     params = shape.layer_parameters() * layers
     if stage == 0:
         params += shape.embedding_parameters(layout.tp)
-    if stage == layout.pp - 1:
-        params += shape.head_parameters(layout.tp, layout.pp)
+    if stage == layout.last_stage:
+        params += shape.head_parameters(layout.tp, 1 if layout.last_stage == 0 else layout.pp)
     return params.on_rank(layout.tp)
 
 
@@ -145,11 +168,21 @@ def predict(shape: ModelShape, cluster: Cluster, run: Run, layout: Layout) -> Pr
                             stage_traffic(shape, run, layout, cluster, index, layers, parameters)))
     tokens = batch * run.seq_len
     flops = cluster.achieved_flops(run.numerics.precision, compute.layer_matmul_flops(shape) * tokens / layout.tp)
-    slot_compute = [compute.stage_flops_per_token(shape, run.seq_len, s.layers, s.index == layout.pp - 1,
-                                                  layout.recompute) * tokens / layout.tp / flops for s in stages]
+    slot_compute = [compute.stage_flops_per_token(shape, run.seq_len, s.layers, s.index == layout.last_stage,
+                                                  layout.recompute, run.flash_attention) * tokens / layout.tp / flops
+                    for s in stages]
+    if cluster.shape_model and cluster.gpu.memory_bandwidth:
+        sequence_parallel = run.sequence_parallel and layout.tp > 1
+        slot_compute = [compute.stage_seconds(
+            shape, run.seq_len, batch, s.layers, s.index == layout.last_stage, layout.tp, sequence_parallel,
+            layout.recompute, run.flash_attention, run.numerics.activation, flops, cluster.gpu.memory_bandwidth)
+            for s in stages]
     m, p = layout.micro_batches, layout.pp
     slot = max(c + s.traffic.tp_seconds / m for c, s in zip(slot_compute, stages, strict=True))
-    slots = m + p - 1
+    bubble = compute.schedule_bubble(layout.schedule, p, m, layout.virtual_stages)
+    if bubble is None:  # a schedule the planner does not search, at a size it has no formula for: as 1F1B
+        bubble = compute.bubble_fraction(p, m)
+    slots = m / (1 - bubble)  # m + p − 1 for GPipe and 1F1B, m + (p − 1)/v interleaved, m zero-bubble
     busy = max(slot_compute) * m
     pp_seconds = max(s.traffic.pp_seconds for s in stages) / m * slots
     dp_seconds = max(s.traffic.dp_seconds for s in stages)
@@ -162,7 +195,7 @@ def predict(shape: ModelShape, cluster: Cluster, run: Run, layout: Layout) -> Pr
     model_flops = compute.model_flops_per_token(shape, run.seq_len) * run.global_batch * run.seq_len
     peak = cluster.gpu.peak_flops[run.numerics.precision]
     heaviest = max(range(p), key=lambda index: stages[index].memory.total)
-    return Prediction(layout, batch, tuple(stages), heaviest, compute.bubble_fraction(p, m), busy, exposed, step,
+    return Prediction(layout, batch, tuple(stages), heaviest, bubble, busy, exposed, step,
                       model_flops, model_flops / (step * peak * cluster.gpus))
 
 
@@ -178,7 +211,7 @@ def plan(shape: ModelShape, cluster: Cluster, run: Run) -> Plan:
             if reasons:
                 rejected += [Rejection(grid, code, reason) for code, reason in reasons]
                 continue
-            for layout in variants(grid, run):
+            for layout in variants(grid, run, shape.layers):
                 prediction = predict(shape, cluster, run, layout)
                 need = prediction.memory.total
                 if need <= capacity:

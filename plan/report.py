@@ -12,13 +12,20 @@ from typing import Any
 
 from gpuwatch.plan import calibrate
 from gpuwatch.plan.comm import GROUPS
-from gpuwatch.plan.gpus import GIB, Calibration, Cluster
+from gpuwatch.plan.gpus import GEMM_EFFICIENCY, GIB, Calibration, Cluster
 from gpuwatch.plan.planner import Plan, Prediction, Rejection
 
 SCHEMA = "gpuwatch.plan/1"
 #: The assumptions every figure rests on, said in the output itself (docs/plan.md gives the sources).
 ASSUMPTIONS = {
-    "bubble": "(p - 1)/(m + p - 1): the share of the step the pipeline idles (GPipe and 1F1B alike)",
+    "bubble": "the share of the step the pipeline idles: (p - 1)/(m + p - 1) GPipe and 1F1B, (p - 1)/(v m + p - 1) "
+              "interleaved 1F1B with v virtual stages (Narayanan et al. 2021), 0 ZB-V with m >= p (Qi et al. 2024)",
+    "attention": "flash attention (Dao et al. 2022) unless --no-flash-attention: no s x s scores kept, the backward "
+                 "recomputes QK^T (2sh FLOPs a token and layer)",
+    "compute": "the shape model unless --efficiency or --calibration: each matmul on the roofline at the GEMM "
+               "efficiency of the peak, elementwise work at the HBM bandwidth",
+    "pipeline sends": "1/t of the activation per TP rank with sequence parallelism, or between nodes with "
+                      "--pp-scatter-gather (one NIC per GPU assumed; Narayanan et al. 2021 section 4.1)",
     "flops": "Narayanan et al. 2021: per token 3 passes x (2 FLOPs per matmul weight + 4sh attention per layer + "
              "2hV head); model FLOPs without recomputation, hardware FLOPs with it",
     "step": "(m + p - 1) slots of the slowest stage's micro-batch (compute + TP collectives, never overlapped) + "
@@ -89,6 +96,9 @@ def matmul_speed(cluster: Cluster) -> str:
         return f"matmuls at {min(rates) / 1e12:.3g}-{max(rates) / 1e12:.3g} TFLOP/s measured by size"
     if calibration.matmul_flops is not None:
         return f"matmuls at {calibration.matmul_flops / 1e12:.3g} TFLOP/s measured"
+    if cluster.efficiency is None:
+        return (f"matmuls on the roofline at {GEMM_EFFICIENCY:.0%} of peak, elementwise at "
+                f"{cluster.gpu.memory_bandwidth / 1e12:.2f} TB/s")
     return f"matmuls at {cluster.efficiency:.0%} of peak"
 
 
@@ -104,15 +114,16 @@ def as_text(plan: Plan, top: int) -> str:
         f"cluster: {cluster.gpus} × {cluster.gpu.name} ({cluster.gpus_per_node} a node), "
         f"{_gib(cluster.gpu.memory_bytes)} GiB each, {matmul_speed(cluster)}",
         f"run: global batch {run.global_batch} × {run.seq_len} tokens, {run.numerics.precision}, "
-        f"sequence parallel {'on' if run.sequence_parallel else 'off'}",
+        f"sequence parallel {'on' if run.sequence_parallel else 'off'}, flash attention "
+        f"{'on' if run.flash_attention else 'off'}",
         f"{len(plan.feasible)} feasible layouts, {len(plan.rejected)} rejected; the {min(top, len(plan.feasible))} "
         "fastest (memory of the heaviest stage's rank, GiB; bytes a rank sends per step, GB, and exposed seconds):",
-        f"{'#':>3}  {'layout':<46} {'mbs':>4} {'step s':>8} {'MFU':>6} {'bubble':>6} {'mem':>6}  "
+        f"{'#':>3}  {'layout':<54} {'mbs':>4} {'step s':>8} {'MFU':>6} {'bubble':>6} {'mem':>6}  "
         f"{'TP GB/s':>13} {'PP GB/s':>13} {'DP GB/s':>13} {'comm/comp':>9}",
     ]
     for rank, p in enumerate(plan.feasible[:top], 1):
         comm = "  ".join(f"{p.traffic_bytes[g] / 1e9:6.2f}/{p.exposed[g]:6.3f}" for g in GROUPS)
-        lines.append(f"{rank:>3}  {p.layout.name:<46} {p.micro_batch_size:>4} {p.step_seconds:>8.3f} "
+        lines.append(f"{rank:>3}  {p.layout.name:<54} {p.micro_batch_size:>4} {p.step_seconds:>8.3f} "
                      f"{p.mfu:>6.1%} {p.bubble:>6.1%} {_gib(p.memory.total):>6}  {comm} {p.comm_compute_ratio:>9.2f}")
         memory = p.memory
         lines.append(f"     stage {p.heaviest}: parameters {_gib(memory.parameters)}, gradients "

@@ -13,7 +13,15 @@ from dataclasses import dataclass
 
 from gpuwatch.plan.gpus import GIB
 
-SCHEDULES = ("1f1b", "gpipe")
+#: The pipeline schedules the planner searches (protocol.schema.PIPELINE_SCHEDULES' names): GPipe and 1F1B with one
+#: model chunk per rank, interleaved 1F1B with ``Layout.virtual_stages`` chunks (Narayanan et al. 2021, §2.2.2:
+#: Megatron-LM's --num-layers-per-virtual-pipeline-stage, torch's ScheduleInterleaved1F1B), and the zero-bubble V
+#: schedule as PyTorch ships it (torch.distributed.pipelining.ScheduleZBVZeroBubble; Qi et al. 2024,
+#: arXiv:2401.10241, §6): two chunks a rank in a V, the first rank holding the first and the last chunk.
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zbv_zero_bubble")
+#: Schedules whose ranks hold several model chunks.
+INTERLEAVED = "interleaved_1f1b"
+ZBV = "zbv_zero_bubble"
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp16", "fp32")
 #: The allowance for what no tensor formula counts: the CUDA context with cuBLAS' workspace (about 0.5 GiB under
@@ -65,7 +73,12 @@ class Run:
     """What is trained: ``global_batch`` sequences of ``seq_len`` tokens a step. ``sequence_parallel``: TP with
     Megatron-LM's sequence parallelism (Korthikanti et al. 2022). ``dp_overlap``: the DP gradient reduction
     overlaps the last micro-batch's backward pass, as DDP's buckets do (else it runs after it, as in the reference
-    trainer). ``bucket_bytes``: the size of a gradient bucket (DDP's and the reference trainer's 25 MiB)."""
+    trainer). ``bucket_bytes``: the size of a gradient bucket (DDP's and the reference trainer's 25 MiB).
+    ``flash_attention``: attention by a fused kernel that keeps no s × s scores and recomputes them in the backward
+    pass (Dao et al. 2022, arXiv:2205.14135; PyTorch SDPA's default on current GPUs); off, the scores are kept
+    (Korthikanti et al.'s 5as/h term). ``pp_scatter_gather``: pipeline sends between nodes split over the TP
+    group's NICs and all-gathered over NVLink at the receiver (Narayanan et al. 2021, §4.1), assuming one NIC per
+    GPU; off, the whole activation crosses one NIC (sequence parallelism splits the sends either way)."""
 
     global_batch: int
     seq_len: int
@@ -73,6 +86,8 @@ class Run:
     sequence_parallel: bool = True
     dp_overlap: bool = False
     bucket_bytes: int = 25 * 2**20
+    flash_attention: bool = True
+    pp_scatter_gather: bool = True
     allowance_bytes: int = ALLOWANCE_BYTES
     allowance_fraction: float = ALLOWANCE_FRACTION
 
@@ -88,7 +103,9 @@ class Run:
 class Layout:
     """One way to run: tp × pp × dp ranks (ranks ordered TP fastest, then DP, then PP: Megatron-LM's order and the
     reference trainer's), ``micro_batches`` per step per DP replica, the pipeline ``schedule``, activation
-    ``recompute`` and a sharded optimizer (``zero1``: ZeRO stage 1, Megatron's distributed optimizer)."""
+    ``recompute`` and a sharded optimizer (``zero1``: ZeRO stage 1, Megatron's distributed optimizer).
+    ``virtual_stages``: model chunks per rank under interleaved 1F1B (v; 1 is plain 1F1B); the ZB-V schedule always
+    has 2."""
 
     tp: int
     pp: int
@@ -97,6 +114,7 @@ class Layout:
     schedule: str = "1f1b"
     recompute: str = "none"
     zero1: bool = False
+    virtual_stages: int = 1
 
     def micro_batch_size(self, global_batch: int) -> int:
         """Sequences per micro-batch (the layout is only valid when global_batch divides evenly)."""
@@ -109,7 +127,27 @@ class Layout:
     @property
     def name(self) -> str:
         zero = " zero1" if self.zero1 else ""
-        return f"{self.grid} m{self.micro_batches} {self.schedule} recompute={self.recompute}{zero}"
+        chunks = f" v{self.virtual_stages}" if self.schedule == INTERLEAVED and self.virtual_stages > 1 else ""
+        return f"{self.grid} m{self.micro_batches} {self.schedule}{chunks} recompute={self.recompute}{zero}"
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per rank: v interleaved, 2 in ZB-V's V, else 1."""
+        if self.schedule == ZBV:
+            return 2
+        return self.virtual_stages if self.schedule == INTERLEAVED else 1
+
+    def chunk_stage(self, chunk: int) -> int:
+        """The pipeline rank that runs model chunk ``chunk`` of the pp × chunks in order: round-robin when
+        interleaved (chunk c on rank c mod p), down and back up in ZB-V (c, then 2p − 1 − c)."""
+        if self.schedule == ZBV:
+            return chunk if chunk < self.pp else 2 * self.pp - 1 - chunk
+        return chunk % self.pp
+
+    @property
+    def last_stage(self) -> int:
+        """The rank that runs the model's last chunk (the head and the loss): the first one in ZB-V's V."""
+        return self.chunk_stage(self.pp * self.chunks - 1)
 
 
 def stage_layers(layers: int, pp: int) -> tuple[int, ...]:

@@ -31,7 +31,7 @@ def plan(*args: str):
 
 
 def test_json_ranks_every_feasible_layout_and_gives_every_rejection_a_reason(config):
-    result = plan("--model", str(config), *EXAMPLE, "--format", "json", "--top", "1000")
+    result = plan("--model", str(config), *EXAMPLE, "--format", "json", "--top", "100000")
     assert result.exit_code == 0, result.output
     document = json.loads(result.stdout)
     assert document["schema"] == "gpuwatch.plan/1"

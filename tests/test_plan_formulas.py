@@ -11,6 +11,8 @@ worked out by hand below from its formulas, its code not run): equal where both 
 difference is asserted to be exactly the term we count otherwise.
 """
 
+from dataclasses import replace
+
 import pytest
 
 from gpuwatch.plan import compute
@@ -44,28 +46,66 @@ def test_flops_are_narayanans_formula(layers, hidden, heads):
     h = hidden
     with_recompute = 96 * batch * s * layers * h**2 * (1 + s / (6 * h) + v / (16 * layers * h))
     model = 72 * batch * s * layers * h**2 * (1 + s / (6 * h) + v / (12 * layers * h))
-    hardware = compute.stage_flops_per_token(shape, s, layers, last=True, recompute="full") * batch * s
+    hardware = compute.stage_flops_per_token(shape, s, layers, last=True, recompute="full",
+                                             flash_attention=False) * batch * s
     assert hardware == pytest.approx(with_recompute, rel=1e-12)
     assert compute.model_flops_per_token(shape, s) * batch * s == pytest.approx(model, rel=1e-12)
 
 
 def test_activation_forms_are_korthikanti_table_2():
+    """Korthikanti et al. keep the attention scores (no flash attention: it came out the same year)."""
     shape, s, b, t = gpt(96, 12288, 96), 2048, 1, 8
     sbh, score = s * b * 12288, 5 * 96 * s / 12288
-    assert layer_activation_bytes(shape, s, b, 1, False, "none") == sbh * (34 + score)
-    assert layer_activation_bytes(shape, s, b, t, False, "none") == pytest.approx(sbh * (10 + 24 / t + score / t))
-    assert layer_activation_bytes(shape, s, b, t, True, "none") == pytest.approx(sbh / t * (34 + score))
-    assert layer_activation_bytes(shape, s, b, t, True, "selective") == pytest.approx(sbh / t * 34)
-    assert layer_activation_bytes(shape, s, b, t, False, "full") == 2 * sbh
-    assert layer_activation_bytes(shape, s, b, t, True, "full") == 2 * sbh / t
+
+    def kept(tp, sp, recompute):
+        return layer_activation_bytes(shape, s, b, tp, sp, recompute, flash_attention=False)
+
+    assert kept(1, False, "none") == sbh * (34 + score)
+    assert kept(t, False, "none") == pytest.approx(sbh * (10 + 24 / t + score / t))
+    assert kept(t, True, "none") == pytest.approx(sbh / t * (34 + score))
+    assert kept(t, True, "selective") == pytest.approx(sbh / t * 34)
+    assert kept(t, False, "full") == 2 * sbh
+    assert kept(t, True, "full") == 2 * sbh / t
+
+
+@pytest.mark.parametrize(("tp", "sp"), [(1, False), (8, False), (8, True)])
+def test_flash_attention_keeps_no_scores_but_one_softmax_statistic(tp, sp):
+    """Dao et al. 2022 (arXiv:2205.14135) §3.1: no s × s scores kept, the log-sum-exp (fp32, 4 bytes a head and
+    token, split over TP with the heads) in their place: selective recomputation's form plus 4·a·s·b/t, whatever the
+    recomputation asked for but full (which keeps only the layer's input)."""
+    shape, s, b = gpt(96, 12288, 96), 2048, 2
+    statistic = 4 * 96 * s * b / tp
+    selective = layer_activation_bytes(shape, s, b, tp, sp, "selective", flash_attention=False)
+    for recompute in ("none", "selective"):
+        assert layer_activation_bytes(shape, s, b, tp, sp, recompute) == pytest.approx(selective + statistic)
+    assert layer_activation_bytes(shape, s, b, tp, sp, "full") == layer_activation_bytes(
+        shape, s, b, tp, sp, "full", flash_attention=False)
+    # GPT-3 at tp 8 with sequence parallelism: the scores were 80/(34 + 80) = 70 % of a layer's activations.
+    kept = layer_activation_bytes(shape, s, b, 8, True, "none", flash_attention=False)
+    assert 1 - layer_activation_bytes(shape, s, b, 8, True, "none") / kept == pytest.approx(0.70, abs=0.005)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_flash_attention_adds_the_backwards_recomputed_scores_to_the_hardware_flops(recompute):
+    """Dao et al. 2022, Algorithm 4: the backward pass recomputes S = QKᵀ, one matmul of 2sh FLOPs a token and
+    layer on the hardware (half the attention's forward 4sh); selective recomputation, which would recompute the
+    attention's 4sh, has nothing to recompute; the model's FLOPs (MFU) do not change."""
+    shape, s, layers = gpt(96, 12288, 96), 2048, 96
+    plain = compute.stage_flops_per_token(shape, s, layers, True, recompute, flash_attention=False)
+    flash = compute.stage_flops_per_token(shape, s, layers, True, recompute, flash_attention=True)
+    none = compute.stage_flops_per_token(shape, s, layers, True, "none", flash_attention=False)
+    expected = none + layers * 2 * s * 12288 + (plain - none if recompute == "full" else 0.0)
+    assert flash == pytest.approx(expected, rel=1e-12)
+    assert compute.model_flops_per_token(shape, s) * 3 == pytest.approx(
+        compute.stage_flops_per_token(shape, s, layers, True, "none", flash_attention=False) * 3)
 
 
 @pytest.mark.parametrize(("shape", "saving"), [(gpt(96, 12288, 96), 0.70), (gpt(105, 20480, 128), 0.65)])
 def test_selective_recomputation_saves_what_korthikanti_publish(shape, saving):
     """§4.2: with tensor and sequence parallelism, selective recomputation cuts GPT-3's activation memory by 70 %
     and MT-NLG's by 65 % (5as/h = 80 and 64 against 34)."""
-    full = layer_activation_bytes(shape, 2048, 1, 8, True, "none")
-    selective = layer_activation_bytes(shape, 2048, 1, 8, True, "selective")
+    full = layer_activation_bytes(shape, 2048, 1, 8, True, "none", flash_attention=False)
+    selective = layer_activation_bytes(shape, 2048, 1, 8, True, "selective", flash_attention=False)
     assert round(1 - selective / full, 2) == saving
 
 
@@ -147,9 +187,12 @@ def test_activations_differ_from_megatrons_by_the_final_norms_output_bytes():
     output 4sbh(1 + V/h) = 520,093,696; all / 8 = 10,335,815,680. Ours counts the final norm's output at the
     activations' 2 bytes, Megatron at 4: 2sbh/8 = 6,291,456 less."""
     shape = gpt(96, 12288, 96)
-    run = Run(8, 2048, numerics("bf16"))
+    run = Run(8, 2048, numerics("bf16"), flash_attention=False)
     memory = predict(shape, Cluster(64, 8, H100), run, Layout(8, 1, 8, 1, recompute="selective")).memory
     assert memory.activations + memory.embeddings_logits == 10_335_815_680 - 6_291_456
+    # flash attention with no recomputation: the same, and the softmax statistic, 4·a·s·b/t a layer
+    flash = predict(shape, Cluster(64, 8, H100), replace(run, flash_attention=True), Layout(8, 1, 8, 1)).memory
+    assert flash.activations + flash.embeddings_logits == 10_335_815_680 - 6_291_456 + 96 * 4 * 96 * 2048 / 8
 
 
 @pytest.mark.parametrize("pp", [1, 2, 4, 8])

@@ -7,9 +7,10 @@ name) at the planner's default efficiency. The rules compare the measured step w
 name the term that deviates most, so that a slow job is told where its time went against where it should go.
 
 The terms sum to the predicted step (gpuwatch.plan.planner): compute (the slowest stage's forward and backward),
-the exposed TP collectives, the pipeline's wait (its point-to-point transfers and the bubble's p − 1 idle slots,
-which the hooks see as time waited in receives), the exposed DP gradient reduction, and the phases the plan does
-not model and so predicts none of (data wait, optimizer, outside the model).
+the exposed TP collectives, the pipeline's wait (its point-to-point transfers and the schedule's idle slots: p − 1
+for GPipe and 1F1B, (p − 1)/v interleaved, none zero-bubble, which the hooks see as time waited in receives), the
+exposed DP gradient reduction, and the phases the plan does not model and so predicts none of (data wait, optimizer,
+outside the model).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from gpuwatch.plan.calibrate import LINKS
 from gpuwatch.plan.gpus import DEFAULT_EFFICIENCY, Cluster, GpuSpec, preset_for
 from gpuwatch.plan.model import ModelError, from_record
 from gpuwatch.plan.planner import Prediction, predict
-from gpuwatch.plan.run import PRECISIONS, SCHEDULES, Layout, Run, RunError, numerics
+from gpuwatch.plan.run import INTERLEAVED, PRECISIONS, SCHEDULES, Layout, Run, RunError, numerics
 
 FAMILY = "plan"
 
@@ -115,8 +116,9 @@ def job_plans(facts: Facts) -> Iterator[JobPlan | tuple[str, str]]:
         except (ModelError, RunError) as error:
             yield job, f"its hello's model cannot be planned: {error}"
             continue
-        layout = Layout(place.tp_size, place.pp_size, place.dp_size, place.micro_batches or 1,
-                        place.schedule if place.schedule in SCHEDULES else SCHEDULES[0])
+        schedule = place.schedule if place.schedule in SCHEDULES else SCHEDULES[0]
+        layout = Layout(place.tp_size, place.pp_size, place.dp_size, place.micro_batches or 1, schedule,
+                        virtual_stages=place.virtual_stages or 1 if schedule == INTERLEAVED else 1)
         yield JobPlan(job, ranks, predict(shape, cluster, run, layout), basis)
 
 
@@ -140,9 +142,9 @@ def terms(plan: JobPlan) -> list[Term]:
     schedule's idle slots, for the pipeline), and a late peer shows as its compute, not as the others' wait."""
     prediction, ranks = plan.prediction, plan.ranks
     layout = prediction.layout
-    slot_compute = prediction.compute_seconds / layout.micro_batches
-    predicted = {"tp": prediction.exposed["tp"], "pp": prediction.exposed["pp"] + (layout.pp - 1) * slot_compute,
-                 "dp": prediction.exposed["dp"]}
+    # the schedule's idle slots: a bubble b of the step is compute × b/(1 − b), (p − 1) slots for GPipe and 1F1B
+    idle = prediction.compute_seconds * prediction.bubble / (1 - prediction.bubble)
+    predicted = {"tp": prediction.exposed["tp"], "pp": prediction.exposed["pp"] + idle, "dp": prediction.exposed["dp"]}
     found = [Term("compute", _most([windowed(rank, "compute_seconds") for rank in ranks]),
                   prediction.compute_seconds)]
     for group, name in GROUP_NAMES.items():

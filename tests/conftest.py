@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,19 @@ def prometheus_server(tmp_path):
     yield start
     for server in servers:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory) -> Iterator[AgentProcess]:
+    """The user's agent for a module of real jobs (tests/foreign.py): `gpuwatch agent --simulate dgx-h100 --interval
+    1`, its telemetry socket in a folder of its own. A module that needs another agent defines its own `agent`."""
+    from foreign import simulated_agent  # foreign imports this module: not at its import
+
+    with simulated_agent(tmp_path_factory.mktemp("agent")) as agent:
+        yield agent
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    """Where a module's job runs keep their run logs and results."""
+    return tmp_path_factory.mktemp("runs")

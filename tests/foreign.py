@@ -28,7 +28,7 @@ import statistics
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -234,6 +234,25 @@ class Run:
                     if record.get("kind") == kind and record.get("job") == self.job:
                         records.setdefault(record["rank"], []).append(record)
         return records
+
+
+class Made:
+    """Runs made on first use and shared by every test that reads them, by a key of the caller's: a run that failed
+    is not retried, it fails each of those tests alike."""
+
+    def __init__(self) -> None:
+        self._made: dict[object, Run | Exception] = {}
+
+    def get(self, key: object, make: Callable[[], Run]) -> Run:
+        if key not in self._made:
+            try:
+                self._made[key] = make()
+            except Exception as error:  # kept, and raised again for every test of this run
+                self._made[key] = error
+        made = self._made[key]
+        if isinstance(made, Exception):
+            raise made
+        return made
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import foreign
 import pytest
-from foreign import Run, Workload, preflight, ranks_named, simulated_agent
+from foreign import Run, Workload, preflight, ranks_named
 
 from gpuwatch.agent.simulate import PRESETS
 from gpuwatch.agent.simulate.sysfs import SimulatedSysfs
@@ -46,12 +46,6 @@ HEALTHY = [("ddp_tutorial", 1), ("ddp_tutorial", 2), ("grad_accumulation", 2), (
 
 
 @pytest.fixture(scope="module")
-def agent(tmp_path_factory):
-    with simulated_agent(tmp_path_factory.mktemp("agent")) as agent:
-        yield agent
-
-
-@pytest.fixture(scope="module")
 def prometheus(agent, tmp_path_factory):
     """A real Prometheus scraping the agent every second: the third source every run is judged through."""
     server = PrometheusServer(tmp_path_factory.mktemp("prometheus"), [f"127.0.0.1:{agent.port}"])
@@ -64,21 +58,14 @@ def runs(agent, prometheus, tmp_path_factory) -> Callable[..., Run]:
     """``runs(script, nproc, fault=..., fault_rank=..., env=...)``: that workload's finished run, made on first
     use and shared by the tests of both sources (a failed run is not retried: it fails each of them alike)."""
     workdir = tmp_path_factory.mktemp("runs")
-    made: dict[tuple, Run | Exception] = {}
+    made = foreign.Made()
 
     def get(script: str, nproc: int, fault: str = "none", fault_rank: int | None = None,
             env: dict[str, str] | None = None) -> Run:
-        key = (script, nproc, fault, fault_rank, tuple(sorted((env or {}).items())))
-        if key not in made:
-            steps = SLOW_STEPS if fault == "sleep-rank" else STEPS
-            workload = Workload(script, nproc, steps, fault, fault_rank, dict(env or {}))
-            try:
-                made[key] = foreign.run(workload, agent, workdir, prometheus)
-            except Exception as error:  # kept, and raised again for every test of this run
-                made[key] = error
-        if isinstance(made[key], Exception):
-            raise made[key]
-        return made[key]
+        workload = Workload(script, nproc, SLOW_STEPS if fault == "sleep-rank" else STEPS, fault, fault_rank,
+                            dict(env or {}))
+        return made.get((script, nproc, fault, fault_rank, tuple(sorted((env or {}).items()))),
+                        lambda: foreign.run(workload, agent, workdir, prometheus))
 
     return get
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import foreign
 import pytest
-from foreign import GPUWATCH_RUN, Run, Workload, launched, ranks_named, simulated_agent
+from foreign import GPUWATCH_RUN, Run, Workload, launched, ranks_named
 
 pytestmark = pytest.mark.integration
 
@@ -87,17 +87,6 @@ NEVER_LEARNS = ["hf_trainer", "accelerate", "lightning-2", "fsdp2"]
 SOURCES = ("agent", "run_log")
 
 
-@pytest.fixture(scope="module")
-def agent(tmp_path_factory):
-    with simulated_agent(tmp_path_factory.mktemp("agent")) as agent:
-        yield agent
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("runs")
-
-
 def _workload(variant: str, workdir: Path, name: str, fault: str, steps: int, fault_rank: int | None,
               wrapped: bool) -> Workload:
     script, args = VARIANTS[variant]
@@ -110,24 +99,20 @@ def runs(agent, workdir) -> Callable[..., Run]:
     """``runs(variant, fault="none")``: that job's finished run under ``gpuwatch run`` (a slow-* fault on rank 1,
     any other on every rank), made on first use and shared by the tests (a failed run is not retried: it fails
     each of them alike). Its results file is ``out(run)``."""
-    made: dict[tuple[str, str], Run | Exception] = {}
+    made = foreign.Made()
+
+    def make(variant: str, fault: str) -> Run:
+        steps = SLOW_STEPS if fault.startswith("slow-") else NEVER_STEPS if fault == "never-learns" else STEPS
+        rank = SLOW_RANK if fault.startswith("slow-") else None
+        run = foreign.run(_workload(variant, workdir, f"{variant}-{fault}", fault, steps, rank, wrapped=True), agent,
+                          workdir)
+        # judged at once: the agent forgets a rank silent for its TTL (120 s), sooner than the module's later runs
+        # are done
+        JUDGED.update({(run.job, source): run.diagnosis(source) for source in SOURCES})
+        return run
 
     def get(variant: str, fault: str = "none") -> Run:
-        key = (variant, fault)
-        if key not in made:
-            steps = SLOW_STEPS if fault.startswith("slow-") else NEVER_STEPS if fault == "never-learns" else STEPS
-            rank = SLOW_RANK if fault.startswith("slow-") else None
-            workload = _workload(variant, workdir, f"{variant}-{fault}", fault, steps, rank, wrapped=True)
-            try:
-                made[key] = run = foreign.run(workload, agent, workdir)
-                # judged at once: the agent forgets a rank silent for its TTL (120 s), sooner than the module's
-                # later runs are done
-                JUDGED.update({(run.job, source): run.diagnosis(source) for source in SOURCES})
-            except Exception as error:  # kept, and raised again for every test of this run
-                made[key] = error
-        if isinstance(made[key], Exception):
-            raise made[key]
-        return made[key]
+        return made.get((variant, fault), lambda: make(variant, fault))
 
     return get
 

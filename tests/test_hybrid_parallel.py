@@ -47,7 +47,7 @@ from pathlib import Path
 
 import foreign
 import pytest
-from foreign import GPUWATCH_RUN, Diagnosis, Run, Workload, diagnose, job_ranks, launched, ranks_named, simulated_agent
+from foreign import GPUWATCH_RUN, Diagnosis, Run, Workload, diagnose, job_ranks, launched, ranks_named
 
 from conftest import wait_until
 
@@ -116,17 +116,6 @@ def peers_in(layout: str, rank: int, dimension: str) -> set[int]:
             and all(v == mine[d] for d, v in coordinates(layout, r).items() if d != dimension)}
 
 
-@pytest.fixture(scope="module")
-def agent(tmp_path_factory):
-    with simulated_agent(tmp_path_factory.mktemp("agent")) as agent:
-        yield agent
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("runs")
-
-
 def _workload(layout: str, workdir: Path, name: str, fault: str = "none", steps: int = STEPS,
               fault_rank: int | None = None, wrapped: bool = True) -> Workload:
     return Workload(SCRIPT, world(layout), steps, fault, fault_rank, args=("--layout", layout, "--out",
@@ -144,22 +133,17 @@ def runs(agent, workdir) -> Callable[..., Run]:
     """``runs(layout, fault="none")``: that job's finished run under ``gpuwatch run`` (``straggler`` on the last
     rank, ``slow-stage`` on SLOW_STAGE), made on first use and shared by the tests (a failed run is not retried: it
     fails each of them alike). Its results file is ``_results(workdir / name)``."""
-    made: dict[tuple[str, str], Run | Exception] = {}
+    made = foreign.Made()
+
+    def make(layout: str, fault: str) -> Run:
+        workload = _workload(layout, workdir, f"{layout}-{fault}", fault, STEPS if fault == "none" else SLOW_STEPS,
+                             SLOW_STAGE if fault == "slow-stage" else None)
+        run = foreign.run(workload, agent, workdir)
+        JUDGED.update({(run.job, source): run.diagnosis(source) for source in SOURCES})
+        return run
 
     def get(layout: str, fault: str = "none") -> Run:
-        key = (layout, fault)
-        if key not in made:
-            steps = STEPS if fault == "none" else SLOW_STEPS
-            fault_rank = SLOW_STAGE if fault == "slow-stage" else None
-            workload = _workload(layout, workdir, f"{layout}-{fault}", fault, steps, fault_rank)
-            try:
-                made[key] = run = foreign.run(workload, agent, workdir)
-                JUDGED.update({(run.job, source): run.diagnosis(source) for source in SOURCES})
-            except Exception as error:  # kept, and raised again for every test of this run
-                made[key] = error
-        if isinstance(made[key], Exception):
-            raise made[key]
-        return made[key]
+        return made.get((layout, fault), lambda: make(layout, fault))
 
     return get
 

@@ -46,19 +46,44 @@ def theoretical_bubble(stages: int, micro_batches: int) -> float:
     return bubble_fraction(stages, micro_batches)
 
 
-class PipelineClock:
+class _Window:
+    """A stage's window in one step, from `_start` to `_end`, and what of it was idle (`_idle`, each kind's own):
+    the step record's `pipeline` figures, once the device has passed the end."""
+
+    def __init__(self, clock: Clock, theoretical: float | None) -> None:
+        self._clock, self._theoretical = clock, theoretical
+        self._start: Mark | None = None
+        self._end: Mark | None = None
+
+    def _idle(self, window: float) -> float:
+        raise NotImplementedError
+
+    def ready(self) -> bool:
+        return self._end is not None and self._clock.ready(self._end)
+
+    def result(self) -> dict[str, float] | None:
+        """The step record's `pipeline` field, once `ready`."""
+        if self._start is None or not self.ready():
+            return None
+        window = self._clock.seconds(self._start, self._end)
+        if window <= 0:
+            return None
+        idle = min(window, self._idle(window))
+        result = {"busy_seconds": window - idle, "idle_seconds": idle, "bubble_ratio": idle / window}
+        return result if self._theoretical is None else {**result, "bubble_ratio_theoretical": self._theoretical}
+
+
+class PipelineClock(_Window):
     """One stage, one step: `start`, then `with busy():` around every forward and backward pass, then `stop`."""
 
     def __init__(
         self, clock: Clock, failures: Failures, group: ProcessGroup, micro_batches: int, device: torch.device
     ) -> None:
+        super().__init__(clock, theoretical_bubble(dist.get_world_size(group), micro_batches))
         self.failures = failures
-        self._clock, self._group, self._device = clock, group, device
-        self._theoretical = theoretical_bubble(dist.get_world_size(group), micro_batches)
+        self._group, self._device = group, device
         self._passes: list[tuple[Mark, Mark]] = []
-        self._start: Mark | None = None
         self._opened: Mark | None = None
-        self._end: Mark | None = None
         self._pending: Any = None  # the marker's works, kept alive until they complete
 
     @guarded
@@ -104,22 +129,12 @@ class PipelineClock:
     def marks(self) -> list[Mark]:
         return [mark for mark in (self._start, self._end) if mark is not None] + [m for p in self._passes for m in p]
 
-    def ready(self) -> bool:
-        return self._end is not None and self._clock.ready(self._end)
-
-    def result(self) -> dict[str, float] | None:
-        """The step record's `pipeline` field, once `ready`."""
-        if self._start is None or not self.ready():
-            return None
-        window = self._clock.seconds(self._start, self._end)
-        if window <= 0:
-            return None
-        busy = min(window, sum(self._clock.seconds(start, end) for start, end in self._passes))
-        return {"busy_seconds": busy, "idle_seconds": window - busy, "bubble_ratio": (window - busy) / window,
-                "bubble_ratio_theoretical": self._theoretical}
+    def _idle(self, window: float) -> float:
+        """The window less the passes."""
+        return window - sum(self._clock.seconds(start, end) for start, end in self._passes)
 
 
-class WindowClock:
+class WindowClock(_Window):
     """One stage, one step, measured from outside its schedule (`gpuwatch run` around torch.distributed.pipelining):
     the window opens as the rank enters the schedule's step and closes as it leaves it (several schedule steps in
     one optimizer step share one window, from the first entry to the last exit). Its idle time is what the training
@@ -134,9 +149,8 @@ class WindowClock:
     (p-1)/(m+p-1) of it on every stage. The first step, which no earlier one staggered, reads lower on later stages."""
 
     def __init__(self, clock: Clock, calls: list[Call], group: str, theoretical: float | None) -> None:
-        self._clock, self._calls, self._group, self._theoretical = clock, calls, group, theoretical
-        self._start: Mark | None = None
-        self._end: Mark | None = None
+        super().__init__(clock, theoretical)
+        self._calls, self._group = calls, group
 
     def start(self) -> None:
         if self._start is None:
@@ -148,19 +162,9 @@ class WindowClock:
     def marks(self) -> list[Mark]:
         return [mark for mark in (self._start, self._end) if mark is not None]
 
-    def ready(self) -> bool:
-        return self._end is not None and self._clock.ready(self._end)
-
-    def result(self) -> dict[str, float] | None:
-        """The step record's `pipeline` field, once `ready` and the step's calls are resolved."""
-        if self._start is None or not self.ready():
-            return None
-        window = self._clock.seconds(self._start, self._end)
-        if window <= 0:
-            return None
-        idle = min(window, sum(call.seconds for call in self._calls if call.group == self._group and call.blocking))
-        result = {"busy_seconds": window - idle, "idle_seconds": idle, "bubble_ratio": idle / window}
-        return result if self._theoretical is None else {**result, "bubble_ratio_theoretical": self._theoretical}
+    def _idle(self, window: float) -> float:
+        """The step's waits on the pipeline's group (its calls resolved by then: the record is built after)."""
+        return sum(call.seconds for call in self._calls if call.group == self._group and call.blocking)
 
 
 def _when_done(work: dist.Work, callback: Callable[[object], None]) -> None:

@@ -311,7 +311,8 @@ UNAVAILABLE_FROM_OUTSIDE: Mapping[str, str] = {
     "loss_scale": "an AMP loss scale is seen only from torch.amp.GradScaler.scale (a framework's own scaler is not "
                   "seen, and the loss reported is then the scaled tensor backward() was called on)",
     "pipeline": "a pipeline schedule's busy and idle time needs the schedule's own marks",
-    "ddp_bucket_latency": "DDP's C++ all-reduce is timed as one tail per backward, not per bucket",
+    "ddp_bucket_latency": "under a built-in C++ communication hook (registered before gpuwatch's), DDP's all-reduce "
+                          "is timed as one tail per backward, not per bucket",
     "layout": "which ranks are data-parallel replicas doing the same work is known only from gpuwatch run --layout, "
               "Megatron's parallel state, a device mesh over every rank (torchtitan's) or a DDP model spanning "
               "every rank, so ranks are not compared as peers",

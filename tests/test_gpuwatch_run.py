@@ -74,17 +74,6 @@ def _losses(directory: Path) -> dict[int, list[float]]:
 
 
 @pytest.fixture(scope="module")
-def agent(tmp_path_factory):
-    with simulated_agent(tmp_path_factory.mktemp("agent")) as agent:
-        yield agent
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("runs")
-
-
-@pytest.fixture(scope="module")
 def runs(agent, workdir) -> Callable[..., Run]:
     """``runs(workload_key, workload)``: the finished run, made on first use and shared by the tests."""
     made: dict[str, Run] = {}
@@ -111,7 +100,9 @@ def test_every_rank_reports_each_optimizer_step_with_the_scripts_loss(runs, work
         assert any(a.endswith("workloads/plain_ddp.py") for a in rank["hello"]["command"])  # the rank's own
         # a DDP model over every rank: the layout is plain data parallelism, the Monitor's own, and each rank holds
         # its replica's whole gradient
-        assert set(rank["hello"]["unavailable_from_outside"]) == set(UNAVAILABLE_FROM_OUTSIDE) - {"layout", "gradients"}
+        # gpuwatch's communication hook times DDP's buckets
+        assert set(rank["hello"]["unavailable_from_outside"]) == \
+            set(UNAVAILABLE_FROM_OUTSIDE) - {"layout", "gradients", "ddp_bucket_latency"}
     computed = _losses(workdir / f"losses-{accumulate}")
     steps = run.run_log_steps()
     assert sorted(steps) == [0, 1]
@@ -123,10 +114,14 @@ def test_every_rank_reports_each_optimizer_step_with_the_scripts_loss(runs, work
         else:  # the sum of the micro-batches' divided losses: in float32 here, in float64 in the script
             assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(reported, computed[rank], strict=True))
         assert [r["lr"] for r in records] == [0.1] * 10 + [0.05] * 10 + [0.025] * 10  # StepLR, read in the hook
-        # DDP's all-reduce watched every step; the script's logging all_reduce timed, after each optimizer step
-        assert all(r["gradient_sync_bytes"] > 0 and "compute_seconds" in r for r in records)
-        assert [r.get("collectives", {}).get("all_reduce", {}).get("count") for r in records] == \
-            [None] + [1] * (STEPS - 1)
+        # DDP's all-reduce timed per bucket (its one bucket, each micro-batch's backward under no_sync reduces
+        # nothing) on its group, every step; the script's logging all_reduce timed, after each optimizer step
+        gradient_bytes = 4 * (32 * 64 + 64 + 64 + 1)  # float32: Linear(32, 64), Linear(64, 1)
+        assert all("gradient_sync_bytes" not in r and "compute_seconds" in r for r in records)
+        assert [r["collectives"]["all_reduce"]["count"] for r in records] == [1] + [2] * (STEPS - 1)
+        assert [r["groups"]["default"]["bytes"] for r in records] == \
+            [gradient_bytes] + [gradient_bytes + 4] * (STEPS - 1)
+        assert all(r["groups"]["default"]["seconds"] > 0 for r in records)
         assert all("dataloader_wait_seconds" in r for r in records[1:])
         assert [r["step"] for r in records if "grad_cosine_similarity" in r] == [10, 20, 30]
         assert [r["step"] for r in records if "grad_norm" in r] == [10, 20, 30]
@@ -140,6 +135,30 @@ def test_losses_are_bit_identical_with_and_without_gpuwatch_run(runs, agent, wor
     measured, unmeasured = _losses(workdir / "losses-1"), _losses(workdir / "losses-bare")
     assert sorted(unmeasured) == [0, 1] and len(unmeasured[0]) == STEPS
     assert [[x.hex() for x in measured[r]] for r in (0, 1)] == [[x.hex() for x in unmeasured[r]] for r in (0, 1)]
+
+
+def test_a_users_own_comm_hook_runs_inside_gpuwatchs_and_the_losses_stay_bit_for_bit(runs, agent, workdir):
+    """DDP takes one communication hook, once; gpuwatch run registers its own, which times each bucket. A script's
+    own hook (PyTorch's fp16_compress_hook), registered before gpuwatch's Monitor is made (right after the DDP model)
+    or after (past the first forward), runs inside it: no error, the script's losses bit for bit those of the same
+    script unmeasured (and not those of a run without the hook), DDP's buckets still timed on their group."""
+    healthy = runs("healthy-1", _with_losses(workdir, "losses-1", STEPS, "--accumulate", "1"))
+    bare = _with_losses(workdir, "losses-hook-bare", STEPS, "--comm-hook", "before", wrapped=False)
+    with launched(bare, agent, workdir) as (process, _):
+        assert process.wait(foreign.RUN_TIMEOUT_S) == 0
+    unmeasured = _losses(workdir / "losses-hook-bare")
+    assert sorted(unmeasured) == [0, 1] and len(unmeasured[0]) == STEPS
+    assert unmeasured != _losses(workdir / "losses-1")  # the script's hook is the one that reduced
+    for when in ("before", "after"):
+        run = runs(f"hook-{when}", _with_losses(workdir, f"losses-hook-{when}", STEPS, "--comm-hook", when))
+        measured = _losses(workdir / f"losses-hook-{when}")
+        assert [[x.hex() for x in measured[r]] for r in (0, 1)] == [[x.hex() for x in unmeasured[r]] for r in (0, 1)]
+        steps = run.run_log_steps()
+        assert sorted(steps) == [0, 1] and all(len(records) == STEPS for records in steps.values())
+        for records in steps.values():  # DDP's one bucket a step (and the logging all-reduce) on the world group
+            assert [r["collectives"]["all_reduce"]["count"] for r in records] == [1] + [2] * (STEPS - 1)
+            assert all(r["groups"]["default"]["seconds"] > 0 for r in records)
+        assert "raised" not in run.output and "raised" not in healthy.output, run.output[-2000:]
 
 
 def test_an_exception_inside_the_injected_code_is_counted_and_never_reaches_training(runs, agent, workdir):
@@ -281,8 +300,9 @@ def test_the_hidden_sitecustomize_still_runs_and_no_torch_is_imported(tmp_path):
 
 
 def test_a_rule_short_of_what_gpuwatch_run_cannot_see_says_so():
-    """NCCL005 needs per-call collective timings; ranks measured from outside have DDP's all-reduce only as a tail per
-    backward, and their hello says so: the reason it did not run names that, not a generic gap."""
+    """NCCL005 needs per-call collective timings; ranks measured from outside under a built-in C++ DDP hook have
+    DDP's all-reduce only as a tail per backward, and their hello says so: the reason it did not run names that, not a
+    generic gap."""
     from diagnose_facts import facts, rank
 
     from gpuwatch.agent.diagnosis import needs
@@ -479,8 +499,9 @@ def test_gpuwatch_run_sees_what_the_explicit_monitor_sees(tmp_path):
             return {**{name: record.get(name) for name in WORK_FIELDS}, "collectives": counts}
 
         assert [work(r) for r in outside[rank]] == [work(r) for r in inside[rank]]
-        assert all(isinstance(r["loss"], float) and r["gradient_sync_bytes"] > 0 for r in outside[rank])
-        assert all(r["collectives"]["all_reduce"]["count"] == 1 for r in outside[rank])  # the logging all-reduce
+        assert all(isinstance(r["loss"], float) and r["groups"]["default"]["bytes"] > 0 for r in outside[rank])
+        # DDP's buckets, then the logging all-reduce
+        assert all(r["collectives"]["all_reduce"]["count"] > 1 for r in outside[rank])
         assert [r["step"] for r in outside[rank] if "grad_cosine_similarity" in r] == [10, 20, 30]
 
 

@@ -243,3 +243,38 @@ def test_a_zero_gradient_has_a_zero_gradient_norm_and_no_cosine_and_says_why(tmp
         assert [r.get("grad_norm") for r in steps] == [None, 0.0] * 2
         assert all(r["loss"] == 0.0 and "grad_cosine_similarity" not in r for r in steps)
         assert ["param_checksum" in r for r in steps] == [False, True] * 2
+
+
+def _parameters_after(device, run_log: Path, reduce: str) -> list[str]:
+    """A DDP model's parameters (float.hex) after a few SGD steps, each rank on its own data: DDP's own C++
+    all-reduce ("native"), under `Monitor(bucket_hook=True)` ("bucket_hook") or PyTorch's Python default hook
+    (`default_hooks.allreduce_hook`, "python_default")."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(37, 300), torch.nn.ReLU(),
+                                                        torch.nn.Linear(300, 5)))
+    monitor = hooks.Monitor(model, job=f"ddp-{reduce}", run_log=run_log, bucket_hook=True) \
+        if reduce == "bucket_hook" else None
+    if reduce == "python_default":
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(torch.distributed.get_rank())
+    for _ in range(4):
+        with monitor.step() if monitor is not None else contextlib.nullcontext():
+            model(torch.randn(64, 37, generator=generator)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    if monitor is not None:
+        monitor.close()
+    return [x.hex() for x in torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()]
+
+
+def test_the_bucket_hook_reduces_bit_for_bit_as_ddps_own_all_reduce_over_three_ranks(tmp_path):
+    """DDP's reducer multiplies each gradient by 1/world size, where PyTorch's Python default hook divides: over 3
+    ranks the two differ in the last bits. gpuwatch's hook (which gpuwatch run registers on every DDP model) does as
+    the reducer does: the parameters are bit for bit those of DDP unmeasured."""
+    results = {reduce: launch(_parameters_after, 3, tmp_path, reduce, device="cpu", timeout=120)
+               for reduce in ("native", "bucket_hook", "python_default")}
+    assert results["bucket_hook"] == results["native"]
+    assert results["python_default"] != results["native"]  # the test tells the two apart

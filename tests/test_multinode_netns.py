@@ -4,9 +4,12 @@ gloo over the veth pair between them, GLOO_SOCKET_IFNAME set). Only private addr
 fixture makes; the namespaces are deleted on the way out, also on failure. Needs root (CI runs as root); where
 namespaces cannot be made, each test skips with one line saying why.
 
-A healthy job is quiet; with node b's side of the link throttled to 50 Mbit/s (`tc ... tbf`), PERF004 names the
-network (its bus bandwidth against the NIC's rating, the nodes); node a's agent alone, which sees ranks 0-1 only,
-gives no verdict on the job, only whom its ranks wait for."""
+A real Prometheus in node a scrapes both agents throughout. A healthy job is quiet; with node b's side of the link
+throttled to 50 Mbit/s (`tc ... tbf`), PERF004 names the network (its bus bandwidth against the NIC's rating, the
+nodes), from both agents and from Prometheus alike; node a's agent alone, which sees ranks 0-1 only, gives no
+verdict on the job, only whom its ranks wait for. A compute straggler on node b is PERF002 from every view of all
+ranks (both agents, Prometheus, the run log) and never network blame from node a's partial view. `gpuwatch probe`
+across the throttled link measures the tbf rate."""
 
 from __future__ import annotations
 
@@ -18,19 +21,24 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from foreign import Diagnosis
+from foreign import SERIOUS, Diagnosis
+from foreign import diagnose as diagnose_source
 
-from conftest import wait_until
+from conftest import require_tool, stop_server, wait_until
 
 WORKLOAD = Path(__file__).resolve().parent / "workloads" / "wide_ddp.py"
 #: Private addresses of node a and node b on the veth pair (RFC 1918).
 ADDRESSES = ("10.231.7.1", "10.231.7.2")
 AGENT_PORT = 9411
+PROMETHEUS_PORT = 9412
 MASTER_PORT = 29531
+#: The tbf rate, in bytes per second.
+THROTTLED_BYTES_PER_SECOND = 50e6 / 8
 #: The throttled link: tbf, as the issue tried it (netem is not available everywhere).
 THROTTLE = ("rate", "50mbit", "burst", "32kbit", "latency", "400ms")
 RUN_TIMEOUT_S = 240
@@ -69,17 +77,30 @@ class Node:
 @dataclasses.dataclass
 class Cluster:
     nodes: tuple[Node, Node]
+    #: Prometheus, in node a, scraping both agents (its URL from inside the nodes)
+    prometheus_url: str = ""
 
-    def run_job(self, job: str, *workload_args: str) -> None:
-        """The 4-rank job, 2 ranks a node, under ``gpuwatch run``; both halves must finish."""
+    def run_job(self, job: str, *workload_args: str, run_log: Path | None = None) -> None:
+        """The 4-rank job, 2 ranks a node, under ``gpuwatch run``; both halves must finish. ``run_log``: every
+        rank's records also go there (the nodes share this machine's file system)."""
+        self._torchrun(job, 2, ("-m", "gpuwatch.cli.main", "run", "--", sys.executable), (str(WORKLOAD),
+                                                                                          *workload_args),
+                       {"GPUWATCH_RUN_LOG": str(run_log)} if run_log is not None else {})
+
+    def probe(self, job: str, run_log: Path, *probe_args: str) -> None:
+        """``gpuwatch probe`` as one rank a node, under torchrun (docs/probe.md), its record in ``run_log``."""
+        self._torchrun(job, 1, (), ("-m", "gpuwatch.trainer.probe", "--device", "cpu", "--job", job,
+                                    "--run-log", str(run_log), *probe_args), {})
+
+    def _torchrun(self, job: str, per_node: int, wrapper: tuple[str, ...], command: tuple[str, ...],
+                  env: dict[str, str]) -> None:
         master = self.nodes[0].address
         procs = []
         for index, node in enumerate(self.nodes):
-            cmd = node.command(sys.executable, "-m", "gpuwatch.cli.main", "run", "--", sys.executable, "-m",
-                               "torch.distributed.run", "--nnodes", "2", "--node-rank", str(index),
-                               "--nproc-per-node", "2", "--master-addr", master, "--master-port", str(MASTER_PORT),
-                               str(WORKLOAD), *workload_args)
-            procs.append(subprocess.Popen(cmd, env=node.env(GPUWATCH_JOB=job, GLOO_SOCKET_IFNAME=node.veth),
+            cmd = node.command(sys.executable, *wrapper, "-m", "torch.distributed.run", "--nnodes", "2",
+                               "--node-rank", str(index), "--nproc-per-node", str(per_node), "--master-addr", master,
+                               "--master-port", str(MASTER_PORT), *command)
+            procs.append(subprocess.Popen(cmd, env=node.env(GPUWATCH_JOB=job, GLOO_SOCKET_IFNAME=node.veth, **env),
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                           start_new_session=True))
         outputs = []
@@ -103,12 +124,36 @@ class Cluster:
         assert result.returncode == 0, result.stderr
         return Diagnosis("agent", job, json.loads(result.stdout)).findings()
 
+    def diagnose_prometheus(self, job: str) -> list[dict]:
+        """``gpuwatch diagnose --prometheus`` of the Prometheus in node a, once it holds the end of every rank of
+        ``job``."""
+        query = urllib.parse.urlencode({"query": f'gpuwatch_train_window_last_step{{exported_job="{job}"}}'})
+
+        def scraped() -> bool:
+            series = json.loads(self.fetch(self.nodes[0], f"{self.prometheus_url}/api/v1/query?{query}"))
+            ends = {r["metric"]["rank"]: float(r["value"][1]) for r in series["data"]["result"]}
+            return len(ends) == 4 and all(end > 0 for end in ends.values())
+
+        wait_until(scraped, what=f"Prometheus holding every rank of {job}")
+        time.sleep(3)  # a few more scrapes: every rank's window at its last step
+        result = subprocess.run(self.nodes[0].command(sys.executable, "-m", "gpuwatch.cli.main", "diagnose",
+                                                      "--prometheus", self.prometheus_url, "--format", "json",
+                                                      "--fail-on", "never"),
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        return Diagnosis("prometheus", job, json.loads(result.stdout)).findings()
+
+    @staticmethod
+    def fetch(node: Node, url: str) -> str:
+        """GET ``url`` from inside ``node``."""
+        fetched = subprocess.run(node.command(sys.executable, "-c", "import sys, urllib.request; sys.stdout.write("
+                                              f"urllib.request.urlopen({url!r}).read().decode())"),
+                                 capture_output=True, text=True, timeout=60, check=True)
+        return fetched.stdout
+
     def ranks(self, node: Node, job: str) -> list[dict]:
         """The agent of ``node``'s state of each rank of ``job`` it holds, by rank."""
-        fetched = subprocess.run(node.command(sys.executable, "-c", "import sys, urllib.request; sys.stdout.write("
-                                              f"urllib.request.urlopen('{node.url}/api/v1/state').read().decode())"),
-                                 capture_output=True, text=True, timeout=60, check=True)
-        ranks = json.loads(fetched.stdout)["facts"].get("telemetry", {}).get("ranks", ())
+        ranks = json.loads(self.fetch(node, f"{node.url}/api/v1/state"))["facts"].get("telemetry", {}).get("ranks", ())
         return sorted((r for r in ranks if r["job"] == job), key=lambda r: r["rank"])
 
     def throttle(self, node: Node) -> None:
@@ -136,6 +181,7 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
     tag = f"gw{os.getpid() % 100000}"
     made: list[str] = []
     nodes: list[Node] = []
+    prometheus: subprocess.Popen | None = None
     try:
         for suffix, address in zip("ab", ADDRESSES, strict=True):
             namespace = f"{tag}{suffix}"
@@ -161,8 +207,23 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
                 env=node.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         for node in nodes:
             wait_until(lambda node=node: _healthy(node), what=f"agent on {node.name}")
-        yield Cluster((a, b))
+        workdir = tmp_path_factory.mktemp("prometheus")
+        config = workdir / "prometheus.yml"
+        config.write_text(json.dumps({
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "scrape_configs": [{"job_name": "gpuwatch", "static_configs": [
+                {"targets": [f"{node.address}:{AGENT_PORT}" for node in nodes]}]}]}))
+        prometheus_log = (workdir / "prometheus.log").open("w")
+        prometheus = subprocess.Popen(
+            ["ip", "netns", "exec", a.namespace, require_tool("prometheus"), f"--config.file={config}",
+             f"--storage.tsdb.path={workdir / 'tsdb'}", f"--web.listen-address={a.address}:{PROMETHEUS_PORT}"],
+            stdout=prometheus_log, stderr=subprocess.STDOUT, env={**os.environ, "GOMAXPROCS": "1"})
+        cluster = Cluster((a, b), f"http://{a.address}:{PROMETHEUS_PORT}")
+        wait_until(lambda: _ready(cluster), what="Prometheus in node a")
+        yield cluster
     finally:
+        if prometheus is not None:
+            stop_server(prometheus, prometheus_log)
         for node in nodes:
             if node.agent is not None and node.agent.poll() is None:
                 os.killpg(node.agent.pid, 15)
@@ -172,6 +233,13 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
                     os.killpg(node.agent.pid, 9)
         for namespace in made:
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)
+
+
+def _ready(cluster: Cluster) -> bool:
+    try:
+        return cluster.fetch(cluster.nodes[0], f"{cluster.prometheus_url}/-/ready").strip() != ""
+    except subprocess.CalledProcessError:
+        return False
 
 
 def _settle() -> None:
@@ -206,7 +274,61 @@ def test_throttled_link_is_named_as_the_network_and_a_partial_view_gives_no_verd
     # gpuwatch's own bytes over the exposed time give the link's speed: the tbf rate (measured 1.01x)
     assert 0.5 * 50e6 / 8 < values["busbw_bytes_per_second"] < 1.5 * 50e6 / 8, values
     assert "tc qdisc show" in finding["fix"]
+    # Prometheus, scraping both agents, agrees on the verdict, the nodes and the bandwidth; it carries no NIC speeds
+    # (network interfaces are not exported to it), so it cannot rate the path and says so
+    (scraped,) = [f for f in cluster.diagnose_prometheus("netns-throttled") if f["code"] == "PERF004"]
+    assert scraped["severity"] == finding["severity"] and "communication-bound" in scraped["title"], scraped
+    assert "the speed of the NIC on node-a, node-b is unknown" in scraped["title"], scraped
+    (scraped_bandwidth,) = [e["values"] for e in scraped["evidence"] if "busbw_bytes_per_second" in e.get("values", {})]
+    assert scraped_bandwidth["crosses_nodes"] is True and scraped_bandwidth["nodes"] == ["node-a", "node-b"]
+    assert 0.5 * 50e6 / 8 < scraped_bandwidth["busbw_bytes_per_second"] < 1.5 * 50e6 / 8, scraped_bandwidth
     partial = [f for f in cluster.diagnose("netns-throttled", a) if f["code"] == "PERF004"]
     assert [f["severity"] for f in partial] in ([], ["info"]), partial
     assert all("ranks not reporting here (2-3)" in f["title"] for f in partial), partial
     assert all(f"--agent {a.url} --agent URL" in f["fix"] for f in partial), partial
+
+
+def test_a_compute_straggler_on_node_b_is_perf002_from_every_view_of_all_ranks_and_never_network_blame(cluster,
+                                                                                                     tmp_path):
+    """Rank 3 (node b) sleeps 0.5 s in each forward: the others wait for it at every all-reduce. Both agents
+    together, Prometheus scraping both and the run log of all ranks name it (PERF002), with no PERF004; node a's agent
+    alone, whose ranks only wait for ranks it cannot see, blames neither the network nor the job's shape."""
+    a, b = cluster.nodes
+    run_log = tmp_path / "run-log"
+    run_log.mkdir()
+    cluster.run_job("netns-straggler", "--fault", "sleep-rank", run_log=run_log)
+    _settle()
+    views = {"agents": cluster.diagnose("netns-straggler", a, b),
+             "prometheus": cluster.diagnose_prometheus("netns-straggler"),
+             "run_log": diagnose_source("netns-straggler", "run_log", run_log).findings()}
+    for view, findings in views.items():
+        serious = [f for f in findings if f["severity"] in SERIOUS]
+        stragglers = [f for f in serious if f["code"] == "PERF002"]
+        assert len(stragglers) == 1, (view, findings)
+        assert {e["where"].get("rank") for e in stragglers[0]["evidence"]} >= {3}, (view, stragglers)
+        assert "rank 3" in stragglers[0]["title"], (view, stragglers)
+        assert not [f for f in findings if f["code"] == "PERF004" and f["severity"] in SERIOUS], (view, findings)
+    partial = cluster.diagnose("netns-straggler", a)
+    assert not [f for f in partial if f["severity"] in SERIOUS], partial
+    assert not [f for f in partial if "slow network" in f["title"] or "communication-bound" in f["title"]], partial
+    assert all("ranks not reporting here (2-3)" in f["title"] for f in partial if f["code"] == "PERF004"), partial
+
+
+def test_gpuwatch_probe_across_the_throttled_link_measures_the_tbf_rate(cluster, tmp_path):
+    """One rank a node, all-reduce of 4 MiB over gloo across the link throttled to 50 Mbit/s on node b's side: the
+    bus bandwidth (2 ranks: algbw x 2(n-1)/n = algbw) is the tbf rate, within 0.5-1.5x."""
+    b = cluster.nodes[1]
+    run_log = tmp_path / "probe.jsonl"
+    cluster.throttle(b)
+    try:
+        cluster.probe("netns-probe", run_log, "--ops", "all_reduce", "--min-bytes", "4M", "--max-bytes", "4M",
+                      "--iters", "3", "--warmup", "1")
+    finally:
+        cluster.unthrottle(b)
+    (record,) = [json.loads(line) for line in run_log.read_text().splitlines()]
+    assert record["kind"] == "probe" and record["nodes"] == 2 and record["hostnames"] == ["node-a", "node-b"]
+    assert record["interconnect"] == "socket" and record["world_size"] == 2
+    (result,) = record["results"]
+    assert result["op"] == "all_reduce" and result["bytes"] == 4 * 2**20
+    assert 0.5 * THROTTLED_BYTES_PER_SECOND < result["busbw_bytes_per_second"] < 1.5 * THROTTLED_BYTES_PER_SECOND, \
+        result

@@ -13,7 +13,7 @@ from gpuwatch.trainer import hooks
 
 
 def monitor_of(model: nn.Module) -> hooks.Monitor:
-    return hooks.Monitor(model)
+    return hooks.Monitor(model, bucket_hook=True)  # as gpuwatch run watches a DDP model: a hook times its buckets
 
 
 if __name__ == "__main__":

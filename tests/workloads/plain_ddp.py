@@ -13,6 +13,10 @@ from outside:
 clipped by ``torch.nn.utils.clip_grad_norm_``, ``scaler.step``), on the CPU in float32: what gpuwatch sees of a loss
 scaler and a clipped norm.
 
+``--comm-hook before|after``: the script registers a DDP communication hook of its own (PyTorch's
+``fp16_compress_hook``: the gradients all-reduced in float16, which changes the losses), right after making the DDP
+model or after its first forward (when ``gpuwatch run`` has made its Monitor and registered its own hook).
+
 ``--fault`` plants a bug users really write:
 
 * ``sleep-rank``: one rank (``--fault-rank``, default the last) sleeps 0.3 s in its forward passes, as a slow GPU
@@ -36,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from clean_exit import run_then_exit
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -65,6 +70,8 @@ def main() -> None:
     parser.add_argument("--fault-rank", type=int, default=None, help="the sleeping or stuck rank (default: the last)")
     parser.add_argument("--losses", type=Path, default=None, help="write each rank's losses to DIR/rank-R.json")
     parser.add_argument("--scaler", action="store_true", help="step through a GradScaler, clipping the gradient")
+    parser.add_argument("--comm-hook", choices=("none", "before", "after"), default="none",
+                        help="register fp16_compress_hook before the first forward or after it")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -79,6 +86,8 @@ def main() -> None:
         sampler = DistributedSampler(dataset)
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(FEATURES, 64), nn.ReLU(), nn.Linear(64, 1)))
+    if args.comm_hook == "before":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
     scaler = torch.amp.GradScaler("cpu", enabled=args.scaler)
@@ -92,6 +101,8 @@ def main() -> None:
             synchronise = micro % args.accumulate == 0
             with nullcontext() if synchronise else model.no_sync():
                 logits = model(inputs)
+                if args.comm_hook == "after" and micro == 1:
+                    model.register_comm_hook(None, default_hooks.fp16_compress_hook)
                 if args.fault == "sleep-rank" and rank == faulty_rank:
                     time.sleep(0.3)  # a slow GPU
                 if args.fault == "stuck-rank" and rank == faulty_rank and step == 4:

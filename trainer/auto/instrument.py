@@ -4,8 +4,10 @@ Monitor's, and every rule judges both alike.
 
 Idle until the process has a process group (`torch.distributed.init_process_group` returns, or an optimizer step
 finds one that came another way, as from `init_device_mesh`); then the first forward of a module in training mode
-makes the Monitor with that module (a DistributedDataParallel model gets the Monitor's DDP watching: the all-reduce
-tail every step, the gradient cosine and norm on measuring steps). From then on one step per optimizer step, from
+makes the Monitor with that module (a DistributedDataParallel model gets the Monitor's DDP watching through a
+communication hook of gpuwatch's, `hooks.ddp.BucketHook`: each bucket's all-reduce timed on DDP's process group, bit
+for bit DDP's own, a hook of the user's kept inside it, `register_comm_hook` wrapped; the gradient cosine and norm on
+measuring steps). From then on one step per optimizer step, from
 the end of one `optimizer.step()` to the end of the next (`register_optimizer_step_pre_hook`,
 `register_optimizer_step_post_hook`, global: https://pytorch.org/docs/stable/optim.html); with several optimizers,
 the first one that steps sets the steps. Gradient accumulation is one step per optimizer step.
@@ -92,6 +94,7 @@ from gpuwatch.trainer.auto.collectives import (
     time_functional_collectives,
 )
 from gpuwatch.trainer.auto.layout import detect_layout
+from gpuwatch.trainer.hooks.ddp import BucketHook
 from gpuwatch.trainer.hooks.identity import Layout
 from gpuwatch.trainer.hooks.monitor import SIGNALS, Monitor
 from gpuwatch.trainer.hooks.pipeline import WindowClock
@@ -108,6 +111,8 @@ FRAMEWORK_MODULES = (("torchtitan", "torchtitan"), ("megatron", "megatron"), ("l
 #: Functional collectives launched and never waited for (a job that drops an output) that are kept before the freed
 #: ones are forgotten: far above the few a step has in flight.
 MAX_UNWAITED = 256
+#: A DDP model's flag: a built-in (C++) communication hook of the job's is registered, and no hook of gpuwatch's.
+_BUILTIN_HOOK = "_gpuwatch_builtin_comm_hook"
 #: The one instrumentation of this process, made by `install`.
 active: AutoMonitor | None = None
 
@@ -122,12 +127,15 @@ def install() -> AutoMonitor:
     return active
 
 
-def unavailable_from_outside(layout: Layout | None, whole_gradients: bool, counted: Iterable[str] = ()) -> list[str]:
+def unavailable_from_outside(layout: Layout | None, whole_gradients: bool, counted: Iterable[str] = (),
+                             buckets_timed: bool = False) -> list[str]:
     """The hello's `unavailable_from_outside`: every entry of UNAVAILABLE_FROM_OUTSIDE, but "layout" where the
-    layout is known (gpuwatch.trainer.auto.layout), "gradients" where the Monitor sees whole gradients, and what a
-    framework adapter counts (`counted`: "samples", "tokens")."""
+    layout is known (gpuwatch.trainer.auto.layout), "gradients" where the Monitor sees whole gradients, what a
+    framework adapter counts (`counted`: "samples", "tokens"), and "ddp_bucket_latency" where gpuwatch's
+    communication hook times a DDP model's buckets (`buckets_timed`)."""
     seen = set(counted) | ({"layout"} if layout is not None else set())
     seen |= {"gradients"} if whole_gradients else set()
+    seen |= {"ddp_bucket_latency"} if buckets_timed else set()
     return [signal for signal in UNAVAILABLE_FROM_OUTSIDE if signal not in seen]
 
 
@@ -196,6 +204,8 @@ class AutoMonitor:
         #: forward, for the first step
         self.counted: set[str] = set()
         self._early: dict[str, int] = {}
+        #: whether gpuwatch's communication hook times the Monitor's DDP model's buckets (`_make_monitor`)
+        self._buckets_timed = False
 
     def install(self) -> None:
         register_optimizer_step_pre_hook(self._before_optimizer_step)
@@ -215,6 +225,9 @@ class AutoMonitor:
             self._patch(device_mesh, "init_device_mesh", self._wrap_init_device_mesh)
             # torchtitan 0.3.0 makes a one-dimensional "world" mesh and unflattens it into its named dimensions
             self._patch(device_mesh.DeviceMesh, "_unflatten", self._wrap_init_device_mesh)
+            ddp = nn.parallel.DistributedDataParallel
+            self._patch(ddp, "register_comm_hook", self._wrap_register_comm_hook)
+            self._patch(ddp, "_register_builtin_comm_hook", self._wrap_register_builtin_comm_hook)
         self._patch(torch.amp.grad_scaler.GradScaler, "scale", self._wrap_scale)
         self._patch(torch.nn.utils, "clip_grad_norm_", self._wrap_clip_grad_norm)
         self._patch(torch.nn.utils, "clip_grads_with_norm_", self._wrap_clip_grads_with_norm)
@@ -306,6 +319,53 @@ class AutoMonitor:
         except Exception as error:
             self.failures.record("AutoMonitor._on_first_forward", error)
 
+    def _wrap_register_comm_hook(self, register: Callable) -> Callable:
+        """DDP's `register_comm_hook`, which takes one hook, once: the user's hook is kept inside gpuwatch's
+        (`BucketHook`, which times each bucket's all-reduce), registered now if the model has none yet, composed
+        into it if it has. A second hook of the user's is refused as DDP refuses it."""
+        @functools.wraps(register)
+        def wrapper(model: nn.parallel.DistributedDataParallel, state: object, hook: Callable) -> None:
+            if getattr(hook, "gpuwatch", False) or model.__dict__.get(_BUILTIN_HOOK):
+                return register(model, state, hook)  # gpuwatch's own; or DDP's refusal after a built-in hook
+            bucket = BucketHook.of(model)
+            if bucket is None:  # before the Monitor: the user's hook inside ours, which times nothing yet
+                model._check_comm_hook(hook)
+                BucketHook(None).register(model, hook, state, register)
+            elif bucket.inner is not None:
+                register(model, state, hook)  # a second hook: DDP's own error, as without gpuwatch run
+                return None
+            else:
+                model._check_comm_hook(hook)
+                bucket.compose(hook, state)
+            try:
+                if model.logger is not None:
+                    model.logger._set_comm_hook_name(hook.__qualname__)
+            except Exception as error:
+                self.failures.record("AutoMonitor.register_comm_hook", error)
+            return None
+
+        return wrapper
+
+    def _wrap_register_builtin_comm_hook(self, register: Callable) -> Callable:
+        """DDP's `_register_builtin_comm_hook` (C++ hooks): before gpuwatch's hook, as it is (the Monitor then times
+        DDP's all-reduce as one tail per backward); after it, the built-in all-reduce is gpuwatch's own, and FP16
+        compression its Python twin (`default_hooks.fp16_compress_hook`)."""
+        @functools.wraps(register)
+        def wrapper(model: nn.parallel.DistributedDataParallel, comm_hook_type: Any) -> Any:
+            bucket = BucketHook.of(model)
+            if bucket is None or bucket.inner is not None:
+                model.__dict__[_BUILTIN_HOOK] = True
+                return register(model, comm_hook_type)
+            if comm_hook_type == dist.BuiltinCommHookType.FP16_COMPRESS:
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+                bucket.compose(default_hooks.fp16_compress_hook, model.process_group)
+            elif comm_hook_type != dist.BuiltinCommHookType.ALLREDUCE:
+                return register(model, comm_hook_type)  # DDP's own error for a type it does not know
+            return None
+
+        return wrapper
+
     def _make_monitor(self, model: nn.Module) -> Monitor:
         """The Monitor of `model`, the outermost module of the first forward, with the job's layout where it is
         known; without whole gradients, no gradient similarity or checksum (see `whole_gradients`)."""
@@ -321,11 +381,16 @@ class AutoMonitor:
         if fsdp is not None and isinstance(model, fsdp.FullyShardedDataParallel):
             self._patch(type(model), "clip_grad_norm_", self._wrap_clip_grad_norm)
         signals = SIGNALS if whole else SIGNALS - {"grad_similarity", "checksum"}
+        # DDP's all-reduce timed per bucket on its group by a communication hook of gpuwatch's (BucketHook), unless
+        # a built-in C++ hook of the job's is registered already: then as one tail per backward (DdpWatch)
+        self._buckets_timed = (isinstance(model, nn.parallel.DistributedDataParallel)
+                               and not model.__dict__.get(_BUILTIN_HOOK))
         hello: dict[str, Any] = {"framework": detect_framework(), "command": captured_command(sys.orig_argv),
-                                 "unavailable_from_outside": unavailable_from_outside(layout, whole, self.counted)}
+                                 "unavailable_from_outside": unavailable_from_outside(layout, whole, self.counted,
+                                                                                      self._buckets_timed)}
         if notes:
             hello["notes"] = [note[:MAX_TEXT_CHARS] for note in notes[:MAX_NOTES]]
-        monitor = Monitor(model, layout=layout, signals=signals, hello=hello)
+        monitor = Monitor(model, layout=layout, signals=signals, hello=hello, bucket_hook=self._buckets_timed)
         monitor.failures.on_first = _note_failure
         return monitor
 
@@ -803,7 +868,8 @@ class AutoMonitor:
         assert self.monitor is not None
         layout = _pipeline_layout(self.monitor.layout, shape, known=self._layout_known)
         self._layout_known = True
-        unavailable = [name for name in unavailable_from_outside(layout, False, self.counted) if name != "pipeline"]
+        unavailable = [name for name in unavailable_from_outside(layout, False, self.counted, self._buckets_timed)
+                       if name != "pipeline"]
         hello = {"virtual_stages": shape.virtual_stages, "stage_modules": list(shape.modules),
                  "unavailable_from_outside": unavailable}
         self.monitor.relayout(layout, hello)

@@ -13,7 +13,8 @@ similarity). A DDP model whose gradients are views of its buckets (`gradient_as_
 in place as the buckets complete: there a hook after each parameter's gradient accumulation copies it first.
 
 `Monitor(bucket_hook=True)` adds a communication hook instead (`BucketHook`: DDP's all-reduce with a callback per
-bucket) for what only it sees: each bucket's latency (the record's `collectives`).
+bucket) for what only it sees: each bucket's latency and bytes on DDP's process group (the record's `collectives`
+and `groups`). `gpuwatch run` uses it for every DDP model, keeping a hook the user registers inside it.
 
 Every hook here runs inside autograd or DDP, and never raises into them: a failure is counted in the monitor's
 `failures`.
@@ -214,64 +215,128 @@ class DdpWatch:
 
 
 class BucketHook:
-    """`Monitor(bucket_hook=True)`: a communication hook that times each bucket's all-reduce (launch to completion,
-    in the callback) and feeds the gradient similarity from the buckets."""
+    """A communication hook that times each bucket's all-reduce (launch to completion, in the callback), numbers it
+    on DDP's process group as the collective in flight (the hang diagnosis), and feeds the gradient similarity from
+    the buckets: `Monitor(bucket_hook=True)`, and `gpuwatch run` for every DDP model.
 
-    def __init__(self, monitor: Monitor) -> None:
+    DDP takes one communication hook, once. So the hook registered is always this one, and a hook of the user's
+    runs inside it (`compose`): given to the Monitor (`comm_hook`), or registered with DDP's `register_comm_hook`
+    later, which `gpuwatch run` routes here (`of` finds the model's). Made before any Monitor (`monitor=None`:
+    a hook the user registered before gpuwatch run's Monitor was made), it only hands the buckets to the user's
+    hook until a Monitor is attached (`attach`)."""
+
+    def __init__(self, monitor: Monitor | None) -> None:
         self.monitor = monitor
-        self.failures = monitor.failures
+        #: the user's hook and its state, which DDP's buckets go through; None: DDP's own all-reduce of the mean
+        self.inner: tuple[Callable, Any] | None = None
 
-    def register(self, model: DistributedDataParallel, hook: Callable | None, state: Any) -> None:
-        """Without a hook of the user's, DDP's default all-reduce of the mean (`default_hooks.allreduce_hook`) with
-        our callback as its only one: a Python callback per bucket costs the training loop, and DDP needs one
-        anyway to take the tensor out of the list. With one, the user's hook with our callback after it."""
-        if hook is None:
-            group = model.process_group
-            size = group.size()
+    @staticmethod
+    def of(model: DistributedDataParallel) -> BucketHook | None:
+        """The BucketHook registered on `model`, if any."""
+        return model.__dict__.get(_ATTRIBUTE)
 
-            def gpuwatch_comm_hook(_, bucket):  # unannotated: DDP compares annotations with its own classes
-                tensor = bucket.buffer()
-                started = self._started(tensor)
-                tensor.div_(size)  # before the sum, as DDP's hook does: fp16 would overflow after
-                # dist.all_reduce(tensor, group=group, async_op=True), without its Python checks: they and
-                # the second callback cost ~20 µs a bucket in a training loop
-                work = group.allreduce([torch.view_as_real(tensor) if tensor.is_complex() else tensor])
-                return work.get_future().then(_mean if started is None else partial(self._done, *started))
-        else:
-            def gpuwatch_comm_hook(_, bucket):
-                started = self._started(bucket.buffer())
-                future = hook(state, bucket)
+    def attach(self, monitor: Monitor) -> None:
+        self.monitor = monitor
+
+    def compose(self, hook: Callable | None, state: Any) -> None:
+        """From now on the buckets go through the user's `hook` (None: DDP's own all-reduce of the mean)."""
+        self.inner = None if hook is None else (hook, state)
+
+    def register(self, model: DistributedDataParallel, hook: Callable | None, state: Any,
+                 register: Callable | None = None) -> None:
+        """Register the hook on `model` (with `register`: DDP's own `register_comm_hook`, where gpuwatch run wraps
+        it). Without a hook of the user's, DDP's all-reduce of the mean as its C++ reducer computes it, bit for bit
+        (each gradient times 1/world size, then the sum), with our callback as its only one: a Python callback per
+        bucket costs the training loop, and DDP needs one anyway to take the tensor out of the list. With one, the
+        user's hook with our callback after it."""
+        self.compose(hook, state)
+        group = model.process_group
+        size = group.size()
+        scale = 1.0 / size  # DDP's reducer multiplies by the reciprocal, where its default hook divides
+
+        def gpuwatch_comm_hook(_, bucket):  # unannotated: DDP compares annotations with its own classes
+            if isinstance(bucket, tuple):  # DDP's Python reducer (compiled autograd) hands (grad, param): untimed
+                return _python_reducer(self.inner, group, bucket)
+            tensor = bucket.buffer()
+            started = self._started(tensor, group) if self.monitor is not None else None
+            inner = self.inner
+            if inner is not None:
+                future = inner[0](inner[1], bucket)
                 return future if started is None else future.then(partial(self._done, *started))
+            tensor.mul_(scale)  # before the sum, as DDP does: fp16 would overflow after
+            # dist.all_reduce(tensor, group=group, async_op=True), without its Python checks: they and
+            # the second callback cost ~20 µs a bucket in a training loop
+            work = group.allreduce([torch.view_as_real(tensor) if tensor.is_complex() else tensor])
+            return work.get_future().then(_mean if started is None else partial(self._done, *started))
 
-        model.register_comm_hook(None, gpuwatch_comm_hook)
+        gpuwatch_comm_hook.gpuwatch = True  # type: ignore[attr-defined]  # gpuwatch run's wrapper lets it through
+        (register or type(model).register_comm_hook)(model, None, gpuwatch_comm_hook)
+        model.__dict__[_ATTRIBUTE] = self
 
-    @guarded
-    def _started(self, buffer: torch.Tensor) -> tuple[Step, Call | None, torch.Tensor | None] | None:
+    def _started(self, buffer: torch.Tensor,
+                 group: Any) -> tuple[Step, Call | None, torch.Tensor | None, InFlight | None] | None:
         monitor = self.monitor
-        step = monitor.current
-        if step is None:
+        try:
+            assert monitor is not None
+            step = monitor.current
+            if step is None:
+                return None
+            call = in_flight = None
+            if monitor.times_collectives:
+                # numbered on DDP's group, as the collective in flight: once the backward's computation is done the
+                # training thread waits for the last one launched (HANG001 names it)
+                in_flight = monitor.in_flight("all_reduce", buffer.nbytes, group)
+                call = Call("all_reduce", buffer.nbytes, monitor.clock.mark(), blocking=False, phase=step.phase,
+                            group=None if in_flight is None else in_flight.group)
+                step.calls.append(call)
+                monitor.progress.collective = in_flight
+            local = buffer.clone() if step.similarity is not None else None  # the all-reduce works in place
+            return None if call is None and local is None else (step, call, local, in_flight)
+        except Exception as error:
+            monitor.failures.record("BucketHook._started", error)  # type: ignore[union-attr]
             return None
-        call = None
-        if monitor.times_collectives:
-            call = Call("all_reduce", buffer.nbytes, monitor.clock.mark(), blocking=False, phase=step.phase)
-            step.calls.append(call)
-        local = buffer.clone() if step.similarity is not None else None  # the all-reduce works in place
-        return None if call is None and local is None else (step, call, local)
 
-    def _done(self, step: Step, call: Call | None, local: torch.Tensor | None, future: Any) -> torch.Tensor:
+    def _done(self, step: Step, call: Call | None, local: torch.Tensor | None, in_flight: InFlight | None,
+              future: Any) -> torch.Tensor:
         mean = _mean(future)  # a failed all-reduce raises here, into DDP, as it would without the hooks
-        self._observed(step, call, local, mean)
+        self._observed(step, call, local, in_flight, mean)
         return mean
 
-    @guarded
-    def _observed(self, step: Step, call: Call | None, local: torch.Tensor | None, mean: torch.Tensor) -> None:
-        if call is not None:
-            call.end = self.monitor.clock.mark()  # on CUDA: a stream ordered after the all-reduce
-        if local is not None:
-            if local.is_cuda:
-                local.record_stream(torch.cuda.current_stream())  # allocated on the backward's stream
-            if step.similarity is not None:  # a local copy is taken only for a step that measures similarity
-                step.similarity.observe(local, mean)
+    def _observed(self, step: Step, call: Call | None, local: torch.Tensor | None, in_flight: InFlight | None,
+                  mean: torch.Tensor) -> None:
+        monitor = self.monitor
+        try:
+            assert monitor is not None
+            if call is not None:
+                call.end = monitor.clock.mark()  # on CUDA: a stream ordered after the all-reduce
+                progress = monitor.progress
+                if progress.collective is in_flight:  # the last launched is done: none in flight
+                    progress.collective = None
+                if progress.device_done is not None and in_flight is not None:
+                    progress.on_device = (in_flight, call.end)  # done once the device passes it
+            if local is not None:
+                if local.is_cuda:
+                    local.record_stream(torch.cuda.current_stream())  # allocated on the backward's stream
+                if step.similarity is not None:  # a local copy is taken only for a step that measures similarity
+                    step.similarity.observe(local, mean)
+        except Exception as error:
+            monitor.failures.record("BucketHook._observed", error)  # type: ignore[union-attr]
+
+
+#: Where a DDP model keeps its BucketHook.
+_ATTRIBUTE = "_gpuwatch_bucket_hook"
+
+
+def _python_reducer(inner: tuple[Callable, Any] | None, group: Any, grad_param: tuple) -> Any:
+    """What DDP's Python reducer (under compiled autograd) does with one gradient: the user's hook, else, as DDP does
+    without a hook, the gradient over the world size all-reduced and copied back."""
+    if inner is not None:
+        return inner[0](inner[1], grad_param)
+    from torch.distributed._functional_collectives import all_reduce
+
+    grad = grad_param[0]
+    grad.copy_(all_reduce(grad / group.size(), "sum", group))
+    return None
 
 
 def _mean(future: Any) -> torch.Tensor:

@@ -188,8 +188,13 @@ class Monitor:
         self._closed = False
         atexit.register(self.close)  # a script that never closes the monitor still ends normally
         ddp = model if isinstance(model, DistributedDataParallel) else None
-        self.bucket_hook = ddp is not None and (bucket_hook or comm_hook is not None)
-        if ddp is not None and self.bucket_hook:
+        registered = BucketHook.of(ddp) if ddp is not None else None  # gpuwatch run's, holding a user's hook
+        self.bucket_hook = ddp is not None and (bucket_hook or comm_hook is not None or registered is not None)
+        if registered is not None:
+            registered.attach(self)
+            if comm_hook is not None:
+                registered.compose(comm_hook, comm_state)
+        elif ddp is not None and self.bucket_hook:
             BucketHook(self).register(ddp, comm_hook, comm_state)
         elif ddp is not None:
             self.ddp_watch = DdpWatch(self, ddp)

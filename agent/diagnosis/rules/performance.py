@@ -503,7 +503,16 @@ def communication_bound(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issu
 
     Never judged from a partial view: a source that sees fewer of the job's ranks than its world size (the
     hellos' layout; an agent on one node of several) cannot tell transfer from waiting for a rank it does not see,
-    and gives information instead: how long the ranks it sees wait, for which ranks, and how to see them all."""
+    and gives information instead: how long the ranks it sees wait, for which ranks, and how to see them all.
+
+    Worked example (tests/test_multinode_netns.py, docs/runbook.md): a 4-rank DDP job on two nodes, gloo over a
+    10 Gb/s veth whose node-b side a tbf qdisc holds to 50 Mb/s, moves 4.51 MiB of gradients a step in ~1.1 s of
+    exposed all-reduce: algbw 4.51 MiB / 1.12 s = 33.8 Mb/s, busbw × 2(4−1)/4 = 50.7 Mb/s, 1 % of the NIC's rated
+    10 Gb/s: below a quarter of it, a slow network (the fix: the link, `tc qdisc show`, `ethtool`, `gpuwatch
+    probe`). Had the group delivered 8 Gb/s, 80 % of its rating, at the same CCR, the job would be heavy on a
+    healthy path, and the fix its shape (a larger batch, no_sync, buckets, hybrid parallelism). A straggler (rank 3
+    sleeping 0.5 s a forward) is neither: the rank that waits least waits little, so the transfer is small, and
+    PERF002 names rank 3."""
     for job, ranks in facts.jobs().items():
         pure = [r for r in ranks if r.layout is not None and r.layout.tp_size == r.layout.pp_size == 1
                 and r.layout.dp_size > 1]

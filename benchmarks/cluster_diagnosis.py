@@ -19,9 +19,14 @@ Planted faults, and whether Prometheus can show them:
   the ranks' environment that rules read as ``gpuwatch_train_env_info{name, value}`` (the template's ranks run
   with NCCL_IB_DISABLE=0, the planted nodes' with 1).
 
-The backfilled samples end when the file is written, so the server runs with ``--query.lookback-delta=30m``: the
+The backfilled samples end when the file is written, so the server runs with ``--query.lookback-delta=2h``: the
 source's instant queries carry no ``time`` parameter (they ask for "now"), and the default 5 m lookback would
-expire the data while a 1,024-node backfill is still running.
+expire the data while a large backfill is still running. Nodes are backfilled a chunk at a time, each chunk's samples
+``CHUNK_SPACING_S`` earlier than the one before: blocks that overlap in time would be merged by Prometheus in the
+background (a vertical compaction of every series, minutes long at 4,096 nodes) while the diagnoses run, and
+``--storage.tsdb.max-block-duration=2h`` leaves the disjoint ones as they are. Each query of the outlier fetch is
+then run once more, alone, with the engine's own statistics (``stats=all``: samples touched), and their growth from
+the smallest cluster printed beside the cluster's.
 
     python benchmarks/cluster_diagnosis.py [--nodes 64,256,1024,4096] [--repeat 3] [--full-up-to 1024]
 """
@@ -39,6 +44,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,10 +60,15 @@ from gpuwatch.trainer.telemetry import TelemetryClient
 
 GPUS = 8
 JOB = "llm-pretrain"
-LOOKBACK = "30m"
+LOOKBACK = "2h"
 RULES = Path(__file__).resolve().parent.parent / "alerts" / "gpuwatch.rules.yml"
 #: Nodes backfilled at a time: promtool's memory grows with the series of one run (about 4 GB per 1,024 nodes).
 BACKFILL_CHUNK = 1024
+#: Seconds between the samples of one chunk of nodes and the next: their blocks then never overlap in time.
+CHUNK_SPACING_S = 90
+#: The engine's work per query (``stats=all`` on /api/v1/query): samples read from storage (and from recorded series)
+#: while evaluating it.
+SAMPLES = "totalQueryableSamples"
 #: Families the Prometheus source of ``gpuwatch diagnose`` queries (agent/diagnosis/sources/prometheus.py).
 READ_BY_DIAGNOSE = re.compile(
     r"gpuwatch_(agent_info|collector_up|gpu_(info|lost|job_info|pcie_link_(generation|width)|row_remap_(pending|failure)"
@@ -271,7 +283,42 @@ class Run:
     found: set[tuple[str, str]]
     info: list[str]
     not_run: dict[str, str]
-    slowest: list[tuple[float, int, str]]
+    #: each query of the outlier fetch (``query_key``), run alone with the engine's statistics
+    costs: dict[str, QueryCost]
+    #: seconds the engine took for its last round of the rule file (every group's evaluationTime)
+    rules_s: float
+
+
+@dataclass(frozen=True)
+class QueryCost:
+    """One query, run alone: the engine's samples touched, the rows answered and the wall time around it."""
+
+    expr: str
+    samples: int
+    rows: int
+    seconds: float
+
+
+#: The label matchers that scope a query to nodes or jobs by name, which differ from one cluster to the next.
+_SCOPE = re.compile(r'\b(instance|job)=~"(?:[^"\\]|\\.)*"')
+
+
+def query_key(expr: str) -> str:
+    """The query with its nodes or jobs by name left out: the same query across cluster sizes."""
+    return _SCOPE.sub(r'\1=~"…"', " ".join(expr.split()))
+
+
+def engine_cost(url: str, expr: str) -> QueryCost:
+    """``expr`` run once with ``stats=all`` (Prometheus ≥ 2.35 answers the samples it touched)."""
+    form = urllib.parse.urlencode({"query": expr, "stats": "all", "timeout": "120"}).encode()
+    started = time.perf_counter()
+    with urllib.request.urlopen(f"{url}/api/v1/query", data=form, timeout=180) as response:
+        answer = json.loads(response.read())
+    seconds = time.perf_counter() - started
+    stats = answer["data"].get("stats")
+    if not stats or SAMPLES not in stats.get("samples", {}):
+        raise RuntimeError(f"{url} gives no query statistics (stats=all): Prometheus 2.35 or later does")
+    return QueryCost(expr, int(stats["samples"][SAMPLES]), len(answer["data"]["result"]), seconds)
 
 
 def diagnose(url: str, fetch: str) -> tuple[float, dict]:
@@ -294,62 +341,90 @@ def findings(document: dict) -> tuple[set[tuple[str, str]], list[str]]:
     return found, info
 
 
-class TimedApi(prometheus.Api):
-    """The source's own API, timing each query: where an outlier fetch's time goes."""
+class RecordingApi(prometheus.Api):
+    """The source's own API, keeping each query it sends."""
 
     def __init__(self, url: str) -> None:
         super().__init__(url, timeout=120)
-        self.times: list[tuple[float, int, str]] = []
+        self.sent: list[str] = []
 
     def query(self, expr: str) -> list[dict]:
-        started, before = time.perf_counter(), self.meter.bytes
-        try:
-            return super().query(expr)
-        finally:
-            self.times.append((time.perf_counter() - started, self.meter.bytes - before, expr))
+        self.sent.append(expr)
+        return super().query(expr)
 
 
-def slowest_queries(url: str, count: int = 5) -> list[tuple[float, int, str]]:
-    """The outlier fetch's slowest queries (seconds, bytes, expression), run once in this process."""
-    api = TimedApi(url)
+def query_costs(url: str) -> dict[str, QueryCost]:
+    """Each distinct query of an outlier fetch (run in this process), run again alone with the engine's statistics."""
+    api = RecordingApi(url)
     prometheus.read(api, "outliers")
-    return sorted(api.times, reverse=True)[:count]
+    return {query_key(expr): engine_cost(url, expr) for expr in dict.fromkeys(api.sent)}
 
 
-def measure(template: list[Series], nodes: int, repeat: int, workdir: Path, full: bool) -> Run:
-    plan = Plan(nodes)
-    data, tsdb = workdir / f"cluster-{nodes}.om", workdir / f"tsdb-{nodes}"
+def rule_evaluation_s(url: str) -> float:
+    groups = json.loads(get(url + "/api/v1/rules", timeout=60))["data"]["groups"]
+    return sum(group["evaluationTime"] for group in groups)
+
+
+def backfill(template: list[Series], plan: Plan, workdir: Path) -> tuple[Path, int, float, float]:
+    """The plan's cluster backfilled into a new TSDB under ``workdir``: (its path, series, seconds generating the
+    OpenMetrics, seconds in promtool)."""
+    data, tsdb = workdir / f"cluster-{plan.nodes}.om", workdir / f"tsdb-{plan.nodes}"
     now = time.time()
     series, generating, backfilling = 0, 0.0, 0.0
     # promtool holds every series of a block in memory (15.8 GB for 4,096 nodes at once): it backfills a chunk of
-    # nodes at a time into the same TSDB, whose overlapping blocks Prometheus merges at query time.
-    for first in range(0, nodes, BACKFILL_CHUNK):
+    # nodes at a time into the same TSDB, each chunk's samples earlier than the last's, so that their blocks are
+    # disjoint in time and Prometheus has nothing to merge (CHUNK_SPACING_S).
+    for first in range(0, plan.nodes, BACKFILL_CHUNK):
         chunk_started = time.perf_counter()
-        series += write_openmetrics(template, plan, data, [now - 60, now - 30, now],
-                                    range(first, min(nodes, first + BACKFILL_CHUNK)))
+        end = now - first // BACKFILL_CHUNK * CHUNK_SPACING_S
+        series += write_openmetrics(template, plan, data, [end - 60, end - 30, end],
+                                    range(first, min(plan.nodes, first + BACKFILL_CHUNK)))
         written = time.perf_counter()
         subprocess.run([_tool("promtool"), "tsdb", "create-blocks-from", "openmetrics", str(data), str(tsdb)],
                        check=True, capture_output=True)
         generating += written - chunk_started
         backfilling += time.perf_counter() - written
         data.unlink()
+    return tsdb, series, generating, backfilling
+
+
+def _rules_evaluated(url: str) -> bool:
+    """Every group of the rule file evaluated at least once, and the recording rules' version recorded."""
+    groups = json.loads(get(url + "/api/v1/rules", timeout=60))["data"]["groups"]
+    return bool(groups) and all(not group["lastEvaluation"].startswith("0001-") for group in groups) and bool(
+        json.loads(get(url + "/api/v1/query?query=count(gpuwatch:diagnose:recording_rules)", timeout=60))["data"][
+            "result"])
+
+
+@contextlib.contextmanager
+def serve(tsdb: Path, workdir: Path, evaluation_interval: str = "1m") -> Iterator[str]:
+    """A real ``prometheus`` serving ``tsdb`` with the shipped rule file, once it has evaluated the rules: its URL."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     config = workdir / "prometheus.yml"
     # The shipped recording rules, evaluated over the backfilled samples (the lookback covers them): the outlier
     # fetch's yardsticks, as a production engine would hold them.
-    config.write_text(f"global: {{scrape_interval: 1m, evaluation_interval: 1m}}\nrule_files: [{RULES}]\n")
+    config.write_text(f"global: {{scrape_interval: 1m, evaluation_interval: {evaluation_interval}}}\n"
+                      f"rule_files: [{RULES}]\n")
     command = [_tool("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={tsdb}",
-               f"--web.listen-address=127.0.0.1:{port}", f"--query.lookback-delta={LOOKBACK}"]
-    with _process(command, workdir / f"prometheus-{nodes}.log"):
+               f"--web.listen-address=127.0.0.1:{port}", f"--query.lookback-delta={LOOKBACK}",
+               "--storage.tsdb.max-block-duration=2h"]  # the backfilled blocks stay as they are while measured
+    with _process(command, workdir / f"prometheus-{tsdb.name}.log"):
         wait_until(lambda: get(url + "/-/ready", timeout=1), "prometheus ready", timeout=300)
-        wait_until(lambda: json.loads(get(url + "/api/v1/query?query=count(gpuwatch:diagnose:recording_rules)",
-                                          timeout=60))["data"]["result"], "the recording rules evaluated", timeout=300)
+        wait_until(lambda: _rules_evaluated(url), "the rule file evaluated", timeout=1800)
+        yield url
+
+
+def measure(template: list[Series], nodes: int, repeat: int, workdir: Path, full: bool,
+            evaluation_interval: str = "1m") -> Run:
+    tsdb, series, generating, backfilling = backfill(template, Plan(nodes), workdir)
+    with serve(tsdb, workdir, evaluation_interval) as url:
         times, document = [], {}
         for _ in range(repeat):
             elapsed, document = diagnose(url, "outliers")
             times.append(elapsed)
-        slowest = slowest_queries(url)
+        costs = query_costs(url)
+        rules_s = rule_evaluation_s(url)
         full_s, full_bytes = None, None
         if full:  # today's whole-family pull, once: the yardstick of the bytes
             full_s, full_document = diagnose(url, "full")
@@ -361,7 +436,27 @@ def measure(template: list[Series], nodes: int, repeat: int, workdir: Path, full
     if source["nodes"] != nodes:
         raise RuntimeError(f"diagnose saw {source['nodes']} nodes, not {nodes}")
     return Run(nodes, series, generating, backfilling, times, source["bytes_received"],
-               source["queries"], full_bytes, full_s, found, info, not_run, slowest)
+               source["queries"], full_bytes, full_s, found, info, not_run, costs, rules_s)
+
+
+def print_sample_growth(runs: list[Run]) -> None:
+    """Per query of the outlier fetch: the samples the engine touched at each size, and their growth from the smallest
+    size beside the cluster's (a query that grows faster than the cluster is marked)."""
+    base = runs[0]
+    print(f"\nsamples touched per query (stats=all, each query alone); growth from {base.nodes:,d} nodes "
+          "(the cluster's growth in brackets):")
+    print("  " + " ".join(f"{run.nodes:>9,d}" for run in runs) + "   growth  query")
+    largest = runs[-1].costs
+    keys = sorted(set().union(*(run.costs for run in runs)), key=lambda key: -getattr(largest.get(key), "samples", 0))
+    for key in keys:
+        samples = [run.costs[key].samples if key in run.costs else None for run in runs]
+        cells = " ".join(f"{'-' if count is None else f'{count:,d}':>9}" for count in samples)
+        first, last = samples[0], samples[-1]
+        growth = "" if first is None or last is None else "=" if first == last == 0 else \
+            "new" if first == 0 else f"{last / first:.2f}×"
+        faster = first is not None and last is not None and last > first * runs[-1].nodes / base.nodes
+        print(f"  {cells} {growth:>8}{' FASTER THAN THE CLUSTER' if faster else ''}  {key[:110]}")
+    print(f"  (cluster: {runs[-1].nodes / base.nodes:.2f}× nodes and series)")
 
 
 def main() -> None:
@@ -370,6 +465,10 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="diagnose runs per size (the median is reported)")
     parser.add_argument("--full-up-to", type=int, default=1024,
                         help="also run the full pull (the bytes' yardstick) once at sizes up to this")
+    parser.add_argument("--evaluation-interval", default="1m",
+                        help="Prometheus' rule evaluation interval (the shipped rule file's every round reads every "
+                             "family: past a few thousand nodes on 2 cores a round outlasts 1m, and diagnose then "
+                             "shares the cores with it)")
     args = parser.parse_args()
     sizes = [int(n) for n in args.nodes.split(",")]
     load_before = load_average()
@@ -380,7 +479,7 @@ def main() -> None:
               "from a simulated dgx-h100 agent")
         runs = []
         for nodes in sizes:
-            run = measure(template, nodes, args.repeat, workdir, nodes <= args.full_up_to)
+            run = measure(template, nodes, args.repeat, workdir, nodes <= args.full_up_to, args.evaluation_interval)
             runs.append(run)
             plan = Plan(nodes)
             missed, spurious = plan.expected() - run.found, run.found - plan.expected()
@@ -393,8 +492,10 @@ def main() -> None:
             if run.full_bytes is not None and run.full_s is not None:
                 print(f"        full pull: {run.full_s:.2f} s, {run.full_bytes:,d} bytes; outliers receive "
                       f"{100 * run.bytes_received / run.full_bytes:.2f} % of it")
-            for seconds, size, expr in run.slowest:
-                print(f"        slow query {seconds:5.2f} s {size:9,d} B  {' '.join(expr.split())[:110]}")
+            print(f"        the rule file's last evaluation took {run.rules_s:.2f} s")
+            for cost in sorted(run.costs.values(), key=lambda cost: -cost.seconds)[:5]:
+                print(f"        slow query alone {cost.seconds:5.2f} s {cost.samples:9,d} samples  "
+                      f"{query_key(cost.expr)[:100]}")
             for code, node in sorted(run.found):
                 print(f"        found {code} on {node}")
             for line in run.info:
@@ -407,7 +508,9 @@ def main() -> None:
             more_bytes = run.bytes_received / base.bytes_received
             print(f"  {run.nodes:5d} nodes: {growth:5.2f}× time, {more_bytes:5.2f}× bytes "
                   f"for {run.series / base.series:5.1f}× series")
-        print(f"\nmachine: {machine()}; load average before {load_before}, after {load_average()}")
+        print_sample_growth(runs)
+        print(f"\nmachine: {machine()}; load average before {load_before}, after {load_average()}; "
+              f"rule evaluation every {args.evaluation_interval}")
         print("targets: exactly the planted faults at every size; 4,096 nodes in under 10 s; outlier bytes at 1,024 "
               "nodes ≤ 5 % of the full pull's and ≤ 2× from 1,024 to 4,096 nodes")
 

@@ -133,7 +133,7 @@ PIPELINE_STAGES_UNBALANCED = Selector(
     "jobs whose busiest pipeline stage is busy well beyond their least busy rank",
     lambda t, y: f'(max by (job) ({y["gpuwatch:train_window_busy_seconds:median_by_stage"]}) > '
                  f"{min(t('PERF006').stage_ratio, t('PERF006').stage_shared_cpu_ratio):g} * "
-                 f'min by (job) ({y["gpuwatch:train_window_busy_seconds:judged"]})) and on (job) '
+                 f'{y["gpuwatch:train_window_busy_seconds:min_by_job"]}) and on (job) '
                  f'(count by (job) ({y["gpuwatch:train_window_busy_seconds:median_by_stage"]}) > 1)',
     by=JOB)
 PROBE_RAN = Selector("nodes that ran an interconnect probe", lambda t, y: PROBE_INFO.name)

@@ -58,14 +58,17 @@ from gpuwatch.agent.diagnosis.facts import SLOWDOWN_REASONS, Peers, Unjudged
 from gpuwatch.agent.diagnosis.registry import REGISTRY, Rule
 from gpuwatch.agent.diagnosis.sources import WINDOW, QueryError
 from gpuwatch.agent.metricspec import by_field
-from gpuwatch.agent.sampler import AGENT_INFO
+from gpuwatch.agent.sampler import AGENT_INFO, COLLECTOR_UP
 from gpuwatch.agent.telemetry.metrics import (
     CHECKSUM,
     COSINE,
     COUNTERS,
     ENV_INFO,
+    HELLO_TIME,
+    LAST_STEP,
     LATENCY,
     MEMORY_PEAK,
+    PHASE,
     RANK_INFO,
     STEP_GAUGES,
     WINDOW_GAUGES,
@@ -77,7 +80,7 @@ from gpuwatch.agent.telemetry.window import BUSY, MIN_WINDOW_STEPS, PHASE_TIMING
 PARALLEL_QUERIES = 4
 _ACTIVE = next(code for code, name in PORT_STATES.items() if name == "ACTIVE")
 #: The families below the recorded signals that their tables name by what they hold.
-_WINDOW_STEPS = by_field(WINDOW_GAUGES, "steps")
+_WINDOW_STEPS, _BUBBLE_RATIO = by_field(WINDOW_GAUGES, "steps"), by_field(WINDOW_GAUGES, "bubble_ratio")
 _LOSS, _GRAD_NORM = by_field(STEP_GAUGES, "loss"), by_field(STEP_GAUGES, "grad_norm")
 _NONFINITE_STEPS, _ALLOC_RETRIES, _OOMS = (by_field(COUNTERS, field)
                                            for field in ("nonfinite_steps", "alloc_retries", "ooms"))
@@ -95,7 +98,7 @@ def _nonfinite(name: str) -> str:
 
 #: Version of the recording rules below; ``SENTINEL`` records it, so the fetch knows the rule file it reads was
 #: loaded whole (a sparse signal's empty answer then means "nothing deviates", not "not recorded").
-RECORDING_RULES_VERSION = 4
+RECORDING_RULES_VERSION = 5
 SENTINEL = "gpuwatch:diagnose:recording_rules"
 #: Recording rules the fetch uses when the engine evaluates them, and the expression each records (the same text as
 #: in alerts/gpuwatch.rules.yml; tests/test_alerts.py holds the two equal). None holds a threshold: the yardsticks,
@@ -110,6 +113,8 @@ RECORDED = {
         "quantile by (job, pp_stage) (0.5, gpuwatch:train_window_busy_seconds:judged)",
     "gpuwatch:train_window_busy_seconds:count_by_stage":
         "count by (job, pp_stage) (gpuwatch:train_window_busy_seconds:judged)",
+    # Each job's least busy rank: PERF006's yardstick, one series per job.
+    "gpuwatch:train_window_busy_seconds:min_by_job": "min by (job) (gpuwatch:train_window_busy_seconds:judged)",
     # Each stage's median of each phase: where a straggler's extra time is, against peers not fetched.
     "gpuwatch:train_window_phase_seconds:median_by_stage":
         f'quantile by (job, pp_stage, timing) (0.5, {WINDOW_MEDIAN}{{timing=~"{"|".join(PHASE_TIMINGS)}"}} '
@@ -128,6 +133,7 @@ RECORDED = {
     "gpuwatch:gpu_slowdown:by_instance":
         f'group by (instance) ({CLOCK_EVENT_ACTIVE}{{reason=~"{"|".join(SLOWDOWN_REASONS)}"}} == 1)',
     "gpuwatch:nvlink_down:by_instance": f"group by (instance) ({LINK_UP} == 0)",
+    "gpuwatch:collector_down:by_instance": f"group by (instance) ({COLLECTOR_UP} != 1)",
     # Peers of a port are those of the same HCA model and link layer on its node (HW003); this keeps only the
     # link layer, so a frontend NIC down beside running backend ports is fetched and HW003 then judges it.
     "gpuwatch:ib_port_unhealthy:by_instance":
@@ -163,6 +169,13 @@ RECORDED = {
     "gpuwatch:train_param_checksum:distinct_by_shard":
         "count by (job, tp_rank, pp_stage) (count_values by (job, tp_rank, pp_stage) "
         f'("checksum", {CHECKSUM}))',
+    # What the whole-job selectors compare, one series per job (they read no rank's series): each job's median
+    # pipeline bubble, the earliest hello of its ranks that reported no step (the selector holds the age), and
+    # whether one of those closed its hooks.
+    "gpuwatch:train_window_bubble_ratio:median_by_job": f"quantile by (job) (0.5, {_BUBBLE_RATIO})",
+    "gpuwatch:train_hello_without_step:min_by_job": f"min by (job) ({HELLO_TIME} unless on ({RANK}) {LAST_STEP})",
+    "gpuwatch:train_closed_without_step:by_job":
+        f'group by (job) ({PHASE}{{phase="closed"}} unless on ({RANK}) {LAST_STEP})',
 }
 @dataclasses.dataclass(frozen=True)
 class Served:
@@ -243,6 +256,11 @@ def _jobs(jobs: Iterable[str]) -> str:
     return f"job=~{_quoted(_matcher(jobs))}"
 
 
+def selector_query(selector: Selector, t: Thresholds, yardsticks: Mapping[str, str]) -> str:
+    """The query that asks ``selector``: one row per node or job it picks."""
+    return f"group by ({selector.by}) ({selector.expr(t, yardsticks)})"
+
+
 def plan(engine: Engine, overrides: Mapping[str, Mapping[str, float]]) -> Plan:
     """Ask the engine which nodes deviate, which jobs need reading whole, and the yardsticks of the rest."""
     result = Plan()
@@ -256,7 +274,7 @@ def plan(engine: Engine, overrides: Mapping[str, Mapping[str, float]]) -> Plan:
 
     def ask(selector: Selector) -> list[dict[str, Any]] | QueryError:
         try:
-            return engine.query(f"group by ({selector.by}) ({selector.expr(t, yardsticks)})")
+            return engine.query(selector_query(selector, t, yardsticks))
         except QueryError as exc:
             return exc
 

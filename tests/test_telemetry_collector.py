@@ -436,9 +436,10 @@ def test_collector_serves_every_rank_with_its_coordinates_and_passes_promtool(so
                    "uuid": f"GPU-0000000{r}-1111-2222-3333-444444444444"}.items()): 1
         for r in range(8)}
     info = samples(text, "gpuwatch_train_rank_info")
-    assert info[coordinates(0, faults="slow_rank", schedule="1f1b", micro_batches="4", precision="bf16",
-                            world_size="8", tp_size="2", pp_size="2", dp_size="2", torch_version="2.13.0+cpu",
-                            nccl_version="2.21.5", backend="", unavailable_from_outside="")] == 1
+    assert info[coordinates(0, faults="slow_rank", schedule="1f1b", micro_batches="4", virtual_stages="",
+                            precision="bf16", world_size="8", tp_size="2", pp_size="2", dp_size="2",
+                            torch_version="2.13.0+cpu", nccl_version="2.21.5", backend="",
+                            unavailable_from_outside="")] == 1
     # the hello's groups as runs of ranks, and the latest step's count of calls on each
     assert {labels for labels in samples(text, "gpuwatch_train_process_group_info") if ("rank", "5") in labels} == {
         coordinates(5, group="dp", members="1,5"), coordinates(5, group="tp", members="0-7")}

@@ -107,8 +107,8 @@ COUNTERS: tuple[MetricSpec, ...] = (
               kind="counter"),
 )
 #: The hello's fields gpuwatch_train_rank_info carries as labels (with its backend, faults and what is unavailable).
-RANK_INFO_FIELDS = ("world_size", "tp_size", "pp_size", "dp_size", "schedule", "micro_batches", "precision",
-                "torch_version", "nccl_version")
+RANK_INFO_FIELDS = ("world_size", "tp_size", "pp_size", "dp_size", "schedule", "micro_batches", "virtual_stages",
+                    "precision", "torch_version", "nccl_version")
 _WINDOW = f"over the rank's window: its last {WINDOW_STEPS} steps within {WINDOW_SECONDS:g} s"
 #: Figures of the rank's window of recent steps (``window.summarize``), what the timing and learning rules
 #: judge, each the ``WindowSummary`` attribute it names. ``gpuwatch diagnose --prometheus`` reads them back by the

@@ -514,7 +514,7 @@ class _Reader:
             dp_size=int(labels["dp_size"]), tp_rank=int(labels["tp_rank"]), pp_stage=int(labels["pp_stage"]),
             dp_rank=int(labels["dp_rank"]), local_rank=_int(labels.get("local_rank")),
             schedule=labels.get("schedule") or None, micro_batches=_int(labels.get("micro_batches")),
-            precision=labels.get("precision") or None)
+            virtual_stages=_int(labels.get("virtual_stages")), precision=labels.get("precision") or None)
         last_step = values.get(LAST_STEP.name)
         last = None
         if last_step is not None:

@@ -34,6 +34,7 @@ from conftest import http_get, wait_until
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "alerts" / "gpuwatch.rules.yml"
 GPU_JOB, GLOO_JOB, HUNG_JOB, DEAD_JOB = "gpu-job", "gloo-run", "hung-job", "dead-job"
+STOPPED_JOB, UNSTEPPED_JOB = "stopped-job", "unstepped-job"
 #: Grafana's variables as "All" selects them; rate windows hold several 1 s scrapes.
 VARIABLES = {"node": ".*", "job": ".*", "rank": ".*", "gpu": ".*", "__rate_interval": "10s"}
 #: Training health panels a CPU (gloo) run must fill on its own.
@@ -159,6 +160,24 @@ def _hung_job(agent, stop: threading.Event) -> None:
             stop.wait(0.2)
 
 
+def _stopped_jobs(agent, stop: threading.Event) -> None:
+    """Two ranks that stepped, then both stopped outside any collective (HANG006's), as their watchdogs report them;
+    and a rank that said hello and closed its hooks without a step (the never-silent rules' closed-without-step)."""
+    with TelemetryClient(agent.telemetry_socket, heartbeat_interval=0) as client:
+        for rank in range(2):
+            client.send(records.hello(rank, job=STOPPED_JOB, world_size=2, tp_size=1, pp_size=1, dp_size=2,
+                                      tp_rank=0, pp_stage=0, dp_rank=rank, process_groups={"dp": [0, 1]}))
+            client.send(records.step(rank, 3, job=STOPPED_JOB))
+        client.send(records.hello(0, job=UNSTEPPED_JOB))
+        client.send(records.progress(0, job=UNSTEPPED_JOB, stalled=0.0, phase="closed", overdue_seconds=0.0))
+        stalled = 10.0
+        while not stop.is_set():
+            for rank in range(2):
+                client.send(records.progress(rank, job=STOPPED_JOB, stalled=stalled + rank))
+            stalled += 0.2
+            stop.wait(0.2)
+
+
 def _dead_rank(agent) -> None:
     """A rank whose process sends its hello and a step, waits a few of the agent's rounds (so the agent watches its
     pid), then exits: the agent finds it gone."""
@@ -192,6 +211,8 @@ def test_every_dashboard_and_rule_expression_returns_data(start_agent, prometheu
     sender.start()
     hung = threading.Thread(target=_hung_job, args=(agent, stop), daemon=True)
     hung.start()
+    stopped = threading.Thread(target=_stopped_jobs, args=(agent, stop), daemon=True)
+    stopped.start()
     _dead_rank(agent)
     try:
         run = subprocess.run(
@@ -222,6 +243,7 @@ def test_every_dashboard_and_rule_expression_returns_data(start_agent, prometheu
         stop.set()
         sender.join(5)
         hung.join(5)
+        stopped.join(5)
 
     # Prometheus loaded every rule and evaluates it without error.
     status, body, _ = http_get(prometheus.url + "/api/v1/rules")

@@ -52,8 +52,9 @@ def test_ranks_series_and_hellos_reach_metrics_and_state(start_agent):
     for number in (1, 2, 3):
         for rank in range(8):
             client.send(step(rank, number, step_seconds=0.5 + rank / 100, loss=3.0 / number))
-    wait_until(lambda: [r["last_step"]["step"] for r in _telemetry_facts(agent)["ranks"]] == [3] * 8,
-               timeout=10, what="8 ranks at step 3 in /api/v1/state")
+    # A rank's hello can be in the state before its first step (last_step still None): wait for the steps.
+    wait_until(lambda: [(r["last_step"] or {}).get("step") for r in _telemetry_facts(agent)["ranks"]] == [3] * 8,
+               what="8 ranks at step 3 in /api/v1/state")
 
     text = agent.get("/metrics").decode()
     assert samples(text, "gpuwatch_train_step_seconds")[coordinates(5)] == 0.55

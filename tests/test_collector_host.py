@@ -1,4 +1,5 @@
-"""Host collector: real psutil values in range, CPU ratio arithmetic, watched pids, network interfaces."""
+"""Host collector: real psutil values in range, CPU ratio arithmetic, watched pids, network interfaces and their
+traffic."""
 
 import json
 import os
@@ -60,6 +61,8 @@ def _procfs(root: Path, cpu_ticks: list[int], meminfo: bytes | None = None) -> P
                                + "\nintr 1 2 3\n")  # rewritten in place: the collector's open file sees it
     (root / "meminfo").write_bytes(Path("/proc/meminfo").read_bytes() if meminfo is None else meminfo)
     (root / "self" / "statm").write_text("51234 12800 2400 1 0 9000 0\n")
+    (root / "net").mkdir(exist_ok=True)
+    (root / "net" / "dev").write_bytes(Path("/proc/net/dev").read_bytes())
     return root
 
 
@@ -87,6 +90,7 @@ def test_proc_files_read_what_psutil_reads_from_the_same_files(tmp_path, monkeyp
         psutil_busy, psutil_total = through_psutil.cpu_busy_and_total()
         ticks = os.sysconf("SC_CLK_TCK")
         assert (busy / ticks, total / ticks) == (pytest.approx(psutil_busy), pytest.approx(psutil_total))
+        assert counters.network_counters() == through_psutil.network_counters()  # the same /proc/net/dev
     finally:
         counters.close()
     monkeypatch.undo()  # psutil back on the real /proc
@@ -182,3 +186,43 @@ def test_interfaces_and_cpu_count_are_read_again_only_after_the_refresh_period(m
         now[0] += 1.0
     assert reads == [100.0, 100.0 + host.STATIC_REFRESH_SECONDS, 100.0 + 2 * host.STATIC_REFRESH_SECONDS]
     assert counts == [4] * 60 + [5] * 61
+
+
+NET_DEV = b"""Inter-|   Receive                                                |  Transmit
+ face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop fifo colls carrier
+    lo: %d 10 0 0 0 0 0 0 %d 10 0 0 0 0 0 0
+  eth0: %d 900 2 1 0 0 0 0 %d 800 3 4 0 0 0 0
+ veth9: 5 1 0 0 0 0 0 0 6 1 0 0 0 0 0 0
+"""
+
+
+def test_traffic_history_keeps_a_sample_every_spacing_the_latest_always_and_exports_counters(tmp_path, monkeypatch):
+    """One round a second for 40 s, eth0 receiving 1 MB and sending 2 MB a second: samples 5 s apart (and the latest)
+    with /proc/net/dev's counters, loopback left out, interfaces with an address first; the latest exported."""
+    procfs = _procfs(tmp_path, [1] * 10)
+    now = [1000.0]
+    monkeypatch.setattr(host, "_network_interfaces", lambda: (
+        host.InterfaceReading("eth0", True, addresses=(AddressReading("ipv4", "10.0.0.1"),), speed_mbps=25000),
+        host.InterfaceReading("lo", True, is_loopback=True), host.InterfaceReading("veth9", True)))
+    collector = HostCollector(CollectorContext(), clock=lambda: now[0], procfs=procfs, wall_clock=lambda: now[0])
+    for second in range(41):
+        (procfs / "net" / "dev").write_bytes(NET_DEV % (7, 7, 10**6 * second, 2 * 10**6 * second))
+        result = collector.collect()
+        now[0] += 1.0
+    history = result.readings.network_traffic
+    assert [sample.time for sample in history] == [1000.0, 1005.0, 1010.0, 1015.0, 1020.0, 1025.0, 1030.0, 1035.0,
+                                                   1040.0]
+    assert [i.name for i in history[-1].interfaces] == ["eth0", "veth9"]
+    eth0 = history[-1].interfaces[0]
+    assert (eth0.receive_bytes, eth0.transmit_bytes, eth0.errors, eth0.drops) == (40 * 10**6, 80 * 10**6, 5, 5)
+    assert values(result, "gpuwatch_network_transmit_bytes_total") == {("eth0",): 80e6, ("veth9",): 6.0}
+    assert values(result, "gpuwatch_network_drops_total")[("eth0",)] == 5
+    assert values(result, "gpuwatch_network_speed_bytes_per_second") == {("eth0",): 25e9 / 8}
+    assert values(result, "gpuwatch_network_interface_info") == {
+        ("eth0", "up", "false", "10.0.0.1"): 1, ("lo", "up", "true", ""): 1, ("veth9", "up", "false", ""): 1}
+    state = json.loads(Snapshot(0.0, [], {}, {"host": result.readings}, {}).state_json)
+    assert HostReadings.from_dict(state["facts"]["host"]).network_traffic == history
+    for _ in range(host.TRAFFIC_SAMPLES * 6):  # bounded: a sample every 5 s, TRAFFIC_SAMPLES of them
+        now[0] += 1.0
+        collector.collect()
+    assert len(collector.collect().readings.network_traffic) == host.TRAFFIC_SAMPLES

@@ -16,6 +16,7 @@ from gpuwatch.agent.diagnosis import engine
 from gpuwatch.agent.diagnosis.facts import (
     BandwidthMeasurement,
     CollectiveFacts,
+    CounterSample,
     Facts,
     History,
     InterfaceFacts,
@@ -722,7 +723,7 @@ def test_perf004_names_a_slow_network_with_its_bandwidth_against_the_nics_rating
     busbw = 8 * 2**20 / 1.3 * 2 * 3 / 4
     assert finding.title == (
         "job job-1 is communication-bound on a slow network: sockets (TCP) across nodes node-a, node-b "
-        "(node-a:eth0 (10 Gb/s), node-b:eth0 (10 Gb/s)) delivers 77.4 Mb/s bus bandwidth of its rated 10 Gb/s (1%) "
+        "(node-a:eth0 (10 Gb/s), node-b:eth0 (10 Gb/s)) delivers 77.4 Mb/s bus bandwidth of its rated 10 Gb/s (0.77%) "
         "to group default, CCR 1.30")
     (bandwidth,) = [e for e in finding.evidence if "busbw_bytes_per_second" in e.values]
     assert bandwidth.values["busbw_bytes_per_second"] == pytest.approx(busbw)
@@ -733,6 +734,59 @@ def test_perf004_names_a_slow_network_with_its_bandwidth_against_the_nics_rating
     (finding,) = fired("PERF004", facts(_nic_nodes(), _over_two_nodes({r: 1.3 for r in range(4)},
                                                                       env={"GLOO_SOCKET_IFNAME": "mgmt0"})))
     assert "of its rated 1 Gb/s" in finding.title and "GLOO_SOCKET_IFNAME=mgmt0" in texts([finding])
+
+
+def _counted(nodes: list, rates: dict[str, float], drops: dict[str, int] | None = None) -> list:
+    """``nodes`` whose eth0 counters grow at ``rates[node]`` bytes/s each way (and count ``drops``) in samples 5 s
+    apart around the step window the ranks of ``_windowed`` end at 1,000 s (wall clock)."""
+    def samples(name: str) -> list[CounterSample]:
+        return [CounterSample(t, {"eth0": (int(rates[name] * t), int(rates[name] * t), 0,
+                                           (drops or {}).get(name, 0) * (t > 975)), "mgmt0": (0, 0, 0, 0)})
+                for t in range(940, 1011, 5)]
+    return [dataclasses.replace(n, traffic=samples(n.name)) for n in nodes]
+
+
+def _windowed(ranks: list[RankFacts]) -> list[RankFacts]:
+    """``ranks`` whose windows of 20 steps (2.5 s each) end at 1,000 s."""
+    return [dataclasses.replace(r, window=window(r.last, ended=1000.0, seconds=50.0)) for r in ranks]
+
+
+def test_perf004_reads_the_nics_counters_over_the_step_window_and_names_a_slow_side_only_where_they_show_one():
+    """The job's NICs carry 9.68 MB/s each way over its step window (950-1,000 s): 7.7 % of 1 Gb/s. Node b's NIC
+    alone counts drops: it is the slow side. With no drops the counters show the same rate on both sides (a
+    collective moves in lockstep) and name no side; a NIC negotiated at a tenth of the speed runs 10x busier."""
+    ranks = _windowed(_over_two_nodes({r: 1.3 for r in range(4)}))
+    rate = 9.68e6
+    (finding,) = fired("PERF004", facts(_counted(_nic_nodes(), {"node-a": rate, "node-b": rate}, {"node-b": 12}),
+                                        ranks))
+    assert finding.title.endswith("; the slow side is node-b")
+    counters = {e.values["node"]: e.values for e in finding.evidence if "interface" in e.values}
+    assert set(counters) == {"node-a", "node-b"}
+    # 945 is before the window: the samples inside it are 950-1,000 s
+    assert counters["node-b"]["seconds"] == 50 and counters["node-b"]["transmit_bytes"] == pytest.approx(rate * 50, 1)
+    assert counters["node-b"]["drops"] == 12 and counters["node-a"]["drops"] == 0
+    assert counters["node-a"]["bytes_per_step"] == pytest.approx(rate * 2.5, rel=1e-6)  # 20 steps in 50 s
+    assert counters["node-a"]["utilization"] == pytest.approx(rate / (10e9 / 8))
+    (side,) = [e for e in finding.evidence if "slow_side" in e.values]
+    assert side.values["slow_side"] == "node-b" and "eth0 alone counted errors or drops" in side.text
+    assert "(first node-b's)" in finding.fix
+
+    (even,) = fired("PERF004", facts(_counted(_nic_nodes(), {"node-a": rate, "node-b": rate}), ranks))
+    assert "slow side" not in even.title
+    (side,) = [e for e in even.evidence if "slow_side" in e.values]
+    assert side.values["slow_side"] is None and "do not tell which side is slow" in side.text
+
+    slower_b = [_nic_nodes()[0], _nic_nodes(speed=1e9 / 8)[1]]
+    (finding,) = fired("PERF004", facts(_counted(slower_b, {"node-a": rate, "node-b": rate}), ranks))
+    assert finding.title.endswith("the slow side is node-b")
+    (side,) = [e for e in finding.evidence if "slow_side" in e.values]
+    assert "runs at 7.74% of its speed, the others at most 0.77%" in side.text
+
+    # Counters without samples inside the window (an agent started after the job) give no traffic evidence.
+    late = [dataclasses.replace(n, traffic=[s for s in n.traffic if s.time > 995]) for n in
+            _counted(_nic_nodes(), {"node-a": rate, "node-b": rate})]
+    (finding,) = fired("PERF004", facts(late, ranks))
+    assert not [e for e in finding.evidence if "interface" in e.values or "slow_side" in e.values]
 
 
 def test_perf004_a_heavy_job_on_a_healthy_network_keeps_the_job_shaped_fix():

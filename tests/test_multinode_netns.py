@@ -5,11 +5,11 @@ fixture makes; the namespaces are deleted on the way out, also on failure. Needs
 namespaces cannot be made, each test skips with one line saying why.
 
 A real Prometheus in node a scrapes both agents throughout. A healthy job is quiet; with node b's side of the link
-throttled to 50 Mbit/s (`tc ... tbf`), PERF004 names the network (its bus bandwidth against the NIC's rating, the
-nodes), from both agents and from Prometheus alike; node a's agent alone, which sees ranks 0-1 only, gives no
-verdict on the job, only whom its ranks wait for. A compute straggler on node b is PERF002 from every view of all
-ranks (both agents, Prometheus, the run log) and never network blame from node a's partial view. `gpuwatch probe`
-across the throttled link measures the tbf rate."""
+throttled to 50 Mbit/s (`tc ... tbf`), PERF004 names the network (its bus bandwidth against the NIC's rating, the nodes,
+what each node's NIC carried over the step window), from both agents and from Prometheus alike; node a's agent alone,
+which sees ranks 0-1 only, gives no verdict on the job, only whom its ranks wait for. A compute straggler on node b is
+PERF002 from every view of all ranks (both agents, Prometheus, the run log) and never network blame from node a's
+partial view. `gpuwatch probe` across the throttled link measures the tbf rate."""
 
 from __future__ import annotations
 
@@ -274,13 +274,22 @@ def test_throttled_link_is_named_as_the_network_and_a_partial_view_gives_no_verd
     # gpuwatch's own bytes over the exposed time give the link's speed: the tbf rate (measured 1.01x)
     assert 0.5 * 50e6 / 8 < values["busbw_bytes_per_second"] < 1.5 * 50e6 / 8, values
     assert "tc qdisc show" in finding["fix"]
-    # Prometheus, scraping both agents, agrees on the verdict, the nodes and the bandwidth; it carries no NIC speeds
-    # (network interfaces are not exported to it), so it cannot rate the path and says so
+    # Each node's NIC counters over the step window: the ring's cross-node part, 2(n-1)/n of the gradients a step
+    # through each side's veth (measured 1.05x: TCP/IP headers), at the same rate on both sides, which therefore name
+    # no slow side (tbf shapes one direction of a lockstep ring)
+    counters = {e["values"]["node"]: e["values"] for e in finding["evidence"] if "interface" in e.get("values", {})}
+    assert set(counters) == {"node-a", "node-b"}, finding
+    (ring,) = [e["values"] for e in finding["evidence"] if "slow_side" in e.get("values", {})]
+    for side in counters.values():
+        assert 0.9 < side["bytes_per_step"] / ring["ring_bytes_per_step"] < 1.5, (side, ring)
+        assert side["errors"] == side["drops"] == 0 and side["utilization"] < 0.01
+    assert ring["slow_side"] is None and "slow side" not in finding["title"]
+    # Prometheus, scraping both agents, agrees on the verdict, the nodes, the NICs' rating and the bandwidth
     (scraped,) = [f for f in cluster.diagnose_prometheus("netns-throttled") if f["code"] == "PERF004"]
-    assert scraped["severity"] == finding["severity"] and "communication-bound" in scraped["title"], scraped
-    assert "the speed of the NIC on node-a, node-b is unknown" in scraped["title"], scraped
+    assert scraped["severity"] == finding["severity"] and "on a slow network" in scraped["title"], scraped
     (scraped_bandwidth,) = [e["values"] for e in scraped["evidence"] if "busbw_bytes_per_second" in e.get("values", {})]
     assert scraped_bandwidth["crosses_nodes"] is True and scraped_bandwidth["nodes"] == ["node-a", "node-b"]
+    assert scraped_bandwidth["rated_bytes_per_second"] == 10e9 / 8  # gpuwatch_network_speed_bytes_per_second
     assert 0.5 * 50e6 / 8 < scraped_bandwidth["busbw_bytes_per_second"] < 1.5 * 50e6 / 8, scraped_bandwidth
     partial = [f for f in cluster.diagnose("netns-throttled", a) if f["code"] == "PERF004"]
     assert [f["severity"] for f in partial] in ([], ["info"]), partial

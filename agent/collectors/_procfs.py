@@ -1,4 +1,5 @@
-"""The host's CPU time, memory and the agent's own resident set from /proc, read as cheaply as the kernel serves them.
+"""The host's CPU time, memory, network traffic and the agent's own resident set from /proc, read as cheaply as the
+kernel serves them.
 
 psutil opens, reads, parses and closes a file on every call and builds a named tuple of every field. The host
 collector needs three of them every round, in a thread woken once a round with its caches cold: in an idle agent at
@@ -20,17 +21,23 @@ import psutil
 
 #: Enough for /proc/stat's first line and all of /proc/meminfo and /proc/self/statm.
 READ_BYTES = 8192
+#: Enough for /proc/net/dev with some 500 interfaces (a line is ~120 bytes).
+NET_DEV_BYTES = 65536
+
+#: One interface's counters since boot: bytes received, bytes transmitted, errors and drops (both ways).
+NicCounters = tuple[int, int, int, int]
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
 class ProcCounters:
-    """/proc/stat, /proc/meminfo and /proc/self/statm under ``root``, kept open; ``close`` closes them."""
+    """/proc/stat, /proc/meminfo, /proc/self/statm and /proc/net/dev (of the agent's network namespace) under
+    ``root``, kept open; ``close`` closes them."""
 
     def __init__(self, root: Path = Path("/proc")) -> None:
         self._fds: list[int] = []
         try:
-            self._stat, self._meminfo, self._statm = (self._open(root / name)
-                                                      for name in ("stat", "meminfo", "self/statm"))
+            self._stat, self._meminfo, self._statm, self._net_dev = (
+                self._open(root / name) for name in ("stat", "meminfo", "self/statm", "net/dev"))
         except OSError:
             self.close()
             raise
@@ -67,6 +74,18 @@ class ProcCounters:
         """The agent's resident set: statm's second field, in pages."""
         return int(os.pread(self._statm, READ_BYTES, 0).split()[1]) * _PAGE_SIZE
 
+    def network_counters(self) -> dict[str, NicCounters]:
+        """Each interface's counters (proc(5), /proc/net/dev: after ``name:``, receive bytes packets errs drop fifo
+        frame compressed multicast, then transmit bytes packets errs drop ...)."""
+        counters = {}
+        for line in os.pread(self._net_dev, NET_DEV_BYTES, 0).splitlines()[2:]:
+            name, _, rest = line.partition(b":")
+            fields = rest.split()
+            if len(fields) >= 12:
+                counters[name.strip().decode()] = (int(fields[0]), int(fields[8]), int(fields[2]) + int(fields[10]),
+                                                   int(fields[3]) + int(fields[11]))
+        return counters
+
     def close(self) -> None:
         for fd in self._fds:
             os.close(fd)
@@ -101,6 +120,10 @@ class PsutilCounters:
 
     def own_resident_bytes(self) -> int:
         return int(self._own.memory_info().rss)
+
+    def network_counters(self) -> dict[str, NicCounters]:
+        return {name: (c.bytes_recv, c.bytes_sent, c.errin + c.errout, c.dropin + c.dropout)
+                for name, c in psutil.net_io_counters(pernic=True).items()}
 
     def close(self) -> None:
         """Nothing is kept open."""

@@ -1,6 +1,7 @@
 """The host around the GPUs, via psutil and, for what it reads every round, /proc files kept open (``_procfs``): CPU,
-load, memory, resident memory of watched processes, and the network interfaces (readings only, no series: diagnosis
-checks NCCL_SOCKET_IFNAME against them).
+load, memory, resident memory of watched processes, and the network interfaces: their state, addresses and link speed
+(diagnosis checks NCCL_SOCKET_IFNAME against them and rates a socket path by the speed) and their traffic counters
+(diagnosis reads what a job's NICs carried over its step window from a short history of them, ``network_traffic``).
 
 Which processes are training ranks is not the host's to know: the agent's own process is always
 watched, and whoever learns the ranks' pids (the telemetry collector, from the kernel's credentials on each
@@ -10,6 +11,7 @@ watched from the first round rendered after its hello).
 
 from __future__ import annotations
 
+import collections
 import os
 import socket
 import time
@@ -26,7 +28,14 @@ from gpuwatch.agent.collectors.base import (
     CollectorResult,
     DeferredFamilies,
 )
-from gpuwatch.agent.collectors.readings import AddressReading, HostReadings, InterfaceReading, ProcessReading
+from gpuwatch.agent.collectors.readings import (
+    AddressReading,
+    HostReadings,
+    InterfaceReading,
+    InterfaceTrafficReading,
+    ProcessReading,
+    TrafficSample,
+)
 from gpuwatch.agent.metricspec import MetricSpec
 
 #: Bounds gpuwatch_host_process_*: a buggy feeder cannot create unbounded series.
@@ -37,6 +46,14 @@ MAX_WATCHED_PIDS = 256
 #: round, 150 of 300 µs; only diagnosis reads them, NCCL_SOCKET_IFNAME against them, no series) and the count of
 #: logical CPUs (a sysfs file: ~37 µs of an idle agent's ~550 µs round, measured in the agent's thread).
 STATIC_REFRESH_SECONDS = 60.0
+
+#: At most this many interfaces' traffic is kept and exported: the non-loopback ones, those with an address first (a
+#: Kubernetes node has a veth per pod, none of which carries a job's collectives across nodes).
+MAX_TRAFFIC_INTERFACES = 16
+#: The traffic history keeps a sample at least this many seconds apart (and always the latest) ...
+TRAFFIC_SPACING_SECONDS = 5.0
+#: ... this many of them: 64 × 5 s covers a rank's longest step window (``telemetry.window.WINDOW_SECONDS``, 300 s).
+TRAFFIC_SAMPLES = 64
 
 #: pid -> (job, rank) of the training ranks running on this host.
 RankPids = Mapping[int, tuple[str, int]]
@@ -61,6 +78,24 @@ PROCESS_CPU = MetricSpec("gpuwatch_host_process_cpu_seconds", "CPU time, user an
                          "empty) and of the training ranks that report to it.", "seconds", "cpu_seconds",
                          kind="counter", labels=_PROCESS_LABELS)
 
+#: The network interfaces: identity and state (static, as the interface list), link speed, and traffic counters.
+_INTERFACE = ("interface",)
+NETWORK_INFO = MetricSpec("gpuwatch_network_interface_info", "A network interface: state (up/down), whether it is "
+                          "the loopback, its IP addresses (space-separated); value 1.", kind="info",
+                          labels=("interface", "state", "loopback", "addresses"))
+NETWORK_SPEED = MetricSpec("gpuwatch_network_speed_bytes_per_second", "Negotiated link speed of the interface "
+                           "(/sys/class/net/NAME/speed), where the driver reports one.", "bytes_per_second",
+                           labels=_INTERFACE)
+NETWORK_RECEIVED = MetricSpec("gpuwatch_network_receive_bytes", "Bytes the interface received (/proc/net/dev).",
+                              "bytes", "receive_bytes", kind="counter", labels=_INTERFACE)
+NETWORK_TRANSMITTED = MetricSpec("gpuwatch_network_transmit_bytes", "Bytes the interface transmitted "
+                                 "(/proc/net/dev).", "bytes", "transmit_bytes", kind="counter", labels=_INTERFACE)
+NETWORK_ERRORS = MetricSpec("gpuwatch_network_errors", "Receive and transmit errors of the interface "
+                            "(/proc/net/dev).", "", "errors", kind="counter", labels=_INTERFACE)
+NETWORK_DROPS = MetricSpec("gpuwatch_network_drops", "Packets the interface dropped, receiving and transmitting "
+                           "(/proc/net/dev).", "", "drops", kind="counter", labels=_INTERFACE)
+_TRAFFIC_COUNTERS = (NETWORK_RECEIVED, NETWORK_TRANSMITTED, NETWORK_ERRORS, NETWORK_DROPS)
+
 
 class HostCollector(Collector):
     """CPU, load, memory, and the resident memory and CPU time of the agent and of the training ranks that
@@ -69,9 +104,11 @@ class HostCollector(Collector):
     name = "host"
 
     def __init__(self, context: CollectorContext, clock: Callable[[], float] = time.monotonic,
-                 procfs: Path = Path("/proc")) -> None:
+                 procfs: Path = Path("/proc"), wall_clock: Callable[[], float] = time.time) -> None:
         super().__init__(context)
         self._clock = clock
+        self._wall_clock = wall_clock
+        self._traffic: collections.deque[TrafficSample] = collections.deque(maxlen=TRAFFIC_SAMPLES)
         self._counters = open_counters(procfs)
         self._static: tuple[int | None, tuple[InterfaceReading, ...]] = (None, ())  # CPU count, interfaces
         self._static_read_at: float | None = None
@@ -107,6 +144,7 @@ class HostCollector(Collector):
             memory_used_bytes=memory_used,
             processes=self._processes_rss(errors),
             network_interfaces=interfaces,
+            network_traffic=self._traffic_history(interfaces),
         )
         # Deferred to the render, like the other collectors': rounds nobody renders never build them.
         return CollectorResult(DeferredFamilies(lambda: _families(readings)), readings, errors)
@@ -120,6 +158,23 @@ class HostCollector(Collector):
         if self._static_read_at is None or now - self._static_read_at >= STATIC_REFRESH_SECONDS:
             self._static, self._static_read_at = (psutil.cpu_count(), _network_interfaces()), now
         return self._static
+
+    def _traffic_history(self, interfaces: tuple[InterfaceReading, ...]) -> tuple[TrafficSample, ...]:
+        """This round's traffic counters added to the history, whose latest sample is always this round's: in place
+        of the latest until that is TRAFFIC_SPACING_SECONDS after the one before it, which it then stays."""
+        loopbacks = {i.name for i in interfaces if i.is_loopback} | {"lo"}
+        with_address = {i.name for i in interfaces if any(a.family != "link" for a in i.addresses)}
+        counters = self._counters.network_counters()
+        names = sorted((name for name in counters if name not in loopbacks),
+                       key=lambda name: (name not in with_address, name))[:MAX_TRAFFIC_INTERFACES]
+        sample = TrafficSample(self._wall_clock(), tuple(
+            InterfaceTrafficReading(name, *counters[name]) for name in sorted(names)))
+        history = self._traffic
+        if len(history) >= 2 and history[-1].time - history[-2].time < TRAFFIC_SPACING_SECONDS:
+            history[-1] = sample
+        else:
+            history.append(sample)
+        return tuple(history)
 
     def _processes_rss(self, errors: list[str]) -> tuple[ProcessReading, ...]:
         """RSS and CPU time of the agent and the ranks' processes; a process that exited is dropped, not an
@@ -177,7 +232,23 @@ def _families(readings: HostReadings) -> list[Metric]:
         names = [str(process.pid), process.name, process.job, process.rank]
         rss.add_metric(names, process.rss_bytes)
         cpu.add_metric(names, process.cpu_seconds)
-    return [*families, rss, cpu]
+    return [*families, rss, cpu, *_network_families(readings)]
+
+
+def _network_families(readings: HostReadings) -> list[Metric]:
+    """Each interface's identity and speed, and the traffic counters of those the history keeps."""
+    info, speed = NETWORK_INFO.family(), NETWORK_SPEED.family()
+    for interface in readings.network_interfaces:
+        addresses = " ".join(a.address for a in interface.addresses if a.family != "link")
+        info.add_metric([interface.name, "up" if interface.up else "down", str(interface.is_loopback).lower(),
+                         addresses], 1)
+        if interface.speed_mbps:
+            speed.add_metric([interface.name], interface.speed_mbps * 1e6 / 8)
+    counters = [spec.family() for spec in _TRAFFIC_COUNTERS]
+    for traffic in readings.network_traffic[-1].interfaces if readings.network_traffic else ():
+        for spec, family in zip(_TRAFFIC_COUNTERS, counters, strict=True):
+            family.add_metric([traffic.name], getattr(traffic, spec.field))
+    return [info, speed, *counters]
 
 
 def _network_interfaces() -> tuple[InterfaceReading, ...]:

@@ -283,6 +283,26 @@ class InterfaceReading(Reading):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class InterfaceTrafficReading(Reading):
+    """One network interface's counters since boot (/proc/net/dev): bytes each way, errors and drops both ways."""
+
+    name: str
+    receive_bytes: int
+    transmit_bytes: int
+    errors: int = 0
+    drops: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TrafficSample(Reading):
+    """The traffic counters of the non-loopback interfaces at one moment (``time``: the wall clock, which the ranks'
+    step records also carry, so that diagnosis reads a NIC's traffic over a job's step window)."""
+
+    time: float
+    interfaces: tuple[InterfaceTrafficReading, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class HostReadings(Reading):
     """The host collector's readings; ``cpu_ratio`` is None on the first collect (no previous sample)."""
 
@@ -294,6 +314,8 @@ class HostReadings(Reading):
     memory_used_bytes: int | None = None
     processes: tuple[ProcessReading, ...] = ()
     network_interfaces: tuple[InterfaceReading, ...] = ()
+    #: The traffic counters of recent rounds, oldest first, the latest last (``host.TRAFFIC_SAMPLES`` of them).
+    network_traffic: tuple[TrafficSample, ...] = ()
 
 
 # -- a node -------------------------------------------------------------------------------------------

@@ -130,6 +130,31 @@ class InterfaceFacts:
     speed_bytes_per_second: float | None = None
 
 
+class CounterSample(NamedTuple):
+    """The traffic counters of a node's interfaces at one moment (wall clock): name -> (bytes received, bytes
+    transmitted, errors, drops) since boot."""
+
+    time: float
+    interfaces: Mapping[str, tuple[int, int, int, int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class NicTraffic:
+    """What one NIC carried between two of its counter samples: bytes each way, errors and drops, over ``seconds``."""
+
+    interface: str
+    seconds: float
+    receive_bytes: int
+    transmit_bytes: int
+    errors: int
+    drops: int
+
+    @property
+    def busiest_bytes_per_second(self) -> float:
+        """The rate of the busier direction: what a full-duplex link's rating compares with."""
+        return max(self.receive_bytes, self.transmit_bytes) / self.seconds
+
+
 @dataclasses.dataclass
 class NodeFacts:
     name: str
@@ -138,6 +163,9 @@ class NodeFacts:
     nvlinks: list[NvlinkFacts] | None = None
     ib_ports: list[IbPortFacts] | None = None
     interfaces: list[InterfaceFacts] | None = None
+    #: Recent traffic counters of the interfaces, oldest first (the agent keeps one sample every few seconds); None
+    #: when unknown.
+    traffic: list[CounterSample] | None = None
     #: Logical CPUs (host collector); None when unknown.
     cpus: int | None = None
     #: The shell environment a pre-flight check runs in (NCCL_*, ...); None unless ``--preflight``.
@@ -154,6 +182,17 @@ class NodeFacts:
 
     def active_ports(self) -> list[IbPortFacts]:
         return [port for port in self.ib_ports or () if port.active]
+
+    def traffic_between(self, interface: str, start: float, end: float) -> NicTraffic | None:
+        """What ``interface`` carried from the first counter sample at or after ``start`` to the last at or before
+        ``end`` (wall clock): traffic inside the span only; None with fewer than two samples there."""
+        inside = [sample for sample in self.traffic or () if start <= sample.time <= end
+                  and interface in sample.interfaces]
+        if len(inside) < 2 or inside[-1].time <= inside[0].time:
+            return None
+        first, last = inside[0].interfaces[interface], inside[-1].interfaces[interface]
+        received, transmitted, errors, drops = (after - before for before, after in zip(first, last, strict=True))
+        return NicTraffic(interface, inside[-1].time - inside[0].time, received, transmitted, errors, drops)
 
     def has_nvlink(self) -> bool | None:
         """Whether any GPU has an NVLink link up; None when unknown."""

@@ -147,6 +147,8 @@ class WindowSummary:
     last_step: int
     seconds: float
     medians: Mapping[str, float]  # TIMINGS name or BUSY -> median
+    #: When the window's last step ended (the rank's wall clock, its record's time); None where the source cannot tell.
+    ended: float | None = None
     loss_steps: int = 0  # steps with a finite loss
     loss_min: float | None = None
     loss_max: float | None = None
@@ -188,7 +190,7 @@ def summarize(points: Iterable[StepPoint]) -> WindowSummary | None:
     checksums = [checksum for checksum in checksum_column if checksum is not None]
     return WindowSummary(
         steps=len(points), first_step=points[0].step, last_step=points[-1].step,
-        seconds=max(0.0, points[-1].time - points[0].time), medians=medians,
+        seconds=max(0.0, points[-1].time - points[0].time), medians=medians, ended=points[-1].time,
         loss_steps=len(losses), loss_min=min(losses, default=None), loss_max=max(losses, default=None),
         grad_norm_steps=len(norms), grad_norm_max=max(norms, default=None),
         checksums=len(checksums), distinct_checksums=len(set(checksums)))

@@ -84,7 +84,8 @@ def capped(evidence: Sequence[Evidence], total: int | None = None, what: str = "
 
 
 def ratio_text(value: float) -> str:
-    return f"{value:.0%}"
+    """A share in whole percent, below 1 % in two significant digits: a link at 0.49 % of its rating is not "0%"."""
+    return f"{value:.0%}" if abs(value) >= 0.01 else f"{value * 100:.2g}%"
 
 
 def windowed(rank: RankFacts, timing: str) -> float | None:

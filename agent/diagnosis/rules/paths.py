@@ -1,6 +1,7 @@
 """What a job's collectives achieve, and what the path they run over should give: the bus bandwidth each process
 group achieved (nccl-tests' conventions) and its path's rating (NVLink from the agent's topology, InfiniBand/RoCE
-from the port's rate, sockets from the NIC's speed), with the nodes and NICs it runs over. Helpers of PERF004.
+from the port's rate, sockets from the NIC's speed), with the nodes and NICs it runs over, and what those NICs'
+counters show they carried over the job's step window. Helpers of PERF004.
 
 Bus bandwidth, as nccl-tests defines it (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md):
 algbw = bytes / seconds, and busbw = algbw × 2(n−1)/n for all-reduce, algbw × (n−1)/n for all-gather and
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 from gpuwatch.agent.diagnosis.facts import (
     Facts,
     InterfaceFacts,
+    NicTraffic,
     NodeFacts,
     RankFacts,
     group_members,
@@ -62,6 +64,8 @@ class Path:
     links: tuple[str, ...]
     rating: float | None
     how: str
+    #: The NIC each node's share of the traffic leaves by (node, interface, its speed in bytes/s), where named.
+    nics: tuple[tuple[str, str, float | None], ...] = ()
 
     def describe(self) -> str:
         where = ("across nodes " if self.crosses else "inside node " if self.crosses is False else "on nodes ") \
@@ -178,7 +182,73 @@ def path_of(facts: Facts, ranks: Sequence[RankFacts], achieved_group: Achieved) 
                   for name, nic in nics.items() if nic is not None)
     chosen = f"{variable}={wanted}" if wanted else "the fastest NIC with an address"
     return Path("sockets (TCP)", hosts, crosses, links, nic_speeds[slowest_node],
-                f"the NIC's link speed on {slowest_node} ({chosen}; /sys/class/net/*/speed)")
+                f"the NIC's link speed on {slowest_node} ({chosen}; /sys/class/net/*/speed)",
+                tuple((name, nic.name, nic.speed_bytes_per_second) for name, nic in nics.items() if nic is not None))
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeTraffic:
+    """What one node's NIC on a group's path carried over the job's step window there: its counters' difference
+    and the steps that window spans (its ranks' median step time)."""
+
+    node: str
+    traffic: NicTraffic
+    speed: float | None
+    steps: float
+
+    @property
+    def utilization(self) -> float | None:
+        return self.traffic.busiest_bytes_per_second / self.speed if self.speed else None
+
+    def describe(self) -> str:
+        t = self.traffic
+        share = f", {self.utilization:.2%} of its {rate_text(self.speed)}" if self.speed else ""
+        return (f"{self.node}'s {t.interface} sent {rate_text(t.transmit_bytes / t.seconds)} and received "
+                f"{rate_text(t.receive_bytes / t.seconds)} over {t.seconds:.3g} s of the step window{share} "
+                f"({max(t.transmit_bytes, t.receive_bytes) / self.steps / 2**20:.3g} MiB a step the busier way), "
+                f"{t.errors} errors, {t.drops} drops")
+
+
+def traffic_on(facts: Facts, ranks: Sequence[RankFacts], path: Path) -> list[NodeTraffic]:
+    """Each named NIC's traffic over its node's step window (from the earliest start to the latest end of the
+    windows of the job's ranks there), where that node's agent kept counter samples inside it."""
+    found = []
+    for node_name, interface, speed in path.nics:
+        node = facts.nodes.get(node_name)
+        windows = [r.window for r in ranks if r.host == node_name and r.window is not None
+                   and r.window.ended is not None]
+        steps = [step for w in windows if (step := w.median("step_seconds"))]
+        if node is None or not windows or not steps:
+            continue
+        start = min(w.ended - w.seconds for w in windows if w.ended is not None)
+        end = max(w.ended for w in windows if w.ended is not None)
+        traffic = node.traffic_between(interface, start, end)
+        if traffic is not None:
+            found.append(NodeTraffic(node_name, traffic, speed, traffic.seconds / median(steps)))
+    return found
+
+
+#: A node's NIC is the slow side when it runs this much busier against its own speed than every other node's NIC: its
+#: link negotiated a lower speed, or carries other traffic.
+BUSIER = 1.5
+
+
+def slow_side(traffic: Sequence[NodeTraffic]) -> tuple[str, str] | None:
+    """The node whose NIC the counters single out, and why: the only one counting errors or drops in the window,
+    or one running BUSIER × busier against its speed than all the others. None when no node stands out: a collective
+    moves in lockstep, so a link slowed by shaping or a congested switch port shows the same rate on every side."""
+    if len(traffic) < 2:
+        return None
+    faulty = [t for t in traffic if t.traffic.errors or t.traffic.drops]
+    if len(faulty) == 1:
+        t = faulty[0]
+        return t.node, f"its {t.traffic.interface} alone counted errors or drops ({t.traffic.errors} errors, " \
+                       f"{t.traffic.drops} drops in the window)"
+    rated = sorted((t for t in traffic if t.utilization is not None), key=lambda t: -(t.utilization or 0.0))
+    if len(rated) >= 2 and (rated[0].utilization or 0.0) >= BUSIER * (rated[1].utilization or 0.0) > 0:
+        return rated[0].node, f"its {rated[0].traffic.interface} runs at {rated[0].utilization:.2%} of its speed, " \
+                              f"the others at most {rated[1].utilization:.2%}"
+    return None
 
 
 def waits_for_unseen(ranks: Sequence[RankFacts], exposed: dict[int, float]) -> tuple[float, list[int], int] | None:

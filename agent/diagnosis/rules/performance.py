@@ -496,7 +496,10 @@ def communication_bound(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issu
     https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md) against what the group's path is rated
     for: across nodes, InfiniBand/RoCE from the ports' rate for NCCL, else the sockets over each node's NIC, rated
     at its link speed (/sys/class/net/NAME/speed, the NIC NCCL_SOCKET_IFNAME or GLOO_SOCKET_IFNAME names); inside a
-    node, NVLink for NCCL. It names the nodes and NICs. Below min_path_fraction of the rating the network is slow,
+    node, NVLink for NCCL. It names the nodes and NICs, and, from the agents' counter samples, what each node's NIC
+    carried over the step window (the group's cross-node part) and the slow side where the counters single one out
+    (``paths.slow_side``: the only NIC with errors or drops, or one far busier against its own speed). Below
+    min_path_fraction of the rating the network is slow,
     and the fix is the link, the NIC or the transport (a fallback to sockets), not the job; else the job is heavy,
     and the fix follows its kind of data parallelism: DDP (buckets, no_sync) or sharded (FSDP/ZeRO-3:
     reshard_after_forward, prefetch, hybrid sharding, not sharding a model that fits).
@@ -505,14 +508,15 @@ def communication_bound(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issu
     hellos' layout; an agent on one node of several) cannot tell transfer from waiting for a rank it does not see,
     and gives information instead: how long the ranks it sees wait, for which ranks, and how to see them all.
 
-    Worked example (tests/test_multinode_netns.py, docs/runbook.md): a 4-rank DDP job on two nodes, gloo over a
-    10 Gb/s veth whose node-b side a tbf qdisc holds to 50 Mb/s, moves 4.51 MiB of gradients a step in ~1.1 s of
-    exposed all-reduce: algbw 4.51 MiB / 1.12 s = 33.8 Mb/s, busbw × 2(4−1)/4 = 50.7 Mb/s, 1 % of the NIC's rated
-    10 Gb/s: below a quarter of it, a slow network (the fix: the link, `tc qdisc show`, `ethtool`, `gpuwatch
-    probe`). Had the group delivered 8 Gb/s, 80 % of its rating, at the same CCR, the job would be heavy on a
-    healthy path, and the fix its shape (a larger batch, no_sync, buckets, hybrid parallelism). A straggler (rank 3
-    sleeping 0.5 s a forward) is neither: the rank that waits least waits little, so the transfer is small, and
-    PERF002 names rank 3."""
+    Worked example (tests/test_multinode_netns.py, docs/runbook.md): a 4-rank DDP job on two nodes, gloo over a 10 Gb/s
+    veth whose node-b side a tbf qdisc holds to 50 Mb/s, moves 4.51 MiB of gradients a step in ~1.1 s of exposed
+    all-reduce: algbw 4.51 MiB / 1.12 s = 33.8 Mb/s, busbw × 2(4−1)/4 = 50.7 Mb/s, 1 % of the NIC's rated 10 Gb/s: below
+    a quarter of it, a slow network (the fix: the link, `tc qdisc show`, `ethtool`, `gpuwatch probe`). Each veth's
+    counters show 7.1 MiB a step each way, the ring's 2(4−1)/4 × 4.51 MiB plus TCP/IP headers, at the same rate on both
+    nodes: a ring moves in lockstep, so they name no slow side. Had the group delivered 8 Gb/s, 80 % of its rating, at
+    the same CCR, the job would be heavy on a healthy path, and the fix its shape (a larger batch, no_sync, buckets,
+    hybrid parallelism). A straggler (rank 3 sleeping 0.5 s a forward) is neither: the rank that waits least waits
+    little, so the transfer is small, and PERF002 names rank 3."""
     for job, ranks in facts.jobs().items():
         pure = [r for r in ranks if r.layout is not None and r.layout.tp_size == r.layout.pp_size == 1
                 and r.layout.dp_size > 1]
@@ -553,16 +557,23 @@ def communication_bound(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issu
                      "counted as transfer)", Where(job=job), {"max_wait_seconds": max(waits.values())}),
             *(_bandwidth_evidence(job, group, path) for group, path in judged),
         ]
+        crossing = next(((g, p) for g, p in (slow or judged) if p.crosses), None)
+        side = None
+        if crossing is not None:
+            traffic_evidence, side = _traffic_evidence(facts, job, pure, *crossing)
+            evidence += traffic_evidence
         if slow:
             group, path = slow[0]
             assert path.rating is not None
             yield Issue(
                 title=f"job {job} is communication-bound on a slow network: {path.describe()} delivers "
                       f"{paths.rate_text(group.busbw)} bus bandwidth of its rated {paths.rate_text(path.rating)} "
-                      f"({ratio_text(group.busbw / path.rating)}) to group {group.group}, CCR {ccr:.2f}",
+                      f"({ratio_text(group.busbw / path.rating)}) to group {group.group}, CCR {ccr:.2f}"
+                      + (f"; the slow side is {side}" if side else ""),
                 evidence=tuple(evidence),
                 fix=f"repair the path, not the job: check the links between {', '.join(path.nodes)} "
                     + (f"({', '.join(path.links)}) " if path.links else "")
+                    + (f"(first {side}'s) " if side else "")
                     + "for a lower negotiated speed (`ethtool`), errors and drops (`ip -s link`, HW003), a shaping "
                       "or policing qdisc (`tc qdisc show`) and a congested or misconfigured switch port; check that "
                       "the collectives use the fast fabric (NCCL_DEBUG=INFO prints NET/IB or NET/Socket: a fallback "
@@ -586,6 +597,36 @@ def communication_bound(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issu
             reason="Above a CCR of 0.5 the collectives, not the GPUs, set the step time, and adding data-parallel "
                    "ranks makes it worse; the path delivers what it is rated for, so the job's volume is the cause.",
         )
+
+
+def _traffic_evidence(facts: Facts, job: str, ranks: list[RankFacts], group: paths.Achieved,
+                      path: paths.Path) -> tuple[list[Evidence], str | None]:
+    """What the NICs of a path across nodes carried over the job's step window (the agents' counter samples): the
+    group's cross-node share, seen from each side; and the node they single out as the slow side, if any."""
+    traffic = paths.traffic_on(facts, ranks, path)
+    evidence = [Evidence(
+        f"NIC counters: {t.describe()}", Where(job=job, node=t.node),
+        {"node": t.node, "interface": t.traffic.interface, "seconds": t.traffic.seconds,
+         "transmit_bytes": t.traffic.transmit_bytes, "receive_bytes": t.traffic.receive_bytes,
+         "errors": t.traffic.errors, "drops": t.traffic.drops, "steps": t.steps, "utilization": t.utilization,
+         "bytes_per_step": max(t.traffic.transmit_bytes, t.traffic.receive_bytes) / t.steps})
+        for t in traffic]
+    if len(traffic) < 2:
+        return evidence, None
+    side = paths.slow_side(traffic)
+    ring = group.busbw * group.seconds
+    share = f"group {group.group}'s ring moves {ring / 2**20:.3g} MiB a step through each member's link " \
+            f"(busbw × seconds); what crosses a node's NIC is its cross-node part"
+    if side is None:
+        evidence.append(Evidence(
+            f"{share}. Every node's NIC carries about the same rate: a collective moves in lockstep, so a link slowed "
+            "by shaping, a congested switch port or a bad cable shows alike on both sides, and the counters do not "
+            "tell which side is slow", Where(job=job), {"slow_side": None, "ring_bytes_per_step": ring}))
+        return evidence, None
+    node, why = side
+    evidence.append(Evidence(f"{share}. The counters single out {node}: {why}", Where(job=job, node=node),
+                             {"slow_side": node, "ring_bytes_per_step": ring}))
+    return evidence, node
 
 
 def _bandwidth_evidence(job: str, group: paths.Achieved, path: paths.Path) -> Evidence:

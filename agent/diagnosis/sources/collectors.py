@@ -14,7 +14,14 @@ from gpuwatch.agent.collectors.readings import (
     NodeReadings,
     NvlinkReading,
 )
-from gpuwatch.agent.diagnosis.facts import GpuFacts, IbPortFacts, InterfaceFacts, NodeFacts, NvlinkFacts
+from gpuwatch.agent.diagnosis.facts import (
+    CounterSample,
+    GpuFacts,
+    IbPortFacts,
+    InterfaceFacts,
+    NodeFacts,
+    NvlinkFacts,
+)
 from gpuwatch.agent.metricspec import MetricSpec
 
 #: Which node part each collector fills.
@@ -94,6 +101,9 @@ def node_facts(name: str, readings: NodeReadings, missing: dict[str, str], simul
         node.ib_ports = [_port(port, models) for port in readings.infiniband.ports]
     if readings.host is not None:
         node.interfaces = [_interface(interface) for interface in readings.host.network_interfaces]
+        node.traffic = [CounterSample(sample.time, {i.name: (i.receive_bytes, i.transmit_bytes, i.errors, i.drops)
+                                                    for i in sample.interfaces})
+                        for sample in readings.host.network_traffic]
         node.cpus = readings.host.cpu_count
     node.missing = {PARTS[collector]: reason for collector, reason in missing.items()
                     if collector in PARTS and getattr(node, PARTS[collector]) is None}

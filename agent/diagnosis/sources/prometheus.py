@@ -7,8 +7,9 @@ label, which Prometheus renames ``exported_job`` unless the scrape honours label
 
 A rank's environment is the part of it that rules read (``gpuwatch_train_env_info``, one series per variable
 set; ``schema.EXPORTED_ENV``), and its process groups as runs of ranks (``gpuwatch_train_process_group_info``).
-What Prometheus does not carry stays unknown (None): a group too large to export, network interfaces, and the
-environment of a rank that set none of the exported variables. Error counters
+What Prometheus does not carry stays unknown (None): a group too large to export, the network interfaces of an agent
+that does not export them, the interfaces' traffic history (an agent's state keeps one; here it would take a range
+query per job), and the environment of a rank that set none of the exported variables. Error counters
 become increases over ``WINDOW``, which a single agent snapshot cannot give.
 
 Past 500 lines on purpose: one reader (``_Reader``), a method per family it turns into facts, each beside the query
@@ -23,7 +24,7 @@ import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from gpuwatch.agent.collectors.host import CPUS
+from gpuwatch.agent.collectors.host import CPUS, NETWORK_INFO, NETWORK_SPEED
 from gpuwatch.agent.collectors.infiniband import (
     DEVICE_INFO,
     PHYS_STATES,
@@ -55,6 +56,7 @@ from gpuwatch.agent.diagnosis.facts import (
     History,
     IbPortFacts,
     InFlightFacts,
+    InterfaceFacts,
     Layout,
     NodeFacts,
     NvlinkFacts,
@@ -228,7 +230,7 @@ def read(api: Api, mode: str = "auto", overrides: Mapping[str, Mapping[str, floa
 #: The needs each read's facts serve: a read that fails leaves the rules with one of these needs unjudged ("ranks":
 #: every rule needing any rank fact, i.e. a need that is not a node part's).
 _NODE_NEEDS = {"gpus": (needs.GPUS, needs.GPU_CAPACITY), "nvlinks": (needs.NVLINKS,), "ib_ports": (needs.IB_PORTS,),
-               "bandwidth": (needs.BANDWIDTH,)}
+               "interfaces": (needs.INTERFACES,), "bandwidth": (needs.BANDWIDTH,)}
 
 
 def rules_reading(part: str) -> list[str]:
@@ -266,7 +268,7 @@ class _Reader:
             name = labels.get("node") or labels.get("instance", "unknown")
             self.nodes[labels.get("instance", name)] = self.facts.nodes[name] = NodeFacts(
                 name=name, simulated=labels.get("mode") == "simulated",
-                missing={"interfaces": "network interfaces are not exported to Prometheus"})
+                missing={"interfaces": f"the agent exports no network interfaces ({NETWORK_INFO})"})
         for part, read in self._parts():
             try:
                 read()
@@ -277,7 +279,8 @@ class _Reader:
     def _parts(self) -> list[tuple[str, Callable[[], None]]]:
         """The reads, each named after the ``needs`` of the rules its facts serve (``_PART_NEEDS``)."""
         return [("nodes", self._collectors), ("nodes", self._cpus), ("gpus", self._gpus),
-                ("nvlinks", self._nvlinks), ("ib_ports", self._ib_ports), ("ranks", self._ranks),
+                ("nvlinks", self._nvlinks), ("ib_ports", self._ib_ports), ("interfaces", self._interfaces),
+                ("ranks", self._ranks),
                 ("bandwidth", self._bandwidth)]
 
     def _unjudged(self, part: str, reason: str) -> None:
@@ -388,6 +391,28 @@ class _Reader:
         for node in self.nodes.values():
             if node.nvlinks is not None:
                 node.nvlinks.sort(key=lambda entry: entry.gpu)
+
+    def _interfaces(self) -> None:
+        """Each node's network interfaces (state, loopback, addresses) and their link speeds; a node whose agent
+        exports none (an older agent) keeps them unknown."""
+        found: dict[tuple[str, str], InterfaceFacts] = {}
+        speeds: dict[tuple[str, str], float] = {}
+        series = "|".join(spec.name for spec in (NETWORK_INFO, NETWORK_SPEED))
+        for node, labels, sample in self._node_samples(self.sel("", f'__name__=~"{series}"')):
+            key = node.name, labels.get("interface", "")
+            if labels["__name__"] == NETWORK_SPEED.name:
+                speeds[key] = _value(sample)
+                continue
+            if node.interfaces is None:
+                node.interfaces = []
+                node.missing.pop("interfaces", None)
+            found[key] = InterfaceFacts(name=key[1], up=labels.get("state") == "up",
+                                        loopback=labels.get("loopback") == "true",
+                                        addresses=tuple(labels.get("addresses", "").split()))
+            node.interfaces.append(found[key])
+        for key, speed in speeds.items():
+            if key in found:
+                found[key].speed_bytes_per_second = speed
 
     def _ib_ports(self) -> None:
         ports: dict[tuple[str, str, str], IbPortFacts] = {}

@@ -831,6 +831,42 @@ def test_perf004_judges_each_timed_group_and_gives_a_sharded_job_its_own_fix():
     assert "healthy path" in fired("PERF004", facts(nodes, logged))[0].title
 
 
+def _hybrid(tp: int, pp: int, dp: int, groups: dict[str, GroupTotals] | None, exposed: float = 1.3) -> list[RankFacts]:
+    """A tp × pp × dp job over NCCL on 8-GPU nodes, each rank's latest step with ``groups`` (its timed calls by
+    process group) and its exposed collective time."""
+    world = tp * pp * dp
+    return [rank(r, tp=tp, pp=pp, dp=dp, host=f"node-{'ab'[r // 8]}", backends={"default": "nccl"},
+                 process_groups={"tp": [r // tp * tp + i for i in range(tp)],
+                                 "pp": [r % (tp * dp) + i * tp * dp for i in range(pp)],
+                                 "dp": [r // (tp * dp) * tp * dp + r % tp + i * tp for i in range(dp)]},
+                 collectives={"all_reduce": CollectiveFacts("all_reduce", 100, 130.0, bytes=100 * 64 * GIB)},
+                 last=step(step_seconds=2.5, compute_seconds=1.0, exposed_collective_seconds=exposed, groups=groups))
+            for r in range(world)]
+
+
+def test_perf004_on_a_hybrid_job_gives_the_fix_of_the_dimension_whose_group_dominates():
+    """A tp 4 × dp 2 job on one node whose steps spend most of their exposed time on group tp, at two thirds of
+    NVLink (healthy): keep TP in the NVLink domain and overlap it, not DDP's no_sync. Group pp dominating a pp 2 × dp
+    4 job: more micro-batches. A hybrid job whose steps do not say which group took the time: no verdict."""
+    tp_heavy = {"tp": GroupTotals(bytes=200 * GIB, seconds=1.0), "dp": GroupTotals(bytes=50 * GIB, seconds=0.2)}
+    (finding,) = fired("PERF004", facts([node()], _hybrid(4, 1, 2, tp_heavy)))
+    assert "most of it on group tp (tensor parallelism) of a tp 4 × pp 1 × dp 2 job" in finding.title
+    assert finding.title.endswith("a heavy job on a healthy path"), finding.title
+    assert "NVLink domain" in finding.fix and "no_sync" not in finding.fix
+    (tp_bandwidth, _) = [e.values for e in finding.evidence if "busbw_bytes_per_second" in e.values]
+    assert tp_bandwidth["group"] == "tp" and tp_bandwidth["path"] == "NVLink" and not tp_bandwidth["crosses_nodes"]
+
+    pp_heavy = {"pp": GroupTotals(bytes=400 * GIB, seconds=1.1), "dp": GroupTotals(bytes=50 * GIB, seconds=0.2)}
+    (finding,) = fired("PERF004", facts([node(), node("node-b")], _hybrid(1, 2, 4, pp_heavy)))
+    assert "group pp (pipeline parallelism)" in finding.title and "more micro-batches" in finding.fix
+
+    silent("PERF004", facts([node()], _hybrid(4, 1, 2, None)))
+    # On CPU ranks (no GPU) a hybrid job's per-layer collectives outweigh its compute by the device: information.
+    on_cpus = [dataclasses.replace(r, gpu_index=None, gpu_uuid=None) for r in _hybrid(4, 1, 2, tp_heavy)]
+    (finding,) = fired("PERF004", facts([node()], on_cpus))
+    assert finding.severity is Severity.INFO and finding.title.endswith(", on CPU ranks")
+
+
 def test_perf005_nvlink_below_rating():
     rated = 18 * 26.5e9
     measured = BandwidthMeasurement("node-a", "nvlink", "all_reduce", 1 << 30, 0.63 * rated, 8, gpu=0)

@@ -29,9 +29,12 @@ SHARDED_OPS = ("all_gather", "reduce_scatter")
 
 
 def rate_text(bytes_per_second: float) -> str:
-    """A link rate as people write it: ``52 Mb/s``, ``10 Gb/s``."""
+    """A link rate as people write it: ``52 Mb/s``, ``10 Gb/s``, ``3.82 Tb/s``."""
     bits = bytes_per_second * 8
-    return f"{bits / 1e9:.3g} Gb/s" if bits >= 1e9 else f"{bits / 1e6:.3g} Mb/s"
+    for scale, unit in ((1e12, "Tb/s"), (1e9, "Gb/s")):
+        if bits >= scale:
+            return f"{bits / scale:.3g} {unit}"
+    return f"{bits / 1e6:.3g} Mb/s"
 
 
 def sharded(ranks: Sequence[RankFacts]) -> bool:

@@ -446,8 +446,17 @@ def _bytes_per_step(rank: RankFacts) -> float | None:
 
 #: The fix of a heavy job, by its kind of data parallelism (PyTorch docs: DistributedDataParallel's no_sync and
 #: bucket_cap_mb, its communication hooks; FSDP2's fully_shard(reshard_after_forward), set_modules_to_forward_prefetch
-#: and a 2-D DeviceMesh for hybrid sharding).
-_HEAVY_FIX = {
+#: and a 2-D DeviceMesh for hybrid sharding), or by the dimension of a hybrid job whose group dominates (Megatron-LM,
+#: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM": tensor
+#: parallelism inside a node's NVLink domain, pipeline parallelism across nodes with enough micro-batches).
+_HEAVY_FIX: dict[bool | str, str] = {
+    "tp": "keep tensor parallelism inside a node's NVLink domain (tp at most the GPUs of a node: every layer's "
+          "all-reduce or all-gather and reduce-scatter is on the critical path, and across nodes they cross the "
+          "network), overlap it with compute (sequence parallelism, asynchronous tensor parallelism as torchtitan "
+          "enables it), or move part of the degree to pipeline or data parallelism",
+    "pp": "send less often for more compute: more micro-batches per step (each send smaller, hidden behind the other "
+          "micro-batches' compute), an interleaved schedule, or fewer pipeline stages (part of the degree to tensor "
+          "parallelism inside a node or to data parallelism)",
     False: "give each all-reduce more compute (a larger per-GPU batch, or gradient accumulation with the all-reduce "
            "only on the last micro-batch: DDP no_sync), overlap it with the backward pass (DDP's gradient buckets, "
            "bucket_cap_mb), compress it (a DDP communication hook: bf16_compress_hook, PowerSGD), or move to hybrid "
@@ -461,7 +470,7 @@ _HEAVY_FIX = {
 }
 
 
-@rule("PERF004", family=FAMILY, severity=Severity.WARNING, title="Communication-bound data parallelism",
+@rule("PERF004", family=FAMILY, severity=Severity.WARNING, title="Communication-bound job",
       needs=(needs.EXPOSED_COLLECTIVES, needs.COMPUTE),
       thresholds={
           "max_ccr": Threshold(0.5, "a practitioners' rule of thumb: above a communication-to-computation ratio of "
@@ -488,8 +497,9 @@ def communication_bound(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issu
     not communicating, so the transfer is taken from the rank that waited least (see ``_waiting``), and a late rank
     is PERF002's finding. Only the collective time the training thread actually waited for counts (DDP overlaps
     bucket all-reduces with the backward pass), only when it matters against the step (a fifth of it or more), and
-    only for collectives large enough to be bound by bandwidth (min_bytes_per_step). Judged on jobs with tp = pp = 1
-    (hybrid jobs communicate by design), with window medians (compute: the median over the job's ranks).
+    only for collectives large enough to be bound by bandwidth (min_bytes_per_step). Judged with window medians
+    (compute: the median over the job's ranks); a hybrid job (tp or pp > 1) only where its steps say which process
+    group the time went to (``groups``), whose dimension, the one with the most seconds, chooses the fix.
 
     Slow network or heavy job: the finding states the bus bandwidth each process group achieved (its bytes over its
     seconds, nccl-tests' conventions: algbw × 2(n−1)/n for all-reduce, × (n−1)/n for all-gather and reduce-scatter;
@@ -518,8 +528,10 @@ def communication_bound(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issu
     hybrid parallelism). A straggler (rank 3 sleeping 0.5 s a forward) is neither: the rank that waits least waits
     little, so the transfer is small, and PERF002 names rank 3."""
     for job, ranks in facts.jobs().items():
-        pure = [r for r in ranks if r.layout is not None and r.layout.tp_size == r.layout.pp_size == 1
-                and r.layout.dp_size > 1]
+        pure = [r for r in ranks if r.layout is not None and r.layout.world_size > 1]
+        hybrid = any(r.layout is not None and (r.layout.tp_size > 1 or r.layout.pp_size > 1) for r in pure)
+        if hybrid and not any(r.last is not None and r.last.groups for r in pure):
+            continue  # which dimension communicates is unknown without per-group timing
         split = _waiting(pure)
         computes = [c for r in pure if (c := windowed(r, "compute_seconds"))]
         steps = [s for r in pure if (s := windowed(r, "step_seconds"))]
@@ -539,7 +551,7 @@ def communication_bound(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issu
             yield _partial_view(facts, job, pure, exposed, partial)
             continue
         layout = pure[0].layout
-        assert layout is not None, "pure data-parallel ranks have a layout"
+        assert layout is not None, "the judged ranks have a layout"
         groups = paths.achieved(last, pure, transfer, volume)
         judged = [(group, paths.path_of(facts, pure, group)) for group in groups]
         # a group moving less than min_bytes_per_step (a logged loss's all-reduce) is bound by latency, not the path
@@ -589,14 +601,35 @@ def communication_bound(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issu
             "heavy job (the path's rating is unknown: " + "; ".join(p.how for _, p in judged[:1]) + ")" \
             if judged else "heavy job (its bandwidth is unknown: no bytes per step)"
         sharded_job = paths.sharded(pure)
+        dimension = _dimension(groups[0].group) if hybrid and groups else "dp"
+        if hybrid:
+            dominant = f"most of it on group {groups[0].group} ({_DIMENSION_NAMES[dimension]})" if groups else ""
+            shape = f"{dominant} of a tp {layout.tp_size} × pp {layout.pp_size} × dp {layout.dp_size} job"
+        else:
+            shape = f"{'sharded ' if sharded_job else 'pure '}data parallelism over {layout.dp_size} ranks"
+        # A hybrid job's tensor and pipeline collectives, every layer's, over gloo against a CPU's compute: a
+        # property of CPU ranks (a test rig), not of the job's shape on the GPUs it trains on.
+        on_cpus = hybrid and all(r.gpu_uuid is None and r.gpu_index is None for r in pure)
         yield Issue(
-            title=f"job {job} is communication-bound: CCR {ccr:.2f} (collective transfer / compute) with "
-                  f"{'sharded ' if sharded_job else 'pure '}data parallelism over {layout.dp_size} ranks, a {heavy}",
+            title=f"job {job} is communication-bound: CCR {ccr:.2f} (collective transfer / compute) with {shape}, "
+                  f"a {heavy}" + (", on CPU ranks" if on_cpus else ""),
             evidence=tuple(evidence),
-            fix=_HEAVY_FIX[sharded_job],
+            fix=_HEAVY_FIX[sharded_job] if dimension == "dp" else _HEAVY_FIX[dimension],
             reason="Above a CCR of 0.5 the collectives, not the GPUs, set the step time, and adding data-parallel "
-                   "ranks makes it worse; the path delivers what it is rated for, so the job's volume is the cause.",
+                   "ranks makes it worse; the path delivers what it is rated for, so the job's volume is the cause."
+                   + (" On CPU ranks (gloo) each layer's tensor or pipeline collective is a far larger share of "
+                      "the step than on GPUs: judge the job's shape on the GPUs it trains on." if on_cpus else ""),
+            severity=Severity.INFO if on_cpus else Severity.WARNING,
         )
+
+
+def _dimension(group: str) -> str:
+    """The parallelism a process group serves, from its name (the hellos' and device meshes' names: "tp", "pp",
+    "dp", "dp_shard", "default"): tensor and pipeline groups by name, the rest data parallel."""
+    return "tp" if "tp" in group else "pp" if "pp" in group else "dp"
+
+
+_DIMENSION_NAMES = {"tp": "tensor parallelism", "pp": "pipeline parallelism", "dp": "data parallelism"}
 
 
 def _traffic_evidence(facts: Facts, job: str, ranks: list[RankFacts], group: paths.Achieved,

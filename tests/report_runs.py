@@ -54,7 +54,9 @@ def _waiting(directory: Path) -> bool:
     if len(logs) != HUNG + 1:
         return False
     for rank, text in logs.items():
-        progress = [json.loads(line) for line in text.splitlines() if '"kind":"progress"' in line]
+        # complete lines only: the rank may be writing its last one as it is read
+        complete = text[:text.rfind("\n") + 1].splitlines()
+        progress = [json.loads(line) for line in complete if '"kind":"progress"' in line]
         if not progress or progress[-1]["stalled_seconds"] < STALLED_S:
             return False
         if "collective" not in progress[-1] and rank != HUNG:

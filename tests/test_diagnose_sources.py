@@ -120,11 +120,13 @@ def test_run_log_written_by_the_client_gives_history_rules(tmp_path):
     with path.open("a") as log:
         log.write("garbage\n")
         log.write(json.dumps(step(0, 41, loss="high")) + "\n")
+        log.write(json.dumps(step(0, 41))[:50])  # a record still being written: no newline yet
 
     facts = run_log.read(path)
     assert [(r.rank, r.steps, r.nonfinite_steps, len(r.history.loss)) for r in facts.ranks] == [(0, 40, 0, 40),
                                                                                             (1, 40, 11, 40)]
-    assert facts.notes == [f"{path}:83: not_json", f"{path}:84: bad_type: loss"]
+    assert facts.notes == [f"{path}:85: the last line is still being written: skipped", f"{path}:83: not_json",
+                           f"{path}:84: bad_type: loss"]
 
     status, document = diagnose("--run-log", str(path))
     assert status == 1

@@ -3,7 +3,8 @@ post-mortem after the job ended: one file, or a directory of them (``gpuwatch tr
 one per rank, ``rank-NNNNN.jsonl``).
 
 Every line is validated with the agent's own ``decode``; a bad line is reported (line number and reason)
-and skipped. Counters are accumulated by the agent's own ``TelemetryStore``, so a run log and a live agent
+and skipped. A run log may be read while its job still writes it: a last line without its newline that does not
+decode is a record still being written, skipped and said so, not a bad line. Counters are accumulated by the agent's own ``TelemetryStore``, so a run log and a live agent
 count alike; the per-step history (loss, grad norm, host RSS, and every step whole for ``gpuwatch report``'s
 views) is what only a log has.
 """
@@ -60,18 +61,22 @@ def read(path: Path) -> Facts:
     store = TelemetryStore(ttl=float("inf"), max_ranks=MAX_RANK + 1, max_jobs=MAX_RANK + 1)
     series: dict[tuple[str, int], _Series] = collections.defaultdict(_Series)
     bad: list[str] = []
+    writing: list[str] = []
     records = 0
     for file in _files(path):
         try:
             with open(file, "rb") as log:
-                for number, line in enumerate(log, 1):
-                    line = line.strip()
+                for number, raw in enumerate(log, 1):
+                    line = raw.strip()
                     if not line:
                         continue
                     try:
                         record = decode(line)
                     except RecordRejected as rejected:
-                        bad.append(f"{file}:{number}: {rejected}")
+                        if raw.endswith(b"\n"):
+                            bad.append(f"{file}:{number}: {rejected}")
+                        else:  # only the file's last line can lack its newline
+                            writing.append(f"{file}:{number}: the last line is still being written: skipped")
                         continue
                     store.ingest(line)
                     records += 1
@@ -83,7 +88,7 @@ def read(path: Path) -> Facts:
         raise SourceError(f"{path} holds no valid telemetry record ({len(bad)} bad line(s)"
                           + (f", first: {bad[0]}" if bad else "") + ")")
     facts = Facts(sources=[SourceInfo("run_log", str(path))])
-    facts.notes += bad[:MAX_QUOTED_BAD_LINES]
+    facts.notes += writing + bad[:MAX_QUOTED_BAD_LINES]
     if len(bad) > MAX_QUOTED_BAD_LINES:
         facts.notes.append(f"{path}: ... and {len(bad) - MAX_QUOTED_BAD_LINES} more bad line(s)")
     ranks, _ = store.snapshot()

@@ -28,6 +28,29 @@ _SAMPLE_SUFFIXES: dict[str, tuple[str, ...]] = {
 _EXPOSED_TYPES: dict[str, str] = {"gauge": "gauge", "info": "gauge", "counter": "counter", "histogram": "histogram"}
 
 
+#: Prometheus' base units (https://prometheus.io/docs/practices/naming/#base-units), the clock frequency and power
+#: the GPU reports in (hertz, watts), and FLOPs for a model's throughput; a unit is one of them or one per second.
+BASE_UNITS = frozenset({"seconds", "bytes", "ratio", "celsius", "volts", "amperes", "joules", "grams", "meters",
+                        "hertz", "watts", "flops"})
+#: Units that are not base units, with the one to use: promtool rejects some, and a reader would have to convert.
+NON_BASE_UNITS = {"bits": "bytes", "milliseconds": "seconds", "microseconds": "seconds", "nanoseconds": "seconds",
+                  "minutes": "seconds", "hours": "seconds", "percent": "ratio", "kilobytes": "bytes",
+                  "megabytes": "bytes", "gigabytes": "bytes", "kibibytes": "bytes", "mebibytes": "bytes",
+                  "gibibytes": "bytes", "fahrenheit": "celsius", "millivolts": "volts", "milliwatts": "watts",
+                  "megahertz": "hertz"}
+
+
+def _unit_problem(name: str, unit: str) -> str | None:
+    """Why ``unit`` (or, unitless, the name's last word) is not a base unit, or None."""
+    words = unit.split("_per_") if unit else [name.removesuffix("_total").rsplit("_", 1)[-1]]
+    for word in words:
+        if word in NON_BASE_UNITS:
+            return f"{word} is not a Prometheus base unit: use {NON_BASE_UNITS[word]}"
+    if unit and (len(words) > 2 or words[0] not in BASE_UNITS or words[1:] not in ([], ["second"])):
+        return f"{unit} is not a Prometheus base unit ({', '.join(sorted(BASE_UNITS))}) or one per second"
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class MetricSpec:
     """One exported family. ``name`` is the family's name as Prometheus' metadata lists it (a counter's without
@@ -46,6 +69,8 @@ class MetricSpec:
     labels: tuple[str, ...] = dataclasses.field(default=(), kw_only=True)
 
     def __post_init__(self) -> None:
+        if (problem := _unit_problem(self.name, self.unit)) is not None:
+            raise ValueError(f"{self.name}: {problem}")
         if self.unit and f"_{self.unit}" not in self.name:
             raise ValueError(f"{self.name} does not name its unit {self.unit}")
         if self.kind == "counter" and self.name.endswith("_total"):

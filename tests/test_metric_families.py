@@ -226,3 +226,16 @@ def test_a_spec_names_its_series_and_refuses_a_misnamed_family():
         MetricSpec("gpuwatch_made_up", "Info named as a gauge.", kind="info")
     with pytest.raises(ValueError, match="unit"):
         MetricSpec("gpuwatch_made_up", "No unit in the name.", "seconds")
+
+
+@pytest.mark.parametrize(("name", "unit", "message"), [
+    ("gpuwatch_link_speed_bits", "bits", "bits is not a Prometheus base unit: use bytes"),
+    ("gpuwatch_step_milliseconds", "", "milliseconds is not a Prometheus base unit: use seconds"),
+    ("gpuwatch_busy_percent", "percent", "percent is not a Prometheus base unit: use ratio"),
+    ("gpuwatch_link_bytes_per_minute", "bytes_per_minute", "bytes_per_minute is not a Prometheus base unit"),
+])
+def test_a_spec_refuses_a_unit_that_is_not_a_base_unit(name, unit, message):
+    """promtool rejects some non-base units and a reader would convert the rest: the declaration refuses them."""
+    with pytest.raises(ValueError, match=message):
+        MetricSpec(name, "A family in a non-base unit.", unit)
+    assert MetricSpec("gpuwatch_link_bytes_per_second", "A rate in base units.", "bytes_per_second").unit

@@ -2,11 +2,11 @@
 post-mortem after the job ended: one file, or a directory of them (``gpuwatch train --run-log DIR`` writes
 one per rank, ``rank-NNNNN.jsonl``).
 
-Every line is validated with the agent's own ``decode``; a bad line is reported (line number and reason)
-and skipped. A run log may be read while its job still writes it: a last line without its newline that does not
-decode is a record still being written, skipped and said so, not a bad line. Counters are accumulated by the agent's own ``TelemetryStore``, so a run log and a live agent
-count alike; the per-step history (loss, grad norm, host RSS, and every step whole for ``gpuwatch report``'s
-views) is what only a log has.
+Every line is validated with the agent's own ``decode``; a bad line is reported (line number and reason) and skipped. A
+run log may be read while its job still writes it: a last line without its newline that does not decode is a record
+still being written, skipped and said so, not a bad line. Counters are accumulated by the agent's own
+``TelemetryStore``, so a run log and a live agent count alike; the per-step history (loss, grad norm, host RSS, and
+every step whole for ``gpuwatch report``'s views) is what only a log has.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from typing import Any
 
 from gpuwatch.agent.diagnosis.engine import Report
 from gpuwatch.agent.diagnosis.facts import RankFacts, StepRow, finite, rank_list
-from gpuwatch.agent.diagnosis.registry import Finding
+from gpuwatch.agent.diagnosis.registry import REGISTRY, Finding
 from gpuwatch.agent.telemetry.window import BUSY
 from gpuwatch.protocol.schema import COLLECTIVE_BUCKETS, STEP_PHASES, bucket_index
 
@@ -32,10 +32,6 @@ PHASES: tuple[tuple[str, str], ...] = (*STEP_PHASES.items(), ("exposed_collectiv
 CURVES: tuple[tuple[str, str, str], ...] = (
     ("loss", "loss", ""), ("gradient norm", "grad_norm", ""), ("learning rate", "lr", ""),
     ("gradient cosine similarity", "grad_cosine", ""), ("memory peak", "memory_peak_bytes", "bytes"))
-#: The view each rule family's evidence is seen in, by code prefix (a code of its own where it differs).
-VIEW_OF_CODE = {"PERF001": "bubble", "PERF003": "phases", "PERF004": "collectives", "PERF005": "collectives",
-                "HANG": "hang", "CONV": "curves", "MEM": "memory", "PERF": "heatmap"}
-DEFAULT_VIEW = "ranks"
 #: The phase of the progress record a rank sends when its monitor closes (trainer/hooks/progress.py).
 CLOSED = "closed"
 
@@ -385,7 +381,8 @@ def step_time_curve(ranks: Sequence[RankFacts], planned: float | None) -> Curve 
 
 
 def finding_view(finding: Finding, job: str) -> FindingView:
-    view = VIEW_OF_CODE.get(finding.code) or VIEW_OF_CODE.get(finding.code.rstrip("0123456789"), DEFAULT_VIEW)
+    rule = REGISTRY.get(finding.code)  # each rule declares its view (``@rule(view=...)``)
+    view = rule.view if rule is not None else "ranks"
     evidence = []
     for item in finding.evidence:
         if item.where.job not in (None, job):

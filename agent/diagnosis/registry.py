@@ -11,7 +11,9 @@ import dataclasses
 import enum
 import inspect
 import types
+import typing
 from collections.abc import Callable, Iterable, Mapping
+from typing import Literal
 
 from gpuwatch.agent.diagnosis.coverage import CoveragePart, WholeJob
 from gpuwatch.agent.diagnosis.facts import Facts, Where
@@ -93,6 +95,11 @@ class Finding:
 
 Check = Callable[[Facts, types.SimpleNamespace], Iterable[Issue]]
 
+#: Where `gpuwatch report` shows a rule's evidence: the ranks table, the step-time heatmap, the phases, the
+#: collectives, the pipeline bubble, the hang timeline, the training curves or the memory view.
+View = Literal["ranks", "heatmap", "phases", "collectives", "bubble", "hang", "curves", "memory"]
+VIEWS: tuple[View, ...] = typing.get_args(View)
+
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
@@ -106,6 +113,8 @@ class Rule:
     check: Check
     #: How the outlier fetch finds the nodes or jobs it must read for this rule (``coverage.py``).
     coverage: tuple[CoveragePart, ...]
+    #: The report view its evidence is seen in.
+    view: View = "ranks"
 
     def __post_init__(self) -> None:
         prefix = FAMILIES.get(self.family)
@@ -113,6 +122,8 @@ class Rule:
             raise ValueError(f"rule {self.code}: family {self.family!r} is none of {', '.join(FAMILIES)}")
         if not (self.code.startswith(prefix) and self.code[len(prefix):].isdigit()):
             raise ValueError(f"rule {self.code}: a {self.family} rule's code is {prefix} and a number")
+        if self.view not in VIEWS:
+            raise ValueError(f"rule {self.code}: view {self.view!r} is none of {', '.join(VIEWS)}")
         if not self.coverage:
             raise ValueError(f"rule {self.code} declares no coverage: without one, the outlier fetch would judge it "
                              "only on the nodes it reads for other rules")
@@ -145,6 +156,7 @@ def rule(
     needs: Iterable[Need] = (),
     thresholds: Mapping[str, Threshold] | None = None,
     coverage: Iterable[CoveragePart] = (),
+    view: View = "ranks",
 ) -> Callable[[Check], Check]:
     """Register ``check`` as rule ``code``; a duplicate code, a code without its family's prefix or a rule without
     ``coverage`` is a programming error (``coverage`` is required; it defaults to none so that the error names the
@@ -156,7 +168,7 @@ def rule(
         if not check.__doc__:
             raise ValueError(f"rule {code} needs a docstring: it is the --explain text")
         REGISTRY[code] = Rule(code, family, severity, title, tuple(needs), dict(thresholds or {}),
-                              inspect.cleandoc(check.__doc__), check, tuple(coverage))
+                              inspect.cleandoc(check.__doc__), check, tuple(coverage), view)
         return check
 
     return register

@@ -44,7 +44,7 @@ def _first_nonfinite_loss(rank: RankFacts) -> tuple[int, float] | None:
 
 
 @rule("CONV001", family=FAMILY, severity=Severity.CRITICAL, title="Non-finite (NaN/Inf) loss", needs=(needs.LOSS,),
-      coverage=(NONFINITE_OR_EXPLODING,))
+      view="curves", coverage=(NONFINITE_OR_EXPLODING,))
 def nonfinite_loss(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """A NaN or infinite loss poisons every later update. The classic cause is fp16 training without loss
     scaling: autocast without a GradScaler lets gradients underflow or overflow, and the loss turns NaN
@@ -105,7 +105,7 @@ def _first_explosion(series: list[tuple[int, float]],
     return None
 
 
-@rule("CONV002", family=FAMILY, severity=Severity.WARNING, title="Gradient norm explosion",
+@rule("CONV002", family=FAMILY, view="curves", severity=Severity.WARNING, title="Gradient norm explosion",
       needs=(needs.GRAD_NORM,),
       thresholds={
           "max_grad_norm": Threshold(100, "a practitioners' rule of thumb: a gradient norm above 100 has exploded"),
@@ -149,7 +149,7 @@ def _differs(value: float | str, reference: float | str, tolerance: float) -> bo
     return abs(value - reference) > tolerance * max(abs(reference), abs(value), 1e-30)
 
 
-@rule("CONV003", family=FAMILY, severity=Severity.CRITICAL, title="Data-parallel replicas out of sync",
+@rule("CONV003", family=FAMILY, view="curves", severity=Severity.CRITICAL, title="Data-parallel replicas out of sync",
       needs=(needs.CHECKSUM, needs.LAYOUT),
       thresholds={"relative_tolerance": Threshold(
           1e-5, "a practitioners' consistency check: after a restore, every rank's gradient norm agrees to 1e-5")},
@@ -189,7 +189,7 @@ def replicas_out_of_sync(facts: Facts, t: types.SimpleNamespace) -> Iterator[Iss
 
 
 @rule("CONV004", family=FAMILY, severity=Severity.WARNING, title="Duplicated data shards across DP ranks",
-      needs=(needs.COSINE, needs.LAYOUT),
+      view="curves", needs=(needs.COSINE, needs.LAYOUT),
       thresholds={"min_cosine": Threshold(
           0.99999, "identical batches give cos = 1 up to rounding (exactly 1 in the reference "
                    "trainer); different data agree less, even exploding gradients, which the weights dominate "
@@ -225,7 +225,7 @@ def duplicated_shards(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]
 
 
 @rule("CONV005", family=FAMILY, severity=Severity.INFO, title="Gradient agreement out of band (tuning hint)",
-      needs=(needs.COSINE, needs.LAYOUT),
+      view="curves", needs=(needs.COSINE, needs.LAYOUT),
       thresholds={
           "low_cosine": Threshold(0.85, "one team's reported heuristic: a mean below 0.85 means data skewed across "
                                         "ranks"),
@@ -262,7 +262,7 @@ def gradient_agreement(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue
 
 
 @rule("CONV006", family=FAMILY, severity=Severity.CRITICAL, title="Model not learning", needs=(needs.LEARNING,),
-      thresholds={"max_loss_spread": Threshold(
+      view="curves", thresholds={"max_loss_spread": Threshold(
           1e-7, "relative spread of the loss over the window: fp32 rounding (2^-23 = 1.2e-7) is the most two "
                 "computations of the same loss differ by; any batch-to-batch change of data moves it far more")},
       coverage=(WholeJob("it judges the spread of losses over every rank of a job"),))

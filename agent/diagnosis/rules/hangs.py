@@ -195,7 +195,7 @@ def _drifts(ranks: dict[int, RankFacts]) -> list[_Drift]:
     return drifts
 
 
-@rule("HANG001", family=FAMILY, severity=Severity.CRITICAL, title="Ranks missing at a collective",
+@rule("HANG001", family=FAMILY, view="hang", severity=Severity.CRITICAL, title="Ranks missing at a collective",
       needs=(needs.TELEMETRY,),
       thresholds=_STALL,
       coverage=(RANK_OVERDUE_DEAD_OR_FAILED,))
@@ -260,7 +260,7 @@ _MISMATCH_REASON = ("collectives match by order on a group, not by name: after o
 
 
 @rule("HANG002", family=FAMILY, severity=Severity.CRITICAL, title="Collective mismatch", needs=(needs.TELEMETRY,),
-      thresholds=_STALL,
+      view="hang", thresholds=_STALL,
       coverage=(RANK_OVERDUE_DEAD_OR_FAILED,))
 def collective_mismatch(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """Ranks of one process group stuck in different collectives on it: another sequence number (a rank
@@ -318,7 +318,7 @@ def collective_mismatch(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issu
 
 
 @rule("HANG003", family=FAMILY, severity=Severity.CRITICAL, title="A collective that every rank entered does not end",
-      needs=(needs.TELEMETRY,),
+      view="hang", needs=(needs.TELEMETRY,),
       thresholds=_STALL,
       coverage=(RANK_OVERDUE_DEAD_OR_FAILED,))
 def collective_stalled(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
@@ -355,7 +355,7 @@ def collective_stalled(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue
                        "moving")
 
 
-@rule("HANG004", family=FAMILY, severity=Severity.CRITICAL, title="A rank died", needs=(needs.TELEMETRY,),
+@rule("HANG004", family=FAMILY, view="hang", severity=Severity.CRITICAL, title="A rank died", needs=(needs.TELEMETRY,),
       thresholds={"followed_within_seconds": Threshold(
           0.01, "chosen: ranks whose deaths lie this close (error records, pidfd exit times) died together; the "
                 "peers of a dead rank fail milliseconds after it (gloo: connection reset) or are stopped by the "
@@ -434,7 +434,7 @@ def _silence(rank: RankFacts) -> tuple[str, float | None]:
     return "no step record since the hello, {age:.0f} s ago (the oldest, by the source's clock)", age
 
 
-@rule("HANG005", family=FAMILY, severity=Severity.WARNING, title="Ranks said hello but reported no step",
+@rule("HANG005", family=FAMILY, view="hang", severity=Severity.WARNING, title="Ranks said hello but reported no step",
       needs=(needs.TELEMETRY,),
       thresholds={"min_age_seconds": Threshold(
           120.0, "twice the hooks' allowance for a first step: until 3 steps have ended, a rank that makes no "
@@ -510,7 +510,7 @@ def _stopped_outside(members: list[RankFacts], t: types.SimpleNamespace) -> bool
 
 
 @rule("HANG006", family=FAMILY, severity=Severity.CRITICAL, title="Every rank stopped, none in a known collective",
-      needs=(needs.TELEMETRY,),
+      view="hang", needs=(needs.TELEMETRY,),
       thresholds={**_STALL, "apart_seconds": Threshold(
           2.0, "progress records come about once a second (the watchdog's interval), each rank's stall measured when "
                "its own record was sent: ranks whose stalls lie less than two intervals apart cannot be ordered")},

@@ -15,7 +15,7 @@ from gpuwatch.agent.diagnosis.rules.common import capped, ratio_text
 FAMILY = "memory"
 
 
-@rule("MEM001", family=FAMILY, severity=Severity.WARNING, title="CUDA allocator fragmentation",
+@rule("MEM001", family=FAMILY, view="memory", severity=Severity.WARNING, title="CUDA allocator fragmentation",
       needs=(needs.CUDA_MEMORY,),
       thresholds={"min_unused_share": Threshold(
           0.25, "a reported case: nvidia-smi showed 85 GB in use while torch.cuda.memory_allocated() was 60 GB and new "
@@ -65,7 +65,7 @@ def fragmentation(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
         )
 
 
-@rule("MEM002", family=FAMILY, severity=Severity.WARNING, title="Peak memory near GPU capacity",
+@rule("MEM002", family=FAMILY, view="memory", severity=Severity.WARNING, title="Peak memory near GPU capacity",
       needs=(needs.CUDA_MEMORY, needs.GPU_CAPACITY),
       thresholds={"max_peak_share": Threshold(
           0.95, "a reported case: 78 GB on an 80 GB A100 was just inside the safety line after cutting the batch; "
@@ -115,7 +115,7 @@ def peak_near_capacity(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue
         )
 
 
-@rule("MEM003", family=FAMILY, severity=Severity.WARNING, title="Host memory growing step after step",
+@rule("MEM003", family=FAMILY, view="memory", severity=Severity.WARNING, title="Host memory growing step after step",
       needs=(needs.RSS_HISTORY,),
       thresholds={
           "min_growth_share": Threshold(0.1, "10 % growth over the observed window"),

@@ -60,7 +60,7 @@ _STAGES = {
 }
 
 
-@rule("PERF001", family=FAMILY, severity=Severity.WARNING, title="Pipeline bubble ratio high",
+@rule("PERF001", family=FAMILY, view="bubble", severity=Severity.WARNING, title="Pipeline bubble ratio high",
       needs=(needs.PIPELINE,),
       thresholds={"max_bubble_ratio": Threshold(
           0.2, "GPipe (Huang et al. 2019): the bubble is (p−1)/(m+p−1), so p=8 stages and m=4 micro-batches idle "
@@ -241,7 +241,7 @@ def _peer_medians(facts: Facts, job: str, stage: int, peers: list[RankFacts], ti
     return dict(zip(values, medians_of_others(list(values.values())), strict=True))
 
 
-@rule("PERF002", family=FAMILY, severity=Severity.WARNING, title="Straggler rank or node",
+@rule("PERF002", family=FAMILY, view="heatmap", severity=Severity.WARNING, title="Straggler rank or node",
       needs=(needs.BUSY, needs.LAYOUT),
       thresholds={
           "straggler_ratio": Threshold(
@@ -369,7 +369,7 @@ def _straggler_issue(job: str, ranks: list[RankFacts], timed: list[RankFacts], p
     )
 
 
-@rule("PERF003", family=FAMILY, severity=Severity.WARNING, title="Input pipeline stall",
+@rule("PERF003", family=FAMILY, view="phases", severity=Severity.WARNING, title="Input pipeline stall",
       needs=(needs.DATALOADER,),
       thresholds={
           "max_wait_share": Threshold(0.2, "a fifth of the step spent waiting for input is worth fixing before "
@@ -470,7 +470,7 @@ _HEAVY_FIX: dict[bool | str, str] = {
 }
 
 
-@rule("PERF004", family=FAMILY, severity=Severity.WARNING, title="Communication-bound job",
+@rule("PERF004", family=FAMILY, view="collectives", severity=Severity.WARNING, title="Communication-bound job",
       needs=(needs.EXPOSED_COLLECTIVES, needs.COMPUTE),
       thresholds={
           "max_ccr": Threshold(0.5, "a practitioners' rule of thumb: above a communication-to-computation ratio of "
@@ -737,7 +737,7 @@ def _measured(measurement: BandwidthMeasurement, rated: float) -> Evidence:
 
 
 @rule("PERF005", family=FAMILY, severity=Severity.WARNING, title="Interconnect far below its rated bandwidth",
-      needs=(needs.BANDWIDTH,),
+      view="collectives", needs=(needs.BANDWIDTH,),
       thresholds={"min_fraction": Threshold(
           0.7, "a reported case: NVLink measured at only 63 % of its rated bandwidth was the problem that forced a "
                "redesign; 0.7 flags that case while a healthy NCCL bus bandwidth reaches 75-95 % of line rate")},
@@ -870,7 +870,7 @@ def _extra_phase(slow: _Stage, others: list[_Stage]) -> str | None:
     return max(found)[1] if found else None
 
 
-@rule("PERF006", family=FAMILY, severity=Severity.WARNING, title="Pipeline stages unbalanced",
+@rule("PERF006", family=FAMILY, view="heatmap", severity=Severity.WARNING, title="Pipeline stages unbalanced",
       needs=(needs.BUSY, needs.LAYOUT),
       thresholds=_STAGES,
       coverage=(PIPELINE_STAGES_UNBALANCED,))

@@ -130,7 +130,8 @@
       const width = WIDTH(), rowH = Math.max(1, Math.min(14, Math.floor(640 / values.length)));
       const left = rowH >= 9 ? 140 : 0, top = 18, cols = h.steps.length;
       const cellW = (width - left) / Math.max(1, cols);
-      const [c, ctx] = canvas(width, top + rowH * values.length + 4);
+      const legendY = top + rowH * values.length + 10;  // the colour scale, under the cells
+      const [c, ctx] = canvas(width, legendY + 30);
       const typical = median(values.flat()) || 1;
       let count = 0;
       ctx.font = "10px sans-serif"; ctx.fillStyle = "#333";
@@ -152,6 +153,19 @@
         const j = h.steps.findIndex((s, k) => step >= s && (k === cols - 1 || step < h.steps[k + 1]));
         if (j >= 0) ctx.strokeRect(left + j * cellW, top, Math.max(2, cellW), rowH * values.length);
       }
+      // the legend: the colour of ½x, 1x, 2x and 4x the typical (median) cell, as the cells are coloured
+      const legendW = 240, legendX = left;
+      for (let x = 0; x < legendW; x++) {
+        const t = x / (legendW - 1);
+        ctx.fillStyle = `hsl(${220 - 220 * t}, 75%, ${35 + 25 * t}%)`;
+        ctx.fillRect(legendX + x, legendY, 1, 10);
+      }
+      const ticks = ["½×", "1×", "2×", "4×"];
+      ctx.fillStyle = "#333";
+      ticks.forEach((tick, k) => ctx.fillText(tick, legendX + (legendW - 12) * k / 3, legendY + 22));
+      const scale = `× the typical cell, ${fmt(typical, "s")} (the median), on a log scale`;
+      ctx.fillText(scale, legendX + legendW + 10, legendY + 9);
+      c.setAttribute("data-legend", ticks.join(" ") + " " + scale);
       const top1 = argmax(values.map(median));
       c.setAttribute("data-top-rank", top1 >= 0 ? String(ranks[top1]) : "");
       c.setAttribute("data-highlighted", [...state.ranks].join(","));
@@ -259,11 +273,12 @@
       marks(wrap, drawn);
     };
     const u = new uPlot({
-      title, width: WIDTH(), height: 220, scales: { x: { time: false } },
+      title, width: WIDTH(), height: 220,
+      scales: { x: { time: false }, y: opts.yFromZero ? { range: (u, min, max) => [0, max * 1.1 || 1] } : {} },
       series: [{ label: opts.xLabel || "step" }, ...series.map((s) => ({ label: s.label, stroke: s.colour,
         width: s.dash ? 1 : 1.5, dash: s.dash, points: { show: xs.length <= 60 }, paths: s.paths,
         fill: s.fill, value: (_, v) => fmt(v, opts.unit) }))],
-      axes: [{ values: opts.xValues }, { values: (_, ticks) => ticks.map((t) => fmt(t, opts.unit)), size: 70 }],
+      axes: [{ values: opts.xValues, ...opts.xAxis }, { values: (_, ticks) => ticks.map((t) => fmt(t, opts.unit)), size: 70 }],
       hooks: { draw: [stepLines] },
     }, [xs, ...series.map((s) => s.values)], wrap);
     redraws.push(() => u.redraw());
@@ -274,7 +289,9 @@
     plot(body, title, buckets.map((_, i) => i),
       [{ label, values: buckets.map((n) => (n ? n : null)), colour: "#3b7dd8", fill: "#3b7dd855",
         paths: uPlot.paths.bars({ size: [0.8, 40] }) }],
-      { xLabel: "≤ seconds", xValues: (_, ticks) => ticks.map((t) => names[t] || "") });
+      // whole buckets only, at least 72 px apart: a bucket's bound ("250 µs", "+Inf") is wider than the default spacing
+      { xLabel: "≤ seconds", xValues: (_, ticks) => ticks.map((t) => (Number.isInteger(t) ? names[t] || "" : "")),
+        xAxis: { space: 72, incrs: [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32] }, yFromZero: true });
   };
   if (data.collectives.length || data.groups.length) {
     const body = section("collectives", "Collectives: waits per process group, latency per op",

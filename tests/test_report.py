@@ -65,6 +65,11 @@ def test_the_page_needs_no_network_and_shows_the_straggler_first(straggler_log, 
     waited = dict(zip([r["rank"] for r in data["ranks"]], groups["dp"]["rank_median_seconds"], strict=True))
     assert waited[STRAGGLER + 1] > waited[STRAGGLER]  # its DP partner waits for the straggler, which does not
     assert data["hang"] is None  # every rank closed: its last progress record is no stall
+    # measurements to 4 significant digits, the generation time whole (4 digits of it would be days off)
+    measured = [v for row in heat["busy_seconds"] for v in row if v is not None]
+    assert measured and all(v == float(f"{v:.4g}") for v in measured)
+    assert data["generated_at"] != float(f"{data['generated_at']:.4g}")
+    assert abs(data["generated_at"] - page.stat().st_mtime) < 60
 
 
 def test_the_trace_is_trace_event_format_one_process_per_rank_one_track_per_phase(straggler_log, tmp_path):

@@ -8,6 +8,7 @@ No timing assertion: how fast the page opens is benchmarks/report_size.py's busi
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -125,6 +126,15 @@ def test_the_straggler_page_draws_every_view_and_names_the_slow_rank(open_page, 
         page.screenshot(view)
     page.screenshot("findings")
     assert page.attr("#view-heatmap canvas", "data-top-rank") == str(STRAGGLER)  # busy time, shown first
+    assert page.attr("#view-heatmap canvas", "data-legend").startswith("½× 1× 2× 4× × the typical cell, ")
+    # the page ran its scripts (it is ready) under a policy that allows those two, by hash, and no other
+    policy = page.attr('meta[http-equiv="Content-Security-Policy"]', "content")
+    scripts = policy.split("script-src ")[1].split(";")[0].split()
+    assert len(scripts) == 2 and all(s.startswith("'sha256-") for s in scripts), policy
+    # the generation time is not rounded with the measurements: the day the file was written, to the minute
+    generated = page.page.locator("#summary").inner_text().rsplit("generated ", 1)[1]
+    written = datetime.datetime.fromtimestamp(page.file.stat().st_mtime, datetime.UTC)
+    assert abs(datetime.datetime.fromisoformat(generated) - written) < datetime.timedelta(minutes=1), generated
     assert page.attr("#view-phases canvas", "data-top-compute-rank") == str(STRAGGLER)
     link = page.page.locator('article[data-code="PERF002"] a.evidence-link')
     assert (link.get_attribute("data-view"), link.get_attribute("data-ranks")) == ("heatmap", str(STRAGGLER))

@@ -28,6 +28,7 @@ def _series_names(text: str) -> set[str]:
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
 
 
+@pytest.mark.integration
 def test_simulated_node_serves_every_core_series_and_passes_promtool(start_agent):
     agent = start_agent("--simulate", "dgx-h100", "--interval", "0.5")
     # GPM activity needs two NVML samples, so it appears from the second sampling round on.

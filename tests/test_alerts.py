@@ -42,6 +42,7 @@ def _promtool(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([require_tool("promtool"), *args], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.integration
 def test_promtool_accepts_the_rules():
     result = _promtool("check", "rules", str(RULES))
     assert result.returncode == 0, result.stdout + result.stderr
@@ -50,6 +51,7 @@ def test_promtool_accepts_the_rules():
     assert f"SUCCESS: {len(_alerts()) + len(records)} rules found" in result.stdout
 
 
+@pytest.mark.integration
 def test_promtool_unit_tests_pass():
     result = _promtool("test", "rules", *map(str, UNIT_TESTS))
     assert result.returncode == 0, result.stdout + result.stderr
@@ -67,6 +69,7 @@ def test_every_alert_has_a_firing_and_a_quiet_unit_test():
     assert names - quiet == set(), "alerts never shown to stay quiet"
 
 
+@pytest.mark.integration
 def test_unit_tests_fail_when_a_threshold_changes(tmp_path, monkeypatch):
     """The unit tests pin the thresholds: the file generated with PERF002's straggler ratio doubled fails them."""
     rule = REGISTRY["PERF002"]
@@ -111,6 +114,7 @@ def test_runbook_sections_name_existing_diagnose_rules():
         assert codes <= known, f"{alert['alert']}: unknown rule codes {codes - known}"
 
 
+@pytest.mark.integration
 def test_export_writes_loadable_rules_with_absolute_runbook_links(tmp_path):
     base = "https://docs.example.org/gpuwatch/runbook.html"
     result = CliRunner().invoke(main, ["alerts", "export", str(tmp_path / "rules"), "--runbook-base", base])

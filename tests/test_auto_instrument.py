@@ -55,6 +55,7 @@ def _instrumented_python(*arguments: str, cwd: Path | None = None) -> subprocess
                           cwd=cwd)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("first_import", [
     "import transformers",  # asks importlib.util.find_spec('torch') first, imports torch later (its lazy modules)
     "import transformers; from transformers import PretrainedConfig",
@@ -69,6 +70,7 @@ def test_activation_does_not_depend_on_what_is_imported_first(first_import):
     assert result.stdout.split()[-1:] == ["active"], result.stderr[-3000:]
 
 
+@pytest.mark.integration
 def test_torch_imported_inside_a_function_or_by_a_module_run_with_dash_m(tmp_path):
     (tmp_path / "job.py").write_text(f"def train():\n    import torch\n    {ACTIVE}\n\n\ntrain()\n")
     as_script = _instrumented_python(str(tmp_path / "job.py"))
@@ -77,6 +79,7 @@ def test_torch_imported_inside_a_function_or_by_a_module_run_with_dash_m(tmp_pat
     assert as_module.stdout.split() == ["active"], as_module.stderr[-3000:]
 
 
+@pytest.mark.integration
 def test_a_process_that_never_imports_torch_is_left_alone():
     result = _instrumented_python("-c", "import importlib.util, sys; importlib.util.find_spec('torch'); "
                                         "print('torch' in sys.modules, [type(f).__name__ for f in sys.meta_path][0])")
@@ -234,6 +237,7 @@ def test_a_stage_names_its_layers_one_level_into_its_containers():
     assert list(pipelining.module_names(model)) == ["tok_embeddings", "layers.2", "layers.3", "norm"]
 
 
+@pytest.mark.integration
 def test_the_jobs_own_forward_pre_hooks_are_the_models_compute(tmp_path):
     """A job's pre-hook on its model (FSDP2's all-gather, a TP plan's input preparation, a user's own), registered
     before gpuwatch's, runs after it: its 0.2 s a step is compute, not outside the model. One rank, gloo."""

@@ -14,6 +14,8 @@ import pytest
 from gpuwatch.dashboards import DASHBOARDS
 from gpuwatch.dashboards.generate import JSON_DIR, typescript
 
+pytestmark = pytest.mark.integration
+
 TYPECHECK = Path(__file__).resolve().parents[1] / "dashboards" / "typecheck"
 TSC = TYPECHECK / "node_modules" / ".bin" / "tsc"
 SCHEMA = TYPECHECK / "node_modules" / "@grafana" / "schema" / "package.json"

@@ -227,11 +227,13 @@ def _verify(unit_text: str, tmp_path: Path) -> subprocess.CompletedProcess:
     return subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.integration
 def test_systemd_unit_verifies(tmp_path):
     result = _verify(UNIT.read_text(), tmp_path)
     assert result.returncode == 0 and result.stderr == "", result.stderr
 
 
+@pytest.mark.integration
 def test_systemd_verify_rejects_a_misspelt_directive(tmp_path):
     """The check has teeth: a misspelt hardening directive (silently ignored by systemd at runtime) is reported."""
     broken = UNIT.read_text().replace("ProtectSystem=strict", "ProtectSytem=strict")
@@ -328,6 +330,7 @@ def test_sbatch_example_is_valid_bash_with_real_trainer_flags():
 
 # --- Prometheus ---------------------------------------------------------------------------------------------------
 
+@pytest.mark.integration
 def test_prometheus_config_with_exported_rules_passes_promtool(tmp_path):
     config_dir = tmp_path / "prometheus"
     shutil.copytree(PROMETHEUS, config_dir)

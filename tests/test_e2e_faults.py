@@ -22,6 +22,8 @@ from gpuwatch.trainer.cli import train
 
 from conftest import AgentProcess, wait_until
 
+pytestmark = pytest.mark.integration
+
 SHAPE = ("--tp", "1", "--pp", "2", "--dp", "2")
 STEPS = 10  # the gradient similarity and the replica checksum are measured at step 10 (every 10 by default)
 SERIOUS = {"warning", "critical"}

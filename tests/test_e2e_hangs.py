@@ -24,6 +24,8 @@ from gpuwatch.trainer.cli import train
 
 from conftest import AgentProcess, wait_until
 
+pytestmark = pytest.mark.integration
+
 #: Long enough for the hooks' watchdog (3 s floor, 5 × the median step) plus the rules' 5 s and a few rounds.
 FOUND_TIMEOUT_S = 90.0
 

@@ -31,6 +31,8 @@ from foreign import diagnose as diagnose_source
 
 from conftest import require_tool, stop_server, wait_until
 
+pytestmark = pytest.mark.integration
+
 WORKLOAD = Path(__file__).resolve().parent / "workloads" / "wide_ddp.py"
 #: Private addresses of node a and node b on the veth pair (RFC 1918).
 ADDRESSES = ("10.231.7.1", "10.231.7.2")

@@ -1,6 +1,11 @@
+
 """A real Prometheus server scrapes a real `gpuwatch agent --simulate` and answers queries on its series."""
 
+import pytest
+
 from conftest import wait_until
+
+pytestmark = pytest.mark.integration
 
 
 def test_prometheus_scrapes_simulated_dgx_h100(start_agent, prometheus_server):

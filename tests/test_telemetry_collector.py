@@ -410,6 +410,7 @@ def open_collector():
         collector.close()
 
 
+@pytest.mark.integration
 def test_collector_serves_every_rank_with_its_coordinates_and_passes_promtool(socket_path, open_collector):
     collector = open_collector(socket_path)
     client = TelemetryClient(socket_path, heartbeat_interval=0)

@@ -11,6 +11,8 @@ import torch.distributed as dist
 
 from gpuwatch.trainer.launch import FAILURE_GRACE_S, RankFailed, launch
 
+pytestmark = pytest.mark.integration
+
 
 def _sum_of_ranks(device, offset):
     value = torch.tensor([float(dist.get_rank() + offset)])

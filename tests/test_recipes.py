@@ -131,6 +131,19 @@ def test_explain_and_config_read_the_new_rules_threshold(recipe_rule, tmp_path):
         engine.load_config(config)
 
 
+def test_the_runbooks_thresholds_table_is_the_rules_and_takes_a_new_rule(recipe_rule):
+    """docs/runbook.md's table of thresholds is generated from the registry: without the recipe's rule the committed
+    one is fresh; with it, the table has its row and the committed runbook is stale, which --check says."""
+    from gpuwatch.agent.diagnosis import docs
+
+    assert f"| {CODE} {TITLE} | `max_celsius` = 90 | {needs.GPUS.name} |" in docs.table()
+    assert "python -m gpuwatch.agent.diagnosis.docs" in (docs.stale() or "")
+    assert docs.main(["--check"]) == 1
+    del REGISTRY[CODE]
+    assert docs.stale() is None and docs.main(["--check"]) == 0  # the committed runbook is the registry's
+    REGISTRY[CODE] = recipe_rule
+
+
 def test_the_new_rule_says_why_it_did_not_run_when_its_needs_are_missing(recipe_rule):
     down = Facts(nodes={"node-7": NodeFacts("node-7", missing={"gpus": "nvml collector down"})})
     for facts in (Facts(), down):

@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from gpuwatch.agent.diagnosis.facts import SLOWDOWN_REASONS
 from gpuwatch.agent.diagnosis.registry import Severity, Threshold
 from gpuwatch.agent.diagnosis.rules.hardware import APPLICATION_XIDS
+from gpuwatch.agent.telemetry.window import WINDOW_STEPS
+from gpuwatch.protocol.schema import OVERDUE_FACTOR, OVERDUE_FLOOR_SECONDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +92,7 @@ ALERT_RECORDS = (
 #: Comments above recording rules, by the rule they precede (section headings of the training group).
 RECORD_HEADINGS = {
     "gpuwatch:train_window_busy_seconds:judged": "Each rank's median busy time over its window of recent steps "
-        "(the agent keeps the last 64 steps): the sum of its step's phases, the step without its waits in "
+        f"(the agent keeps the last {WINDOW_STEPS} steps): the sum of its step's phases, the step without its waits in "
         "collectives (the others' steps wait for a straggler, and come out as long as its own). For ranks whose "
         "window holds the steps a median needs; and its stage's median of those: the straggler alert's yardstick, "
         "as PERF002's. One step is too noisy a sample to judge.",
@@ -224,7 +226,8 @@ GROUPS = (
             and on (job) (count by (job) (gpuwatch_train_in_flight_collective_seq) > 0)
             """,
               heading="Hangs (HANG001, HANG003, HANG004, HANG006). A rank's hooks report its progress about every "
-                      "second once it has made none for 5x its median step (3 s at least); these series exist only "
+                      f"second once it has made none for {OVERDUE_FACTOR:g}x its median step "
+                      f"({OVERDUE_FLOOR_SECONDS:g} s at least); these series exist only "
                       "while a rank is overdue.",
               comment="The culprit: a rank stuck outside any collective while others of its job wait in one.",
               summary="Training job {{ $labels.job }} hangs: rank {{ $labels.rank }} is missing at a collective",

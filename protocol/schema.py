@@ -263,6 +263,10 @@ PHASES = ("data", "compute", "optimizer", "collective", "step", "idle", "closed"
 #: inside it; with ``exposed_collective_seconds`` they sum to ``step_seconds``.
 STEP_PHASES = {"data": "dataloader_wait_seconds", "compute": "compute_seconds", "optimizer": "optimizer_seconds",
                "outside_model": "outside_model_seconds"}
+#: A rank's hooks send progress records once its step is overdue: no progress for this many times its median step ...
+OVERDUE_FACTOR = 5.0
+#: ... and for at least this long (seconds): a pause of a second or two is scheduling, not a hang.
+OVERDUE_FLOOR_SECONDS = 3.0
 #: The innermost frames of a stalled rank's stack that a progress record carries, and a frame's text fields.
 MAX_STACK_FRAMES = 32
 MAX_TEXT_CHARS = 512

@@ -42,13 +42,16 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from gpuwatch.protocol.schema import MAX_GROUP_TEXT_CHARS, MAX_STACK_FRAMES, MAX_TEXT_CHARS, SCHEMA_VERSION
+from gpuwatch.protocol.schema import (
+    MAX_GROUP_TEXT_CHARS,
+    MAX_STACK_FRAMES,
+    MAX_TEXT_CHARS,
+    OVERDUE_FACTOR,
+    OVERDUE_FLOOR_SECONDS,
+    SCHEMA_VERSION,
+)
 from gpuwatch.trainer.hooks.flight_recorder import FlightEntry, FlightRecorder
 
-#: A step is overdue once the training thread has made no progress for this many times its median step ...
-OVERDUE_FACTOR = 5.0
-#: ... and for at least this long (seconds): a pause of a second or two is scheduling, not a hang.
-OVERDUE_FLOOR_SECONDS = 3.0
 #: Until MIN_STEPS steps have ended there is no rhythm to judge by: this long, for compilation and set-up.
 STARTUP_SECONDS = 60.0
 MIN_STEPS = 3

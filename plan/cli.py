@@ -23,11 +23,10 @@ from gpuwatch.plan.gpus import (
     ClusterError,
     preset,
 )
-from gpuwatch.plan.model import ModelError, ModelShape, from_reference, read_hf_config
+from gpuwatch.plan.model import ModelConfig, ModelError, ModelShape, from_reference, read_hf_config
 from gpuwatch.plan.planner import plan as make_plan
 from gpuwatch.plan.report import as_json, as_text
 from gpuwatch.plan.run import PRECISIONS, Run, RunError, numerics
-from gpuwatch.trainer.config import ModelConfig
 
 
 class OneLineCommand(click.Command):

@@ -1,5 +1,6 @@
 """A decoder-only transformer's shape, whatever it was described by: a Hugging Face ``config.json``, command-line
-figures, or the reference trainer's ``ModelConfig`` (gpuwatch.trainer.config, torch-free).
+figures, or the reference trainer's ``ModelConfig``, declared here (the trainer builds its model from it, the planner
+predicts it): the planner then imports nothing from the trainer, which imports this.
 
 The shape also says what each rank of a tensor-parallel group holds: Megatron-LM's column- and row-parallel layers
 (Shoeybi et al. 2019, "Megatron-LM", arXiv:1909.08053, §3) split every matmul weight and the column-parallel
@@ -16,10 +17,21 @@ from pathlib import Path
 from typing import Any
 
 from gpuwatch.protocol.records import ModelShapeFields
-from gpuwatch.trainer.config import ModelConfig
 
 #: Where a shape came from; "reference" also means the reference trainer's own rules apply (even layer splits).
 SOURCES = ("hf", "flags", "reference")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The reference trainer's GPT-style decoder (gpuwatch.trainer.model); the defaults are tiny so a CPU run takes
+    seconds."""
+
+    vocab_size: int = 128
+    seq_len: int = 32
+    hidden: int = 64
+    heads: int = 4
+    layers: int = 4
 
 
 class ModelError(ValueError):

@@ -5,6 +5,8 @@ crosses one fails here, before it turns into a node agent that needs torch or a 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,15 +72,27 @@ def _violations(folder: str, forbidden: tuple[str, ...], allowed: tuple[str, ...
     ("trainer/parallel", ("gpuwatch.trainer.hooks",), (), "the parallel trainer reads without its instruments"),
     ("trainer", ("gpuwatch.agent", "gpuwatch.cli"), ("gpuwatch.agent.collectors",),
      "the trainer speaks the protocol; it may read its node through the collectors (the probe), never judge"),
-    ("plan", ("torch", "gpuwatch.agent", "gpuwatch.cli", "gpuwatch.trainer"), ("gpuwatch.trainer.config",),
-     "the planner runs without torch, wherever gpuwatch does; of the trainer it reads only its torch-free config "
-     "(its calibration imports torch inside the function that measures: LAZY_ONLY)"),
+    ("plan", ("torch", "gpuwatch.agent", "gpuwatch.cli", "gpuwatch.trainer"), (),
+     "the planner runs without torch, wherever gpuwatch does, and knows nothing of the trainer, which imports it "
+     "(the reference model's shape, ModelConfig, is the planner's; its calibration imports torch inside the "
+     "function that measures: LAZY_ONLY)"),
     ("report", ("torch", "gpuwatch.trainer", "gpuwatch.cli", "gpuwatch.plan", "gpuwatch.agent.diagnosis.rules"), (),
      "the report reads what the diagnosis sources read and shows the engine's findings: it judges nothing itself, "
      "and reads a plan as its JSON"),
 ])
 def test_import_boundary(folder, forbidden, allowed, why):
     assert _violations(folder, forbidden, allowed) == {}, why
+
+
+def test_importing_the_agent_the_diagnosis_and_the_report_loads_nothing_of_the_trainer_nor_torch():
+    """Transitively, not only the import statements above: a fresh interpreter imports the agent's command, the
+    diagnosis engine with every rule, and the report, and holds no module of the trainer's, nor torch."""
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, gpuwatch.agent.cli, gpuwatch.agent.diagnosis.engine, "
+         "gpuwatch.agent.diagnosis.rules, gpuwatch.report.cli, gpuwatch.alerts.generate; "
+         "print(' '.join(m for m in sys.modules if m.startswith(('gpuwatch.trainer', 'torch'))))"],
+        capture_output=True, text=True, check=True, timeout=120)
+    assert loaded.stdout.split() == [], loaded.stdout
 
 
 #: The parts whose modules must not use each other's private names (tests may: see `test_no_private_name_...`).

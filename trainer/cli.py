@@ -11,13 +11,13 @@ import dataclasses
 
 import click
 
+from gpuwatch.plan.model import ModelConfig
 from gpuwatch.trainer.config import (
     DEVICES,
     FAULTS,
     PRECISIONS,
     SCHEDULES,
     ConfigError,
-    ModelConfig,
     TrainConfig,
     gpus_present,
     torchrun_world_size,

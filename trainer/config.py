@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from gpuwatch.plan.model import ModelConfig
+
 SCHEDULES = ("gpipe", "1f1b")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -34,17 +36,6 @@ STEP_FAULTS = ("hang-rank", "crash-rank", "raise-rank", "skip-collective")
 
 class ConfigError(ValueError):
     """A combination of options that cannot run; the message names the options and the fix."""
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """A GPT-style decoder; the defaults are tiny so a CPU run takes seconds."""
-
-    vocab_size: int = 128
-    seq_len: int = 32
-    hidden: int = 64
-    heads: int = 4
-    layers: int = 4
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from gpuwatch.trainer.config import ModelConfig
+from gpuwatch.plan.model import ModelConfig
 from gpuwatch.trainer.parallel.groups import Grid
 from gpuwatch.trainer.parallel.tensor import (
     ColumnParallelLinear,

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import click
 
+from gpuwatch.agent.server import DEFAULT_PORT
 from gpuwatch.agent.simulate import PRESETS
 from gpuwatch.agent.telemetry.store import DEFAULT_MAX_RANKS, DEFAULT_TTL
 from gpuwatch.protocol.paths import ENV_VAR as SOCKET_ENV_VAR
 
-DEFAULT_PORT = 9746  # not dcgm-exporter's 9400, node_exporter's 9100 nor nvidia_gpu_exporter's 9835
 DEFAULT_INTERVAL = 5.0
 
 

@@ -32,6 +32,8 @@ _INDEX = b"""<html><head><title>gpuwatch agent</title></head><body>
 """
 
 
+#: The agent's port: not dcgm-exporter's 9400, node_exporter's 9100 nor nvidia_gpu_exporter's 9835.
+DEFAULT_PORT = 9746
 #: Seconds a client gets for the TLS handshake, and an idle keep-alive connection is kept: a
 #: silent peer must not hold a thread forever.
 CONNECTION_TIMEOUT = 30.0

@@ -1,4 +1,4 @@
-"""Gather: the facts ``gpuwatch diagnose`` reads (its own sources, through ``diagnosis.cli.gather``: a run log, the
+"""Gather: the facts ``gpuwatch diagnose`` reads (its own sources, through ``diagnosis.sources.gather``: a run log, the
 agents, a PromQL engine) and the findings its engine judges on them, for one job. The report reads; it never judges:
 every finding on the page is one the engine made, on the same facts as ``gpuwatch diagnose`` would."""
 
@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from gpuwatch.agent.diagnosis import engine
-from gpuwatch.agent.diagnosis.cli import PromQLAccess, gather
 from gpuwatch.agent.diagnosis.facts import RankFacts
 from gpuwatch.agent.diagnosis.sources import HTTP_TIMEOUT, SourceError
+from gpuwatch.agent.diagnosis.sources.gather import PromQLAccess, gather
 from gpuwatch.agent.diagnosis.sources.httpconfig import HttpConfig
 from gpuwatch.report.model import ReportModel, build
 

@@ -18,6 +18,7 @@ from test_diagnose_engine import CATALOGUE
 from gpuwatch.agent.diagnosis import cli as diagnose_cli
 from gpuwatch.agent.diagnosis import engine, report
 from gpuwatch.agent.diagnosis.facts import History, NvlinkFacts, Sampled, SourceInfo
+from gpuwatch.agent.diagnosis.sources import gather as sources_gather
 from gpuwatch.agent.simulate import PRESETS
 from gpuwatch.agent.simulate.sysfs import SimulatedSysfs
 from gpuwatch.cli.main import main
@@ -190,7 +191,7 @@ def test_fail_on_levels(monkeypatch, level, status):
 def test_simulated_port_down_is_found_from_local_sysfs(tmp_path, monkeypatch):
     sysfs = SimulatedSysfs(PRESETS["dgx-h100"], tmp_path / "sys")
     sysfs.set_port_down("mlx5_3", phys_state="Polling")
-    monkeypatch.setattr(diagnose_cli, "DEFAULT_AGENT_URL", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setattr(sources_gather, "DEFAULT_AGENT_URL", f"http://127.0.0.1:{free_port()}")
     result = invoke("--sysfs-root", str(tmp_path / "sys"), "--format", "json")
     assert result.exit_code == 1, result.output
     document = json.loads(result.output)

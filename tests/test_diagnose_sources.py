@@ -11,9 +11,9 @@ import pytest
 from click.testing import CliRunner
 from telemetry_records import JOB, collectives, hello, step
 
-from gpuwatch.agent.diagnosis import cli as diagnose_cli
 from gpuwatch.agent.diagnosis import engine
 from gpuwatch.agent.diagnosis.sources import agent as agent_source
+from gpuwatch.agent.diagnosis.sources import gather as sources_gather
 from gpuwatch.agent.diagnosis.sources import prometheus as prometheus_source
 from gpuwatch.agent.diagnosis.sources import run_log
 from gpuwatch.agent.telemetry.window import MIN_WINDOW_STEPS
@@ -78,7 +78,7 @@ def test_agent_source_finds_ib_disabled_straggler_and_nan(start_agent, monkeypat
     assert not not_run & {"HW001", "HW002", "HW003", "HW004", "HW005", "MEM002"}, document["not_run"]
 
     # Without a source option: this node read directly (here: a sysfs fixture), the ranks from the local agent.
-    monkeypatch.setattr(diagnose_cli, "DEFAULT_AGENT_URL", agent.url)
+    monkeypatch.setattr(sources_gather, "DEFAULT_AGENT_URL", agent.url)
     status, local = diagnose("--sysfs-root", str(FIXTURES / "procfs-infiniband" / "sys"), "--select", "NCCL001")
     assert status == 1 and local["summary"]["ranks"] == 8
     assert [s["kind"] for s in local["sources"]] == ["local", "agent"]

@@ -7,78 +7,24 @@ usage, config and source errors (unreachable URL, not an agent, unreadable log).
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
-import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
 import click
 
-from gpuwatch.agent.cli import DEFAULT_PORT
 from gpuwatch.agent.diagnosis import engine, report
-from gpuwatch.agent.diagnosis.facts import Facts
 from gpuwatch.agent.diagnosis.registry import REGISTRY, Severity
-from gpuwatch.agent.diagnosis.sources import HTTP_TIMEOUT, SourceError, agent, httpconfig, local, prometheus, run_log
+from gpuwatch.agent.diagnosis.sources import HTTP_TIMEOUT, SourceError, httpconfig, prometheus
+from gpuwatch.agent.diagnosis.sources.gather import PromQLAccess, gather
 from gpuwatch.agent.diagnosis.sources.httpconfig import HttpConfig
 from gpuwatch.plan import calibrate
 
-#: Where ``gpuwatch diagnose`` without a source looks for the node's agent (ranks' environment and telemetry).
-DEFAULT_AGENT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
-DEFAULT_AGENT_TIMEOUT = 1.0
 FAIL_ON = ("critical", "warning", "info", "never")
 
 
 def _codes(value: str | None) -> list[str]:
     return [code for code in (value or "").split(",") if code.strip()]
-
-
-def _local_with_agent_ranks(sysfs_root: Path) -> Facts:
-    """This node, plus the running ranks the local agent knows of when one answers at the default address."""
-    facts = local.collect(sysfs_root)
-    node = next(iter(facts.nodes))
-    try:
-        from_agent = agent.fetch(DEFAULT_AGENT_URL, timeout=DEFAULT_AGENT_TIMEOUT)
-    except SourceError as exc:
-        facts.notes.append(f"no local agent ({exc}): training ranks unknown")
-        return facts
-    facts.ranks = [dataclasses.replace(rank, node=node) for rank in from_agent.ranks]
-    facts.sources += from_agent.sources
-    return facts
-
-
-@dataclasses.dataclass(frozen=True)
-class PromQLAccess:
-    """How ``--prometheus`` reaches its engine and fetches: the http config, the query timeout, the fetch mode,
-    and the thresholds the outlier selectors compare with."""
-
-    config: HttpConfig
-    timeout: float
-    fetch: str
-    overrides: engine.Overrides
-
-
-def gather(agent_urls: tuple[str, ...], run_log_path: Path | None, prometheus_url: str | None, preflight: bool,
-            sysfs_root: Path, access: PromQLAccess) -> Facts:
-    """The facts of every source given, merged (the local node when none is): also what ``gpuwatch report`` reads."""
-    loaders: list[Callable[[], Facts]] = []
-    if preflight:
-        loaders.append(lambda: local.collect(sysfs_root, env=os.environ))
-    for url in agent_urls:  # one per node: a job's ranks across the nodes, judged together
-        loaders.append(functools.partial(agent.fetch, url))
-    if prometheus_url:
-        loaders.append(lambda: prometheus.fetch(prometheus_url, access.timeout, access.config, access.fetch,
-                                                access.overrides))
-    if run_log_path:
-        loaders.append(lambda: run_log.read(run_log_path))
-    if not loaders:
-        loaders.append(lambda: _local_with_agent_ranks(sysfs_root))
-    facts = Facts()
-    for load in loaders:
-        facts.merge(load())
-    return facts
 
 
 def _fail(message: str) -> NoReturn:

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import yaml
 
-from gpuwatch.agent.diagnosis import rules as _catalogue  # noqa: F401 - importing registers every rule
-from gpuwatch.agent.diagnosis.registry import REGISTRY, Severity
-from gpuwatch.agent.diagnosis.sources import WINDOW, WINDOW_MINUTES
-from gpuwatch.agent.diagnosis.sources.outliers import RECORDED, SENTINEL
 from gpuwatch.alerts import RULES_FILE, RUNBOOK_PREFIX
 from gpuwatch.alerts.rules import ALERT_RECORDS, GROUPS, RECORD_HEADINGS, Alert, Group
+from gpuwatch.diagnosis import rules as _catalogue  # noqa: F401 - importing registers every rule
+from gpuwatch.diagnosis.registry import REGISTRY, Severity
+from gpuwatch.diagnosis.sources import WINDOW, WINDOW_MINUTES
+from gpuwatch.diagnosis.sources.outliers import RECORDED, SENTINEL
 
 #: Where ``gpuwatch alerts generate`` writes by default: the package's own folder (alerts/ in a checkout).
 PACKAGE_DIR = Path(__file__).resolve().parent

@@ -8,7 +8,7 @@ registry (``${straggler_ratio}``, or ``${max_bubble_ratio_percent}`` as "20 %"),
 threshold is stated once, in its rule, and changing it changes the alerts with it (tests/test_alerts_generated.py
 perturbs every threshold and checks that exactly the alerts mirroring it change).
 
-The recording rules are the outlier fetch's (``RECORDED`` in agent/diagnosis/sources/outliers.py), in its order
+The recording rules are the outlier fetch's (``RECORDED`` in diagnosis/sources/outliers.py), in its order
 with its version sentinel last, plus the ones only the alerts read (``ALERT_RECORDS``).
 
 Numbers an alert has that no diagnose rule has are named constants here, each a ``Threshold`` with its source.
@@ -19,10 +19,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from gpuwatch.agent.diagnosis.facts import SLOWDOWN_REASONS
-from gpuwatch.agent.diagnosis.registry import Severity, Threshold
-from gpuwatch.agent.diagnosis.rules.hardware import APPLICATION_XIDS
 from gpuwatch.agent.telemetry.window import WINDOW_STEPS
+from gpuwatch.diagnosis.facts import SLOWDOWN_REASONS
+from gpuwatch.diagnosis.registry import Severity, Threshold
+from gpuwatch.diagnosis.rules.hardware import APPLICATION_XIDS
 from gpuwatch.protocol.schema import OVERDUE_FACTOR, OVERDUE_FLOOR_SECONDS
 
 
@@ -101,7 +101,7 @@ RECORD_HEADINGS = {
         "stage's median is over, each stage's median of each phase (where a straggler's extra time is), the job's "
         "median step time (a straggler's extra busy time must matter against it), ranks per job, and each job's "
         "count of ranks per exported environment value (a rank whose value differs from its job's majority is read "
-        "in detail). The expressions are agent/diagnosis/sources/outliers.py's RECORDED.",
+        "in detail). The expressions are diagnosis/sources/outliers.py's RECORDED.",
     "gpuwatch:gpu_faulty:by_instance": "Threshold-free signals that keep only the nodes with something wrong "
         "(sparse: the outlier fetch reads a few series instead of scanning 18 NVLinks, a dozen clock-event reasons "
         "and 8 ports per GPU or node). Last, the version of these rules: the fetch uses them only when the whole "

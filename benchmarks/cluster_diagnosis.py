@@ -54,8 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from _harness import free_port, get, load_average, machine, running, wait_until
 from telemetry_records import collectives, hello, step
 
-from gpuwatch.agent.diagnosis.sources import prometheus
 from gpuwatch.agent.telemetry.window import BUSY, MIN_WINDOW_STEPS
+from gpuwatch.diagnosis.sources import prometheus
 from gpuwatch.trainer.telemetry import TelemetryClient
 
 GPUS = 8
@@ -69,7 +69,7 @@ CHUNK_SPACING_S = 90
 #: The engine's work per query (``stats=all`` on /api/v1/query): samples read from storage (and from recorded series)
 #: while evaluating it.
 SAMPLES = "totalQueryableSamples"
-#: Families the Prometheus source of ``gpuwatch diagnose`` queries (agent/diagnosis/sources/prometheus.py).
+#: Families the Prometheus source of ``gpuwatch diagnose`` queries (diagnosis/sources/prometheus.py).
 READ_BY_DIAGNOSE = re.compile(
     r"gpuwatch_(agent_info|collector_up|gpu_(info|lost|job_info|pcie_link_(generation|width)|row_remap_(pending|failure)"
     r"|utilization_ratio|sm_active_ratio|memory_(total|used)_bytes|temperature_celsius|power_watts|sm_clock_hertz"

@@ -50,8 +50,8 @@ import foreign
 from _harness import load_average, machine
 from test_frameworks import VARIANTS
 
-from gpuwatch.agent.diagnosis.registry import REGISTRY
 from gpuwatch.agent.telemetry.window import BUSY, PHASE_TIMINGS
+from gpuwatch.diagnosis.registry import REGISTRY
 
 from conftest import PrometheusServer, wait_until
 

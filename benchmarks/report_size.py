@@ -21,8 +21,8 @@ from pathlib import Path
 
 from _harness import load_average, machine, spread
 
-from gpuwatch.agent.diagnosis.engine import Report
-from gpuwatch.agent.diagnosis.facts import CollectiveFacts, Facts, History, Layout, RankFacts, StepRow
+from gpuwatch.diagnosis.engine import Report
+from gpuwatch.diagnosis.facts import CollectiveFacts, Facts, History, Layout, RankFacts, StepRow
 from gpuwatch.report.model import build
 from gpuwatch.report.render import render
 

@@ -31,7 +31,7 @@ class LazyGroup(click.Group):
 @click.group(
     cls=LazyGroup,
     lazy={"agent": ("gpuwatch.agent.cli", "agent"), "train": ("gpuwatch.trainer.cli", "train"),
-          "diagnose": ("gpuwatch.agent.diagnosis.cli", "diagnose"), "probe": ("gpuwatch.trainer.probe", "probe"),
+          "diagnose": ("gpuwatch.diagnosis.cli", "diagnose"), "probe": ("gpuwatch.trainer.probe", "probe"),
           "alerts": ("gpuwatch.alerts.cli", "alerts"),
           "dashboards": ("gpuwatch.dashboards.cli", "dashboards"), "demo": ("gpuwatch.cli.demo", "demo"),
           "run": ("gpuwatch.cli.run", "run"), "plan": ("gpuwatch.plan.cli", "plan"),

@@ -8,8 +8,8 @@ named constants below, each with where its number comes from.
 
 from __future__ import annotations
 
-from gpuwatch.agent.diagnosis import rules as _catalogue  # noqa: F401 - importing registers every rule
-from gpuwatch.agent.diagnosis.registry import REGISTRY
+from gpuwatch.diagnosis import rules as _catalogue  # noqa: F401 - importing registers every rule
+from gpuwatch.diagnosis.registry import REGISTRY
 
 
 def _threshold(code: str, name: str) -> float:

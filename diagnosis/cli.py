@@ -13,11 +13,11 @@ from typing import NoReturn
 
 import click
 
-from gpuwatch.agent.diagnosis import engine, report
-from gpuwatch.agent.diagnosis.registry import REGISTRY, Severity
-from gpuwatch.agent.diagnosis.sources import HTTP_TIMEOUT, SourceError, httpconfig, prometheus
-from gpuwatch.agent.diagnosis.sources.gather import PromQLAccess, gather
-from gpuwatch.agent.diagnosis.sources.httpconfig import HttpConfig
+from gpuwatch.diagnosis import engine, report
+from gpuwatch.diagnosis.registry import REGISTRY, Severity
+from gpuwatch.diagnosis.sources import HTTP_TIMEOUT, SourceError, httpconfig, prometheus
+from gpuwatch.diagnosis.sources.gather import PromQLAccess, gather
+from gpuwatch.diagnosis.sources.httpconfig import HttpConfig
 from gpuwatch.plan import calibrate
 
 FAIL_ON = ("critical", "warning", "info", "never")

@@ -1,6 +1,6 @@
 """The rules' thresholds table in docs/runbook.md, generated from their declarations (``@rule(..., thresholds=...,
 needs=...)``): each rule with a threshold, its thresholds' values and the facts it needs, so that the runbook never
-restates a number a rule holds. ``python -m gpuwatch.agent.diagnosis.docs`` rewrites the table between its markers;
+restates a number a rule holds. ``python -m gpuwatch.diagnosis.docs`` rewrites the table between its markers;
 ``--check`` exits 1 with one line when the committed file is stale (a test runs it), as ``gpuwatch alerts generate
 --check`` does for the alert rules. Each threshold's source is the rule's ``--explain``."""
 
@@ -10,13 +10,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpuwatch.agent.diagnosis import rules  # noqa: F401 - registers every rule
-from gpuwatch.agent.diagnosis.registry import REGISTRY
+from gpuwatch.diagnosis import rules  # noqa: F401 - registers every rule
+from gpuwatch.diagnosis.registry import REGISTRY
 
 #: The runbook, in a checkout (docs/ is not packaged).
-RUNBOOK = Path(__file__).resolve().parents[2] / "docs" / "runbook.md"
+RUNBOOK = Path(__file__).resolve().parents[1] / "docs" / "runbook.md"
 BEGIN = ("<!-- BEGIN rule thresholds: generated from each rule's @rule(...) by "
-         "`python -m gpuwatch.agent.diagnosis.docs`; edit the rule, not this table -->")
+         "`python -m gpuwatch.diagnosis.docs`; edit the rule, not this table -->")
 END = "<!-- END rule thresholds -->"
 
 
@@ -47,7 +47,7 @@ def stale(path: Path = RUNBOOK) -> str | None:
     text = path.read_text(encoding="utf-8")
     if render(text) != text:
         return (f"{path}'s rule thresholds differ from the rules' declarations: "
-                "run python -m gpuwatch.agent.diagnosis.docs")
+                "run python -m gpuwatch.diagnosis.docs")
     return None
 
 
@@ -57,7 +57,7 @@ def main(argv: Sequence[str] = ()) -> int:
         print(problem or f"{RUNBOOK} is fresh", file=sys.stderr if problem else sys.stdout)
         return 1 if problem else 0
     if argv:
-        print("usage: python -m gpuwatch.agent.diagnosis.docs [--check]", file=sys.stderr)
+        print("usage: python -m gpuwatch.diagnosis.docs [--check]", file=sys.stderr)
         return 2
     RUNBOOK.write_text(render(RUNBOOK.read_text(encoding="utf-8")), encoding="utf-8")
     print(RUNBOOK)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import yaml
 
-from gpuwatch.agent.diagnosis import rules as _catalogue  # noqa: F401 - importing registers every rule
-from gpuwatch.agent.diagnosis.facts import Facts, RankFacts, describe_ranks
-from gpuwatch.agent.diagnosis.registry import FAMILIES, REGISTRY, Evidence, Finding, Rule
+from gpuwatch.diagnosis import rules as _catalogue  # noqa: F401 - importing registers every rule
+from gpuwatch.diagnosis.facts import Facts, RankFacts, describe_ranks
+from gpuwatch.diagnosis.registry import FAMILIES, REGISTRY, Evidence, Finding, Rule
 
 log = logging.getLogger(__name__)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gpuwatch.agent.diagnosis.facts import RATED_BY, Facts, RankFacts, describe_ranks, group_by, may_use_nccl
-from gpuwatch.agent.diagnosis.registry import Need
 from gpuwatch.agent.telemetry.window import BUSY as BUSY_SECONDS
 from gpuwatch.agent.telemetry.window import MIN_WINDOW_STEPS, PHASE_TIMINGS
+from gpuwatch.diagnosis.facts import RATED_BY, Facts, RankFacts, describe_ranks, group_by, may_use_nccl
+from gpuwatch.diagnosis.registry import Need
 from gpuwatch.protocol.schema import UNAVAILABLE_FROM_OUTSIDE, UNAVAILABLE_REASONS
 
 

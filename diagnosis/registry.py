@@ -15,8 +15,8 @@ import typing
 from collections.abc import Callable, Iterable, Mapping
 from typing import Literal
 
-from gpuwatch.agent.diagnosis.coverage import CoveragePart, WholeJob
-from gpuwatch.agent.diagnosis.facts import Facts, Where
+from gpuwatch.diagnosis.coverage import CoveragePart, WholeJob
+from gpuwatch.diagnosis.facts import Facts, Where
 
 #: Each family's code prefix, in catalogue order (``engine.PREFIX_ORDER``): a code names its family (``--select HW``
 #: selects the hardware rules).
@@ -143,7 +143,7 @@ class Rule:
         return "; ".join(reasons) if reasons else None
 
 
-#: Every rule by code, filled by importing ``gpuwatch.agent.diagnosis.rules``.
+#: Every rule by code, filled by importing ``gpuwatch.diagnosis.rules``.
 REGISTRY: dict[str, Rule] = {}
 
 

@@ -10,10 +10,10 @@ from typing import Any
 import click
 
 from gpuwatch.agent import __version__
-from gpuwatch.agent.diagnosis.engine import Report
-from gpuwatch.agent.diagnosis.facts import group_by
-from gpuwatch.agent.diagnosis.registry import Finding, Rule, Severity
 from gpuwatch.agent.snapshot import json_safe
+from gpuwatch.diagnosis.engine import Report
+from gpuwatch.diagnosis.facts import group_by
+from gpuwatch.diagnosis.registry import Finding, Rule, Severity
 
 #: Bumped only for incompatible changes of the JSON report; new fields may appear without a bump.
 REPORT_SCHEMA_VERSION = 1

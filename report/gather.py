@@ -11,11 +11,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.agent.diagnosis import engine
-from gpuwatch.agent.diagnosis.facts import RankFacts
-from gpuwatch.agent.diagnosis.sources import HTTP_TIMEOUT, SourceError
-from gpuwatch.agent.diagnosis.sources.gather import PromQLAccess, gather
-from gpuwatch.agent.diagnosis.sources.httpconfig import HttpConfig
+from gpuwatch.diagnosis import engine
+from gpuwatch.diagnosis.facts import RankFacts
+from gpuwatch.diagnosis.sources import HTTP_TIMEOUT, SourceError
+from gpuwatch.diagnosis.sources.gather import PromQLAccess, gather
+from gpuwatch.diagnosis.sources.httpconfig import HttpConfig
 from gpuwatch.report.model import ReportModel, build
 
 #: ``gpuwatch plan --format json``'s schema (docs/plan.md) the ``--plan`` overlay reads.

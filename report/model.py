@@ -16,10 +16,10 @@ import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from gpuwatch.agent.diagnosis.engine import Report
-from gpuwatch.agent.diagnosis.facts import RankFacts, StepRow, finite, rank_list
-from gpuwatch.agent.diagnosis.registry import REGISTRY, Finding
 from gpuwatch.agent.telemetry.window import BUSY
+from gpuwatch.diagnosis.engine import Report
+from gpuwatch.diagnosis.facts import RankFacts, StepRow, finite, rank_list
+from gpuwatch.diagnosis.registry import REGISTRY, Finding
 from gpuwatch.protocol.schema import COLLECTIVE_BUCKETS, STEP_PHASES, bucket_index
 
 #: The heatmap's cell budget (ranks × step columns): 64 ranks × 1,000 steps whole, 1,024 ranks in bins of 6 steps.

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from gpuwatch.agent.diagnosis.facts import RankFacts, StepRow
+from gpuwatch.diagnosis.facts import RankFacts, StepRow
 from gpuwatch.report.model import PHASES
 
 #: Microseconds per second: the format's timestamps and durations are in µs.

@@ -3,7 +3,8 @@ grid, each with healthy defaults that a test overrides where it wants a rule to 
 
 from __future__ import annotations
 
-from gpuwatch.agent.diagnosis.facts import (
+from gpuwatch.agent.telemetry.window import BUSY, PHASE_TIMINGS, TIMINGS, WindowSummary
+from gpuwatch.diagnosis.facts import (
     Facts,
     GpuFacts,
     IbPortFacts,
@@ -14,7 +15,6 @@ from gpuwatch.agent.diagnosis.facts import (
     RankFacts,
     StepFacts,
 )
-from gpuwatch.agent.telemetry.window import BUSY, PHASE_TIMINGS, TIMINGS, WindowSummary
 
 GIB = 2**30
 NDR = 400e9 / 8  # bytes/s

@@ -35,7 +35,7 @@ from pathlib import Path
 import psutil
 from click.testing import CliRunner
 
-from gpuwatch.agent.diagnosis.cli import diagnose as diagnose_command
+from gpuwatch.diagnosis.cli import diagnose as diagnose_command
 
 from conftest import AgentProcess, PrometheusServer, wait_until
 

@@ -13,11 +13,11 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from gpuwatch.agent.diagnosis.engine import catalogue
-from gpuwatch.agent.diagnosis.registry import REGISTRY, Threshold
 from gpuwatch.alerts import RULES_FILE, RUNBOOK_PREFIX
 from gpuwatch.alerts.generate import render
 from gpuwatch.cli.main import main
+from gpuwatch.diagnosis.engine import catalogue
+from gpuwatch.diagnosis.registry import REGISTRY, Threshold
 
 from conftest import require_tool
 
@@ -136,7 +136,7 @@ def test_export_without_base_ships_the_rules_unchanged(tmp_path):
 def test_the_outlier_fetch_records_what_the_rule_file_records():
     """The outlier fetch uses the shipped recording rules when the engine has them and their expressions when it
     has not: the two must be the same text, or the fetch would judge differently with and without the rules."""
-    from gpuwatch.agent.diagnosis.sources.outliers import RECORDED
+    from gpuwatch.diagnosis.sources.outliers import RECORDED
 
     document = yaml.safe_load((Path(__file__).parent.parent / "alerts" / "gpuwatch.rules.yml").read_text())
     recorded = {rule["record"]: " ".join(rule["expr"].split())

@@ -20,11 +20,11 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from gpuwatch.agent.diagnosis.registry import REGISTRY, Severity, Threshold
 from gpuwatch.alerts import RULES_FILE
 from gpuwatch.alerts.generate import fill, render, severity
 from gpuwatch.alerts.rules import GROUPS, Alert
 from gpuwatch.cli.main import main
+from gpuwatch.diagnosis.registry import REGISTRY, Severity, Threshold
 
 COMMITTED = Path(__file__).resolve().parents[1] / "alerts" / RULES_FILE
 ALERTS = {alert.name: alert for group in GROUPS for alert in group.alerts}

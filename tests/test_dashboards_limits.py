@@ -13,9 +13,9 @@ from types import ModuleType
 
 import pytest
 
-from gpuwatch.agent.diagnosis.registry import REGISTRY, Threshold
 from gpuwatch.dashboards import DASHBOARDS, limits
 from gpuwatch.dashboards.generate import render
+from gpuwatch.diagnosis.registry import REGISTRY, Threshold
 
 THRESHOLDS = [(code, name) for code, rule in sorted(REGISTRY.items()) for name in rule.thresholds]
 

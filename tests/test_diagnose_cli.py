@@ -15,13 +15,13 @@ from click.testing import CliRunner
 from diagnose_facts import GIB, facts, gpu, node, port, rank, step
 from test_diagnose_engine import CATALOGUE
 
-from gpuwatch.agent.diagnosis import cli as diagnose_cli
-from gpuwatch.agent.diagnosis import engine, report
-from gpuwatch.agent.diagnosis.facts import History, NvlinkFacts, Sampled, SourceInfo
-from gpuwatch.agent.diagnosis.sources import gather as sources_gather
 from gpuwatch.agent.simulate import PRESETS
 from gpuwatch.agent.simulate.sysfs import SimulatedSysfs
 from gpuwatch.cli.main import main
+from gpuwatch.diagnosis import cli as diagnose_cli
+from gpuwatch.diagnosis import engine, report
+from gpuwatch.diagnosis.facts import History, NvlinkFacts, Sampled, SourceInfo
+from gpuwatch.diagnosis.sources import gather as sources_gather
 
 from conftest import FIXTURES, free_port
 

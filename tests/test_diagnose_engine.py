@@ -9,11 +9,11 @@ import pytest
 from click.testing import CliRunner
 from diagnose_facts import facts, rank, step
 
-from gpuwatch.agent.diagnosis import cli as diagnose_cli
-from gpuwatch.agent.diagnosis import engine
-from gpuwatch.agent.diagnosis.facts import Facts
-from gpuwatch.agent.diagnosis.registry import REGISTRY, Issue, Severity, rule
 from gpuwatch.cli.main import main
+from gpuwatch.diagnosis import cli as diagnose_cli
+from gpuwatch.diagnosis import engine
+from gpuwatch.diagnosis.facts import Facts
+from gpuwatch.diagnosis.registry import REGISTRY, Issue, Severity, rule
 
 #: The codes are a contract (dashboards, alerts, --select in users' scripts); so are families.
 CATALOGUE = {

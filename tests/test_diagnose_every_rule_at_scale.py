@@ -34,11 +34,11 @@ from typing import Any
 import pytest
 from telemetry_records import collectives, hello, probe, progress, step
 
-from gpuwatch.agent.diagnosis import engine, report
-from gpuwatch.agent.diagnosis.registry import REGISTRY
-from gpuwatch.agent.diagnosis.sources import outliers, prometheus
 from gpuwatch.agent.telemetry.store import DEFAULT_MAX_JOBS
 from gpuwatch.agent.telemetry.window import MIN_WINDOW_STEPS
+from gpuwatch.diagnosis import engine, report
+from gpuwatch.diagnosis.registry import REGISTRY
+from gpuwatch.diagnosis.sources import outliers, prometheus
 from gpuwatch.trainer.telemetry import BACKLOG_RECORDS, TelemetryClient
 
 from conftest import AgentProcess, http_get, wait_until

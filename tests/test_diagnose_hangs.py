@@ -13,9 +13,9 @@ from telemetry_records import progress as progress_record
 from telemetry_records import step as step_record
 from test_diagnose_rules import fired, not_run, silent
 
-from gpuwatch.agent.diagnosis import engine
-from gpuwatch.agent.diagnosis.facts import InFlightFacts, ProgressFacts, RankFacts
-from gpuwatch.agent.diagnosis.sources import run_log
+from gpuwatch.diagnosis import engine
+from gpuwatch.diagnosis.facts import InFlightFacts, ProgressFacts, RankFacts
+from gpuwatch.diagnosis.sources import run_log
 from gpuwatch.protocol.records import RecorderEntry
 from gpuwatch.trainer.telemetry import TelemetryClient
 

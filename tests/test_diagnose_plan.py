@@ -11,9 +11,9 @@ import dataclasses
 import pytest
 from diagnose_facts import facts, gpu, node, rank, window
 
-from gpuwatch.agent.diagnosis import engine
-from gpuwatch.agent.diagnosis.facts import Facts, StepFacts, Workload
-from gpuwatch.agent.diagnosis.rules.plan import GROUP_NAMES, UNMODELLED
+from gpuwatch.diagnosis import engine
+from gpuwatch.diagnosis.facts import Facts, StepFacts, Workload
+from gpuwatch.diagnosis.rules.plan import GROUP_NAMES, UNMODELLED
 from gpuwatch.plan.gpus import Calibration, Cluster, preset
 from gpuwatch.plan.model import ModelShape, from_record, from_reference
 from gpuwatch.plan.planner import Prediction, predict

@@ -19,7 +19,7 @@ from conftest import wait_until
 
 pytestmark = pytest.mark.integration
 
-RULES = Path(__file__).resolve().parent.parent / "agent" / "diagnosis" / "rules"
+RULES = Path(__file__).resolve().parent.parent / "diagnosis" / "rules"
 HEALTHY_MEMORY = {"kind": "cuda", "peak_bytes": 3 << 30, "allocated_bytes": 2 << 30, "reserved_bytes": 3 << 29,
                   "inactive_split_bytes": 1 << 20, "alloc_retries": 0, "ooms": 0}
 

@@ -12,8 +12,8 @@ import pytest
 from diagnose_facts import GIB, NDR, facts, gpu, node, port, rank, step, window
 from hypothesis import strategies as st
 
-from gpuwatch.agent.diagnosis import engine
-from gpuwatch.agent.diagnosis.facts import (
+from gpuwatch.diagnosis import engine
+from gpuwatch.diagnosis.facts import (
     BandwidthMeasurement,
     CollectiveFacts,
     CounterSample,
@@ -28,7 +28,7 @@ from gpuwatch.agent.diagnosis.facts import (
     StepFacts,
     medians_of_others,
 )
-from gpuwatch.agent.diagnosis.registry import Severity
+from gpuwatch.diagnosis.registry import Severity
 from gpuwatch.protocol.records import GroupTotals
 from gpuwatch.protocol.schema import STEP_PHASES
 

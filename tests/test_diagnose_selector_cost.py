@@ -30,9 +30,9 @@ sys.path.insert(0, str(BENCHMARKS))
 
 import cluster_diagnosis  # noqa: E402
 
-from gpuwatch.agent.diagnosis.coverage import JOB, Selector  # noqa: E402
-from gpuwatch.agent.diagnosis.registry import REGISTRY  # noqa: E402
-from gpuwatch.agent.diagnosis.sources import outliers, prometheus  # noqa: E402
+from gpuwatch.diagnosis.coverage import JOB, Selector  # noqa: E402
+from gpuwatch.diagnosis.registry import REGISTRY  # noqa: E402
+from gpuwatch.diagnosis.sources import outliers, prometheus  # noqa: E402
 
 from conftest import COLLECTOR_TIMEOUT, require_tool  # noqa: E402
 

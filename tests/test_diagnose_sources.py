@@ -11,13 +11,13 @@ import pytest
 from click.testing import CliRunner
 from telemetry_records import JOB, collectives, hello, step
 
-from gpuwatch.agent.diagnosis import engine
-from gpuwatch.agent.diagnosis.sources import agent as agent_source
-from gpuwatch.agent.diagnosis.sources import gather as sources_gather
-from gpuwatch.agent.diagnosis.sources import prometheus as prometheus_source
-from gpuwatch.agent.diagnosis.sources import run_log
 from gpuwatch.agent.telemetry.window import MIN_WINDOW_STEPS
 from gpuwatch.cli.main import main
+from gpuwatch.diagnosis import engine
+from gpuwatch.diagnosis.sources import agent as agent_source
+from gpuwatch.diagnosis.sources import gather as sources_gather
+from gpuwatch.diagnosis.sources import prometheus as prometheus_source
+from gpuwatch.diagnosis.sources import run_log
 from gpuwatch.trainer.telemetry import TelemetryClient
 
 from conftest import FIXTURES, wait_until

@@ -15,9 +15,9 @@ import statistics
 import pytest
 from click.testing import CliRunner
 
-from gpuwatch.agent.diagnosis.cli import diagnose
-from gpuwatch.agent.diagnosis.rules.performance import micro_batches_for
 from gpuwatch.agent.telemetry.window import PHASE_TIMINGS
+from gpuwatch.diagnosis.cli import diagnose
+from gpuwatch.diagnosis.rules.performance import micro_batches_for
 from gpuwatch.trainer.cli import train
 
 from conftest import AgentProcess, wait_until

@@ -305,7 +305,7 @@ def test_a_rule_short_of_what_gpuwatch_run_cannot_see_says_so():
     generic gap."""
     from diagnose_facts import facts, rank
 
-    from gpuwatch.agent.diagnosis import needs
+    from gpuwatch.diagnosis import needs
 
     outside = facts(ranks=[rank(r, dp=2, unavailable_from_outside=("ddp_bucket_latency",)) for r in (0, 1)])
     reason = needs.COLLECTIVES.available(outside)

@@ -13,9 +13,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Top-level folder -> the import name it is installed under (pyproject.toml's package-dir).
-PACKAGES = {"agent": "gpuwatch.agent", "trainer": "gpuwatch.trainer", "protocol": "gpuwatch.protocol",
-            "cli": "gpuwatch.cli", "alerts": "gpuwatch.alerts", "dashboards": "gpuwatch.dashboards",
-            "plan": "gpuwatch.plan", "report": "gpuwatch.report"}
+PACKAGES = {"agent": "gpuwatch.agent", "diagnosis": "gpuwatch.diagnosis", "trainer": "gpuwatch.trainer",
+            "protocol": "gpuwatch.protocol", "cli": "gpuwatch.cli", "alerts": "gpuwatch.alerts",
+            "dashboards": "gpuwatch.dashboards", "plan": "gpuwatch.plan", "report": "gpuwatch.report"}
 
 
 #: Modules that may import a forbidden name inside a function only (measuring with torch where the package runs
@@ -68,7 +68,10 @@ def _violations(folder: str, forbidden: tuple[str, ...], allowed: tuple[str, ...
     ("protocol", ("torch",), (), "both sides import the protocol, the agent without torch"),
     ("agent", ("gpuwatch.trainer", "gpuwatch.cli"), (), "the agent knows the trainer only by its records"),
     ("protocol", ("gpuwatch.agent", "gpuwatch.trainer", "gpuwatch.cli"), (), "the protocol is neutral"),
-    ("agent/collectors", ("gpuwatch.agent.diagnosis",), (), "collectors measure; diagnosis judges"),
+    ("agent", ("gpuwatch.diagnosis", "gpuwatch.report"), (),
+     "the node agent measures and serves; diagnosis, above it, judges what it serves (and run logs, and Prometheus)"),
+    ("diagnosis", ("torch", "gpuwatch.trainer", "gpuwatch.cli", "gpuwatch.report"), (),
+     "diagnosis runs wherever gpuwatch does, knows the trainer only by its records, and is below the report"),
     ("trainer/parallel", ("gpuwatch.trainer.hooks",), (), "the parallel trainer reads without its instruments"),
     ("trainer", ("gpuwatch.agent", "gpuwatch.cli"), ("gpuwatch.agent.collectors",),
      "the trainer speaks the protocol; it may read its node through the collectors (the probe), never judge"),
@@ -76,7 +79,7 @@ def _violations(folder: str, forbidden: tuple[str, ...], allowed: tuple[str, ...
      "the planner runs without torch, wherever gpuwatch does, and knows nothing of the trainer, which imports it "
      "(the reference model's shape, ModelConfig, is the planner's; its calibration imports torch inside the "
      "function that measures: LAZY_ONLY)"),
-    ("report", ("torch", "gpuwatch.trainer", "gpuwatch.cli", "gpuwatch.plan", "gpuwatch.agent.diagnosis.rules"), (),
+    ("report", ("torch", "gpuwatch.trainer", "gpuwatch.cli", "gpuwatch.plan", "gpuwatch.diagnosis.rules"), (),
      "the report reads what the diagnosis sources read and shows the engine's findings: it judges nothing itself, "
      "and reads a plan as its JSON"),
 ])
@@ -88,15 +91,15 @@ def test_importing_the_agent_the_diagnosis_and_the_report_loads_nothing_of_the_t
     """Transitively, not only the import statements above: a fresh interpreter imports the agent's command, the
     diagnosis engine with every rule, and the report, and holds no module of the trainer's, nor torch."""
     loaded = subprocess.run(
-        [sys.executable, "-c", "import sys, gpuwatch.agent.cli, gpuwatch.agent.diagnosis.engine, "
-         "gpuwatch.agent.diagnosis.rules, gpuwatch.report.cli, gpuwatch.alerts.generate; "
+        [sys.executable, "-c", "import sys, gpuwatch.agent.cli, gpuwatch.diagnosis.engine, "
+         "gpuwatch.diagnosis.rules, gpuwatch.report.cli, gpuwatch.alerts.generate; "
          "print(' '.join(m for m in sys.modules if m.startswith(('gpuwatch.trainer', 'torch'))))"],
         capture_output=True, text=True, check=True, timeout=120)
     assert loaded.stdout.split() == [], loaded.stdout
 
 
 #: The parts whose modules must not use each other's private names (tests may: see `test_no_private_name_...`).
-PRIVATE_CHECKED = ("agent", "trainer", "protocol", "cli", "alerts", "dashboards", "plan", "report")
+PRIVATE_CHECKED = ("agent", "diagnosis", "trainer", "protocol", "cli", "alerts", "dashboards", "plan", "report")
 #: A named tuple's API: public, though spelled with an underscore so as not to clash with its fields.
 NAMED_TUPLE_API = frozenset({"_asdict", "_field_defaults", "_fields", "_make", "_replace"})
 

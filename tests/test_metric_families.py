@@ -21,10 +21,10 @@ from telemetry_records import hello, step
 
 import gpuwatch.agent
 from gpuwatch.agent.collectors.nvml import GPU_GAUGES
-from gpuwatch.agent.diagnosis.sources import prometheus
 from gpuwatch.agent.metricspec import MetricSpec, by_field
 from gpuwatch.agent.sampler import AGENT_INFO
 from gpuwatch.agent.telemetry.metrics import LAST_STEP
+from gpuwatch.diagnosis.sources import prometheus
 from gpuwatch.trainer.telemetry import TelemetryClient
 
 from conftest import wait_until
@@ -33,9 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 #: A metric name in PromQL or Python text; recording rules ("gpuwatch:...") have a colon instead of the underscore.
 METRIC_NAME = re.compile(r"\bgpuwatch_[a-z0-9_]*[a-z0-9]")
 #: The modules whose PromQL must name families through their declarations only.
-READERS = (ROOT / "agent" / "diagnosis" / "sources" / "prometheus.py",
-           ROOT / "agent" / "diagnosis" / "sources" / "outliers.py",
-           ROOT / "agent" / "diagnosis" / "coverage.py")
+READERS = (ROOT / "diagnosis" / "sources" / "prometheus.py",
+           ROOT / "diagnosis" / "sources" / "outliers.py",
+           ROOT / "diagnosis" / "coverage.py")
 
 
 def _specs_in(value: Any) -> Iterator[MetricSpec]:

@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from gpuwatch.agent.diagnosis import engine
-from gpuwatch.agent.diagnosis.rules.plan import GROUP_NAMES
-from gpuwatch.agent.diagnosis.sources import run_log
+from gpuwatch.diagnosis import engine
+from gpuwatch.diagnosis.rules.plan import GROUP_NAMES
+from gpuwatch.diagnosis.sources import run_log
 from gpuwatch.plan.gpus import Calibration
 from gpuwatch.trainer.config import ModelConfig, TrainConfig
 

@@ -11,10 +11,10 @@ from click.testing import CliRunner
 from diagnose_facts import NDR, facts, node, port
 from telemetry_records import probe
 
-from gpuwatch.agent.diagnosis import engine
-from gpuwatch.agent.diagnosis.facts import BandwidthMeasurement
-from gpuwatch.agent.diagnosis.sources import run_log
 from gpuwatch.cli.main import main
+from gpuwatch.diagnosis import engine
+from gpuwatch.diagnosis.facts import BandwidthMeasurement
+from gpuwatch.diagnosis.sources import run_log
 from gpuwatch.trainer.telemetry import TelemetryClient
 
 from conftest import wait_until

@@ -19,15 +19,15 @@ from gpuwatch.agent.collectors.readings import (
     NvmlReadings,
     Reading,
 )
-from gpuwatch.agent.diagnosis.facts import GpuFacts
-from gpuwatch.agent.diagnosis.sources import agent as agent_source
-from gpuwatch.agent.diagnosis.sources import http_json
-from gpuwatch.agent.diagnosis.sources.collectors import GPU_GAUGES_READ, node_facts
 from gpuwatch.agent.metricspec import MetricSpec
 from gpuwatch.agent.sampler import Sampler
 from gpuwatch.agent.server import AgentHTTPServer, serve_in_thread
 from gpuwatch.agent.simulate import PRESETS, Simulation
 from gpuwatch.agent.simulate.fake_nvml import FakeNvml
+from gpuwatch.diagnosis.facts import GpuFacts
+from gpuwatch.diagnosis.sources import agent as agent_source
+from gpuwatch.diagnosis.sources import http_json
+from gpuwatch.diagnosis.sources.collectors import GPU_GAUGES_READ, node_facts
 
 #: The node collectors, by the fields of ``NodeReadings`` (a collector added by docs/architecture.md's recipe adds
 #: one, so this test samples it with no edit here).

@@ -36,16 +36,16 @@ from gpuwatch.agent.collectors import REGISTRY as COLLECTORS
 from gpuwatch.agent.collectors.base import Collector, CollectorError, CollectorResult
 from gpuwatch.agent.collectors.nvml import GPU_GAUGES
 from gpuwatch.agent.collectors.readings import Reading
-from gpuwatch.agent.diagnosis import engine, needs
-from gpuwatch.agent.diagnosis.coverage import Selector
-from gpuwatch.agent.diagnosis.facts import Facts, GpuFacts, NodeFacts, Where
-from gpuwatch.agent.diagnosis.registry import FAMILIES, REGISTRY, Evidence, Issue, Rule, Severity, Threshold, rule
-from gpuwatch.agent.diagnosis.sources import outliers
 from gpuwatch.agent.metricspec import MetricSpec, by_field
 from gpuwatch.agent.simulate.sysfs import SimulatedSysfs
 from gpuwatch.alerts import generate
 from gpuwatch.alerts.rules import Alert, Group
 from gpuwatch.cli.main import main
+from gpuwatch.diagnosis import engine, needs
+from gpuwatch.diagnosis.coverage import Selector
+from gpuwatch.diagnosis.facts import Facts, GpuFacts, NodeFacts, Where
+from gpuwatch.diagnosis.registry import FAMILIES, REGISTRY, Evidence, Issue, Rule, Severity, Threshold, rule
+from gpuwatch.diagnosis.sources import outliers
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
@@ -134,10 +134,10 @@ def test_explain_and_config_read_the_new_rules_threshold(recipe_rule, tmp_path):
 def test_the_runbooks_thresholds_table_is_the_rules_and_takes_a_new_rule(recipe_rule):
     """docs/runbook.md's table of thresholds is generated from the registry: without the recipe's rule the committed
     one is fresh; with it, the table has its row and the committed runbook is stale, which --check says."""
-    from gpuwatch.agent.diagnosis import docs
+    from gpuwatch.diagnosis import docs
 
     assert f"| {CODE} {TITLE} | `max_celsius` = 90 | {needs.GPUS.name} |" in docs.table()
-    assert "python -m gpuwatch.agent.diagnosis.docs" in (docs.stale() or "")
+    assert "python -m gpuwatch.diagnosis.docs" in (docs.stale() or "")
     assert docs.main(["--check"]) == 1
     del REGISTRY[CODE]
     assert docs.stale() is None and docs.main(["--check"]) == 0  # the committed runbook is the registry's

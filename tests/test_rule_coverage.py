@@ -13,11 +13,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from gpuwatch.agent.diagnosis import coverage
-from gpuwatch.agent.diagnosis.coverage import COLLECTORS_DOWN, ENV_MINORITY, STRAGGLERS, Selector, WholeJob
-from gpuwatch.agent.diagnosis.facts import Facts
-from gpuwatch.agent.diagnosis.registry import FAMILIES, REGISTRY, Issue, Rule, Severity, rule
-from gpuwatch.agent.diagnosis.sources import QueryError, outliers
+from gpuwatch.diagnosis import coverage
+from gpuwatch.diagnosis.coverage import COLLECTORS_DOWN, ENV_MINORITY, STRAGGLERS, Selector, WholeJob
+from gpuwatch.diagnosis.facts import Facts
+from gpuwatch.diagnosis.registry import FAMILIES, REGISTRY, Issue, Rule, Severity, rule
+from gpuwatch.diagnosis.sources import QueryError, outliers
 
 
 def _check(facts: Facts, t: types.SimpleNamespace) -> list[Issue]:
@@ -131,6 +131,6 @@ def test_a_rule_declaring_a_new_selector_has_it_asked_its_nodes_read_and_is_not_
 
 def test_the_coverage_module_imports_alone():
     """First in a fresh interpreter, as a rule module imports it: no import cycle may break it."""
-    result = subprocess.run([sys.executable, "-c", "import gpuwatch.agent.diagnosis.coverage"],
+    result = subprocess.run([sys.executable, "-c", "import gpuwatch.diagnosis.coverage"],
                             capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr

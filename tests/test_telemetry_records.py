@@ -19,12 +19,12 @@ import msgspec
 import pytest
 from telemetry_records import JOB, collectives, hello, probe, progress, step
 
-from gpuwatch.agent.diagnosis.sources import SourceError, run_log
-from gpuwatch.agent.diagnosis.sources import agent as agent_source
 from gpuwatch.agent.snapshot import json_safe
 from gpuwatch.agent.telemetry.readings import RankCounters, RankReadings, SampledSignals
 from gpuwatch.agent.telemetry.rounds import StateReadings, rank_readings
 from gpuwatch.agent.telemetry.store import TelemetryStore
+from gpuwatch.diagnosis.sources import SourceError, run_log
+from gpuwatch.diagnosis.sources import agent as agent_source
 from gpuwatch.protocol import records, schema
 from gpuwatch.trainer.telemetry import TelemetryClient
 
@@ -219,10 +219,8 @@ def test_a_malformed_rank_in_an_agents_state_is_a_source_error_saying_where(rank
 
 # --- no string keys on record bodies in the agent's telemetry and the diagnosis sources -------------------------------
 
-SOURCES = Path(agent_source.__file__).parent
-AGENT = SOURCES.parent.parent
-#: The files that read telemetry (relative to the agent package); each may read these string keys, for the reason
-#: given.
+ROOT = Path(__file__).resolve().parent.parent
+#: The files that read telemetry (relative to the repository); each may read these string keys, for the reason given.
 ALLOWED_STRING_KEYS = {
     "diagnosis/sources/agent.py": (
         frozenset({"agent", "node", "mode", "facts", "collectors", "last_error", "partial_errors", "timestamp"}),
@@ -230,13 +228,13 @@ ALLOWED_STRING_KEYS = {
     "diagnosis/sources/run_log.py": (frozenset(), ""),
     "diagnosis/sources/telemetry.py": (frozenset(), ""),
     "diagnosis/sources/local.py": (frozenset(), ""),
-    "telemetry/series.py": (frozenset({"memory", "default"}),
+    "agent/telemetry/series.py": (frozenset({"memory", "default"}),
                             "the store's sampled signals by name (``SAMPLED_FIELDS``), and the default process group "
                             "among a hello's backends: mappings, not record fields"),
-    "telemetry/window.py": (frozenset({"step", "time", "loss", "grad_norm", "param_checksum", "bubble_ratio"}),
+    "agent/telemetry/window.py": (frozenset({"step", "time", "loss", "grad_norm", "param_checksum", "bubble_ratio"}),
                             "``StepPoint.from_dict`` reads a point's own JSON form back from /api/v1/state, and a "
                             "summary its medians by timing"),
-    **{f"telemetry/{path.name}": (frozenset(), "") for path in (AGENT / "telemetry").glob("*.py")
+    **{f"agent/telemetry/{path.name}": (frozenset(), "") for path in (ROOT / "agent" / "telemetry").glob("*.py")
        if path.name not in {"series.py", "window.py"}},
 }
 
@@ -257,11 +255,12 @@ def _string_keys(path: Path) -> set[str]:
 @pytest.mark.parametrize("name", ALLOWED_STRING_KEYS)
 def test_telemetry_is_read_by_attribute_not_by_string_key(name):
     allowed, _why = ALLOWED_STRING_KEYS[name]
-    assert _string_keys(AGENT / name) - allowed == set()
+    assert _string_keys(ROOT / name) - allowed == set()
 
 
 def test_every_telemetry_module_is_checked():
-    assert {f"telemetry/{path.name}" for path in (AGENT / "telemetry").glob("*.py")} <= ALLOWED_STRING_KEYS.keys()
+    assert {f"agent/telemetry/{path.name}" for path in (ROOT / "agent" / "telemetry").glob("*.py")} \
+        <= ALLOWED_STRING_KEYS.keys()
 
 
 def test_the_string_key_check_finds_both_forms(tmp_path):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from gpuwatch.agent.diagnosis.facts import Facts, RankFacts, Where, describe_ranks, group_by, may_use_nccl
-from gpuwatch.agent.diagnosis.registry import Evidence
 from gpuwatch.agent.telemetry.window import MIN_WINDOW_STEPS
+from gpuwatch.diagnosis.facts import Facts, RankFacts, Where, describe_ranks, group_by, may_use_nccl
+from gpuwatch.diagnosis.registry import Evidence
 
 #: Evidence lines per finding; the rest are summarised, so a 1,024-node cluster gets a readable report.
 MAX_EVIDENCE = 10

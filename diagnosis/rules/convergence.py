@@ -8,9 +8,10 @@ import math
 import types
 from collections.abc import Iterator
 
-from gpuwatch.agent.diagnosis import needs
-from gpuwatch.agent.diagnosis.coverage import GRADIENTS_ALIKE, NONFINITE_OR_EXPLODING, REPLICAS_DIVERGED, WholeJob
-from gpuwatch.agent.diagnosis.facts import (
+from gpuwatch.agent.telemetry.window import MIN_WINDOW_STEPS
+from gpuwatch.diagnosis import needs
+from gpuwatch.diagnosis.coverage import GRADIENTS_ALIKE, NONFINITE_OR_EXPLODING, REPLICAS_DIVERGED, WholeJob
+from gpuwatch.diagnosis.facts import (
     Facts,
     RankFacts,
     Where,
@@ -20,9 +21,8 @@ from gpuwatch.agent.diagnosis.facts import (
     median,
     rank_list,
 )
-from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
-from gpuwatch.agent.diagnosis.rules.common import capped
-from gpuwatch.agent.telemetry.window import MIN_WINDOW_STEPS
+from gpuwatch.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
+from gpuwatch.diagnosis.rules.common import capped
 
 FAMILY = "convergence"
 

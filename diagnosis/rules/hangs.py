@@ -26,9 +26,9 @@ import re
 import types
 from collections.abc import Iterator
 
-from gpuwatch.agent.diagnosis import needs
-from gpuwatch.agent.diagnosis.coverage import NO_STEP_SINCE_HELLO, RANK_OVERDUE_DEAD_OR_FAILED
-from gpuwatch.agent.diagnosis.facts import (
+from gpuwatch.diagnosis import needs
+from gpuwatch.diagnosis.coverage import NO_STEP_SINCE_HELLO, RANK_OVERDUE_DEAD_OR_FAILED
+from gpuwatch.diagnosis.facts import (
     Facts,
     InFlightFacts,
     RankFacts,
@@ -38,8 +38,8 @@ from gpuwatch.agent.diagnosis.facts import (
     group_members,
     rank_list,
 )
-from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
-from gpuwatch.agent.diagnosis.rules.common import capped
+from gpuwatch.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
+from gpuwatch.diagnosis.rules.common import capped
 from gpuwatch.protocol.schema import P2P_OPS
 
 FAMILY = "hangs"

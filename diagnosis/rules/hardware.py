@@ -5,8 +5,8 @@ from __future__ import annotations
 import types
 from collections.abc import Iterator
 
-from gpuwatch.agent.diagnosis import needs
-from gpuwatch.agent.diagnosis.coverage import (
+from gpuwatch.diagnosis import needs
+from gpuwatch.diagnosis.coverage import (
     COLLECTORS_DOWN,
     GPU_FAULTY,
     GPU_SLOWDOWN,
@@ -14,9 +14,9 @@ from gpuwatch.agent.diagnosis.coverage import (
     NVLINK_DOWN,
     PCIE_BELOW_MAX,
 )
-from gpuwatch.agent.diagnosis.facts import SLOWDOWN_REASONS, Facts, Where, gbit, group_by
-from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
-from gpuwatch.agent.diagnosis.rules.common import capped, ratio_text
+from gpuwatch.diagnosis.facts import SLOWDOWN_REASONS, Facts, Where, gbit, group_by
+from gpuwatch.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
+from gpuwatch.diagnosis.rules.common import capped, ratio_text
 
 FAMILY = "hardware"
 LOAD = Threshold(0.3, "a GPU busier than this is under load; idle GPUs drop their PCIe generation and clocks to "

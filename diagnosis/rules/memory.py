@@ -6,11 +6,11 @@ import itertools
 import types
 from collections.abc import Iterator
 
-from gpuwatch.agent.diagnosis import needs
-from gpuwatch.agent.diagnosis.coverage import ENV_MINORITY, MEMORY_PRESSURE, WholeJob
-from gpuwatch.agent.diagnosis.facts import Facts, gib
-from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
-from gpuwatch.agent.diagnosis.rules.common import capped, ratio_text
+from gpuwatch.diagnosis import needs
+from gpuwatch.diagnosis.coverage import ENV_MINORITY, MEMORY_PRESSURE, WholeJob
+from gpuwatch.diagnosis.facts import Facts, gib
+from gpuwatch.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
+from gpuwatch.diagnosis.rules.common import capped, ratio_text
 
 FAMILY = "memory"
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import types
 from collections.abc import Iterator
 
-from gpuwatch.agent.diagnosis import needs
-from gpuwatch.agent.diagnosis.coverage import COLLECTIVE_TAIL, ENV_MINORITY, IB_PORT_UNHEALTHY, NCCL_SOCKET_IFNAME
-from gpuwatch.agent.diagnosis.facts import Facts, InterfaceFacts, Where, may_use_nccl
-from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
-from gpuwatch.agent.diagnosis.rules.common import capped, env_scopes
+from gpuwatch.diagnosis import needs
+from gpuwatch.diagnosis.coverage import COLLECTIVE_TAIL, ENV_MINORITY, IB_PORT_UNHEALTHY, NCCL_SOCKET_IFNAME
+from gpuwatch.diagnosis.facts import Facts, InterfaceFacts, Where, may_use_nccl
+from gpuwatch.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
+from gpuwatch.diagnosis.rules.common import capped, env_scopes
 from gpuwatch.protocol.interconnect import env_flag
 
 FAMILY = "network config"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from gpuwatch.agent.diagnosis.facts import (
+from gpuwatch.diagnosis.facts import (
     Facts,
     InterfaceFacts,
     NicTraffic,

@@ -11,8 +11,9 @@ import statistics
 import types
 from collections.abc import Iterator
 
-from gpuwatch.agent.diagnosis import needs
-from gpuwatch.agent.diagnosis.coverage import (
+from gpuwatch.agent.telemetry.window import BUSY, PHASE_TIMINGS
+from gpuwatch.diagnosis import needs
+from gpuwatch.diagnosis.coverage import (
     INPUT_WAIT,
     PIPELINE_BUBBLE,
     PIPELINE_STAGES_UNBALANCED,
@@ -20,7 +21,7 @@ from gpuwatch.agent.diagnosis.coverage import (
     STRAGGLERS,
     WholeJob,
 )
-from gpuwatch.agent.diagnosis.facts import (
+from gpuwatch.diagnosis.facts import (
     RATED_BY,
     BandwidthMeasurement,
     Facts,
@@ -33,10 +34,9 @@ from gpuwatch.agent.diagnosis.facts import (
     medians_of_others,
     rank_list,
 )
-from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
-from gpuwatch.agent.diagnosis.rules import paths
-from gpuwatch.agent.diagnosis.rules.common import capped, cpu_sharing, ratio_text, window_text, windowed
-from gpuwatch.agent.telemetry.window import BUSY, PHASE_TIMINGS
+from gpuwatch.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
+from gpuwatch.diagnosis.rules import paths
+from gpuwatch.diagnosis.rules.common import capped, cpu_sharing, ratio_text, window_text, windowed
 from gpuwatch.plan.compute import ZERO_BUBBLE_SCHEDULES, micro_batches_for, schedule_bubble
 from gpuwatch.protocol.schema import STEP_PHASES
 

@@ -20,11 +20,11 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from gpuwatch.agent.diagnosis import needs
-from gpuwatch.agent.diagnosis.coverage import WholeJob
-from gpuwatch.agent.diagnosis.facts import Facts, RankFacts, Where, describe_ranks, gib
-from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Need, Severity, Threshold, rule
-from gpuwatch.agent.diagnosis.rules.common import window_text, windowed
+from gpuwatch.diagnosis import needs
+from gpuwatch.diagnosis.coverage import WholeJob
+from gpuwatch.diagnosis.facts import Facts, RankFacts, Where, describe_ranks, gib
+from gpuwatch.diagnosis.registry import Evidence, Issue, Need, Severity, Threshold, rule
+from gpuwatch.diagnosis.rules.common import window_text, windowed
 from gpuwatch.plan.calibrate import LINKS
 from gpuwatch.plan.gpus import DEFAULT_EFFICIENCY, Cluster, GpuSpec, preset_for
 from gpuwatch.plan.model import ModelError, from_record

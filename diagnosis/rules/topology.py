@@ -5,11 +5,11 @@ from __future__ import annotations
 import types
 from collections.abc import Iterator
 
-from gpuwatch.agent.diagnosis import needs
-from gpuwatch.agent.diagnosis.coverage import WholeJob
-from gpuwatch.agent.diagnosis.facts import Facts, group_by, rank_list
-from gpuwatch.agent.diagnosis.registry import Evidence, Issue, Severity, rule
-from gpuwatch.agent.diagnosis.rules.common import capped
+from gpuwatch.diagnosis import needs
+from gpuwatch.diagnosis.coverage import WholeJob
+from gpuwatch.diagnosis.facts import Facts, group_by, rank_list
+from gpuwatch.diagnosis.registry import Evidence, Issue, Severity, rule
+from gpuwatch.diagnosis.rules.common import capped
 
 FAMILY = "topology"
 

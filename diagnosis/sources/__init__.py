@@ -13,7 +13,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from gpuwatch.agent.diagnosis.sources.httpconfig import HttpConfig
+from gpuwatch.diagnosis.sources.httpconfig import HttpConfig
 
 #: Seconds an HTTP source waits for an answer.
 HTTP_TIMEOUT = 10.0

@@ -8,11 +8,11 @@ from typing import Any
 import msgspec
 
 from gpuwatch.agent.collectors.readings import NodeReadings
-from gpuwatch.agent.diagnosis.facts import Facts, SourceInfo
-from gpuwatch.agent.diagnosis.sources import HTTP_TIMEOUT, SourceError, http_json
-from gpuwatch.agent.diagnosis.sources.collectors import PARTS, node_facts
-from gpuwatch.agent.diagnosis.sources.telemetry import bandwidth, rank_facts
 from gpuwatch.agent.telemetry.readings import TelemetryReadings
+from gpuwatch.diagnosis.facts import Facts, SourceInfo
+from gpuwatch.diagnosis.sources import HTTP_TIMEOUT, SourceError, http_json
+from gpuwatch.diagnosis.sources.collectors import PARTS, node_facts
+from gpuwatch.diagnosis.sources.telemetry import bandwidth, rank_facts
 from gpuwatch.protocol.records import convert
 
 STATE_PATH = "/api/v1/state"

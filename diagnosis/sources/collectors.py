@@ -14,7 +14,8 @@ from gpuwatch.agent.collectors.readings import (
     NodeReadings,
     NvlinkReading,
 )
-from gpuwatch.agent.diagnosis.facts import (
+from gpuwatch.agent.metricspec import MetricSpec
+from gpuwatch.diagnosis.facts import (
     CounterSample,
     GpuFacts,
     IbPortFacts,
@@ -22,7 +23,6 @@ from gpuwatch.agent.diagnosis.facts import (
     NodeFacts,
     NvlinkFacts,
 )
-from gpuwatch.agent.metricspec import MetricSpec
 
 #: Which node part each collector fills.
 PARTS = {"nvml": "gpus", "nvlink": "nvlinks", "infiniband": "ib_ports", "host": "interfaces"}

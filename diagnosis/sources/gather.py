@@ -9,11 +9,11 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from gpuwatch.agent.diagnosis import engine
-from gpuwatch.agent.diagnosis.facts import Facts
-from gpuwatch.agent.diagnosis.sources import SourceError, agent, local, prometheus, run_log
-from gpuwatch.agent.diagnosis.sources.httpconfig import HttpConfig
 from gpuwatch.agent.server import DEFAULT_PORT
+from gpuwatch.diagnosis import engine
+from gpuwatch.diagnosis.facts import Facts
+from gpuwatch.diagnosis.sources import SourceError, agent, local, prometheus, run_log
+from gpuwatch.diagnosis.sources.httpconfig import HttpConfig
 
 #: Where ``gpuwatch diagnose`` without a source looks for the node's agent (ranks' environment and telemetry).
 DEFAULT_AGENT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"

@@ -13,8 +13,8 @@ import pynvml
 
 from gpuwatch.agent.collectors import REGISTRY, CollectorContext
 from gpuwatch.agent.collectors.readings import NodeReadings
-from gpuwatch.agent.diagnosis.facts import Facts, SourceInfo
-from gpuwatch.agent.diagnosis.sources.collectors import PARTS, node_facts
+from gpuwatch.diagnosis.facts import Facts, SourceInfo
+from gpuwatch.diagnosis.sources.collectors import PARTS, node_facts
 from gpuwatch.protocol.schema import env_name_allowed
 
 

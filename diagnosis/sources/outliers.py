@@ -43,20 +43,6 @@ from gpuwatch.agent.collectors.nvml import (
     ROW_REMAP_PENDING,
     XID_ERRORS,
 )
-from gpuwatch.agent.diagnosis import rules as _catalogue  # noqa: F401 - the thresholds of every rule, registered
-from gpuwatch.agent.diagnosis.coverage import (
-    DECLARED,
-    ENV_MINORITY,
-    INSTANCE,
-    RANK,
-    EnvMinority,
-    Selector,
-    Thresholds,
-    WholeJob,
-)
-from gpuwatch.agent.diagnosis.facts import SLOWDOWN_REASONS, Peers, Unjudged
-from gpuwatch.agent.diagnosis.registry import REGISTRY, Rule
-from gpuwatch.agent.diagnosis.sources import WINDOW, QueryError
 from gpuwatch.agent.metricspec import by_field
 from gpuwatch.agent.sampler import AGENT_INFO, COLLECTOR_UP
 from gpuwatch.agent.telemetry.metrics import (
@@ -75,6 +61,20 @@ from gpuwatch.agent.telemetry.metrics import (
     WINDOW_MEDIAN,
 )
 from gpuwatch.agent.telemetry.window import BUSY, MIN_WINDOW_STEPS, PHASE_TIMINGS
+from gpuwatch.diagnosis import rules as _catalogue  # noqa: F401 - the thresholds of every rule, registered
+from gpuwatch.diagnosis.coverage import (
+    DECLARED,
+    ENV_MINORITY,
+    INSTANCE,
+    RANK,
+    EnvMinority,
+    Selector,
+    Thresholds,
+    WholeJob,
+)
+from gpuwatch.diagnosis.facts import SLOWDOWN_REASONS, Peers, Unjudged
+from gpuwatch.diagnosis.registry import REGISTRY, Rule
+from gpuwatch.diagnosis.sources import WINDOW, QueryError
 
 #: Selector queries in flight at once: enough to keep a multi-core engine busy, few enough not to crowd it.
 PARALLEL_QUERIES = 4

@@ -47,31 +47,6 @@ from gpuwatch.agent.collectors.nvml import (
     ROW_REMAP_PENDING,
     XID_ERRORS,
 )
-from gpuwatch.agent.diagnosis import needs
-from gpuwatch.agent.diagnosis.facts import (
-    BandwidthMeasurement,
-    CollectiveFacts,
-    Facts,
-    GpuFacts,
-    History,
-    IbPortFacts,
-    InFlightFacts,
-    InterfaceFacts,
-    Layout,
-    NodeFacts,
-    NvlinkFacts,
-    ProgressFacts,
-    RankFacts,
-    Sampled,
-    SourceInfo,
-    StepFacts,
-    Unjudged,
-    group_members,
-)
-from gpuwatch.agent.diagnosis.registry import REGISTRY
-from gpuwatch.agent.diagnosis.sources import HTTP_TIMEOUT, WINDOW, Meter, QueryError, SourceError, http_json, outliers
-from gpuwatch.agent.diagnosis.sources.collectors import GPU_GAUGES_READ, PARTS, hca_model, read_by
-from gpuwatch.agent.diagnosis.sources.httpconfig import HttpConfig
 from gpuwatch.agent.sampler import AGENT_INFO, COLLECTOR_UP
 from gpuwatch.agent.telemetry.metrics import (
     CALLS,
@@ -101,6 +76,31 @@ from gpuwatch.agent.telemetry.metrics import (
     WINDOW_MEDIAN,
 )
 from gpuwatch.agent.telemetry.window import WindowSummary
+from gpuwatch.diagnosis import needs
+from gpuwatch.diagnosis.facts import (
+    BandwidthMeasurement,
+    CollectiveFacts,
+    Facts,
+    GpuFacts,
+    History,
+    IbPortFacts,
+    InFlightFacts,
+    InterfaceFacts,
+    Layout,
+    NodeFacts,
+    NvlinkFacts,
+    ProgressFacts,
+    RankFacts,
+    Sampled,
+    SourceInfo,
+    StepFacts,
+    Unjudged,
+    group_members,
+)
+from gpuwatch.diagnosis.registry import REGISTRY
+from gpuwatch.diagnosis.sources import HTTP_TIMEOUT, WINDOW, Meter, QueryError, SourceError, http_json, outliers
+from gpuwatch.diagnosis.sources.collectors import GPU_GAUGES_READ, PARTS, hca_model, read_by
+from gpuwatch.diagnosis.sources.httpconfig import HttpConfig
 from gpuwatch.protocol.ranks import parse_members
 
 #: How far back the per-step host RSS history reaches, and its resolution.

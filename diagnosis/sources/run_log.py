@@ -16,13 +16,13 @@ import dataclasses
 import math
 from pathlib import Path
 
-from gpuwatch.agent.diagnosis.facts import Facts, History, SourceInfo, StepRow
-from gpuwatch.agent.diagnosis.sources import SourceError
-from gpuwatch.agent.diagnosis.sources.telemetry import bandwidth, rank_facts
 from gpuwatch.agent.snapshot import json_safe
 from gpuwatch.agent.telemetry.readings import RankReadings
 from gpuwatch.agent.telemetry.rounds import rank_readings
 from gpuwatch.agent.telemetry.store import TelemetryStore
+from gpuwatch.diagnosis.facts import Facts, History, SourceInfo, StepRow
+from gpuwatch.diagnosis.sources import SourceError
+from gpuwatch.diagnosis.sources.telemetry import bandwidth, rank_facts
 from gpuwatch.protocol.records import Step, convert
 from gpuwatch.protocol.schema import MAX_RANK, RecordRejected, decode
 

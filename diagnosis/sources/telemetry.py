@@ -7,7 +7,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gpuwatch.agent.diagnosis.facts import (
+from gpuwatch.agent.telemetry.readings import RankReadings, SampledAt
+from gpuwatch.agent.telemetry.store import SAMPLED_FIELDS, probe_peaks
+from gpuwatch.agent.telemetry.window import StepPoint, summarize
+from gpuwatch.diagnosis.facts import (
     BandwidthMeasurement,
     CollectiveFacts,
     History,
@@ -20,9 +23,6 @@ from gpuwatch.agent.diagnosis.facts import (
     Workload,
     group_members,
 )
-from gpuwatch.agent.telemetry.readings import RankReadings, SampledAt
-from gpuwatch.agent.telemetry.store import SAMPLED_FIELDS, probe_peaks
-from gpuwatch.agent.telemetry.window import StepPoint, summarize
 from gpuwatch.protocol.records import CollectiveTotals, Hello, Memory, Probe, Progress, Step
 from gpuwatch.protocol.schema import COLLECTIVE_BUCKETS, STEP_PHASES
 

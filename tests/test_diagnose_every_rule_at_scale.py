@@ -164,8 +164,7 @@ SCENARIOS: dict[str, Scenario] = {
 }
 #: Rules Prometheus cannot show what they judge, with the reason diagnose gives for not running them (their fault is
 #: planted all the same, so that the reason is the only one).
-NOT_PLANTED = {"NCCL003": "network interfaces are not exported to Prometheus",
-               # what a job trains (its hellos' model shape and batch) is not exported: the plan cannot be made
+NOT_PLANTED = {  # what a job trains (its hellos' model shape and batch) is not exported: the plan cannot be made
                "PLAN001": "Prometheus does not export", "PLAN002": "Prometheus does not export"}
 
 

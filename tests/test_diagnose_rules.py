@@ -789,6 +789,21 @@ def test_perf004_reads_the_nics_counters_over_the_step_window_and_names_a_slow_s
     assert not [e for e in finding.evidence if "interface" in e.values or "slow_side" in e.values]
 
 
+def test_perf004_rates_a_network_its_links_do_not_by_the_jobs_own_probe_across_it():
+    """NICs whose speed no source gives (Prometheus from an older agent, a driver that does not say): the job's own
+    `gpuwatch probe` across the nodes measured 8 Gb/s, and 77 Mb/s of bus bandwidth is 1 % of that, a slow network;
+    another job's probe, or one inside a node, rates nothing."""
+    ranks = _over_two_nodes({r: 1.3 for r in range(4)})
+    probe = BandwidthMeasurement("node-a", "socket", "all_reduce", 4 << 20, 1e9, 4, job="job-1")
+    (finding,) = fired("PERF004", facts(_nic_nodes(speed=None, mgmt=None), ranks, bandwidth=[probe]))
+    assert "on a slow network" in finding.title and "of its rated 8 Gb/s" in finding.title, finding.title
+    (bandwidth,) = [e for e in finding.evidence if "busbw_bytes_per_second" in e.values]
+    assert "gpuwatch probe measured 8 Gb/s of all_reduce bus bandwidth on it (socket)" in bandwidth.text
+    for other in (dataclasses.replace(probe, job="job-2"), dataclasses.replace(probe, interconnect="loopback")):
+        (finding,) = fired("PERF004", facts(_nic_nodes(speed=None, mgmt=None), ranks, bandwidth=[other]))
+        assert "the path's rating is unknown" in finding.title
+
+
 def test_perf004_a_heavy_job_on_a_healthy_network_keeps_the_job_shaped_fix():
     """1 GiB a step in 1.3 s is 9.9 Gb/s of bus bandwidth on 10 Gb/s NICs: the path is healthy, the job heavy."""
     ranks = _over_two_nodes({r: 1.3 for r in range(4)}, sync_bytes=2**30)

@@ -140,7 +140,28 @@ def _socket_interface(node: NodeFacts, wanted: str | None) -> InterfaceFacts | N
     return max(with_address, key=lambda i: i.speed_bytes_per_second or 0.0, default=None)
 
 
+#: The interconnects a probe classifies (``schema.INTERCONNECTS``) that cross nodes.
+ACROSS_NODES = ("infiniband", "roce", "socket")
+
+
 def path_of(facts: Facts, ranks: Sequence[RankFacts], achieved_group: Achieved) -> Path:
+    """The path of one group, rated by its links (``_linked_path``), or, across nodes where they give no rating, by
+    what the job's own `gpuwatch probe` measured across its nodes: the best bus bandwidth of its ops, the network's
+    proven capacity. (Inside a node an unrated path stays unrated: loopback or PCIe is no network to repair.)"""
+    path = _linked_path(facts, ranks, achieved_group)
+    if path.rating is not None or not path.crosses:
+        return path
+    job = ranks[0].job if ranks else None
+    probed = [m for m in facts.bandwidth or () if m.job == job and m.interconnect in ACROSS_NODES]
+    if not probed:
+        return path
+    best = max(probed, key=lambda m: m.busbw_bytes_per_second)
+    return dataclasses.replace(path, rating=best.busbw_bytes_per_second, how=(
+        f"gpuwatch probe measured {rate_text(best.busbw_bytes_per_second)} of {best.op} bus bandwidth on it "
+        f"({best.interconnect}), where its links give no rating: {path.how}"))
+
+
+def _linked_path(facts: Facts, ranks: Sequence[RankFacts], achieved_group: Achieved) -> Path:
     """The path of one group: across nodes, InfiniBand/RoCE for NCCL where the nodes have active ports, else the
     sockets over each node's NIC (its speed the rating, the slowest node's); inside a node, NVLink for NCCL where
     the GPUs have links up. Loopback, PCIe and unknown parts have no rating."""

@@ -503,16 +503,16 @@ def communication_bound(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issu
 
     Slow network or heavy job: the finding states the bus bandwidth each process group achieved (its bytes over its
     seconds, nccl-tests' conventions: algbw × 2(n−1)/n for all-reduce, × (n−1)/n for all-gather and reduce-scatter;
-    https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md) against what the group's path is rated
-    for: across nodes, InfiniBand/RoCE from the ports' rate for NCCL, else the sockets over each node's NIC, rated
-    at its link speed (/sys/class/net/NAME/speed, the NIC NCCL_SOCKET_IFNAME or GLOO_SOCKET_IFNAME names); inside a
-    node, NVLink for NCCL. It names the nodes and NICs, and, from the agents' counter samples, what each node's NIC
+    https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md) against what the group's path is rated for:
+    across nodes, InfiniBand/RoCE from the ports' rate for NCCL, else the sockets over each node's NIC, rated at its
+    link speed (/sys/class/net/NAME/speed, the NIC NCCL_SOCKET_IFNAME or GLOO_SOCKET_IFNAME names); inside a node,
+    NVLink for NCCL; across nodes whose links give no rating, the best bus bandwidth the job's own `gpuwatch probe`
+    measured across them. It names the nodes and NICs, and, from the agents' counter samples, what each node's NIC
     carried over the step window (the group's cross-node part) and the slow side where the counters single one out
     (``paths.slow_side``: the only NIC with errors or drops, or one far busier against its own speed). Below
-    min_path_fraction of the rating the network is slow,
-    and the fix is the link, the NIC or the transport (a fallback to sockets), not the job; else the job is heavy,
-    and the fix follows its kind of data parallelism: DDP (buckets, no_sync) or sharded (FSDP/ZeRO-3:
-    reshard_after_forward, prefetch, hybrid sharding, not sharding a model that fits).
+    min_path_fraction of the rating the network is slow, and the fix is the link, the NIC or the transport (a fallback
+    to sockets), not the job; else the job is heavy, and the fix follows its kind of data parallelism: DDP (buckets,
+    no_sync) or sharded (FSDP/ZeRO-3: reshard_after_forward, prefetch, hybrid sharding, not sharding a model that fits).
 
     Never judged from a partial view: a source that sees fewer of the job's ranks than its world size (the
     hellos' layout; an agent on one node of several) cannot tell transfer from waiting for a rank it does not see,

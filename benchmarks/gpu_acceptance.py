@@ -412,7 +412,8 @@ def agent_load(ctx: Context) -> Outcome:
 #: run measures 3 s after 1 s, scraping every second.
 COST_WINDOWS = {1.0: (2.0, 20.0, 5.0), 5.0: (5.0, 30.0, 15.0)}
 DRY_RUN_COST_WINDOW = (1.0, 3.0, 1.0)
-#: What the simulated node costs (benchmarks/README.md, agent proper: the simulation's own share taken out).
+#: What the simulated node costs (benchmarks/CHANGELOG.md, Agent cost, agent proper: the simulation's own share
+#: taken out).
 SIMULATED_COST = "simulated dgx-h100 with 64 ranks: 1.45-1.70 % of a core at 1 s, 0.74 % at 5 s, RSS 47-50 MB"
 
 

@@ -128,8 +128,9 @@ def instructions(tree: Path, stage: str, rounds: int, workload: Path) -> int:
     return int(found.group(1))
 
 
-#: The gate's baseline: read and render of 64 ranks, 6 rounds, on 2026-12-05 (benchmarks/README.md, "Refactor
-#: (issue 37)": 113.77 M once the agent decoded records straight into typed structs; 123.42 M after the split),
+#: The gate's baseline: read and render of 64 ranks, 6 rounds, on 2026-12-05 (benchmarks/README.md, "Instructions
+#: counted": 113.77 M once the agent decoded records straight into typed structs; 123.42 M after the split,
+#: benchmarks/CHANGELOG.md, "Refactor (issue 37)"),
 #: CPython 3.11.7; and the margin a change may add before it fails. The
 #: agent's targets hold with room at this count (0.7 % of a core at 1 s sampling): tuning below it is no longer asked
 #: for, unless the change also makes the code simpler.

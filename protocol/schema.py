@@ -409,10 +409,11 @@ def encode(record: Mapping[str, Any]) -> bytes:
 # --- validation: small composable fields, each stated once in two forms --------------------------------------------
 #
 # A step record is checked 64 times a second on a node of 64 ranks. ``check``, in Python, costs ~16 µs a step record;
-# msgspec (https://jcristharif.com/msgspec/), which parses and checks against a type in C, ~5 µs (benchmarks/README.md,
-# Agent cost), straight into the typed body (``protocol.records``). Each field below states its rule once and yields
-# both forms: a record msgspec accepts is one ``check`` accepts, decoded to the same body; anything msgspec refuses,
-# ``check`` judges whole, and its verdict (and reason code) stands, its body then converted to the same struct.
+# msgspec (https://jcristharif.com/msgspec/), which parses and checks against a type in C, ~5 µs
+# (benchmarks/CHANGELOG.md, Agent cost), straight into the typed body (``protocol.records``). Each field below states
+# its rule once and yields both forms: a record msgspec accepts is one ``check`` accepts, decoded to the same body;
+# anything msgspec refuses, ``check`` judges whole, and its verdict (and reason code) stands, its body then converted
+# to the same struct.
 # tests/test_telemetry_schema.py holds the two to that.
 
 

@@ -78,7 +78,7 @@ BATCH_SECONDS = 0.05
 #: How long a submitted step record may wait on the client, to reach the agent folded into a later one (the schema's
 #: ``folded``: one datagram carries up to 1 + MAX_FOLDED_STEPS steps). The agent pays per datagram far more than per
 #: step (waking its receiver, decoding, applying with cold caches): 64 ranks stepping once a second cost it ~0.4 % of
-#: a core as 64 datagrams a second, ~0.25 % as ~15 folded ones, and another ~0.08 % less as ~7 (benchmarks/README.md,
+#: a core as 64 datagrams a second, ~0.25 % as ~15 folded ones, and another ~0.08 % less as ~7 (benchmarks/CHANGELOG.md,
 #: Agent cost). 10 s is shorter than the shortest usual scrape interval (15 s), so every scrape still finds each
 #: stepping rank moved since the one before, and no alert or rule looks closer than a minute. The first step after a
 #: quiet spell goes at once; a step carrying news (``_plain``: a memory reading, a sampled signal, ``unavailable``, a

@@ -4,7 +4,7 @@ kernel serves them.
 psutil opens, reads, parses and closes a file on every call and builds a named tuple of every field. The host
 collector needs three of them every round, in a thread woken once a round with its caches cold: in an idle agent at
 1 s sampling ``cpu_times`` took 0.15 ms, ``virtual_memory`` 0.12 ms and the agent's own ``memory_info`` 0.06 ms of
-the host round's ~0.45 ms (thread CPU clock), against 24, 47 and 19 µs warm in a loop (benchmarks/README.md, Agent
+the host round's ~0.45 ms (thread CPU clock), against 24, 47 and 19 µs warm in a loop (benchmarks/CHANGELOG.md, Agent
 cost). Here each file is opened once and read again with ``pread(2)`` at offset 0, at which procfs generates it anew
 (as the infiniband collector re-reads its sysfs files), and only what the collector exports is parsed. The host
 collector falls back to psutil where the files cannot be opened (``open_counters``), and for the memory figures where

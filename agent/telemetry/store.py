@@ -6,7 +6,7 @@ and applying them is done in a batch by the next reader, under the store's lock 
 (``sender_pids`` excepted) sees every record received before it, in order, as if each had been applied on arrival.
 Applied one at a time as they arrive (64 ranks' records spread over a second, each a wake-up of a thread with cold
 caches) a step record cost ~90 µs of the receiver's CPU; in a batch, ~57 µs with the schema checked in Python, ~40 µs
-since msgspec checks it in C (benchmarks/README.md, Agent cost). Past ``MAX_PENDING_BYTES`` the receiver applies the
+since msgspec checks it in C (benchmarks/CHANGELOG.md, Agent cost). Past ``MAX_PENDING_BYTES`` the receiver applies the
 oldest itself.
 
 Memory is bounded by ``max_ranks`` × one record of each kind (records are at most ``MAX_RECORD_BYTES``), the
@@ -66,7 +66,7 @@ DEFAULT_MAX_JOBS = 16
 #: read in one batch: the telemetry collector reads when a round is first used (a render ahead of a scrape, a scrape, a
 #: state request), so at a 15 s scrape interval 64 ranks folding their steps leave ~96 datagrams, ~350 KB, applied one
 #: after another with warm caches at ~85–100 µs of CPU each, against ~200–250 µs in the receiver's batches of ~11 when
-#: it applied past 32 KiB (benchmarks/README.md, Agent cost). 1 MiB is ~45 s of those 64 ranks' records: more than a
+#: it applied past 32 KiB (benchmarks/CHANGELOG.md, Agent cost). 1 MiB is ~45 s of those 64 ranks' records: more than a
 #: 30 s scrape interval.
 MAX_PENDING_BYTES = 1024 * 1024
 #: What the receiver applies at a time past ``MAX_PENDING_BYTES``. Small, because the receiver does not drain the

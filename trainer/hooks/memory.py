@@ -69,7 +69,7 @@ class HostMemory:
     the floor lies below the loop's peaks (a GPU rank, or any rank larger than its launcher) the bound soon
     sits under the smallest peak the loop reaches, and status is read on the few steps whose peak is a new
     low; where a rank's peaks stay under the floor (a tiny model in a rank forked from a Python process as
-    large as itself), on most steps (benchmarks/README.md, "Training hooks").
+    large as itself), on most steps (benchmarks/CHANGELOG.md, "Training hooks").
     """
 
     kind = "host_rss"

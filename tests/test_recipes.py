@@ -365,6 +365,11 @@ def test_the_code_ranges_the_add_a_rule_recipe_sends_to_are_the_registrys(docume
     assert code_ranges() in " ".join((ROOT / document).read_text().split())
 
 
+def test_the_family_prefixes_the_add_a_rule_recipe_lists_are_the_registrys():
+    prefixes = ", ".join(f"`{prefix}`" for prefix in FAMILIES.values())
+    assert f"(`FAMILIES` in `diagnosis/registry.py`: {prefixes})" in " ".join(ARCHITECTURE.read_text().split())
+
+
 def test_the_collector_lists_the_add_a_collector_recipe_sends_to_are_the_registrys():
     text = (ROOT / "docs" / "agent.md").read_text()
     names = ", ".join(f"`{name}`" for name in COLLECTORS)

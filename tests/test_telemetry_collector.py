@@ -38,7 +38,8 @@ from gpuwatch.agent.telemetry.window import (
     StepWindow,
     summarize,
 )
-from gpuwatch.protocol.records import CollectiveTotals, FoldedStep, Step, convert
+from gpuwatch.diagnosis.sources import prometheus as prometheus_source
+from gpuwatch.protocol.records import CollectiveTotals, FoldedStep, ModelShapeFields, Step, convert
 from gpuwatch.protocol.schema import COLLECTIVE_BUCKETS, MAX_FOLDED_STEPS, encode
 from gpuwatch.trainer.telemetry import TelemetryClient, fold_steps
 
@@ -258,6 +259,24 @@ def test_window_figures_are_exported_per_rank():
     assert samples(text, "gpuwatch_train_samples_total") == {coordinates(0): 160}
     (info,) = samples(text, "gpuwatch_train_rank_info")
     assert ("backend", "gloo") in info
+
+
+def test_what_a_rank_trains_is_exported_and_read_back_by_prometheus_as_the_hello_said_it():
+    """The hello's model block and batch become gpuwatch_train_model_info's labels, which the Prometheus source turns
+    back into the same record struct: the PLAN rules predict from Prometheus what they predict from an agent."""
+    model = {"layers": 12, "hidden": 768, "heads": 12, "kv_heads": 4, "ffn": 3072, "vocab": 50257,
+             "tied_embeddings": True, "gated": False, "positions": 0, "source": "hf"}
+    store, per_rank = TelemetryStore(), RankSeries()
+    _feed(store, hello(0, model=model, global_batch=64, seq_len=2048), hello(1), step(0, 1), step(1, 1))
+    text = _rendered(store, per_rank).decode()
+    (labels,) = samples(text, "gpuwatch_train_model_info")  # rank 1 said nothing of its model: no series
+    labels = dict(labels)
+    assert (labels["rank"], labels["kv_heads"], labels["tied_embeddings"], labels["bias"], labels["seq_len"]) == \
+        ("0", "4", "true", "", "2048")
+    workload = prometheus_source._workload(labels)
+    assert workload is not None and (workload.global_batch, workload.seq_len) == (64, 2048)
+    assert workload.model == convert(model, ModelShapeFields)
+    assert prometheus_source._workload({**labels, "layers": "twelve"}) is None  # not a model: no workload
 
 
 def test_nonfinite_flag_or_values_count_a_nonfinite_step():

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
+
 from gpuwatch.agent.metricspec import Kind, MetricSpec
 from gpuwatch.agent.telemetry.window import BUSY, MEDIAN_SECONDS, WINDOW_SECONDS, WINDOW_STEPS
+from gpuwatch.protocol.records import ModelShapeFields
 
 #: The labels of every per-rank series: the rank's coordinates, from its hello.
 RANK_LABELS = ("job", "rank", "local_rank", "tp_rank", "pp_stage", "dp_rank")
@@ -173,6 +176,12 @@ RAISED = _per_rank("gpuwatch_train_step_raised_timestamp_seconds", "When a step 
 #: unavailable from outside)
 RANK_INFO = MetricSpec("gpuwatch_train_rank_info", "Layout and build of a rank, from its hello.", kind="info",
                        labels=(*RANK_LABELS, *RANK_INFO_FIELDS, "backend", "faults", "unavailable_from_outside"))
+#: The hello's model block (``records.ModelShapeFields``, each of its fields a label) and batch: what ``gpuwatch plan``
+#: predicts the rank's step from, which ``gpuwatch diagnose --prometheus`` then can (PLAN rules).
+MODEL_INFO_FIELDS = tuple(field.name for field in msgspec.structs.fields(ModelShapeFields))
+MODEL_INFO = MetricSpec("gpuwatch_train_model_info", "The model a rank trains and its batch, from its hello (what "
+                        "gpuwatch plan predicts its step from); value 1.", kind="info",
+                        labels=(*RANK_LABELS, *MODEL_INFO_FIELDS, "global_batch", "seq_len"))
 ENV_INFO = MetricSpec("gpuwatch_train_env_info", "A variable of the rank's environment that diagnosis reads "
                       "(NCCL_IB_DISABLE, NCCL_SOCKET_IFNAME, ...), from its hello; value 1, one series per variable "
                       "set.", kind="info", labels=(*RANK_LABELS, "name", "value"))
@@ -197,8 +206,9 @@ VOLUME = _per_rank("gpuwatch_train_collective_bytes", "Bytes the rank's collecti
                    "size per call).", "bytes", kind="counter", extra=("op",))
 #: Families with series per rank, in exposition order.
 PER_RANK: tuple[MetricSpec, ...] = (
-    RANK_INFO, ENV_INFO, GPU_JOB, GROUP_INFO, HELLO_TIME, *STEP_GAUGES, *MEMORY_GAUGES, *COUNTERS, COSINE, CHECKSUM,
-    *WINDOW_GAUGES, WINDOW_MEDIAN, UNAVAILABLE, STALLED, PHASE, IN_FLIGHT, EXITED, CALLS, RAISED, LATENCY, VOLUME,
+    RANK_INFO, MODEL_INFO, ENV_INFO, GPU_JOB, GROUP_INFO, HELLO_TIME, *STEP_GAUGES, *MEMORY_GAUGES, *COUNTERS, COSINE,
+    CHECKSUM, *WINDOW_GAUGES, WINDOW_MEDIAN, UNAVAILABLE, STALLED, PHASE, IN_FLIGHT, EXITED, CALLS, RAISED, LATENCY,
+    VOLUME,
 )
 
 #: The store's own families and the probes', beside the ranks'.

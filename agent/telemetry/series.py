@@ -40,6 +40,8 @@ from gpuwatch.agent.telemetry.metrics import (
     IN_FLIGHT,
     LATENCY,
     MEMORY_GAUGES,
+    MODEL_INFO,
+    MODEL_INFO_FIELDS,
     PER_RANK,
     PHASE,
     PROBE_BANDWIDTH,
@@ -75,6 +77,11 @@ _COORDINATES = operator.attrgetter(*RANK_LABELS[1:])
 _INFO_VALUES = operator.attrgetter(*RANK_INFO_FIELDS)
 #: The figures of a probe that label its info series after its interconnect, backend and device.
 _PROBE_SIZES = operator.attrgetter("world_size", "nodes", "ranks_per_node")
+
+
+def _label_text(value: object) -> str:
+    """A hello field as a label: absent as empty, a flag as PromQL's ``true``/``false``, a number as written."""
+    return "" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 class _OpLines(NamedTuple):
@@ -149,6 +156,10 @@ class RankLines:
         groups = {name: members_text(ranks) for name, ranks in (hello.process_groups or {}).items()}
         lines[GROUP_INFO.name] = "".join(f"{self._prefix(GROUP_INFO.name, (('group', name), ('members', text)))}1.0\n"
                                     for name, text in sorted(groups.items()) if text is not None)
+        if hello.model is not None and hello.global_batch is not None and hello.seq_len is not None:
+            model = (*((name, _label_text(getattr(hello.model, name))) for name in MODEL_INFO_FIELDS),
+                     ("global_batch", str(hello.global_batch)), ("seq_len", str(hello.seq_len)))
+            lines[MODEL_INFO.name] = f"{self._prefix(MODEL_INFO.name, model)}1.0\n"
         if hello.gpu is not None:  # labelled by GPU, job and rank only
             gpu = {"gpu": str(hello.gpu.index), "uuid": hello.gpu.uuid, "job": hello.job, "rank": str(hello.rank)}
             lines[GPU_JOB.name] = f"{series_prefix(GPU_JOB.name, gpu)}1.0\n"

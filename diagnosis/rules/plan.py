@@ -167,8 +167,8 @@ def _most(values: list[float | None]) -> float:
           1.5, "planners that model the step as the planner does (compute at the achieved FLOP/s, collectives on "
                "their links, the pipeline's slots) predict it within 3-15 % (Proteus 3 %, vTrain 8-15 %, Lumos "
                "3.3 % on 512 H100): a step half again as long as predicted is a fault, not the model's error")},
-      coverage=(WholeJob("it predicts the step from the model's shape in the job's hellos, which Prometheus does "
-                         "not export"),))
+      coverage=(WholeJob("it predicts the step from the model's shape and the layout of the whole job, which the "
+                         "outlier fetch does not read"),))
 def step_over_plan(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """The planner (`gpuwatch plan`) predicts a job's step from its model, layout and GPUs: compute at the
     GPUs' achieved FLOP/s, the TP collectives between a layer's matmuls, the pipeline's transfers and bubble, the
@@ -235,8 +235,8 @@ _FIXES = {
                 "what the reference trainer allocates) and follows Korthikanti et al. 2022 for activations, whose "
                 "own measurements differ from their formula by under 2 %: 10 % above it is memory the plan does "
                 "not know of")},
-      coverage=(WholeJob("it predicts each stage's memory from the model's shape in the job's hellos, which "
-                         "Prometheus does not export"),))
+      coverage=(WholeJob("it predicts each stage's memory from the model's shape and the layout of the whole "
+                         "job, which the outlier fetch does not read"),))
 def memory_over_plan(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     """The planner predicts each pipeline stage's tensors: parameters, gradients and optimizer states (exact for
     the layout), the activations its schedule keeps in flight (Korthikanti et al. 2022; GPipe all m micro-batches,

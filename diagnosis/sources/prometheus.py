@@ -24,6 +24,8 @@ import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import msgspec
+
 from gpuwatch.agent.collectors.host import CPUS, NETWORK_INFO, NETWORK_SPEED
 from gpuwatch.agent.collectors.infiniband import (
     DEVICE_INFO,
@@ -63,6 +65,8 @@ from gpuwatch.agent.telemetry.metrics import (
     LATENCY,
     MEMORY_GAUGES,
     MEMORY_PEAK,
+    MODEL_INFO,
+    MODEL_INFO_FIELDS,
     PHASE,
     PROBE_BANDWIDTH,
     PROBE_INFO,
@@ -95,6 +99,7 @@ from gpuwatch.diagnosis.facts import (
     SourceInfo,
     StepFacts,
     Unjudged,
+    Workload,
     group_members,
 )
 from gpuwatch.diagnosis.registry import REGISTRY
@@ -102,6 +107,7 @@ from gpuwatch.diagnosis.sources import HTTP_TIMEOUT, WINDOW, Meter, QueryError, 
 from gpuwatch.diagnosis.sources.collectors import GPU_GAUGES_READ, PARTS, hca_model, read_by
 from gpuwatch.diagnosis.sources.httpconfig import HttpConfig
 from gpuwatch.protocol.ranks import parse_members
+from gpuwatch.protocol.records import ModelShapeFields
 
 #: How far back the per-step host RSS history reaches, and its resolution.
 HISTORY = "30m:30s"
@@ -120,9 +126,9 @@ _MEMORY_SERIES = frozenset(spec.name for spec in MEMORY_GAUGES)
 _RANK_COUNTERS = {f"{spec}_total": spec.field for spec in read_by(COUNTERS, RankFacts)}
 #: A rank's collective series, per op: the latency histogram's count and sum, and the bytes moved.
 _COLLECTIVE_COUNT, _COLLECTIVE_SUM, _COLLECTIVE_BYTES = f"{LATENCY}_count", f"{LATENCY}_sum", f"{VOLUME}_total"
-_RANK_SERIES = "|".join([*(spec.name for spec in (RANK_INFO, ENV_INFO, LAST_STEP, CHECKSUM, COSINE, WINDOW_MEDIAN,
-                                                   UNAVAILABLE, STALLED, PHASE, IN_FLIGHT, EXITED, RAISED, CALLS,
-                                                   GROUP_INFO, HELLO_TIME, *WINDOW_GAUGES)),
+_RANK_SERIES = "|".join([*(spec.name for spec in (RANK_INFO, MODEL_INFO, ENV_INFO, LAST_STEP, CHECKSUM, COSINE,
+                                                   WINDOW_MEDIAN, UNAVAILABLE, STALLED, PHASE, IN_FLIGHT, EXITED,
+                                                   RAISED, CALLS, GROUP_INFO, HELLO_TIME, *WINDOW_GAUGES)),
                          _COLLECTIVE_COUNT, _COLLECTIVE_SUM, _COLLECTIVE_BYTES, *_STEP_GAUGES, *_RANK_COUNTERS])
 _RANK_KEY = "instance, job, exported_job, rank"
 
@@ -463,6 +469,8 @@ class _Reader:
                 labels_of[key] = (node, labels)
             elif name == ENV_INFO.name:
                 series[key].setdefault("env", {})[labels["name"]] = labels.get("value", "")
+            elif name == MODEL_INFO.name:
+                series[key]["workload"] = _workload(labels)
             elif name == CALLS.name:
                 series[key].setdefault("collective_calls", {})[labels["group"]] = int(_value(sample))
             elif name in (_COLLECTIVE_COUNT, _COLLECTIVE_SUM, _COLLECTIVE_BYTES):
@@ -566,7 +574,7 @@ class _Reader:
             env=values.get("env"), process_groups=values.get("process_groups"),
             backends={"default": backend} if backend else None,
             faults=tuple(filter(None, labels.get("faults", "").split(","))), unavailable_from_outside=outside,
-            hello_age_seconds=values.get("hello_age"), last=last,
+            hello_age_seconds=values.get("hello_age"), last=last, workload=values.get("workload"),
             window=_window(values), unavailable=values.get("unavailable"),
             collectives=collectives or None, param_checksum=sampled(CHECKSUM.name),
             grad_cosine=sampled(COSINE.name), history=history,
@@ -590,6 +598,17 @@ def _progress(values: dict[str, Any], world_size: int, last: StepFacts | None) -
     error, raised_at = values.get("raised", (None, None))
     return ProgressFacts(step=last.step if last is not None else 0, phase=values["phase"], stalled_seconds=stalled,
                          overdue_seconds=0.0, collective=in_flight, error=error, time=raised_at)
+
+
+def _workload(labels: dict[str, str]) -> Workload | None:
+    """What a rank trains, from ``gpuwatch_train_model_info``'s labels (the hello's model block, each field a label,
+    and its batch), converted by the record's own struct; None where the labels are not a model."""
+    shape = {name: labels[name] for name in MODEL_INFO_FIELDS if labels.get(name, "") != ""}
+    try:
+        model = msgspec.convert(shape, ModelShapeFields, strict=False)
+        return Workload(model, int(labels["global_batch"]), int(labels["seq_len"]))
+    except (msgspec.ValidationError, KeyError, ValueError):
+        return None
 
 
 def _window(values: dict[str, Any]) -> WindowSummary | None:

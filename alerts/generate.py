@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from gpuwatch.alerts import RULES_FILE, RUNBOOK_PREFIX
-from gpuwatch.alerts.rules import ALERT_RECORDS, GROUPS, RECORD_HEADINGS, Alert, Group
+from gpuwatch.alerts.rules import ALERT_RECORDS, GROUPS, METRIC_FAMILIES, RECORD_HEADINGS, Alert, Group
 from gpuwatch.diagnosis import rules as _catalogue  # noqa: F401 - importing registers every rule
 from gpuwatch.diagnosis.registry import REGISTRY, Severity
 from gpuwatch.diagnosis.sources import WINDOW, WINDOW_MINUTES
@@ -58,6 +58,10 @@ def template_values(alert: Alert) -> dict[str, str]:
             values[f"{name}_percent"] = f"{promql_number(round(threshold.value * 100, 10))} %"
     values.update({name: value if isinstance(value, str) else promql_number(value)
                    for name, value in alert.values.items()})
+    shadowed = values.keys() & METRIC_FAMILIES.keys()
+    if shadowed:
+        raise ValueError(f"{alert.name}: {', '.join(sorted(shadowed))} names both a value and a family")
+    values.update({name: str(spec) for name, spec in METRIC_FAMILIES.items()})
     return values
 
 

@@ -8,6 +8,11 @@ registry (``${straggler_ratio}``, or ``${max_bubble_ratio_percent}`` as "20 %"),
 threshold is stated once, in its rule, and changing it changes the alerts with it (tests/test_alerts_generated.py
 perturbs every threshold and checks that exactly the alerts mirroring it change).
 
+The metric families the templates select are placeholders too, in upper case (``${GPU_LOST}``,
+``${XID_ERRORS}_total``): ``METRIC_FAMILIES`` maps each to the family's declaration (``agent.metricspec.MetricSpec``),
+so that a family is named only where the agent declares it and a renamed one renames the alerts with it. The texts
+that are no templates (the alerts' recording rules, the headings) interpolate the declarations as f-strings.
+
 The recording rules are the outlier fetch's (``RECORDED`` in diagnosis/sources/outliers.py), in its order
 with its version sentinel last, plus the ones only the alerts read (``ALERT_RECORDS``).
 
@@ -19,6 +24,37 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from gpuwatch.agent.collectors.infiniband import PORT_ERRORS, PORT_UP
+from gpuwatch.agent.collectors.nvlink import LINK_ERRORS, LINK_UP
+from gpuwatch.agent.collectors.nvml import (
+    CLOCK_EVENT_ACTIVE,
+    ECC_VOLATILE_ERRORS,
+    GPU_GAUGES,
+    GPU_INFO,
+    GPU_LOST,
+    PCIE_LINK_WIDTH,
+    ROW_REMAP_FAILURE,
+    ROW_REMAP_PENDING,
+    XID_ERRORS,
+)
+from gpuwatch.agent.metricspec import MetricSpec, by_field
+from gpuwatch.agent.sampler import COLLECTOR_UP
+from gpuwatch.agent.telemetry.metrics import (
+    CHECKSUM,
+    COUNTERS,
+    EXITED,
+    GPU_JOB,
+    IN_FLIGHT,
+    LAST_STEP,
+    MEMORY_GAUGES,
+    MEMORY_PEAK,
+    PHASE,
+    RAISED,
+    RANK_INFO,
+    STALLED,
+    STEP_GAUGES,
+    WINDOW_GAUGES,
+)
 from gpuwatch.agent.telemetry.window import WINDOW_STEPS
 from gpuwatch.diagnosis.facts import SLOWDOWN_REASONS
 from gpuwatch.diagnosis.registry import Severity, Threshold
@@ -80,11 +116,46 @@ FRAGMENTATION_MINUTES = 15
 _XIDS = sorted(APPLICATION_XIDS, key=int)
 _SLOWDOWNS = "|".join(SLOWDOWN_REASONS)
 
+#: The metric families the alerts' templates select, by placeholder (``${GPU_LOST}``): the name of a module's
+#: declaration, or of the quantity a table's family holds.
+METRIC_FAMILIES: Mapping[str, MetricSpec] = {
+    "COLLECTOR_UP": COLLECTOR_UP,
+    "GPU_LOST": GPU_LOST,
+    "XID_ERRORS": XID_ERRORS,
+    "ECC_VOLATILE_ERRORS": ECC_VOLATILE_ERRORS,
+    "ROW_REMAP_PENDING": ROW_REMAP_PENDING,
+    "ROW_REMAP_FAILURE": ROW_REMAP_FAILURE,
+    "CLOCK_EVENT_ACTIVE": CLOCK_EVENT_ACTIVE,
+    "PCIE_LINK_WIDTH": PCIE_LINK_WIDTH,
+    "GPU_TEMPERATURE": by_field(GPU_GAUGES, "temperature_celsius"),
+    "GPU_UTILIZATION": by_field(GPU_GAUGES, "utilization_ratio"),
+    "GPU_MEMORY_TOTAL": by_field(GPU_GAUGES, "memory_total_bytes"),
+    "LINK_UP": LINK_UP,
+    "LINK_ERRORS": LINK_ERRORS,
+    "PORT_UP": PORT_UP,
+    "PORT_ERRORS": PORT_ERRORS,
+    "STALLED": STALLED,
+    "IN_FLIGHT": IN_FLIGHT,
+    "RANK_INFO": RANK_INFO,
+    "EXITED": EXITED,
+    "PHASE": PHASE,
+    "RAISED": RAISED,
+    "LAST_STEP": LAST_STEP,
+    "LOSS": by_field(STEP_GAUGES, "loss"),
+    "BUBBLE_THEORETICAL": by_field(STEP_GAUGES, "bubble_ratio_theoretical"),
+    "WINDOW_BUBBLE": by_field(WINDOW_GAUGES, "bubble_ratio"),
+    "CHECKSUM": CHECKSUM,
+    "MEMORY_PEAK": MEMORY_PEAK,
+    "MEMORY_RESERVED": by_field(MEMORY_GAUGES, "reserved_bytes"),
+    "MEMORY_ALLOCATED": by_field(MEMORY_GAUGES, "allocated_bytes"),
+    "ALLOC_RETRIES": by_field(COUNTERS, "alloc_retries"),
+}
+
 #: Recording rules only the alerts read.
 ALERT_RECORDS = (
-    Record("gpuwatch:gpu_rank:info", """
+    Record("gpuwatch:gpu_rank:info", f"""
         max by (instance, gpu, uuid, job, rank) (
-          gpuwatch_gpu_job_info * on (instance, uuid) group_left (gpu) gpuwatch_gpu_info
+          {GPU_JOB} * on (instance, uuid) group_left (gpu) {GPU_INFO}
         )
     """),
 )
@@ -116,8 +187,8 @@ RECORD_HEADINGS = {
         "pipeline bubble, the earliest hello of its ranks that reported no step, and whether one of those closed its "
         "hooks (the fetch holds the thresholds): one series per job instead of one per rank.",
     "gpuwatch:gpu_rank:info": "Which job and rank run on which GPU of a node, by the node's own GPU index: the "
-        "agent's gpuwatch_gpu_job_info carries the rank's view of the index (CUDA_VISIBLE_DEVICES renumbers), the "
-        "UUID joins it to the node's.",
+        f"agent's {GPU_JOB} carries the rank's view of the index (CUDA_VISIBLE_DEVICES renumbers), the UUID joins "
+        "it to the node's.",
 }
 
 GROUPS = (
@@ -127,20 +198,20 @@ GROUPS = (
               description="Prometheus has failed to scrape the gpuwatch agent on {{ $labels.instance }} for "
                           "${for_minutes} minutes (up = {{ $value }}): the node's GPUs, links and training ranks "
                           "are unobserved."),
-        Alert("GpuwatchCollectorDown", None, "gpuwatch_collector_up == 0", for_minutes=5, severity=Severity.WARNING,
+        Alert("GpuwatchCollectorDown", None, "${COLLECTOR_UP} == 0", for_minutes=5, severity=Severity.WARNING,
               summary="gpuwatch collector {{ $labels.collector }} on {{ $labels.instance }} is down",
               description="The {{ $labels.collector }} collector of the agent on {{ $labels.instance }} has failed "
                           "every sampling round for ${for_minutes} minutes (up = {{ $value }}); its series are "
                           "missing. The reason is in the agent's /api/v1/state."),
     )),
     Group("gpuwatch.gpu", (
-        Alert("GpuLost", "HW004", "gpuwatch_gpu_lost == 1", for_minutes=1,
+        Alert("GpuLost", "HW004", "${GPU_LOST} == 1", for_minutes=1,
               summary="GPU {{ $labels.gpu }} on {{ $labels.instance }} has fallen off the bus",
-              description="NVML reports GPU {{ $labels.gpu }} on {{ $labels.instance }} lost (gpuwatch_gpu_lost = "
+              description="NVML reports GPU {{ $labels.gpu }} on {{ $labels.instance }} lost (${GPU_LOST} = "
                           "{{ $value }}). Every job using it is stuck or dead; the node needs a drain and a GPU "
                           "reset or reboot."),
         Alert("GpuXidError", "HW004",
-              'increase(gpuwatch_gpu_xid_errors_total{xid!~"${application_xids}"}[${window}]) > 0',
+              'increase(${XID_ERRORS}_total{xid!~"${application_xids}"}[${window}]) > 0',
               comment="Application Xids (${application_xids_listed}: a bad kernel or an out-of-bounds access) are "
                       "the program's fault, not the GPU's, and stay out of a page.",
               values={"application_xids": "|".join(_XIDS), "application_xids_listed": ", ".join(_XIDS)},
@@ -148,13 +219,13 @@ GROUPS = (
               description="GPU {{ $labels.gpu }} on {{ $labels.instance }} reported Xid {{ $labels.xid }} "
                           "{{ $value | humanize }} times in the last ${window_minutes} minutes."),
         Alert("GpuUncorrectableEccErrors", "HW004",
-              'increase(gpuwatch_gpu_ecc_volatile_errors_total{error="uncorrected"}[${window}]) > 0',
+              'increase(${ECC_VOLATILE_ERRORS}_total{error="uncorrected"}[${window}]) > 0',
               summary="Uncorrectable ECC errors on GPU {{ $labels.gpu }} of {{ $labels.instance }}",
               description="GPU {{ $labels.gpu }} on {{ $labels.instance }} counted {{ $value | humanize }} "
                           "uncorrectable (double-bit) ECC errors in the last ${window_minutes} minutes; results "
                           "computed on it may be corrupt."),
         Alert("GpuRowRemapPending", "HW004",
-              "gpuwatch_gpu_row_remap_pending == 1 or gpuwatch_gpu_row_remap_failure == 1", for_minutes=5,
+              "${ROW_REMAP_PENDING} == 1 or ${ROW_REMAP_FAILURE} == 1", for_minutes=5,
               severity=Severity.WARNING,
               severity_reason="HW004 is critical for a GPU lost or erring; a pending remap waits for the next "
                               "drain's GPU reset, nothing is wrong with results meanwhile",
@@ -163,10 +234,10 @@ GROUPS = (
                           "= {{ $value }}): its memory is not fully healthy until a GPU reset, or it must be "
                           "replaced when remapping failed."),
         Alert("GpuThermalThrottling", "HW005", """
-            gpuwatch_gpu_temperature_celsius
+            ${GPU_TEMPERATURE}
               and on (instance, gpu)
-                (max by (instance, gpu) (gpuwatch_gpu_clock_event_active{reason=~"${slowdown_reasons}"}) == 1)
-              and on (instance, gpu) (gpuwatch_gpu_utilization_ratio > ${min_load})
+                (max by (instance, gpu) (${CLOCK_EVENT_ACTIVE}{reason=~"${slowdown_reasons}"}) == 1)
+              and on (instance, gpu) (${GPU_UTILIZATION} > ${min_load})
             """, for_minutes=5,
               comment="Thermal and hardware slowdowns while the GPU is busy (an idle GPU lowers its clocks on "
                       "purpose).",
@@ -176,7 +247,7 @@ GROUPS = (
                           "or hardware slowdown for ${for_minutes} minutes while busy; it runs at {{ $value }} °C. "
                           "Every synchronous job on it runs at its pace."),
         Alert("GpuPcieLinkDegraded", "HW002",
-              'gpuwatch_gpu_pcie_link_width{kind="current"} < ignoring (kind) gpuwatch_gpu_pcie_link_width{kind="max"}',
+              '${PCIE_LINK_WIDTH}{kind="current"} < ignoring (kind) ${PCIE_LINK_WIDTH}{kind="max"}',
               for_minutes=10,
               summary="PCIe link of GPU {{ $labels.gpu }} on {{ $labels.instance }} runs narrower than its maximum",
               description="GPU {{ $labels.gpu }} on {{ $labels.instance }} has trained its PCIe link at "
@@ -184,7 +255,7 @@ GROUPS = (
                           "GPUDirect traffic through it are slower."),
     )),
     Group("gpuwatch.interconnect", (
-        Alert("NvlinkDown", "HW001", "gpuwatch_nvlink_up == 0", for_minutes=2, severity=Severity.CRITICAL,
+        Alert("NvlinkDown", "HW001", "${LINK_UP} == 0", for_minutes=2, severity=Severity.CRITICAL,
               severity_reason="HW001 also reports links that are merely degraded; a link down makes NCCL fall back "
                               "or fail, which pages",
               summary="NVLink {{ $labels.link }} of GPU {{ $labels.gpu }} on {{ $labels.instance }} is down",
@@ -192,21 +263,21 @@ GROUPS = (
                           "inactive for ${for_minutes} minutes (up = {{ $value }}): NCCL falls back to slower "
                           "paths or fails."),
         Alert("NvlinkErrorsRising", "HW001",
-              "sum by (instance, gpu, link) (increase(gpuwatch_nvlink_errors_total[${window}])) "
+              "sum by (instance, gpu, link) (increase(${LINK_ERRORS}_total[${window}])) "
               "> ${nvlink_max_error_increase}", for_minutes=5,
               values={"nvlink_max_error_increase": NVLINK_MAX_ERROR_INCREASE.value},
               summary="NVLink {{ $labels.link }} of GPU {{ $labels.gpu }} on {{ $labels.instance }} counts errors",
               description="NVLink {{ $labels.link }} of GPU {{ $labels.gpu }} on {{ $labels.instance }} counted "
                           "{{ $value | humanize }} CRC/replay/recovery errors in the last ${window_minutes} "
                           "minutes."),
-        Alert("InfinibandPortDown", "HW003", "gpuwatch_ib_port_up == 0", for_minutes=2,
+        Alert("InfinibandPortDown", "HW003", "${PORT_UP} == 0", for_minutes=2,
               summary="{{ $labels.link_layer }} port {{ $labels.device }}/{{ $labels.port }} on "
                       "{{ $labels.instance }} is down",
               description="Port {{ $labels.port }} of {{ $labels.device }} on {{ $labels.instance }} has not been "
                           "ACTIVE for ${for_minutes} minutes (up = {{ $value }}): cross-node collectives lose a "
                           "rail or hang."),
         Alert("InfinibandErrorsRising", "HW003",
-              "sum by (instance, device, port) (increase(gpuwatch_ib_port_errors_total[${window}])) "
+              "sum by (instance, device, port) (increase(${PORT_ERRORS}_total[${window}])) "
               "> ${max_error_increase}", for_minutes=5, severity=Severity.WARNING,
               severity_reason="HW003 is critical for a port down; errors on a port still up are a warning of it",
               summary="InfiniBand port {{ $labels.device }}/{{ $labels.port }} on {{ $labels.instance }} counts "
@@ -221,9 +292,9 @@ GROUPS = (
                   "it by a round).",
           alerts=(
         Alert("TrainingRankMissingAtCollective", "HANG001", """
-            (gpuwatch_train_stalled_seconds >= ${stall_seconds})
-              unless on (instance, job, rank) gpuwatch_train_in_flight_collective_seq
-            and on (job) (count by (job) (gpuwatch_train_in_flight_collective_seq) > 0)
+            (${STALLED} >= ${stall_seconds})
+              unless on (instance, job, rank) ${IN_FLIGHT}
+            and on (job) (count by (job) (${IN_FLIGHT}) > 0)
             """,
               heading="Hangs (HANG001, HANG003, HANG004, HANG006). A rank's hooks report its progress about every "
                       f"second once it has made none for {OVERDUE_FACTOR:g}x its median step "
@@ -237,10 +308,10 @@ GROUPS = (
                           "stack)."),
         Alert("TrainingCollectiveStalled", "HANG003", """
             count by (job) (
-              (gpuwatch_train_stalled_seconds >= ${stall_seconds})
-                and on (instance, job, rank) gpuwatch_train_in_flight_collective_seq
+              (${STALLED} >= ${stall_seconds})
+                and on (instance, job, rank) ${IN_FLIGHT}
             )
-              == count by (job) (gpuwatch_train_rank_info)
+              == count by (job) (${RANK_INFO})
             """,
               comment="Every rank of the job is inside a collective and none progresses: the transport, not the "
                       "program.",
@@ -248,8 +319,8 @@ GROUPS = (
               description="All {{ $value }} ranks of job {{ $labels.job }} are inside a collective and none has "
                           "made progress: no rank is missing, the interconnect or the communicator is stuck."),
         Alert("TrainingRankDied", "HANG004", """
-            bottomk by (job) (1, gpuwatch_train_rank_exited_timestamp_seconds
-              unless on (instance, job, rank) gpuwatch_train_phase{phase="closed"})
+            bottomk by (job) (1, ${EXITED}
+              unless on (instance, job, rank) ${PHASE}{phase="closed"})
             """,
               comment="The first rank of the job whose process the agent found gone before its hooks were closed (a "
                       "normal end closes them): the others usually follow it.",
@@ -258,13 +329,13 @@ GROUPS = (
                           "{{ $value | humanizeTimestamp }} (the first of the job's ranks to go): gpuwatch diagnose "
                           "says how (its exception, or a signal)."),
         Alert("TrainingAllRanksStopped", "HANG006", """
-            count by (job) (gpuwatch_train_stalled_seconds >= ${stall_seconds})
-              == count by (job) (gpuwatch_train_rank_info)
-            unless on (job) gpuwatch_train_in_flight_collective_seq
-            unless on (job) gpuwatch_train_phase{phase="closed"}
-            unless on (job) gpuwatch_train_rank_exited_timestamp_seconds
-            unless on (job) gpuwatch_train_step_raised_timestamp_seconds
-            unless on (job) (gpuwatch_train_rank_info unless on (instance, job, rank) gpuwatch_train_last_step)
+            count by (job) (${STALLED} >= ${stall_seconds})
+              == count by (job) (${RANK_INFO})
+            unless on (job) ${IN_FLIGHT}
+            unless on (job) ${PHASE}{phase="closed"}
+            unless on (job) ${EXITED}
+            unless on (job) ${RAISED}
+            unless on (job) (${RANK_INFO} unless on (instance, job, rank) ${LAST_STEP})
             """, for_minutes=1,
               comment="Every rank of the job is still and none is in a collective gpuwatch knows (those are the "
                       "alerts above), none died, none closed its hooks (a job that ends), and every rank has "
@@ -277,16 +348,15 @@ GROUPS = (
                           "deadlock, a collective its hooks do not wrap, or a data loader that stopped. gpuwatch "
                           "diagnose names each rank's phase, the rank that stopped first and its stack."),
         Alert("TrainingLossNotFinite", "CONV001",
-              "count by (job) ((gpuwatch_train_loss != gpuwatch_train_loss) or (abs(gpuwatch_train_loss) == +Inf)) "
-              "> 0", for_minutes=1,
+              "count by (job) ((${LOSS} != ${LOSS}) or (abs(${LOSS}) == +Inf)) > 0", for_minutes=1,
               summary="Training job {{ $labels.job }} has a NaN or Inf loss",
               description="{{ $value }} rank(s) of job {{ $labels.job }} report a NaN or Inf loss at their latest "
                           "step: training diverged and further steps are wasted."),
         Alert("TrainingReplicasOutOfSync", "CONV003", """
             (
-              max by (job, tp_rank, pp_stage) (gpuwatch_train_param_checksum)
-              - min by (job, tp_rank, pp_stage) (gpuwatch_train_param_checksum)
-            ) / max by (job, tp_rank, pp_stage) (abs(gpuwatch_train_param_checksum)) > ${relative_tolerance}
+              max by (job, tp_rank, pp_stage) (${CHECKSUM})
+              - min by (job, tp_rank, pp_stage) (${CHECKSUM})
+            ) / max by (job, tp_rank, pp_stage) (abs(${CHECKSUM})) > ${relative_tolerance}
             """, for_minutes=10,
               summary="Data-parallel replicas of job {{ $labels.job }} disagree",
               description="The parameter checksums of the data-parallel replicas of job {{ $labels.job }} (stage "
@@ -314,17 +384,16 @@ GROUPS = (
                           "without its waits in collectives); every synchronous step waits for it. gpuwatch "
                           "diagnose says in which phase its extra time is."),
         Alert("TrainingPipelineBubbleHigh", "PERF001",
-              "max by (job, pp_stage) (gpuwatch_train_window_bubble_ratio) > ${max_bubble_ratio}", for_minutes=15,
+              "max by (job, pp_stage) (${WINDOW_BUBBLE}) > ${max_bubble_ratio}", for_minutes=15,
               summary="Pipeline stage {{ $labels.pp_stage }} of job {{ $labels.job }} idles in bubbles",
               description="Pipeline stage {{ $labels.pp_stage }} of job {{ $labels.job }} has been idle "
                           "{{ $value | humanizePercentage }} of its step for ${for_minutes} minutes (threshold "
-                          "${max_bubble_ratio_percent}); compare gpuwatch_train_pipeline_bubble_ratio_theoretical, "
-                          "(p-1)/(m+p-1)."),
+                          "${max_bubble_ratio_percent}); compare ${BUBBLE_THEORETICAL}, (p-1)/(m+p-1)."),
         Alert("TrainingGpuMemoryNearCapacity", "MEM002", """
-            max by (instance, job, rank) (gpuwatch_train_memory_peak_bytes{kind="cuda"})
+            max by (instance, job, rank) (${MEMORY_PEAK}{kind="cuda"})
               / on (instance, job, rank)
             max by (instance, job, rank) (
-              gpuwatch_gpu_memory_total_bytes * on (instance, gpu) group_right () gpuwatch:gpu_rank:info
+              ${GPU_MEMORY_TOTAL} * on (instance, gpu) group_right () gpuwatch:gpu_rank:info
             )
               > ${max_peak_share}
             """, for_minutes=5,
@@ -334,9 +403,9 @@ GROUPS = (
                           "sequence runs out of memory."),
         Alert("TrainingMemoryFragmented", "MEM001", """
             (
-              gpuwatch_train_memory_reserved_bytes{kind="cuda"} - gpuwatch_train_memory_allocated_bytes{kind="cuda"}
-            ) / gpuwatch_train_memory_reserved_bytes{kind="cuda"} > ${min_unused_share}
-              and on (instance, job, rank) increase(gpuwatch_train_alloc_retries_total[${for_minutes}m]) > 0
+              ${MEMORY_RESERVED}{kind="cuda"} - ${MEMORY_ALLOCATED}{kind="cuda"}
+            ) / ${MEMORY_RESERVED}{kind="cuda"} > ${min_unused_share}
+              and on (instance, job, rank) increase(${ALLOC_RETRIES}_total[${for_minutes}m]) > 0
             """, for_minutes=FRAGMENTATION_MINUTES,
               summary="CUDA memory of rank {{ $labels.rank }} of job {{ $labels.job }} is fragmented",
               description="Rank {{ $labels.rank }} of job {{ $labels.job }} on {{ $labels.instance }} holds "

@@ -10,6 +10,10 @@ import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from gpuwatch.agent.collectors.nvml import GPU_INFO
+from gpuwatch.agent.sampler import AGENT_INFO
+from gpuwatch.agent.telemetry.metrics import RANK_INFO
+
 with warnings.catch_warnings():
     # The SDK prefers its v2 dashboards, which Grafana 11 cannot import; the classic JSON model is the one
     # Grafana 11 to 13 all import, so its deprecation notice is not for us.
@@ -69,19 +73,19 @@ def label_variable(name: str, label: str, query: str, *, multi: bool = True) -> 
 
 
 def job_variable() -> dash.QueryVariable:
-    return label_variable("job", "Training job", "label_values(gpuwatch_train_rank_info, job)")
+    return label_variable("job", "Training job", f"label_values({RANK_INFO}, job)")
 
 
 def node_variable(*, multi: bool = True) -> dash.QueryVariable:
-    return label_variable("node", "Node", "label_values(gpuwatch_agent_info, instance)", multi=multi)
+    return label_variable("node", "Node", f"label_values({AGENT_INFO}, instance)", multi=multi)
 
 
 def rank_variable() -> dash.QueryVariable:
-    return label_variable("rank", "Rank", 'label_values(gpuwatch_train_rank_info{job=~"$job"}, rank)')
+    return label_variable("rank", "Rank", f'label_values({RANK_INFO}{{job=~"$job"}}, rank)')
 
 
 def gpu_variable() -> dash.QueryVariable:
-    return label_variable("gpu", "GPU", 'label_values(gpuwatch_gpu_info{instance=~"$node"}, gpu)')
+    return label_variable("gpu", "GPU", f'label_values({GPU_INFO}{{instance=~"$node"}}, gpu)')
 
 
 @dataclass(frozen=True)

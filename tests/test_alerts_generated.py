@@ -21,8 +21,8 @@ import yaml
 from click.testing import CliRunner
 
 from gpuwatch.alerts import RULES_FILE
-from gpuwatch.alerts.generate import fill, render, severity
-from gpuwatch.alerts.rules import GROUPS, Alert
+from gpuwatch.alerts.generate import fill, render, severity, template_values
+from gpuwatch.alerts.rules import GROUPS, METRIC_FAMILIES, Alert
 from gpuwatch.cli.main import main
 from gpuwatch.diagnosis.registry import REGISTRY, Severity, Threshold
 
@@ -110,6 +110,17 @@ def test_literal_search_sees_a_copied_threshold():
 def test_unknown_placeholder_is_an_error_naming_it():
     with pytest.raises(ValueError, match=r"TrainingStraggler: no value for \$\{straggler_ration\}"):
         fill("x > ${straggler_ration}", {"straggler_ratio": "1.25"}, "TrainingStraggler")
+
+
+def test_every_family_placeholder_is_selected_and_none_is_shadowed():
+    """METRIC_FAMILIES holds the families the alerts select, no more; an alert's own value named as one of them would
+    change what its expression selects, and is an error."""
+    used = {name for alert in ALERTS.values()
+            for name in re.findall(r"\$\{(\w+)\}", alert.expr + alert.description + alert.comment)}
+    assert METRIC_FAMILIES.keys() - used == set()
+    assert template_values(ALERTS["GpuLost"])["GPU_LOST"] == str(METRIC_FAMILIES["GPU_LOST"])
+    with pytest.raises(ValueError, match="GpuLost: GPU_LOST names both a value and a family"):
+        template_values(dataclasses.replace(ALERTS["GpuLost"], values={"GPU_LOST": "up"}))
 
 
 def test_severity_is_the_rule_s_unless_overridden_with_a_reason():

@@ -1,7 +1,8 @@
 """Every family is declared once (``agent.metricspec.MetricSpec``), the declarations are what a simulated agent really
 exports, and every metric name that diagnose's PromQL, the alert rules or the dashboards select is one of their
 series: a family renamed or dropped on the agent's side fails here rather than turning a rule or a panel into a
-silent "no data"."""
+silent "no data". Diagnose, the alert rules and the dashboards name each family through its declaration, never
+written out, so that a rename is the one edit of the declaration."""
 
 from __future__ import annotations
 
@@ -32,10 +33,13 @@ from conftest import wait_until
 ROOT = Path(__file__).resolve().parent.parent
 #: A metric name in PromQL or Python text; recording rules ("gpuwatch:...") have a colon instead of the underscore.
 METRIC_NAME = re.compile(r"\bgpuwatch_[a-z0-9_]*[a-z0-9]")
-#: The modules whose PromQL must name families through their declarations only.
+#: The modules whose PromQL must name families through their declarations only: diagnose's, and every module of
+#: the alert rules and the dashboards (their generated files hold the names the declarations give).
 READERS = (ROOT / "diagnosis" / "sources" / "prometheus.py",
            ROOT / "diagnosis" / "sources" / "outliers.py",
-           ROOT / "diagnosis" / "coverage.py")
+           ROOT / "diagnosis" / "coverage.py",
+           *sorted((ROOT / "alerts").glob("*.py")),
+           *sorted((ROOT / "dashboards").glob("*.py")))
 
 
 def _specs_in(value: Any) -> Iterator[MetricSpec]:
@@ -180,8 +184,8 @@ def test_alert_rules_and_dashboards_select_declared_series_only():
     assert unknown_series(dashboards, declared) == {}
 
 
-@pytest.mark.parametrize("reader", READERS, ids=lambda path: path.name)
-def test_diagnose_names_no_family_but_through_its_declaration(reader):
+@pytest.mark.parametrize("reader", READERS, ids=lambda path: str(path.relative_to(ROOT)))
+def test_diagnose_alerts_and_dashboards_name_no_family_but_through_its_declaration(reader):
     assert metric_literals(reader.read_text()) == []
 
 
@@ -208,6 +212,9 @@ def test_the_checks_fail_on_what_they_guard_against():
         "gpuwatch_made_up_calls: exported with labels ['gpu'], declared []"]
     source = '"""Reads `gpuwatch_agent_info`."""\nQUERY = "count(gpuwatch_agent_info)"\nRULE = "gpuwatch:x:y"\n'
     assert metric_literals(source) == ["count(gpuwatch_agent_info)"]
+    # A name written into an f-string (the dashboards' queries), or built from a prefix, is written out too.
+    source = 'PANEL = f"sum(gpuwatch_gpu_lost{{{NODE}}})"\nPHASE = f"gpuwatch_train_{field}"\nOK = f"{GPU_LOST} == 1"\n'
+    assert metric_literals(source) == ["sum(gpuwatch_gpu_lost{", "gpuwatch_train_"]
 
 
 def test_a_spec_names_its_series_and_refuses_a_misnamed_family():

@@ -65,9 +65,9 @@ CPU_UTILIZATION = MetricSpec("gpuwatch_host_cpu_utilization_ratio",
                              "Share of CPU time, all CPUs, not idle or in iowait since the previous sample.",
                              "ratio", "cpu_ratio")
 CPUS = MetricSpec("gpuwatch_host_cpus", "Logical CPUs.", "", "cpu_count")
-_MEMORY_GAUGES = tuple(MetricSpec(f"gpuwatch_host_memory_{kind}_bytes",
-                                  f"Host memory {kind} (/proc/meminfo; used: total less available).", "bytes",
-                                  f"memory_{kind}_bytes") for kind in ("total", "available", "used"))
+MEMORY_GAUGES = tuple(MetricSpec(f"gpuwatch_host_memory_{kind}_bytes",
+                                 f"Host memory {kind} (/proc/meminfo; used: total less available).", "bytes",
+                                 f"memory_{kind}_bytes") for kind in ("total", "available", "used"))
 LOAD_AVERAGE = MetricSpec("gpuwatch_host_load_average", "Run-queue load average over the window.", labels=("window",))
 #: The agent's process and the ranks', one series each.
 _PROCESS_LABELS = ("pid", "name", "job", "rank")
@@ -226,7 +226,7 @@ def _families(readings: HostReadings) -> list[Metric]:
     for window, value in zip(("1m", "5m", "15m"), readings.load_average, strict=True):
         load.add_metric([window], value)
     families.append(load)
-    families += [spec.family(getattr(readings, spec.field)) for spec in _MEMORY_GAUGES]
+    families += [spec.family(getattr(readings, spec.field)) for spec in MEMORY_GAUGES]
     rss, cpu = PROCESS_RESIDENT.family(), PROCESS_CPU.family()
     for process in readings.processes:
         names = [str(process.pid), process.name, process.job, process.rank]

@@ -128,6 +128,8 @@ _LINK = ("gpu", "link")
 LINK_UP = MetricSpec("gpuwatch_nvlink_up", "1 when the NVLink link is active.", "", "up", labels=_LINK)
 LINK_SPEED = MetricSpec("gpuwatch_nvlink_speed_bytes_per_second", "Rated data rate of the link, one direction.",
                         "bytes_per_second", "speed_bytes_per_second", labels=_LINK)
+LINK_ERRORS = MetricSpec("gpuwatch_nvlink_errors", "Data-link errors on the link: CRC errors, replays and link "
+                         "recoveries.", kind="counter", labels=(*_LINK, "error"))
 NVLINK_FAMILIES = (
     LINK_UP,
     LINK_SPEED,
@@ -135,8 +137,7 @@ NVLINK_FAMILIES = (
                kind="counter", labels=_LINK),
     MetricSpec("gpuwatch_nvlink_received_bytes", "Payload bytes received over the link.", "bytes", "rx_bytes",
                kind="counter", labels=_LINK),
-    MetricSpec("gpuwatch_nvlink_errors", "Data-link errors on the link: CRC errors, replays and link recoveries.",
-               kind="counter", labels=(*_LINK, "error")),
+    LINK_ERRORS,
 )
 
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, TypeGuard
 
 from gpuwatch.agent.telemetry.window import WindowSummary
-from gpuwatch.plan.gpus import Calibration
+from gpuwatch.protocol.calibration import Calibration
 from gpuwatch.protocol.records import GroupTotals, ModelShapeFields, RecorderEntry
 
 #: Clock-event reasons that mean the GPU slowed itself down (not idling, not an application clock setting).

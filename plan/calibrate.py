@@ -34,8 +34,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.plan.gpus import Calibration
 from gpuwatch.plan.model import ModelShape
+from gpuwatch.protocol.calibration import Calibration
 
 SCHEMA = "gpuwatch.calibration/1"
 #: The planner's links (gpus.Cluster.link): within a node, across nodes.

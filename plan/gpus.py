@@ -15,7 +15,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+
+from gpuwatch.protocol.calibration import Calibration
 
 GIB = 2**30
 TERA = 1e12
@@ -104,23 +105,6 @@ def preset(name: str) -> GpuSpec:
         return PRESETS[name]
     except KeyError:
         raise ClusterError(f"unknown GPU preset {name!r} (one of {', '.join(PRESETS)})") from None
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """Figures measured on the machine, used in place of the datasheet's: the achieved matmul FLOP/s (the
-    efficiency is then 1: it is measured in), and per link the bus bandwidth at each message size, as
-    (bytes, bytes/s) pairs (`gpuwatch probe`'s sweep). ``flops_by_work``: the achieved FLOP/s swept over the work
-    of one layer's matmuls (forward FLOPs per micro-batch on one rank), as (FLOPs, FLOP/s) pairs, ascending: small
-    matmuls run far below big ones, so a layout's micro-batch size and TP degree move its speed, as a message's size
-    moves its bus bandwidth. ``precision``: the element type the matmuls were timed in (None: not said);
-    ``measured``: how and where (free-form provenance, gpuwatch.plan.calibrate writes it)."""
-
-    matmul_flops: float | None = None
-    bus_bandwidth: Mapping[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
-    flops_by_work: tuple[tuple[float, float], ...] = ()
-    precision: str | None = None
-    measured: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

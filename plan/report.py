@@ -12,8 +12,9 @@ from typing import Any
 
 from gpuwatch.plan import calibrate
 from gpuwatch.plan.comm import GROUPS
-from gpuwatch.plan.gpus import GEMM_EFFICIENCY, GIB, Calibration, Cluster
+from gpuwatch.plan.gpus import GEMM_EFFICIENCY, GIB, Cluster
 from gpuwatch.plan.planner import Plan, Prediction, Rejection
+from gpuwatch.protocol.calibration import Calibration
 
 SCHEMA = "gpuwatch.plan/1"
 #: The assumptions every figure rests on, said in the output itself (docs/plan.md gives the sources).

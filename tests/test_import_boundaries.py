@@ -98,6 +98,12 @@ def test_importing_the_agent_the_diagnosis_and_the_report_loads_nothing_of_the_t
     assert loaded.stdout.split() == [], loaded.stdout
 
 
+def test_the_facts_the_rules_judge_import_nothing_of_the_planner():
+    """diagnosis/facts.py is the contract every source fills and every rule reads: the calibration it carries for the
+    PLAN rules is protocol.calibration's, so the contract stands without the planner (which the PLAN rules import)."""
+    assert not {name for name in _imports(ROOT / "diagnosis" / "facts.py") if _under(name, "gpuwatch.plan")}
+
+
 #: The parts whose modules must not use each other's private names (tests may: see `test_no_private_name_...`).
 PRIVATE_CHECKED = ("agent", "diagnosis", "trainer", "protocol", "cli", "alerts", "dashboards", "plan", "report")
 #: A named tuple's API: public, though spelled with an underscore so as not to clash with its fields.

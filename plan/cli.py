@@ -103,6 +103,9 @@ def sequence_length(shape: ModelShape, seq_len: int | None) -> int:
 @click.option("--gpus", type=int, required=True, help="GPUs in the job.")
 @click.option("--gpus-per-node", type=int, default=8, show_default=True)
 @click.option("--gpu", default="h100-80gb", show_default=True, help=f"A preset: {', '.join(PRESETS)}.")
+@click.option("--nvlink-domain", type=int, default=None, metavar="GPUS",
+              help="GPUs one NVLink domain joins, where it is larger than a node (a GB200 NVL72 rack: 72); "
+                   "[default: the preset's, else --gpus-per-node]")
 @click.option("--global-batch", type=int, required=True, help="Sequences per optimizer step.")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="bf16", show_default=True)
 @click.option("--main-grads", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
@@ -127,7 +130,8 @@ def sequence_length(shape: ModelShape, seq_len: int | None) -> int:
 @click.option("--format", "output", type=click.Choice(["text", "json"]), default="text", show_default=True)
 def plan(model: str | None, reference: bool, layers: int | None, hidden: int | None, heads: int | None,
          kv_heads: int | None, ffn: int | None, vocab: int | None, seq_len: int | None, gpus: int,
-         gpus_per_node: int, gpu: str, global_batch: int, precision: str, main_grads: str, sequence_parallel: bool,
+         gpus_per_node: int, gpu: str, nvlink_domain: int | None, global_batch: int, precision: str, main_grads: str,
+         sequence_parallel: bool,
          dp_overlap: bool, efficiency: float | None, flash_attention: bool, pp_scatter_gather: bool,
          calibration: str | None, allowance_gib: float, top: int,
          output: str) -> None:
@@ -146,7 +150,8 @@ def plan(model: str | None, reference: bool, layers: int | None, hidden: int | N
         if measured.precision not in (None, precision):
             raise RunError(f"{calibration} timed {measured.precision} matmuls, and the plan is for --precision "
                            f"{precision}: give --precision {measured.precision}, or calibrate in {precision}")
-        cluster = Cluster(gpus, gpus_per_node, preset(gpu), efficiency=efficiency, calibration=measured)
+        cluster = Cluster(gpus, gpus_per_node, preset(gpu), efficiency=efficiency, calibration=measured,
+                          nvlink_domain=nvlink_domain)
         run = Run(global_batch, length, numerics(precision, main_grads == "fp32", shape.source == "reference"),
                   sequence_parallel=sequence_parallel and shape.source != "reference", dp_overlap=dp_overlap,
                   flash_attention=flash_attention, pp_scatter_gather=pp_scatter_gather,

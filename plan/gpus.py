@@ -52,6 +52,9 @@ class GpuSpec:
     bus_bandwidth: Mapping[str, float]
     sources: tuple[str, ...]
     memory_bandwidth: float = 0.0
+    #: GPUs one NVLink domain joins, where it is larger than a node (GB200 NVL72: 72 GPUs over NVLink Switch trays,
+    #: 4 a compute tray); None: the node is the domain.
+    nvlink_domain: int | None = None
 
 
 H100_SOURCES = (
@@ -73,6 +76,21 @@ H200_SOURCES = (
     H100_SOURCES[1].replace("DGX H100", "DGX H100/H200"),
 )
 
+B200_SOURCES = (
+    "NVIDIA DGX B200 datasheet (8 × B200: 1,440 GB HBM3e, 64 TB/s, 72 PFLOPS FP8 training with sparsity, i.e. "
+    "2.25 PFLOPS BF16/FP16 dense a GPU; NVLink 5 1.8 TB/s a GPU; 8 × single-port ConnectX-7, 400 Gb/s a GPU): "
+    "https://resources.nvidia.com/en-us-dgx-systems/dgx-b200-datasheet",
+    "NVIDIA Blackwell architecture technical brief (B200 at 1,000 W: FP32 80 TFLOPS): "
+    "https://resources.nvidia.com/en-us-blackwell-architecture",
+)
+GB200_SOURCES = (
+    "NVIDIA GB200 NVL72 page (72 Blackwell GPUs in one NVLink domain: 720 PFLOPS FP8 training with sparsity, i.e. "
+    "2.5 PFLOPS BF16/FP16 dense a GPU; up to 13.4 TB HBM3e and 576 TB/s, i.e. 186 GB and 8 TB/s a GPU; NVLink "
+    "Switch 130 TB/s, 1.8 TB/s a GPU): https://www.nvidia.com/en-us/data-center/gb200-nvl72/",
+    "NVIDIA GB200 NVL72 compute tray: 2 GB200 superchips (4 GPUs), each GPU with a 400 Gb/s ConnectX-7 port to the "
+    "InfiniBand fabric (Quantum-X800 with ConnectX-8 doubles it): the reference architecture's default taken here",
+)
+
 _HOPPER_FLOPS = {"bf16": 989 * TERA, "fp16": 989 * TERA, "fp32": 67 * TERA}
 _AMPERE_FLOPS = {"bf16": 312 * TERA, "fp16": 312 * TERA, "fp32": 19.5 * TERA}
 PRESETS: dict[str, GpuSpec] = {spec.name: spec for spec in (
@@ -80,6 +98,10 @@ PRESETS: dict[str, GpuSpec] = {spec.name: spec for spec in (
     GpuSpec("h200-141gb", 140 * GIB, _HOPPER_FLOPS, {"nvlink": 450 * GB, "ib": 50 * GB}, H200_SOURCES, 4800 * GB),
     GpuSpec("a100-80gb", 80 * GIB, _AMPERE_FLOPS, {"nvlink": 300 * GB, "ib": 25 * GB}, A100_SOURCES, 2039 * GB),
     GpuSpec("a100-40gb", 40 * GIB, _AMPERE_FLOPS, {"nvlink": 300 * GB, "ib": 25 * GB}, A100_SOURCES, 1555 * GB),
+    GpuSpec("b200-180gb", 180 * 10**9, {"bf16": 2250 * TERA, "fp16": 2250 * TERA, "fp32": 80 * TERA},
+            {"nvlink": 900 * GB, "ib": 50 * GB}, B200_SOURCES, 8000 * GB),
+    GpuSpec("gb200-nvl72", 186 * 10**9, {"bf16": 2500 * TERA, "fp16": 2500 * TERA, "fp32": 90 * TERA},
+            {"nvlink": 900 * GB, "ib": 50 * GB}, GB200_SOURCES, 8000 * GB, nvlink_domain=72),
 )}
 
 
@@ -88,8 +110,12 @@ def preset_for(model: str, memory_bytes: float | None = None) -> GpuSpec | None:
     the name does not tell the size; None for a GPU without one (a PCIe H100 or A100 has other peaks and no NVLink
     switch: no preset stands for it)."""
     name = model.upper()
+    if "GB200" in name:  # a Grace Blackwell superchip's GPU: the rack's NVLink domain (the NVL72 rack)
+        return PRESETS["gb200-nvl72"]
     if "PCIE" in name or "NVL" in name.replace("NVLINK", ""):
         return None
+    if "B200" in name:
+        return PRESETS["b200-180gb"]
     if "H200" in name:
         return PRESETS["h200-141gb"]
     if "H100" in name:
@@ -119,6 +145,8 @@ class Cluster:
     gpu: GpuSpec
     efficiency: float | None = DEFAULT_EFFICIENCY
     calibration: Calibration = field(default_factory=Calibration)
+    #: GPUs one NVLink domain joins (``--nvlink-domain``); None: the preset's, else the node.
+    nvlink_domain: int | None = None
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1:
@@ -129,6 +157,16 @@ class Cluster:
                                f"{self.gpus_per_node}")
         if self.efficiency is not None and not 0 < self.efficiency <= 1:
             raise ClusterError(f"--efficiency must be in (0, 1] (got {self.efficiency})")
+        if self.nvlink_domain is not None and (self.nvlink_domain < self.gpus_per_node
+                                               or self.nvlink_domain % self.gpus_per_node):
+            raise ClusterError(f"--nvlink-domain {self.nvlink_domain} is not a whole number of nodes of "
+                               f"--gpus-per-node {self.gpus_per_node}")
+
+    @property
+    def domain(self) -> int:
+        """GPUs one NVLink domain joins: the cluster's figure, else the preset's, else a node; never more than the
+        cluster."""
+        return min(self.gpus, self.nvlink_domain or self.gpu.nvlink_domain or self.gpus_per_node)
 
     @property
     def shape_model(self) -> bool:
@@ -153,8 +191,8 @@ class Cluster:
 
     def link(self, span: int) -> str:
         """The link a group whose members lie within ``span`` consecutive ranks crosses (ranks are placed node by
-        node, as launchers do)."""
-        return "nvlink" if span <= self.gpus_per_node else "ib"
+        node, as launchers do, so a span within the NVLink domain stays on NVLink)."""
+        return "nvlink" if span <= self.domain else "ib"
 
 
 def swept(points: Sequence[tuple[float, float]], size: float) -> float:

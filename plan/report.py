@@ -69,7 +69,8 @@ def as_json(plan: Plan, top: int | None = None) -> dict[str, Any]:
     return {
         "schema": SCHEMA,
         "model": {**asdict(plan.shape), "parameters": plan.shape.total_parameters()},
-        "cluster": {"gpus": plan.cluster.gpus, "gpus_per_node": plan.cluster.gpus_per_node, "gpu": gpu.name,
+        "cluster": {"gpus": plan.cluster.gpus, "gpus_per_node": plan.cluster.gpus_per_node,
+                    "nvlink_domain": plan.cluster.domain, "gpu": gpu.name,
                     "memory_bytes": gpu.memory_bytes, "peak_flops": dict(gpu.peak_flops),
                     "bus_bandwidth": dict(gpu.bus_bandwidth), "efficiency": plan.cluster.efficiency,
                     "sources": list(gpu.sources), "calibration": calibration_json(plan.cluster.calibration)},
@@ -112,7 +113,9 @@ def as_text(plan: Plan, top: int) -> str:
     lines = [
         f"model: {shape.total_parameters() / 1e9:.2f} B parameters, {shape.layers} layers, hidden {shape.hidden}, "
         f"{shape.heads} heads ({shape.kv_heads} kv), ffn {shape.ffn}, vocabulary {shape.vocab} ({shape.source})",
-        f"cluster: {cluster.gpus} × {cluster.gpu.name} ({cluster.gpus_per_node} a node), "
+        f"cluster: {cluster.gpus} × {cluster.gpu.name} ({cluster.gpus_per_node} a node"
+        + (f", NVLink domains of {cluster.domain}" if cluster.domain != min(cluster.gpus, cluster.gpus_per_node)
+           else "") + "), "
         f"{_gib(cluster.gpu.memory_bytes)} GiB each, {matmul_speed(cluster)}",
         f"run: global batch {run.global_batch} × {run.seq_len} tokens, {run.numerics.precision}, "
         f"sequence parallel {'on' if run.sequence_parallel else 'off'}, flash attention "

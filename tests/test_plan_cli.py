@@ -71,9 +71,36 @@ def test_text_shows_the_fastest_with_their_memory_and_the_rejections(config):
     ranked = [line for line in lines if re.match(r" *\d+  tp", line)]
     assert [int(line[:3]) for line in ranked] == [1, 2, 3, 4]
     assert sum("stage" in line and "optimizer" in line and "allowance" in line for line in lines) == 4
-    assert "tp16 pp1 dp4: tp 16 spans nodes of 8 GPUs" in result.stdout
+    assert "tp16 pp1 dp4: tp 16 spans NVLink domains of 8 GPUs" in result.stdout
     assert "tp1 pp64 dp1: 32 layers cannot fill pp 64 stages" in result.stdout
     assert "out of memory by" in result.stdout
+
+
+def test_an_nvlink_domain_larger_than_a_node_lets_tensor_parallelism_span_it():
+    """A 70B-class model (64 heads, 64 key/value heads) on 144 GPUs: on H100 nodes of 8, tp 16 would cross InfiniBand
+    and is refused; on GB200 NVL72 (compute trays of 4 GPUs, one NVLink domain of 72) it stays on NVLink and is
+    planned. The same trays without the rack's NVLink Switch (--nvlink-domain 4) refuse it again."""
+    model_70b = ("--layers", "80", "--hidden", "8192", "--heads", "64", "--kv-heads", "64", "--ffn", "28672",
+                 "--vocab", "128256", "--seq-len", "4096", "--global-batch", "576", "--gpus", "144")
+
+    def layouts(*cluster: str) -> tuple[dict, dict]:
+        result = plan(*model_70b, *cluster, "--format", "json", "--top", "100000")
+        assert result.exit_code == 0, result.output
+        document = json.loads(result.output)
+        grid = (lambda row: (row["layout"]["tp"], row["layout"]["pp"], row["layout"]["dp"]))  # noqa: E731
+        refused: dict[tuple[int, int, int], list[str]] = {}
+        for row in document["rejected"]:
+            refused.setdefault(grid(row), []).append(row["reason"])
+        return {grid(row): row for row in document["feasible"]}, refused
+
+    h100, h100_refused = layouts("--gpu", "h100-80gb", "--gpus-per-node", "8")
+    nvl72, _ = layouts("--gpu", "gb200-nvl72", "--gpus-per-node", "4")
+    trays, trays_refused = layouts("--gpu", "gb200-nvl72", "--gpus-per-node", "4", "--nvlink-domain", "4")
+    assert not any(tp == 16 for tp, _, _ in h100)
+    assert any("spans NVLink domains of 8 GPUs" in reason for reason in h100_refused[16, 1, 9])
+    assert any(tp == 16 for tp, _, _ in nvl72) and not any(tp > 4 for tp, _, _ in trays)
+    assert any("spans NVLink domains of 4 GPUs" in reason for reason in trays_refused[16, 1, 9])
+    assert set(h100) != set(nvl72)  # where the layouts differ: the wider tensor-parallel grids
 
 
 def test_a_reference_trainer_plan_knows_its_rules():

@@ -68,6 +68,19 @@ class Prediction:
     def comm_compute_ratio(self) -> float:
         return sum(self.exposed.values()) / self.compute_seconds
 
+    @property
+    def parts(self) -> dict[str, float]:
+        """The step's seconds by what takes them: the slowest stage's compute, each group's exposed collectives, and
+        the pipeline's bubble (the rest of the step: the stages idle)."""
+        bubble = max(0.0, self.step_seconds - self.compute_seconds - sum(self.exposed.values()))
+        return {"compute": self.compute_seconds, "bubble": bubble, **self.exposed}
+
+    @property
+    def bound(self) -> str:
+        """What bounds the step: the part that takes most of it (``parts``)."""
+        parts = self.parts
+        return max(parts, key=parts.__getitem__)
+
 
 @dataclass(frozen=True)
 class Rejection:

@@ -52,6 +52,8 @@ def prediction_json(rank: int, prediction: Prediction) -> dict[str, Any]:
         "communication": {group: {"bytes": prediction.traffic_bytes[group], "seconds": seconds[group],
                                   "exposed_seconds": prediction.exposed[group]} for group in GROUPS},
         "comm_compute_ratio": prediction.comm_compute_ratio,
+        "parts_seconds": prediction.parts,
+        "bound": prediction.bound,
         "memory": {"stage": prediction.heaviest, **prediction.memory.as_dict()},
     }
 
@@ -121,14 +123,16 @@ def as_text(plan: Plan, top: int) -> str:
         f"sequence parallel {'on' if run.sequence_parallel else 'off'}, flash attention "
         f"{'on' if run.flash_attention else 'off'}",
         f"{len(plan.feasible)} feasible layouts, {len(plan.rejected)} rejected; the {min(top, len(plan.feasible))} "
-        "fastest (memory of the heaviest stage's rank, GiB; bytes a rank sends per step, GB, and exposed seconds):",
+        "fastest (memory of the heaviest stage's rank, GiB; bytes a rank sends per step, GB, and exposed seconds; what "
+        "takes most of the step: compute, the bubble, or a group's exposed collectives):",
         f"{'#':>3}  {'layout':<54} {'mbs':>4} {'step s':>8} {'MFU':>6} {'bubble':>6} {'mem':>6}  "
-        f"{'TP GB/s':>13} {'PP GB/s':>13} {'DP GB/s':>13} {'comm/comp':>9}",
+        f"{'TP GB/s':>13} {'PP GB/s':>13} {'DP GB/s':>13} {'comm/comp':>9} {'bound':>7}",
     ]
     for rank, p in enumerate(plan.feasible[:top], 1):
         comm = "  ".join(f"{p.traffic_bytes[g] / 1e9:6.2f}/{p.exposed[g]:6.3f}" for g in GROUPS)
         lines.append(f"{rank:>3}  {p.layout.name:<54} {p.micro_batch_size:>4} {p.step_seconds:>8.3f} "
-                     f"{p.mfu:>6.1%} {p.bubble:>6.1%} {_gib(p.memory.total):>6}  {comm} {p.comm_compute_ratio:>9.2f}")
+                     f"{p.mfu:>6.1%} {p.bubble:>6.1%} {_gib(p.memory.total):>6}  {comm} {p.comm_compute_ratio:>9.2f} "
+                     f"{p.bound:>7}")
         memory = p.memory
         lines.append(f"     stage {p.heaviest}: parameters {_gib(memory.parameters)}, gradients "
                      f"{_gib(memory.gradients)}, optimizer {_gib(memory.optimizer)}, activations "

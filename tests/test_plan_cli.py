@@ -59,6 +59,21 @@ def test_json_ranks_every_feasible_layout_and_gives_every_rejection_a_reason(con
     assert all(rejection["over_bytes"] > 0 and "out of memory by" in rejection["reason"] for rejection in oom)
 
 
+def test_each_layout_says_what_bounds_its_step(config):
+    """A layout's step is its parts (compute, the bubble, each group's exposed collectives) and the largest of them
+    names what bounds it: on the example most layouts are compute-bound, those with few micro-batches bubble-bound,
+    the widest TP ones TP-bound, so a user sees why the best wins."""
+    result = plan("--model", str(config), *EXAMPLE, "--format", "json", "--top", "100000")
+    feasible = json.loads(result.output)["feasible"]
+    for row in feasible:
+        parts = row["parts_seconds"]
+        assert sum(parts.values()) == pytest.approx(row["step_seconds"]) and set(parts) == {"compute", "bubble", "tp",
+                                                                                           "pp", "dp"}
+        assert row["bound"] == max(parts, key=parts.get)
+    assert {row["bound"] for row in feasible} >= {"compute", "bubble", "tp"}
+    assert feasible[0]["bound"] == "compute"
+
+
 def test_top_limits_what_json_lists(config):
     document = json.loads(plan("--model", str(config), *EXAMPLE, "--format", "json", "--top", "3").stdout)
     assert len(document["feasible"]) == 3 < document["feasible_count"]

@@ -554,6 +554,22 @@ def test_perf002_names_the_others_waiting_as_evidence_not_a_network_problem():
     silent("PERF004", facts(ranks=ranks))
 
 
+def test_perf002_from_a_partial_view_says_among_which_ranks_it_judged():
+    """An agent on one node of two sees ranks 0-3 of 8: rank 3 is still named (it is among them), with the evidence
+    that it was judged among 4 of the job's 8 ranks and how to see them all; the reason counts the job's 8."""
+    ranks = [rank(r, dp=8, last=step(step_seconds=1.0, compute_seconds=0.9 if r == 3 else 0.3,
+                                     exposed_collective_seconds=0.02 if r == 3 else 0.62)) for r in range(4)]
+    (finding,) = fired("PERF002", facts(ranks=ranks))
+    (seen,) = [e for e in finding.evidence if "ranks_seen" in e.values]
+    assert seen.values == {"ranks_seen": 4, "world_size": 8, "missing_ranks": [4, 5, 6, 7]}
+    assert "judged among the 4 of the job's 8 ranks this source sees (0-3)" in seen.text
+    assert "all 8 ranks of the job wait for it" in finding.reason
+    everyone = ranks + [rank(r, dp=8, last=step(step_seconds=1.0, compute_seconds=0.3, exposed_collective_seconds=0.62))
+                        for r in range(4, 8)]
+    (finding,) = fired("PERF002", facts(ranks=everyone))
+    assert not [e for e in finding.evidence if "ranks_seen" in e.values]
+
+
 def test_perf002_names_a_node_whose_ranks_are_all_slow():
     times = {r: 0.6 if r >= 6 else 0.3 for r in range(8)}
     (finding,) = fired("PERF002", facts(ranks=_compute(times, hosts={6: "node-c", 7: "node-c"})))

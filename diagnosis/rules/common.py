@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 
 from gpuwatch.agent.telemetry.window import MIN_WINDOW_STEPS
-from gpuwatch.diagnosis.facts import Facts, RankFacts, Where, describe_ranks, group_by, may_use_nccl
+from gpuwatch.diagnosis.facts import Facts, RankFacts, Where, describe_ranks, group_by, may_use_nccl, rank_list
 from gpuwatch.diagnosis.registry import Evidence
 
 #: Evidence lines per finding; the rest are summarised, so a 1,024-node cluster gets a readable report.
@@ -100,3 +100,23 @@ def windowed(rank: RankFacts, timing: str) -> float | None:
 def window_text(rank: RankFacts) -> str:
     """The window a figure was judged over, for evidence: ``median of 12 steps (41-52, 3.1 s)``."""
     return f"median of {rank.window.describe()}" if rank.window is not None else "latest step"
+
+
+def world_size(ranks: Iterable[RankFacts]) -> int | None:
+    """A job's world size, as its ranks' hellos give it; None where no hello says."""
+    return max((r.layout.world_size for r in ranks if r.layout is not None), default=None)
+
+
+def partial_view(job: str, ranks: Sequence[RankFacts]) -> Evidence | None:
+    """Where a source sees fewer of a job's ranks than its world size (an agent on one node of several): which ranks
+    a comparison among them was made over, and how to see them all; None where every rank is seen."""
+    world = world_size(ranks)
+    seen = sorted({r.rank for r in ranks})
+    if world is None or len(seen) >= world:
+        return None
+    missing = sorted(set(range(world)) - set(seen))
+    return Evidence(
+        f"judged among the {len(seen)} of the job's {world} ranks this source sees ({rank_list(seen)}); ranks "
+        f"{rank_list(missing)} are not reporting here: `gpuwatch diagnose --agent URL` for every node of the job, "
+        "or `--prometheus URL`, compares them all", Where(job=job),
+        {"ranks_seen": len(seen), "world_size": world, "missing_ranks": missing})

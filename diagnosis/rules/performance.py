@@ -36,7 +36,15 @@ from gpuwatch.diagnosis.facts import (
 )
 from gpuwatch.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
 from gpuwatch.diagnosis.rules import paths
-from gpuwatch.diagnosis.rules.common import capped, cpu_sharing, ratio_text, window_text, windowed
+from gpuwatch.diagnosis.rules.common import (
+    capped,
+    cpu_sharing,
+    partial_view,
+    ratio_text,
+    window_text,
+    windowed,
+    world_size,
+)
 from gpuwatch.plan.compute import ZERO_BUBBLE_SCHEDULES, micro_batches_for, schedule_bubble
 from gpuwatch.protocol.schema import STEP_PHASES
 
@@ -312,8 +320,10 @@ def straggler(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
             continue
         slow.sort(key=lambda s: -s.ratio)
         waiting = _waiting_evidence(job, ranks, {s.rank.rank for s in slow})
+        # the outlier fetch reads some ranks in detail on purpose, and brings the whole job's yardsticks (whole_step)
+        seen = [partial] if whole_step is None and (partial := partial_view(job, ranks)) is not None else []
         for phase, members in group_by(slow, lambda s: s.phase):
-            yield _straggler_issue(job, ranks, timed, phase, members, step, [*waiting, *sharing])
+            yield _straggler_issue(job, ranks, timed, phase, members, step, [*waiting, *sharing, *seen])
 
 
 def _waiting_evidence(job: str, ranks: list[RankFacts], slow: set[int]) -> list[Evidence]:
@@ -364,8 +374,8 @@ def _straggler_issue(job: str, ranks: list[RankFacts], timed: list[RankFacts], p
         title=f"straggler in job {job}: {culprit} is busy up to {first.ratio:.2f}x the median, the extra in {where}",
         evidence=(*capped(evidence, what="slow ranks"), *context),
         fix=fix.format(who=who, node=culprit if whole_nodes else "the node"),
-        reason=f"Synchronous training runs at the pace of its slowest rank: all {len(ranks)} ranks of the job wait "
-               "for it at every collective, whichever phase holds its extra time.",
+        reason=f"Synchronous training runs at the pace of its slowest rank: all {world_size(ranks) or len(ranks)} "
+               "ranks of the job wait for it at every collective, whichever phase holds its extra time.",
     )
 
 

@@ -163,12 +163,12 @@ class HostCollector(Collector):
         """This round's traffic counters added to the history, whose latest sample is always this round's: in place
         of the latest until that is TRAFFIC_SPACING_SECONDS after the one before it, which it then stays."""
         loopbacks = {i.name for i in interfaces if i.is_loopback} | {"lo"}
-        with_address = {i.name for i in interfaces if any(a.family != "link" for a in i.addresses)}
+        with_address = {i.name for i in interfaces if i.ip_addresses}
         counters = self._counters.network_counters()
-        names = sorted((name for name in counters if name not in loopbacks),
-                       key=lambda name: (name not in with_address, name))[:MAX_TRAFFIC_INTERFACES]
+        kept = sorted((name for name in counters if name not in loopbacks),
+                      key=lambda name: (name not in with_address, name))[:MAX_TRAFFIC_INTERFACES]
         sample = TrafficSample(self._wall_clock(), tuple(
-            InterfaceTrafficReading(name, *counters[name]) for name in sorted(names)))
+            InterfaceTrafficReading(name, *counters[name]) for name in sorted(kept)))
         history = self._traffic
         if len(history) >= 2 and history[-1].time - history[-2].time < TRAFFIC_SPACING_SECONDS:
             history[-1] = sample
@@ -239,11 +239,10 @@ def _network_families(readings: HostReadings) -> list[Metric]:
     """Each interface's identity and speed, and the traffic counters of those the history keeps."""
     info, speed = NETWORK_INFO.family(), NETWORK_SPEED.family()
     for interface in readings.network_interfaces:
-        addresses = " ".join(a.address for a in interface.addresses if a.family != "link")
         info.add_metric([interface.name, "up" if interface.up else "down", str(interface.is_loopback).lower(),
-                         addresses], 1)
-        if interface.speed_mbps:
-            speed.add_metric([interface.name], interface.speed_mbps * 1e6 / 8)
+                         " ".join(interface.ip_addresses)], 1)
+        if interface.speed_bytes_per_second:
+            speed.add_metric([interface.name], interface.speed_bytes_per_second)
     counters = [spec.family() for spec in _TRAFFIC_COUNTERS]
     for traffic in readings.network_traffic[-1].interfaces if readings.network_traffic else ():
         for spec, family in zip(_TRAFFIC_COUNTERS, counters, strict=True):

@@ -281,6 +281,16 @@ class InterfaceReading(Reading):
     speed_mbps: int | None = None  # None when the driver does not know it
     addresses: tuple[AddressReading, ...] = ()
 
+    @property
+    def ip_addresses(self) -> tuple[str, ...]:
+        """Its IP addresses (not its link-layer one): what makes it reach other hosts."""
+        return tuple(a.address for a in self.addresses if a.family != "link")
+
+    @property
+    def speed_bytes_per_second(self) -> float | None:
+        """The negotiated speed in bytes/s; None when the driver does not know it."""
+        return self.speed_mbps * 1e6 / 8 if self.speed_mbps else None
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class InterfaceTrafficReading(Reading):

@@ -39,7 +39,7 @@ from gpuwatch.diagnosis.facts import (
     rank_list,
 )
 from gpuwatch.diagnosis.registry import Evidence, Issue, Severity, Threshold, rule
-from gpuwatch.diagnosis.rules.common import capped
+from gpuwatch.diagnosis.rules.common import capped, world_size
 from gpuwatch.protocol.schema import P2P_OPS
 
 FAMILY = "hangs"
@@ -540,7 +540,7 @@ def all_stopped(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
         assert progress is not None, "a stuck rank has a progress record"
         tied = [r for r in still[1:] if r.progress is not None
                 and progress.stalled_seconds - r.progress.stalled_seconds < t.apart_seconds]
-        world = max((r.layout.world_size for r in members if r.layout is not None), default=None)
+        world = world_size(members)
         partial = world is None or world > len(members)
         evidence = []
         frames = progress.stack[-_STACK_SHOWN:]

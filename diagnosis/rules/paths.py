@@ -23,6 +23,7 @@ from gpuwatch.diagnosis.facts import (
     median,
     rank_list,
 )
+from gpuwatch.diagnosis.rules.common import world_size
 
 #: The ops of a sharded (FSDP, ZeRO-3) job: parameters gathered before use, gradients reduce-scattered after.
 SHARDED_OPS = ("all_gather", "reduce_scatter")
@@ -278,7 +279,7 @@ def slow_side(traffic: Sequence[NodeTraffic]) -> tuple[str, str] | None:
 def waits_for_unseen(ranks: Sequence[RankFacts], exposed: dict[int, float]) -> tuple[float, list[int], int] | None:
     """Where the ranks measured are fewer than the job's world size (the hellos'): the median exposed collective
     time of those measured, the ranks not measured here, and the world size; None when every rank is measured."""
-    world = max((r.layout.world_size for r in ranks if r.layout is not None), default=None)
+    world = world_size(ranks)
     if world is None or not exposed:
         return None
     missing = sorted(set(range(world)) - set(exposed))

@@ -84,8 +84,7 @@ def _port(reading: IbPortReading, models: dict[str, str | None]) -> IbPortFacts:
 
 def _interface(reading: InterfaceReading) -> InterfaceFacts:
     return InterfaceFacts(name=reading.name, up=reading.up, loopback=reading.is_loopback,
-                          addresses=tuple(a.address for a in reading.addresses if a.family != "link"),
-                          speed_bytes_per_second=reading.speed_mbps * 1e6 / 8 if reading.speed_mbps else None)
+                          addresses=reading.ip_addresses, speed_bytes_per_second=reading.speed_bytes_per_second)
 
 
 def node_facts(name: str, readings: NodeReadings, missing: dict[str, str], simulated: bool | None = None) -> NodeFacts:

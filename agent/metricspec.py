@@ -14,8 +14,10 @@ Its own module, not ``collectors.base``, because both the collectors and ``telem
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
-from typing import Literal
+import importlib
+import pkgutil
+from collections.abc import Iterable, Iterator
+from typing import Any, Literal
 
 from gpuwatch.agent.exposition import CounterFamily, GaugeFamily, RowFamily
 
@@ -108,3 +110,29 @@ def by_field(specs: Iterable[MetricSpec], field: str) -> MetricSpec:
     if len(found) != 1:
         raise LookupError(f"{len(found)} declarations export {field!r}")
     return found[0]
+
+
+def _specs_in(value: Any) -> Iterator[MetricSpec]:
+    """The declarations ``value`` holds: itself, or the members of a table (a tuple, list or dict of them)."""
+    if isinstance(value, MetricSpec):
+        yield value
+    elif isinstance(value, tuple | list):
+        for item in value:
+            yield from _specs_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _specs_in(item)
+
+
+def declared(package: str = "gpuwatch.agent") -> dict[str, tuple[str, MetricSpec]]:
+    """Every family a module of ``package`` declares (alone, or in a table), by name: the declaring module and the
+    declaration, in module order. What the families check holds to a simulated agent's scrape and the docs' families
+    table is made from; a name declared by two different declarations raises (a family is declared in one place)."""
+    found: dict[str, tuple[str, MetricSpec]] = {}
+    for info in pkgutil.walk_packages(importlib.import_module(package).__path__, f"{package}."):
+        for value in vars(importlib.import_module(info.name)).values():
+            for spec in _specs_in(value):
+                module, known = found.setdefault(spec.name, (info.name, spec))
+                if known is not spec and known != spec:
+                    raise ValueError(f"{spec.name} is declared twice: in {module} and {info.name}")
+    return found

@@ -1,66 +1,143 @@
-"""The rules' thresholds table in docs/runbook.md, generated from their declarations (``@rule(..., thresholds=...,
-needs=...)``): each rule with a threshold, its thresholds' values and the facts it needs, so that the runbook never
-restates a number a rule holds. ``python -m gpuwatch.diagnosis.docs`` rewrites the table between its markers;
-``--check`` exits 1 with one line when the committed file is stale (a test runs it), as ``gpuwatch alerts generate
---check`` does for the alert rules. Each threshold's source is the rule's ``--explain``."""
+"""The docs' tables that restate a registry, generated from it: so that a document never lists by hand what a
+declaration holds, and adding a rule, a collector or a metric family edits no document.
+
+* docs/runbook.md, the rules' thresholds: each rule with a threshold, its values and the facts it needs
+  (``@rule(..., thresholds=..., needs=...)``); each threshold's source is the rule's ``--explain``.
+* docs/diagnosis.md, the rule catalogue: every code, its family, severity, title and report view (``@rule``).
+* docs/agent.md, the collectors (``agent.collectors.REGISTRY``: name, default, what it reads) and every metric family
+  the agent exports (``agent.metricspec.declared``: name, type, labels, HELP, declaring module).
+
+``python -m gpuwatch.cli.docs`` rewrites each table between its markers; ``--check`` exits 1 with one line per stale
+document (a test runs it), as ``gpuwatch alerts generate --check`` does for the alert rules. In the top floor
+(``cli``) because it reads both the agent's registries and diagnosis's, which may not import each other.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from gpuwatch.diagnosis import rules  # noqa: F401 - registers every rule
-from gpuwatch.diagnosis.registry import REGISTRY
+from gpuwatch.agent.collectors import REGISTRY as COLLECTORS
+from gpuwatch.agent.metricspec import declared
+from gpuwatch.diagnosis.engine import catalogue
 
-#: The runbook, in a checkout (docs/ is not packaged).
-RUNBOOK = Path(__file__).resolve().parents[1] / "docs" / "runbook.md"
-BEGIN = ("<!-- BEGIN rule thresholds: generated from each rule's @rule(...) by "
-         "`python -m gpuwatch.diagnosis.docs`; edit the rule, not this table -->")
-END = "<!-- END rule thresholds -->"
+#: The repository's root, in a checkout (docs/ is not packaged).
+ROOT = Path(__file__).resolve().parents[1]
+COMMAND = "python -m gpuwatch.cli.docs"
 
 
-def _value(value: float) -> str:
+def _number(value: float) -> str:
     return f"{int(value):,}" if float(value).is_integer() else f"{value:g}"
 
 
-def table() -> str:
+def _cell(text: str) -> str:
+    """``text`` on one line, safe in a Markdown table cell."""
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def thresholds_table() -> str:
     """One row per rule with thresholds: code and title, each threshold as name = value, and what it needs."""
     rows = ["| Rule | Thresholds (`--explain CODE` gives each one's source) | Needs |", "|---|---|---|"]
-    for code, rule in REGISTRY.items():
+    for rule in catalogue():
         if rule.thresholds:
-            values = ", ".join(f"`{name}` = {_value(t.value)}" for name, t in rule.thresholds.items())
-            rows.append(f"| {code} {rule.title} | {values} | {', '.join(need.name for need in rule.needs) or '–'} |")
+            values = ", ".join(f"`{name}` = {_number(t.value)}" for name, t in rule.thresholds.items())
+            needed = ", ".join(need.name for need in rule.needs) or "–"
+            rows.append(f"| {rule.code} {rule.title} | {values} | {needed} |")
     return "\n".join(rows)
 
 
-def render(text: str) -> str:
-    """``text`` with the table between its markers replaced by the current one."""
-    start, end = text.find(BEGIN), text.find(END)
-    if start < 0 or end < start:
-        raise ValueError(f"the runbook has no {BEGIN!r} ... {END!r} markers")
-    return f"{text[:start]}{BEGIN}\n{table()}\n{text[end:]}"
+def rule_catalogue() -> str:
+    """Every rule, in catalogue order: its code, family, severity, title and the report view showing its evidence."""
+    rows = ["| Code | Family | Severity | Title | Report view |", "|---|---|---|---|---|"]
+    rows += [f"| {rule.code} | {rule.family} | {rule.severity.label} | {_cell(rule.title)} | {rule.view} |"
+             for rule in catalogue()]
+    return "\n".join(rows)
 
 
-def stale(path: Path = RUNBOOK) -> str | None:
-    """Why ``path`` does not hold the current table (one line), or None when it does."""
-    text = path.read_text(encoding="utf-8")
-    if render(text) != text:
-        return (f"{path}'s rule thresholds differ from the rules' declarations: "
-                "run python -m gpuwatch.diagnosis.docs")
-    return None
+def collectors_table() -> str:
+    """Every collector: its switch's default and what it reads (its module docstring's first paragraph)."""
+    rows = ["| Collector | Default | Reads |", "|---|---|---|"]
+    for name, collector in COLLECTORS.items():
+        reads = (inspect.getdoc(sys.modules[collector.__module__]) or "").split("\n\n")[0]
+        rows.append(f"| `{name}` | {'on' if collector.enabled_by_default else 'off'} | {_cell(reads)} |")
+    return "\n".join(rows)
+
+
+def families_table() -> str:
+    """Every family the agent exports, by declaring module: name (a counter's series, ``_total``), type, labels and
+    HELP."""
+    rows = ["| Family | Type | Labels | Help | Declared in |", "|---|---|---|---|---|"]
+    for name, (module, spec) in declared().items():
+        labels = ", ".join(f"`{label}`" for label in spec.labels) or "–"
+        path = module.removeprefix("gpuwatch.").replace(".", "/") + ".py"
+        series = spec.sample_names[0] if spec.kind == "counter" else name
+        rows.append(f"| `{series}` | {spec.kind} | {labels} | {_cell(spec.help)} | `{path}` |")
+    return "\n".join(rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """One generated table: the document it is in (from the repository's root), its marker name and its maker."""
+
+    document: str
+    name: str
+    make: Callable[[], str]
+
+    @property
+    def begin(self) -> str:
+        return f"<!-- BEGIN {self.name}: generated by `{COMMAND}`; edit the declarations, not this table -->"
+
+    @property
+    def end(self) -> str:
+        return f"<!-- END {self.name} -->"
+
+    def render(self, text: str) -> str:
+        """``text`` with this table between its markers replaced by the current one."""
+        start, end = text.find(self.begin), text.find(self.end)
+        if start < 0 or end < start:
+            raise ValueError(f"{self.document} has no {self.begin!r} ... {self.end!r} markers")
+        return f"{text[:start]}{self.begin}\n{self.make()}\n{text[end:]}"
+
+
+TABLES = (
+    Table("docs/runbook.md", "rule thresholds", thresholds_table),
+    Table("docs/diagnosis.md", "rule catalogue", rule_catalogue),
+    Table("docs/agent.md", "collectors", collectors_table),
+    Table("docs/agent.md", "metric families", families_table),
+)
+
+
+def rendered(root: Path = ROOT) -> dict[Path, tuple[str, str]]:
+    """Each document with a generated table: its committed text and its text with every table current."""
+    documents: dict[Path, tuple[str, str]] = {}
+    for table in TABLES:
+        path = root / table.document
+        committed, current = documents.get(path) or (text := path.read_text(encoding="utf-8"), text)
+        documents[path] = (committed, table.render(current))
+    return documents
+
+
+def stale(root: Path = ROOT) -> list[str]:
+    """One line per document whose tables differ from the declarations; empty when every one is fresh."""
+    return [f"{path}'s generated tables differ from the declarations: run {COMMAND}"
+            for path, (committed, current) in rendered(root).items() if committed != current]
 
 
 def main(argv: Sequence[str] = ()) -> int:
     if list(argv) == ["--check"]:
-        problem = stale()
-        print(problem or f"{RUNBOOK} is fresh", file=sys.stderr if problem else sys.stdout)
-        return 1 if problem else 0
+        problems = stale()
+        print("\n".join(problems) or "the generated tables are fresh", file=sys.stderr if problems else sys.stdout)
+        return 1 if problems else 0
     if argv:
-        print("usage: python -m gpuwatch.diagnosis.docs [--check]", file=sys.stderr)
+        print(f"usage: {COMMAND} [--check]", file=sys.stderr)
         return 2
-    RUNBOOK.write_text(render(RUNBOOK.read_text(encoding="utf-8")), encoding="utf-8")
-    print(RUNBOOK)
+    for path, (committed, current) in rendered().items():
+        if committed != current:
+            path.write_text(current, encoding="utf-8")
+            print(path)
     return 0
 
 

@@ -7,9 +7,7 @@ written out, so that a rename is the one edit of the declaration."""
 from __future__ import annotations
 
 import ast
-import importlib
 import json
-import pkgutil
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -20,9 +18,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from telemetry_records import hello, step
 
-import gpuwatch.agent
 from gpuwatch.agent.collectors.nvml import GPU_GAUGES
-from gpuwatch.agent.metricspec import MetricSpec, by_field
+from gpuwatch.agent.metricspec import MetricSpec, by_field, declared
 from gpuwatch.agent.sampler import AGENT_INFO
 from gpuwatch.agent.telemetry.metrics import LAST_STEP
 from gpuwatch.diagnosis.sources import prometheus
@@ -42,29 +39,10 @@ READERS = (ROOT / "diagnosis" / "sources" / "prometheus.py",
            *sorted((ROOT / "dashboards").glob("*.py")))
 
 
-def _specs_in(value: Any) -> Iterator[MetricSpec]:
-    if isinstance(value, MetricSpec):
-        yield value
-    elif isinstance(value, tuple | list):
-        for item in value:
-            yield from _specs_in(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _specs_in(item)
-
-
 def declared_families() -> dict[str, MetricSpec]:
-    """Every ``MetricSpec`` a module of the agent holds (alone, or in a table), by family name; a name declared by
-    two different declarations fails: a family is declared in one place."""
-    specs: dict[int, MetricSpec] = {}
-    for module in pkgutil.walk_packages(gpuwatch.agent.__path__, "gpuwatch.agent."):
-        for value in vars(importlib.import_module(module.name)).values():
-            specs.update((id(spec), spec) for spec in _specs_in(value))
-    by_name: dict[str, MetricSpec] = {}
-    for spec in specs.values():
-        assert spec.name not in by_name, f"{spec.name} is declared twice"
-        by_name[spec.name] = spec
-    return by_name
+    """Every ``MetricSpec`` a module of the agent holds (alone, or in a table), by family name (``declared``, which
+    fails on a name declared twice: a family is declared in one place)."""
+    return {name: spec for name, (_, spec) in declared().items()}
 
 
 def exposition_problems(declared: Iterable[MetricSpec], exposition: str) -> list[str]:

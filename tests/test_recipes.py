@@ -18,8 +18,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import inspect
 import json
 import re
+import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -131,16 +133,20 @@ def test_explain_and_config_read_the_new_rules_threshold(recipe_rule, tmp_path):
         engine.load_config(config)
 
 
-def test_the_runbooks_thresholds_table_is_the_rules_and_takes_a_new_rule(recipe_rule):
-    """docs/runbook.md's table of thresholds is generated from the registry: without the recipe's rule the committed
-    one is fresh; with it, the table has its row and the committed runbook is stale, which --check says."""
-    from gpuwatch.diagnosis import docs
+def test_the_docs_tables_are_the_rules_and_take_a_new_rule(recipe_rule):
+    """docs/runbook.md's thresholds and docs/diagnosis.md's catalogue are generated from the registry: without the
+    recipe's rule the committed ones are fresh; with it, both tables have its row and the committed documents are
+    stale, which --check says."""
+    from gpuwatch.cli import docs
 
-    assert f"| {CODE} {TITLE} | `max_celsius` = 90 | {needs.GPUS.name} |" in docs.table()
-    assert "python -m gpuwatch.diagnosis.docs" in (docs.stale() or "")
+    assert f"| {CODE} {TITLE} | `max_celsius` = 90 | {needs.GPUS.name} |" in docs.thresholds_table()
+    assert f"| {CODE} | {FAMILY} | warning | {TITLE} | ranks |" in docs.rule_catalogue()
+    assert [line.split("'")[0] for line in docs.stale()] == [str(ROOT / "docs" / "runbook.md"),
+                                                             str(ROOT / "docs" / "diagnosis.md")]
+    assert "python -m gpuwatch.cli.docs" in docs.stale()[0]
     assert docs.main(["--check"]) == 1
     del REGISTRY[CODE]
-    assert docs.stale() is None and docs.main(["--check"]) == 0  # the committed runbook is the registry's
+    assert docs.stale() == [] and docs.main(["--check"]) == 0  # the committed docs are the registries'
     REGISTRY[CODE] = recipe_rule
 
 
@@ -351,31 +357,48 @@ def test_every_file_a_recipe_names_exists(title):
     assert missing == []
 
 
-def code_ranges() -> str:
-    """The registry's codes as README.md and docs/diagnosis.md list them: "NCCL001–005, HW001–005, …"."""
-    ranges = []
-    for prefix in engine.PREFIX_ORDER:
-        numbers = sorted(code[len(prefix):] for code in REGISTRY if code.rstrip("0123456789") == prefix)
-        ranges.append(f"{prefix}{numbers[0]}–{numbers[-1]}")
-    return ", ".join(ranges)
-
-
-@pytest.mark.parametrize("document", ["README.md", "docs/diagnosis.md"])
-def test_the_code_ranges_the_add_a_rule_recipe_sends_to_are_the_registrys(document):
-    assert code_ranges() in " ".join((ROOT / document).read_text().split())
-
-
 def test_the_family_prefixes_the_add_a_rule_recipe_lists_are_the_registrys():
     prefixes = ", ".join(f"`{prefix}`" for prefix in FAMILIES.values())
     assert f"(`FAMILIES` in `diagnosis/registry.py`: {prefixes})" in " ".join(ARCHITECTURE.read_text().split())
 
 
-def test_the_collector_lists_the_add_a_collector_recipe_sends_to_are_the_registrys():
-    text = (ROOT / "docs" / "agent.md").read_text()
-    names = ", ".join(f"`{name}`" for name in COLLECTORS)
-    (switches,) = [line for line in text.splitlines() if line.startswith("| `--collector.NAME`")]
-    assert f"| all on | {names} |" in switches
-    assert f"collectors ({' · '.join(COLLECTORS)})" in text
-    assert [name for name in COLLECTORS if f"\n* **{name}**" not in text] == []
-    for document in (text, (ROOT / "README.md").read_text()):
-        assert f"One collector per source ({names})" in " ".join(document.split())
+_WIDGET_MODULE = f"""\"\"\"Recipe widgets, read from sysfs.\"\"\"
+from {WidgetCollector.__module__} import WidgetCollector as _Widget
+
+
+class WidgetCollector(_Widget):
+    pass
+"""
+
+
+def test_a_collector_is_registered_by_its_module_being_in_the_package(tmp_path, monkeypatch):
+    """Step 1 is the registration: ``discover`` finds the collector of every public module of the package (as
+    ``agent/collectors/__init__.py`` builds REGISTRY), skips private helpers, and refuses a module with two."""
+    from gpuwatch.agent.collectors import discover
+
+    package = tmp_path / "recipe_collectors"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "widget.py").write_text(_WIDGET_MODULE)
+    (package / "_helper.py").write_text(_WIDGET_MODULE)  # private: not a collector's module, however it looks
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found = discover("recipe_collectors")
+    assert list(found) == [WidgetCollector.name]
+    assert found[WidgetCollector.name].__module__ == "recipe_collectors.widget"
+    (package / "twice.py").write_text(_WIDGET_MODULE + "\n\nclass Another(_Widget):\n    name = 'another'\n")
+    with pytest.raises(ImportError, match=r"^recipe_collectors\.twice must define one Collector subclass, not 2$"):
+        discover("recipe_collectors")
+
+
+def test_the_docs_collector_table_is_the_registrys_and_takes_a_new_collector():
+    """docs/agent.md's collectors table is generated from REGISTRY (the README and the flags table send people to it,
+    naming no collector): the new collector gets its row, with what its module's docstring says it reads."""
+    from gpuwatch.cli import docs
+
+    assert docs.stale() == []
+    with _registered_collector():
+        row = f"| `{WidgetCollector.name}` | on | {inspect.getdoc(sys.modules[__name__]).split(chr(10))[0]}"
+        assert row in docs.collectors_table()
+        assert docs.stale() == [f"{ROOT / 'docs' / 'agent.md'}'s generated tables differ from the declarations: "
+                                "run python -m gpuwatch.cli.docs"]
+    assert docs.stale() == []

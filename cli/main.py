@@ -34,7 +34,7 @@ class LazyGroup(click.Group):
           "diagnose": ("gpuwatch.diagnosis.cli", "diagnose"), "probe": ("gpuwatch.trainer.probe", "probe"),
           "alerts": ("gpuwatch.alerts.cli", "alerts"),
           "dashboards": ("gpuwatch.dashboards.cli", "dashboards"), "demo": ("gpuwatch.cli.demo", "demo"),
-          "run": ("gpuwatch.cli.run", "run"), "plan": ("gpuwatch.plan.cli", "plan"),
+          "run": ("gpuwatch.cli.run", "run"), "plan": ("gpuwatch.cli.plan", "plan"),
           "report": ("gpuwatch.report.cli", "report"),
           "calibrate": ("gpuwatch.plan.cli", "calibrate_command")},
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},

@@ -98,60 +98,75 @@ def sequence_length(shape: ModelShape, seq_len: int | None) -> int:
     return length
 
 
-@click.command(cls=OneLineCommand)
-@model_options
-@click.option("--gpus", type=int, required=True, help="GPUs in the job.")
-@click.option("--gpus-per-node", type=int, default=8, show_default=True)
-@click.option("--gpu", default="h100-80gb", show_default=True, help=f"A preset: {', '.join(PRESETS)}.")
-@click.option("--nvlink-domain", type=int, default=None, metavar="GPUS",
-              help="GPUs one NVLink domain joins, where it is larger than a node (a GB200 NVL72 rack: 72); "
-                   "[default: the preset's, else --gpus-per-node]")
-@click.option("--global-batch", type=int, required=True, help="Sequences per optimizer step.")
-@click.option("--precision", type=click.Choice(PRECISIONS), default="bf16", show_default=True)
-@click.option("--main-grads", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
-              help="Gradient dtype with bf16/fp16 (fp32: Megatron-LM's 18 bytes a parameter; bf16: ZeRO's 16).")
-@click.option("--sequence-parallel/--no-sequence-parallel", default=True, show_default=True)
-@click.option("--dp-overlap", is_flag=True, help="The DP reduction overlaps the last backward pass (DDP buckets).")
-@click.option("--efficiency", type=float, default=None,
-              help=f"A flat share of the peak FLOP/s for all of a layer's work (the planner's old default: "
-                   f"{DEFAULT_EFFICIENCY}); default: the shape model, matmuls on the roofline at "
-                   f"{GEMM_EFFICIENCY:.0%} of the peak and elementwise work at the HBM's bandwidth.")
-@click.option("--flash-attention/--no-flash-attention", default=True, show_default=True,
-              help="Attention keeps no s × s scores and recomputes them in the backward pass (Dao et al. 2022).")
-@click.option("--pp-scatter-gather/--no-pp-scatter-gather", default=True, show_default=True,
-              help="Pipeline sends between nodes split over the TP group's NICs (one NIC per GPU assumed) and "
-                   "all-gathered over NVLink (Narayanan et al. 2021, §4.1).")
-@click.option("--calibration", type=str, metavar="FILE", help="Figures measured on the machine (gpuwatch "
-              "calibrate): its matmuls' FLOP/s and bus bandwidth per size in place of the preset's peak × "
-              "--efficiency and link speeds.")
-@click.option("--allowance-gib", type=float, default=2.0, show_default=True,
-              help="Memory for the CUDA context, NCCL and the like, per GPU.")
-@click.option("--top", type=int, default=10, show_default=True, help="Feasible layouts shown.")
-@click.option("--format", "output", type=click.Choice(["text", "json"]), default="text", show_default=True)
-def plan(model: str | None, reference: bool, layers: int | None, hidden: int | None, heads: int | None,
-         kv_heads: int | None, ffn: int | None, vocab: int | None, seq_len: int | None, gpus: int,
-         gpus_per_node: int, gpu: str, nvlink_domain: int | None, global_batch: int, precision: str, main_grads: str,
-         sequence_parallel: bool,
-         dp_overlap: bool, efficiency: float | None, flash_attention: bool, pp_scatter_gather: bool,
-         calibration: str | None, allowance_gib: float, top: int,
-         output: str) -> None:
-    """Which tp × pp × dp layout (micro-batches, schedule and virtual stages, recomputation, ZeRO-1) a model should
-    run with: every
-    feasible one ranked by predicted step time, with the heaviest rank's memory, the bubble, the traffic per group
-    and MFU; every rejected one with its reason (docs/plan.md). Example: gpuwatch plan --model config.json
-    --gpus 64 --gpus-per-node 8 --gpu h100-80gb --global-batch 512 --seq-len 4096"""
+#: The default GPU preset and node size, where neither the flags nor an agent (``gpuwatch plan --agent``) give them.
+DEFAULT_GPU = "h100-80gb"
+DEFAULT_GPUS_PER_NODE = 8
+
+
+def plan_options(command: Callable[..., None]) -> Callable[..., None]:
+    """The planner's flags: the model's, the cluster's and the run's (``gpuwatch plan``, whose command is the CLI's:
+    it may also take the cluster from agents, which the planner may not import)."""
+    for option in reversed((
+        click.option("--gpus", type=int, default=None, help="GPUs in the job (with --agent: the agents' GPUs)."),
+        click.option("--gpus-per-node", type=int, default=None,
+                     help=f"[default: the agents', else {DEFAULT_GPUS_PER_NODE}]"),
+        click.option("--gpu", default=None,
+                     help=f"A preset: {', '.join(PRESETS)} [default: the agents', else {DEFAULT_GPU}]."),
+        click.option("--nvlink-domain", type=int, default=None, metavar="GPUS",
+                     help="GPUs one NVLink domain joins, where it is larger than a node (a GB200 NVL72 rack: 72); "
+                          "[default: the preset's, else --gpus-per-node]"),
+        click.option("--global-batch", type=int, required=True, help="Sequences per optimizer step."),
+        click.option("--precision", type=click.Choice(PRECISIONS), default="bf16", show_default=True),
+        click.option("--main-grads", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+                     help="Gradient dtype with bf16/fp16 (fp32: Megatron-LM's 18 bytes a parameter; bf16: ZeRO's "
+                          "16)."),
+        click.option("--sequence-parallel/--no-sequence-parallel", default=True, show_default=True),
+        click.option("--dp-overlap", is_flag=True,
+                     help="The DP reduction overlaps the last backward pass (DDP buckets)."),
+        click.option("--efficiency", type=float, default=None,
+                     help=f"A flat share of the peak FLOP/s for all of a layer's work (the planner's old default: "
+                          f"{DEFAULT_EFFICIENCY}); default: the shape model, matmuls on the roofline at "
+                          f"{GEMM_EFFICIENCY:.0%} of the peak and elementwise work at the HBM's bandwidth."),
+        click.option("--flash-attention/--no-flash-attention", default=True, show_default=True,
+                     help="Attention keeps no s × s scores and recomputes them in the backward pass (Dao et al. "
+                          "2022)."),
+        click.option("--pp-scatter-gather/--no-pp-scatter-gather", default=True, show_default=True,
+                     help="Pipeline sends between nodes split over the TP group's NICs (one NIC per GPU assumed) and "
+                          "all-gathered over NVLink (Narayanan et al. 2021, §4.1)."),
+        click.option("--calibration", type=str, metavar="FILE",
+                     help="Figures measured on the machine (gpuwatch calibrate): its matmuls' FLOP/s and bus "
+                          "bandwidth per size in place of the preset's peak × --efficiency and link speeds."),
+        click.option("--allowance-gib", type=float, default=2.0, show_default=True,
+                     help="Memory for the CUDA context, NCCL and the like, per GPU."),
+        click.option("--top", type=int, default=10, show_default=True, help="Feasible layouts shown."),
+        click.option("--format", "output", type=click.Choice(["text", "json"]), default="text", show_default=True),
+    )):
+        command = option(command)
+    return model_options(command)
+
+
+def run_plan(model: str | None, reference: bool, layers: int | None, hidden: int | None, heads: int | None,
+             kv_heads: int | None, ffn: int | None, vocab: int | None, seq_len: int | None, gpus: int | None,
+             gpus_per_node: int | None, gpu: str | None, nvlink_domain: int | None, global_batch: int, precision: str,
+             main_grads: str, sequence_parallel: bool, dp_overlap: bool, efficiency: float | None,
+             flash_attention: bool, pp_scatter_gather: bool, calibration: str | None, allowance_gib: float, top: int,
+             output: str) -> None:
+    """``gpuwatch plan`` once its flags are read: every feasible layout ranked, every rejected one with its reason,
+    as text or JSON on stdout; a bad figure is one line on stderr and exit status 2."""
     flags = {"layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads, "ffn": ffn, "vocab": vocab}
     try:
         if top < 1:
             raise RunError(f"--top must be at least 1 (got {top})")
+        if gpus is None:
+            raise ClusterError("give --gpus N, or --agent URL to plan for the GPUs of the agents' nodes")
         shape = model_shape(model, reference, seq_len, flags)
         length = sequence_length(shape, seq_len)
         measured = Calibration() if calibration is None else calibrate.read(Path(calibration))
         if measured.precision not in (None, precision):
             raise RunError(f"{calibration} timed {measured.precision} matmuls, and the plan is for --precision "
                            f"{precision}: give --precision {measured.precision}, or calibrate in {precision}")
-        cluster = Cluster(gpus, gpus_per_node, preset(gpu), efficiency=efficiency, calibration=measured,
-                          nvlink_domain=nvlink_domain)
+        cluster = Cluster(gpus, gpus_per_node or DEFAULT_GPUS_PER_NODE, preset(gpu or DEFAULT_GPU),
+                          efficiency=efficiency, calibration=measured, nvlink_domain=nvlink_domain)
         run = Run(global_batch, length, numerics(precision, main_grads == "fp32", shape.source == "reference"),
                   sequence_parallel=sequence_parallel and shape.source != "reference", dp_overlap=dp_overlap,
                   flash_attention=flash_attention, pp_scatter_gather=pp_scatter_gather,

@@ -138,7 +138,8 @@ def test_a_reference_trainer_plan_knows_its_rules():
     (("--model", "{config}", *EXAMPLE, "--top", "0"), "--top must be at least 1"),
     (("--model", "{config}", *EXAMPLE, "--efficiency", "abc"), "'abc' is not a valid float"),
     (("--layers", "2", *EXAMPLE), "no model: give --model config.json, --reference, or --hidden, --heads, --vocab"),
-    (("--model", "{config}",), "Missing option '--gpus'"),
+    (("--model", "{config}", "--global-batch", "8", "--seq-len", "64"), "give --gpus N, or --agent URL"),
+    (("--model", "{config}", *EXAMPLE, "--agent", "http://127.0.0.1:1"), "cannot reach http://127.0.0.1:1/api/v1/state"),
 ])
 def test_bad_input_is_one_line_and_status_2(tmp_path, config, args, message):
     (tmp_path / "bad.json").write_text("{not json")
@@ -157,3 +158,31 @@ def test_the_planner_imports_no_torch():
     """It runs wherever gpuwatch does: the agent's nodes have no torch."""
     code = "import sys, gpuwatch.plan.cli; assert 'torch' not in sys.modules, sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.integration
+def test_agents_give_the_plan_their_nodes_gpus(start_agent, config):
+    """--agent reads the GPUs of real (simulated) agents' nodes: two DGX H100 nodes plan exactly as --gpus 16
+    --gpus-per-node 8 --gpu h100-80gb does, and say where the figures came from; an A100 PCIe node has no preset
+    (its peaks differ), so it needs --gpu, which wins over the agent's; nodes of two kinds are refused."""
+    h100 = [start_agent("--simulate", "dgx-h100", "--node", f"h100-{index}") for index in range(2)]
+    a100 = start_agent("--simulate", "a100-roce", "--node", "a100")
+    run = ("--model", str(config), "--global-batch", "512", "--seq-len", "4096", "--format", "json")
+
+    from_agents = plan(*run, *(flag for agent in h100 for flag in ("--agent", agent.url)))
+    assert from_agents.exit_code == 0, from_agents.stderr
+    assert from_agents.stdout == plan(*run, "--gpus", "16", "--gpus-per-node", "8", "--gpu", "h100-80gb").stdout
+    assert from_agents.stderr == ("gpuwatch plan: 16 GPUs (NVIDIA H100 80GB HBM3), at most 8 a node, from 2 agent(s): "
+                                  "planned for 16 × h100-80gb, 8 a node\n")
+
+    no_preset = plan(*run, "--agent", a100.url)
+    assert no_preset.exit_code == 2 and no_preset.stdout == ""
+    assert no_preset.stderr == ("gpuwatch plan: no preset matches the agents' GPU 'NVIDIA A100-PCIE-40GB': give --gpu "
+                                "(one of the presets) or --calibration\n")
+    chosen = plan(*run, "--agent", a100.url, "--gpu", "a100-40gb")
+    assert chosen.exit_code == 0
+    assert chosen.stdout == plan(*run, "--gpus", "4", "--gpus-per-node", "4", "--gpu", "a100-40gb").stdout
+
+    mixed = plan(*run, "--agent", h100[0].url, "--agent", a100.url)
+    assert mixed.exit_code == 2
+    assert "the agents' nodes hold different GPUs (NVIDIA A100-PCIE-40GB, NVIDIA H100 80GB HBM3)" in mixed.stderr

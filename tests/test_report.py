@@ -21,7 +21,7 @@ from report_runs import (  # noqa: F401 - the session's run logs, as fixtures
     straggler_log_fixture,
 )
 
-from gpuwatch.plan.cli import plan
+from gpuwatch.cli.plan import plan
 from gpuwatch.report.cli import report
 from gpuwatch.report.model import PHASES
 

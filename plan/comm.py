@@ -18,8 +18,14 @@ Volumes (Narayanan et al. 2021, arXiv:2104.04473, §3.2 and §4.1; Shoeybi et al
   all-gathers the slices over NVLink (that all-gather's bytes are counted on TP, its time in the pipeline's).
   Tied embeddings on separate stages add the embedding gradient's all-reduce between the first and the last stage
   (Megatron-LM's embedding group), counted here; none where ZB-V puts both on one rank.
-* DP: the gradients of the stage's parameters, all-reduced once per step (with ZeRO-1, reduce-scattered, and the
-  updated weights all-gathered: the same bus volume for 16-bit weights and 16-bit gradients).
+* CP (ring attention, Liu et al. 2023, arXiv:2310.01889; Megatron-LM's context parallelism): per layer and
+  micro-batch each rank receives the other cp − 1 ranks' key and value chunks forward, and again with their
+  gradients backward (the keys and values, then dK and dV passed on: twice the forward's), 3 passes' worth, 4 with
+  full recomputation; a chunk is the rank's s/cp tokens × the keys' and values' width (/t with TP). Sends to the ring's
+  next rank, overlapped with the attention over the chunk before (`planner.predict` shows what is not).
+* DP: the gradients of the stage's parameters, all-reduced once per step over the DP and CP ranks (with ZeRO-1,
+  reduce-scattered, and the updated weights all-gathered: the same bus volume for 16-bit weights and 16-bit
+  gradients).
 * Per step, the gradient norm's one fp32 scalar over the TP and the PP group, and the loss's over DP on the last
   stage.
 
@@ -31,6 +37,7 @@ reduce-scatter (n − 1)/n · S, a send S.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from gpuwatch.plan.gpus import Cluster
@@ -41,7 +48,7 @@ from gpuwatch.plan.run import Layout, Run
 SCALAR_BYTES = 4
 CROSS_ENTROPY_BYTES = 3 * 4
 #: The process groups traffic is counted on, in the order the reports list them.
-GROUPS = ("tp", "pp", "dp")
+GROUPS = ("tp", "cp", "pp", "dp")
 
 
 @dataclass(frozen=True)
@@ -50,17 +57,19 @@ class Traffic:
     overlap: the planner decides what shows)."""
 
     tp_bytes: int
+    cp_bytes: int
     pp_bytes: int
     dp_bytes: int
     tp_seconds: float
+    cp_seconds: float
     pp_seconds: float
     dp_seconds: float
 
     def bytes_by_group(self) -> dict[str, int]:
-        return {"tp": self.tp_bytes, "pp": self.pp_bytes, "dp": self.dp_bytes}
+        return {"tp": self.tp_bytes, "cp": self.cp_bytes, "pp": self.pp_bytes, "dp": self.dp_bytes}
 
     def seconds_by_group(self) -> dict[str, float]:
-        return {"tp": self.tp_seconds, "pp": self.pp_seconds, "dp": self.dp_seconds}
+        return {"tp": self.tp_seconds, "cp": self.cp_seconds, "pp": self.pp_seconds, "dp": self.dp_seconds}
 
 
 def ring_factor(ranks: int) -> float:
@@ -69,8 +78,25 @@ def ring_factor(ranks: int) -> float:
 
 
 def spans(layout: Layout) -> dict[str, int]:
-    """How many consecutive ranks each group's members lie within (TP fastest, then DP, then PP)."""
-    return {"tp": layout.tp, "dp": layout.tp * (layout.dp - 1) + 1, "pp": layout.tp * layout.dp * (layout.pp - 1) + 1}
+    """How many consecutive ranks each group's members lie within (TP fastest, then CP, then DP, then PP); the
+    gradients' reduction spans the DP and CP ranks together."""
+    t, c = layout.tp, layout.cp
+    return {"tp": t, "cp": t * (c - 1) + 1, "dp": t * (c * layout.dp - 1) + 1,
+            "pp": t * c * layout.dp * (layout.pp - 1) + 1}
+
+
+def kv_chunk_bytes(shape: ModelShape, run: Run, layout: Layout) -> float:
+    """One rank's keys and values of a micro-batch on one layer: what it passes around the context-parallel ring."""
+    batch = layout.micro_batch_size(run.global_batch)
+    return 2 * shape.kv_width * batch * layout.tokens(run.seq_len) / layout.tp * run.numerics.activation
+
+
+def context_parallel_bytes(shape: ModelShape, run: Run, layout: Layout, layers: int) -> float:
+    """Key and value bytes one rank receives around the context-parallel ring per micro-batch (module docstring)."""
+    if layout.cp == 1:
+        return 0.0
+    passes = 4 if layout.recompute == "full" else 3
+    return layers * passes * (layout.cp - 1) * kv_chunk_bytes(shape, run, layout)
 
 
 def stage_traffic(shape: ModelShape, run: Run, layout: Layout, cluster: Cluster, stage: int, layers: int,
@@ -78,21 +104,27 @@ def stage_traffic(shape: ModelShape, run: Run, layout: Layout, cluster: Cluster,
     """Stage ``stage``'s rank: ``layers`` layers and ``parameters`` parameters on it."""
     n = run.numerics
     batch = layout.micro_batch_size(run.global_batch)
-    m, t, p, d = layout.micro_batches, layout.tp, layout.pp, layout.dp
+    m, t, p, d = layout.micro_batches, layout.tp, layout.pp, layout.replicas
     first, last = stage == 0, stage == layout.last_stage
-    sbh = run.seq_len * batch * shape.hidden
+    tokens = layout.tokens(run.seq_len)
+    sbh = tokens * batch * shape.hidden
     link = {group: cluster.link(span) for group, span in spans(layout).items()}
 
     tp_bytes = tp_seconds = 0.0
     if t > 1:
-        forward_calls = 2 * layers * (2 if layout.recompute == "full" else 1)
-        per_micro_batch = [sbh * n.activation] * forward_calls + [sbh * n.residual] * (2 * layers)
+        # each call's size and how many of it a micro-batch makes (the layers' calls come in two sizes)
+        calls = [(sbh * n.activation, 2 * layers * (2 if layout.recompute == "full" else 1)),
+                 (sbh * n.residual, 2 * layers)]
         if first:
-            per_micro_batch.append(sbh * n.weight)
+            calls.append((sbh * n.weight, 1))
         if last:
-            per_micro_batch += [sbh * n.residual, CROSS_ENTROPY_BYTES * run.seq_len * batch]
-        tp_bytes = m * sum(per_micro_batch) + SCALAR_BYTES
-        tp_seconds = m * sum(all_reduce_seconds(cluster, link["tp"], size, t) for size in per_micro_batch)
+            calls += [(sbh * n.residual, 1), (CROSS_ENTROPY_BYTES * tokens * batch, 1)]
+        tp_bytes = m * sum(size * count for size, count in calls) + SCALAR_BYTES
+        tp_seconds = m * sum(count * all_reduce_seconds(cluster, link["tp"], size, t) for size, count in calls)
+
+    ring = context_parallel_bytes(shape, run, layout, layers)
+    cp_bytes = m * ring
+    cp_seconds = cp_bytes / cluster.bus_bandwidth(link["cp"], int(kv_chunk_bytes(shape, run, layout))) if ring else 0.0
 
     pp_bytes = pp_seconds = 0.0
     if p > 1:
@@ -121,13 +153,22 @@ def stage_traffic(shape: ModelShape, run: Run, layout: Layout, cluster: Cluster,
             dp_bytes = gradients
             dp_seconds = all_reduce_seconds(cluster, link["dp"], gradients, d)
         dp_bytes += SCALAR_BYTES if last else 0
-    return Traffic(int(tp_bytes), int(pp_bytes), int(dp_bytes), tp_seconds, pp_seconds, dp_seconds)
+    return Traffic(int(tp_bytes), int(cp_bytes), int(pp_bytes), int(dp_bytes), tp_seconds, cp_seconds, pp_seconds,
+                   dp_seconds)
 
 
 def boundary_transfers(layout: Layout, stage: int) -> int:
     """Sends and receives of one micro-batch's activation or gradient by the rank of ``stage``: for each of its
     chunks, the forward send and backward receive to the next chunk and the forward receive and backward send from
     the previous one, where that chunk is on another rank."""
+    return _boundary_transfers(Layout(1, layout.pp, 1, schedule=layout.schedule, virtual_stages=layout.virtual_stages),
+                               stage)
+
+
+@functools.lru_cache(maxsize=4096)
+def _boundary_transfers(layout: Layout, stage: int) -> int:
+    """``boundary_transfers`` of a pipeline's shape alone (its stages, schedule and chunks), which is all it reads:
+    counted once per shape, not per layout (it walks every chunk of the pipeline)."""
     total = layout.pp * layout.chunks
     count = 0
     for chunk in range(total):

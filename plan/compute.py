@@ -123,12 +123,14 @@ def gemm_seconds(m: int, k: int, n: int, flops_rate: float, memory_bandwidth: fl
 @functools.lru_cache(maxsize=4096)
 def stage_seconds(shape: ModelShape, seq: int, batch: int, layers: int, last: bool, tp: int, sequence_parallel: bool,
                   recompute: str, flash_attention: bool, element_bytes: int, flops_rate: float,
-                  memory_bandwidth: float) -> float:
+                  memory_bandwidth: float, cp: int = 1) -> float:
     """The shape model's seconds of one micro-batch of ``batch`` sequences on one TP rank of a stage, forward and
     backward (module docstring): the weight matmuls and the attention's on the roofline, 3 passes (the backward's two
     matmuls per forward one are its transposes, of the same size) and the recomputed forward, flash attention's
-    recomputed QKᵀ, the head on the last stage, the elementwise bytes at ``memory_bandwidth``."""
-    tokens, e = seq * batch, element_bytes
+    recomputed QKᵀ, the head on the last stage, the elementwise bytes at ``memory_bandwidth``. With context
+    parallelism ``cp`` the rank holds 1/cp of each sequence, whose queries attend over all of it (ring attention
+    needs flash attention's blockwise kernel)."""
+    tokens, e = seq * batch // cp, element_bytes
     weights = sum(gemm_seconds(m, k, n, flops_rate, memory_bandwidth, e) for m, k, n in model_shapes(shape, tokens, tp))
     heads = max(1, shape.heads // tp) * batch
     head_dim = shape.hidden // shape.heads

@@ -19,7 +19,9 @@ The 34 is 10 that tensor parallelism leaves whole (two norms' inputs 4, the QKV 
 masks 2) and 24 it splits: Q, K, V and the output projection's input (2 + 2 + 2 + 2), the MLP's two 4h-wide
 tensors (8 + 8). We count the same tensors for other shapes: K and V shrink to kv/a of Q (grouped-query attention:
 4 + 4·kv/a), the MLP's wide tensors are ffn/h wide (4·ffn/h), and a gated MLP keeps three of them (6·ffn/h).
-Other element sizes scale the whole (fp32: ×2).
+Other element sizes scale the whole (fp32: ×2). Under context parallelism s is the rank's 1/cp of the sequence:
+ring attention keeps each rank's own queries, keys and values and the blocks' softmax statistics only (Liu et al.
+2023, arXiv:2310.01889), and the key/value chunk in transit is a transient the allowance's fraction covers.
 
 Pipelines keep several micro-batches' activations (Narayanan et al. 2021, arXiv:2104.04473, §2.2): stage k of p
 holds min(m, p − k) under 1F1B, all m under GPipe; with m < p that is Megatron-LM's scaling by m/p on the first
@@ -116,7 +118,7 @@ def state_bytes(parameters: int, numerics: Numerics, dp: int, zero1: bool) -> tu
 
 def edge_activation_bytes(shape: ModelShape, run: Run, layout: Layout, stage: int, batch: int) -> float:
     """The first stage's embedding inputs and the last stage's logits and final norm output (module docstring)."""
-    s, t, sp = run.seq_len, layout.tp, run.sequence_parallel
+    s, t, sp = layout.tokens(run.seq_len), layout.tp, run.sequence_parallel
     total = 0.0
     if stage == 0:
         per_micro_batch = TOKEN_ID_BYTES * s * batch + s * batch * shape.hidden
@@ -131,9 +133,9 @@ def stage_memory(shape: ModelShape, run: Run, layout: Layout, stage: int, layers
     """The bytes a rank of pipeline stage ``stage`` holds at its peak, ``layers`` layers and ``parameters``
     parameters on it."""
     batch = layout.micro_batch_size(run.global_batch)
-    weights, grads, optimizer = state_bytes(parameters, run.numerics, layout.dp, layout.zero1)
+    weights, grads, optimizer = state_bytes(parameters, run.numerics, layout.replicas, layout.zero1)
     activations = layers * in_flight(layout, stage) * layer_activation_bytes(
-        shape, run.seq_len, batch, layout.tp, run.sequence_parallel and layout.tp > 1, layout.recompute,
+        shape, layout.tokens(run.seq_len), batch, layout.tp, run.sequence_parallel and layout.tp > 1, layout.recompute,
         run.numerics.activation, run.flash_attention)
     edges = edge_activation_bytes(shape, run, layout, stage, batch)
     tensors = weights + grads + optimizer + activations + edges

@@ -4,7 +4,9 @@ rejected with its reason.
 The step, as predicted: the pipeline runs m/(1 − bubble) slots (`compute.schedule_bubble`: m + p − 1 for GPipe and
 1F1B, m + (p − 1)/v interleaved, m for ZB-V), each as long as the slowest stage's micro-batch (its compute at the
 GPUs' achieved FLOP/s, plus its TP collectives, which sit on the critical path between a layer's matmuls and are
-never overlapped); each slot also waits for its point-to-point sends (a forward and a backward
+never overlapped, and the part of its context-parallel ring's transfers that the attention does not hide: ring
+attention passes each key/value chunk while computing the attention over the one before (Liu et al. 2023,
+arXiv:2310.01889, §3)); each slot also waits for its point-to-point sends (a forward and a backward
 transfer, not overlapped: conservative); then the DP gradient reduction, whole after the backward pass (the
 reference trainer's way), or with ``Run.dp_overlap`` overlapped with the last micro-batch's backward pass but for
 its last bucket. MFU is the model's FLOPs (no recomputation) over the step time × the GPUs' datasheet peak.
@@ -16,11 +18,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from gpuwatch.plan import compute
-from gpuwatch.plan.comm import GROUPS, Traffic, stage_traffic
+from gpuwatch.plan.comm import GROUPS, Traffic, boundary_transfers, stage_traffic
 from gpuwatch.plan.gpus import GIB, Cluster
-from gpuwatch.plan.memory import Memory, stage_memory
+from gpuwatch.plan.memory import Memory, in_flight, stage_memory
 from gpuwatch.plan.model import ModelShape
-from gpuwatch.plan.run import INTERLEAVED, RECOMPUTE, ZBV, Layout, Run, stage_layers
+from gpuwatch.plan.run import INTERLEAVED, MIN_CONTEXT_TOKENS, RECOMPUTE, ZBV, Layout, Run, stage_layers
 
 #: The share of a micro-batch's compute that is its backward pass (2 of its 3 passes).
 BACKWARD_SHARE = 2 / 3
@@ -107,9 +109,15 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def structural(shape: ModelShape, run: Run, cluster: Cluster, tp: int, pp: int, dp: int) -> list[tuple[str, str]]:
+def structural(shape: ModelShape, run: Run, cluster: Cluster, tp: int, pp: int, dp: int,
+               cp: int = 1) -> list[tuple[str, str]]:
     """Why a grid cannot run at all, as (code, reason) pairs; none when it can."""
     checks = [
+        (cp == 1 or run.flash_attention, "cp-attention",
+         f"cp {cp}: ring attention computes blockwise with flash attention's kernel, off here"),
+        (run.seq_len % (2 * cp) == 0, "cp-sequence",
+         f"cp {cp}: sequence length {run.seq_len} does not split into 2 × {cp} equal chunks (each rank takes one "
+         "from each end, to balance causal attention: Megatron-LM's context parallelism)"),
         (shape.heads % tp == 0, "heads", f"{shape.heads} attention heads are not divisible by tp {tp}"),
         (shape.kv_heads == shape.heads or shape.kv_heads % tp == 0, "kv-heads",
          f"{shape.kv_heads} key/value heads are not divisible by tp {tp}"),
@@ -158,7 +166,7 @@ def variants(layout: Layout, run: Run, layers: int | None = None) -> Iterator[La
                 if recompute == "selective" and run.flash_attention:
                     continue  # the same as none: flash attention keeps no scores to spare
                 for zero1 in (False, True) if layout.dp > 1 else (False,):
-                    yield Layout(layout.tp, layout.pp, layout.dp, m, schedule, recompute, zero1, v)
+                    yield Layout(layout.tp, layout.pp, layout.dp, m, schedule, recompute, zero1, v, layout.cp)
 
 
 def stage_parameters(shape: ModelShape, layout: Layout, stage: int, layers: int) -> int:
@@ -176,11 +184,21 @@ def predict(shape: ModelShape, cluster: Cluster, run: Run, layout: Layout) -> Pr
     batch = layout.micro_batch_size(run.global_batch)
     split = stage_layers(shape.layers, layout.pp)
     stages = []
+    # a stage's traffic is its layers', its edges' (first, last) and its pipeline sends', its memory its layers', edges'
+    # and micro-batches in flight: the middle stages of a deep pipeline share them, counted once (most of a large
+    # plan's time went to recounting them)
+    traffic: dict[tuple[int, bool, bool, int], Traffic] = {}
+    memory: dict[tuple[int, bool, bool, float], Memory] = {}
     for index, layers in enumerate(split):
         parameters = stage_parameters(shape, layout, index, layers)
-        stages.append(Stage(index, layers, parameters, stage_memory(shape, run, layout, index, layers, parameters),
-                            stage_traffic(shape, run, layout, cluster, index, layers, parameters)))
-    tokens = batch * run.seq_len
+        edges = (layers, index == 0, index == layout.last_stage)
+        sends, held = (*edges, boundary_transfers(layout, index)), (*edges, in_flight(layout, index))
+        if sends not in traffic:
+            traffic[sends] = stage_traffic(shape, run, layout, cluster, index, layers, parameters)
+        if held not in memory:
+            memory[held] = stage_memory(shape, run, layout, index, layers, parameters)
+        stages.append(Stage(index, layers, parameters, memory[held], traffic[sends]))
+    tokens = batch * layout.tokens(run.seq_len)
     flops = cluster.achieved_flops(run.numerics.precision, compute.layer_matmul_flops(shape) * tokens / layout.tp)
     slot_compute = [compute.stage_flops_per_token(shape, run.seq_len, s.layers, s.index == layout.last_stage,
                                                   layout.recompute, run.flash_attention) * tokens / layout.tp / flops
@@ -189,10 +207,14 @@ def predict(shape: ModelShape, cluster: Cluster, run: Run, layout: Layout) -> Pr
         sequence_parallel = run.sequence_parallel and layout.tp > 1
         slot_compute = [compute.stage_seconds(
             shape, run.seq_len, batch, s.layers, s.index == layout.last_stage, layout.tp, sequence_parallel,
-            layout.recompute, run.flash_attention, run.numerics.activation, flops, cluster.gpu.memory_bandwidth)
-            for s in stages]
+            layout.recompute, run.flash_attention, run.numerics.activation, flops, cluster.gpu.memory_bandwidth,
+            layout.cp) for s in stages]
     m, p = layout.micro_batches, layout.pp
-    slot = max(c + s.traffic.tp_seconds / m for c, s in zip(slot_compute, stages, strict=True))
+    # the attention a micro-batch's ring transfers hide behind: every pass's QKᵀ and AV, and flash's recomputed QKᵀ
+    passes = compute.PASSES + 0.5
+    attention = compute.attention_forward_flops(shape, run.seq_len) * passes * tokens / layout.tp / flops
+    ring = [max(0.0, s.traffic.cp_seconds / m - s.layers * attention) for s in stages]
+    slot = max(c + s.traffic.tp_seconds / m + r for c, s, r in zip(slot_compute, stages, ring, strict=True))
     bubble = compute.schedule_bubble(layout.schedule, p, m, layout.virtual_stages)
     if bubble is None:  # a schedule the planner does not search, at a size it has no formula for: as 1F1B
         bubble = compute.bubble_fraction(p, m)
@@ -204,7 +226,8 @@ def predict(shape: ModelShape, cluster: Cluster, run: Run, layout: Layout) -> Pr
         dp_bytes = max(s.traffic.dp_bytes for s in stages)
         last_bucket = dp_seconds * min(1.0, run.bucket_bytes / dp_bytes)
         dp_seconds = max(last_bucket, dp_seconds - BACKWARD_SHARE * max(slot_compute))
-    exposed = {"tp": max(s.traffic.tp_seconds for s in stages) * slots / m, "pp": pp_seconds, "dp": dp_seconds}
+    exposed = {"tp": max(s.traffic.tp_seconds for s in stages) * slots / m, "cp": max(ring) * slots,
+               "pp": pp_seconds, "dp": dp_seconds}
     step = slot * slots + pp_seconds + dp_seconds
     model_flops = compute.model_flops_per_token(shape, run.seq_len) * run.global_batch * run.seq_len
     peak = cluster.gpu.peak_flops[run.numerics.precision]
@@ -214,25 +237,27 @@ def predict(shape: ModelShape, cluster: Cluster, run: Run, layout: Layout) -> Pr
 
 
 def plan(shape: ModelShape, cluster: Cluster, run: Run) -> Plan:
-    """Every grid tp × pp × dp = the cluster's GPUs and every variant of it, ranked fastest first."""
+    """Every grid tp × cp × pp × dp = the cluster's GPUs and every variant of it, ranked fastest first (context
+    parallelism where a rank keeps at least ``MIN_CONTEXT_TOKENS`` of a sequence)."""
     feasible: list[Prediction] = []
     rejected: list[Rejection] = []
-    capacity = cluster.gpu.memory_bytes
     for tp in divisors(cluster.gpus):
-        for pp in divisors(cluster.gpus // tp):
-            grid = Layout(tp, pp, cluster.gpus // (tp * pp))
-            reasons = structural(shape, run, cluster, grid.tp, grid.pp, grid.dp)
-            if reasons:
-                rejected += [Rejection(grid, code, reason) for code, reason in reasons]
-                continue
-            for layout in variants(grid, run, shape.layers):
-                prediction = predict(shape, cluster, run, layout)
-                need = prediction.memory.total
-                if need <= capacity:
-                    feasible.append(prediction)
-                else:
-                    rejected.append(Rejection(
-                        layout, "memory", f"out of memory by {(need - capacity) / GIB:.1f} GiB: stage "
-                        f"{prediction.heaviest} needs {need / GIB:.1f} of {capacity / GIB:.1f} GiB", need - capacity))
+        for cp in [c for c in divisors(cluster.gpus // tp) if c == 1 or run.seq_len // c >= MIN_CONTEXT_TOKENS]:
+            for pp in divisors(cluster.gpus // (tp * cp)):
+                grid = Layout(tp, pp, cluster.gpus // (tp * cp * pp), cp=cp)
+                reasons = structural(shape, run, cluster, grid.tp, grid.pp, grid.dp, grid.cp)
+                if reasons:
+                    rejected += [Rejection(grid, code, reason) for code, reason in reasons]
+                    continue
+                for layout in variants(grid, run, shape.layers):
+                    prediction = predict(shape, cluster, run, layout)
+                    over = prediction.memory.total - cluster.gpu.memory_bytes
+                    if over <= 0:
+                        feasible.append(prediction)
+                    else:
+                        rejected.append(Rejection(
+                            layout, "memory", f"out of memory by {over / GIB:.1f} GiB: stage {prediction.heaviest} "
+                            f"needs {prediction.memory.total / GIB:.1f} of {cluster.gpu.memory_bytes / GIB:.1f} GiB",
+                            over))
     feasible.sort(key=lambda prediction: (prediction.step_seconds, prediction.memory.total))
     return Plan(shape, cluster, run, tuple(feasible), tuple(rejected))

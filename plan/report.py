@@ -14,6 +14,7 @@ from gpuwatch.plan import calibrate
 from gpuwatch.plan.comm import GROUPS
 from gpuwatch.plan.gpus import GEMM_EFFICIENCY, GIB, Cluster
 from gpuwatch.plan.planner import Plan, Prediction, Rejection
+from gpuwatch.plan.run import MIN_CONTEXT_TOKENS
 from gpuwatch.protocol.calibration import Calibration
 
 SCHEMA = "gpuwatch.plan/1"
@@ -32,7 +33,11 @@ ASSUMPTIONS = {
     "step": "(m + p - 1) slots of the slowest stage's micro-batch (compute + TP collectives, never overlapped) + "
             "pipeline sends (not overlapped) + the DP reduction (after the backward pass, or overlapped with the "
             "last micro-batch's backward pass but its last bucket with --dp-overlap)",
-    "memory": "the heaviest pipeline stage's rank; activations after Korthikanti et al. 2022",
+    "memory": "the heaviest pipeline stage's rank; activations after Korthikanti et al. 2022, over the rank's 1/cp of "
+              "each sequence",
+    "context parallel": "ring attention (Liu et al. 2023): each rank receives the other cp - 1 ranks' keys and values "
+                        "per layer, 3 passes' worth, overlapped with the attention over the chunk before; searched "
+                        f"where a rank keeps at least {MIN_CONTEXT_TOKENS} tokens of a sequence",
     "communication": "bytes each rank hands its collectives per step (the heaviest rank per group); seconds on the "
                      "link the group crosses at the nccl-tests bus bandwidth",
 }
@@ -126,7 +131,7 @@ def as_text(plan: Plan, top: int) -> str:
         "fastest (memory of the heaviest stage's rank, GiB; bytes a rank sends per step, GB, and exposed seconds; what "
         "takes most of the step: compute, the bubble, or a group's exposed collectives):",
         f"{'#':>3}  {'layout':<54} {'mbs':>4} {'step s':>8} {'MFU':>6} {'bubble':>6} {'mem':>6}  "
-        f"{'TP GB/s':>13} {'PP GB/s':>13} {'DP GB/s':>13} {'comm/comp':>9} {'bound':>7}",
+        f"{'TP GB/s':>13} {'CP GB/s':>13} {'PP GB/s':>13} {'DP GB/s':>13} {'comm/comp':>9} {'bound':>7}",
     ]
     for rank, p in enumerate(plan.feasible[:top], 1):
         comm = "  ".join(f"{p.traffic_bytes[g] / 1e9:6.2f}/{p.exposed[g]:6.3f}" for g in GROUPS)

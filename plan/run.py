@@ -99,13 +99,23 @@ class Run:
             raise RunError("the memory allowance must not be negative, the bucket size at least 1 byte")
 
 
+#: Context parallelism is searched only where each rank keeps at least this many tokens of a sequence: its ring
+#: passes every key/value chunk to every rank, hidden behind the attention only while a chunk's attention (∝ its
+#: tokens squared) outlasts the chunk's transfer (∝ its tokens); on H100s over InfiniBand at 50 GB/s a GPU that takes
+#: a few thousand tokens (`comm.context_parallel_bytes`, `planner.predict`). Llama 3 used it only for its 128K-token
+#: stage (Dubey et al. 2024, "The Llama 3 Herd of Models", arXiv:2407.21783, §3.3.2).
+MIN_CONTEXT_TOKENS = 4096
+
+
 @dataclass(frozen=True)
 class Layout:
-    """One way to run: tp × pp × dp ranks (ranks ordered TP fastest, then DP, then PP: Megatron-LM's order and the
-    reference trainer's), ``micro_batches`` per step per DP replica, the pipeline ``schedule``, activation
-    ``recompute`` and a sharded optimizer (``zero1``: ZeRO stage 1, Megatron's distributed optimizer).
-    ``virtual_stages``: model chunks per rank under interleaved 1F1B (v; 1 is plain 1F1B); the ZB-V schedule always
-    has 2."""
+    """One way to run: tp × cp × pp × dp ranks (ranks ordered TP fastest, then CP, then DP, then PP: Megatron-LM's
+    order and the reference trainer's), ``micro_batches`` per step per DP replica, the pipeline ``schedule``,
+    activation ``recompute`` and a sharded optimizer (``zero1``: ZeRO stage 1, Megatron's distributed optimizer,
+    sharded over the DP and CP ranks, which hold the same parameters). ``virtual_stages``: model chunks per rank under
+    interleaved 1F1B (v; 1 is plain 1F1B); the ZB-V schedule always has 2. ``cp``: context parallelism, each
+    sequence split over ``cp`` ranks that pass the keys and values around a ring for the attention (ring attention:
+    Liu et al. 2023, arXiv:2310.01889; Megatron-LM's --context-parallel-size, torchtitan's context_parallel)."""
 
     tp: int
     pp: int
@@ -115,14 +125,25 @@ class Layout:
     recompute: str = "none"
     zero1: bool = False
     virtual_stages: int = 1
+    cp: int = 1
 
     def micro_batch_size(self, global_batch: int) -> int:
         """Sequences per micro-batch (the layout is only valid when global_batch divides evenly)."""
         return global_batch // (self.dp * self.micro_batches)
 
+    def tokens(self, seq_len: int) -> int:
+        """Tokens of each sequence a rank holds: its 1/cp share."""
+        return seq_len // self.cp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same parameters, over which gradients are reduced and ZeRO-1 shards: DP × CP."""
+        return self.dp * self.cp
+
     @property
     def grid(self) -> str:
-        return f"tp{self.tp} pp{self.pp} dp{self.dp}"
+        context = f" cp{self.cp}" if self.cp > 1 else ""
+        return f"tp{self.tp}{context} pp{self.pp} dp{self.dp}"
 
     @property
     def name(self) -> str:

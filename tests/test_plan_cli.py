@@ -51,7 +51,7 @@ def test_json_ranks_every_feasible_layout_and_gives_every_rejection_a_reason(con
         assert memory["total"] == pytest.approx(sum(memory[key] for key in (
             "parameters", "gradients", "optimizer", "activations", "embeddings_logits", "allowance")))
         assert 0 < entry["mfu"] < 1 and 0 <= entry["bubble"] < 1
-        assert set(entry["communication"]) == {"tp", "pp", "dp"}
+        assert set(entry["communication"]) == {"tp", "cp", "pp", "dp"}
     codes = {rejection["code"] for rejection in document["rejected"]}
     assert {"memory", "tp-across-nodes", "layers", "heads"} <= codes
     assert all(rejection["reason"] for rejection in document["rejected"])
@@ -67,8 +67,8 @@ def test_each_layout_says_what_bounds_its_step(config):
     feasible = json.loads(result.output)["feasible"]
     for row in feasible:
         parts = row["parts_seconds"]
-        assert sum(parts.values()) == pytest.approx(row["step_seconds"]) and set(parts) == {"compute", "bubble", "tp",
-                                                                                           "pp", "dp"}
+        assert sum(parts.values()) == pytest.approx(row["step_seconds"])
+        assert set(parts) == {"compute", "bubble", "tp", "cp", "pp", "dp"}
         assert row["bound"] == max(parts, key=parts.get)
     assert {row["bound"] for row in feasible} >= {"compute", "bubble", "tp"}
     assert feasible[0]["bound"] == "compute"

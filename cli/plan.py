@@ -70,7 +70,7 @@ def agent_gpus(urls: tuple[str, ...], gpu: str | None = None) -> AgentGpus:
                    "one node and the preset of their model; --gpus, --gpus-per-node and --gpu, where given, win.")
 def plan(agents: tuple[str, ...], gpus: int | None, gpus_per_node: int | None, gpu: str | None,
          **options: Any) -> None:
-    """Which tp × pp × dp layout (micro-batches, schedule and virtual stages, recomputation, ZeRO-1) a model should
+    """Which tp × cp × pp × dp layout (micro-batches, schedule and virtual stages, recomputation, ZeRO-1) a model should
     run with: every feasible one ranked by predicted step time, with the heaviest rank's memory, the bubble, the
     traffic per group and MFU; every rejected one with its reason (docs/plan.md). Example: gpuwatch plan --model
     config.json --gpus 64 --gpus-per-node 8 --gpu h100-80gb --global-batch 512 --seq-len 4096; or --agent URL in

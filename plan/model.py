@@ -19,7 +19,7 @@ from typing import Any
 from gpuwatch.protocol.records import ModelShapeFields
 
 #: Where a shape came from; "reference" also means the reference trainer's own rules apply (even layer splits).
-SOURCES = ("hf", "flags", "reference")
+SOURCES = ("hf", "flags", "reference", "parameters")
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,10 @@ Values:
 * a `torch.distributed.pipelining` schedule is read when its `step()` runs (gpuwatch.trainer.auto.pipelining): its
   shape goes into the hello, its window on this rank is the step's pipeline clock, and the step's loss is the mean of
   the micro-batch losses its last stage computed;
-* a framework adapter (gpuwatch.trainer.auto.adapters) may add the step's samples (`count`).
+* a framework adapter (gpuwatch.trainer.auto.adapters) may add the step's samples (`count`);
+* what the job trains (gpuwatch.trainer.auto.workload): the model's shape from its Hugging Face config or its parts,
+  the global batch and sequence length from the first whole step's batches of token ids, said in the hello after that
+  step, so that the PLAN rules can predict the step; a model whose shape cannot be read is said in the hello's notes.
 
 The Monitor is made with the job's layout where one is known (gpuwatch.trainer.auto.layout: `--layout`, Megatron's
 parallel state, a device mesh over every rank from `init_device_mesh`, wrapped, or a DDP model over every rank).
@@ -86,6 +89,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils.data import dataloader
 from torch.utils.hooks import RemovableHandle
 
+from gpuwatch.plan.model import ModelShape
 from gpuwatch.protocol.schema import MAX_NOTES, MAX_TEXT_CHARS, UNAVAILABLE_FROM_OUTSIDE
 from gpuwatch.trainer.auto import pipelining, status
 from gpuwatch.trainer.auto.collectives import (
@@ -94,6 +98,7 @@ from gpuwatch.trainer.auto.collectives import (
     time_functional_collectives,
 )
 from gpuwatch.trainer.auto.layout import detect_layout
+from gpuwatch.trainer.auto.workload import batch_shape, model_shape
 from gpuwatch.trainer.hooks.ddp import BucketHook
 from gpuwatch.trainer.hooks.identity import Layout
 from gpuwatch.trainer.hooks.monitor import SIGNALS, Monitor
@@ -206,6 +211,10 @@ class AutoMonitor:
         self._early: dict[str, int] = {}
         #: whether gpuwatch's communication hook times the Monitor's DDP model's buckets (`_make_monitor`)
         self._buckets_timed = False
+        #: the model's shape (`workload.model_shape`), until the hello says it with the batch; the (sequences, tokens)
+        #: of each training batch of the step being read for it (None: not reading), the first whole step's
+        self._shape: ModelShape | None = None
+        self._batches: list[tuple[int, int]] | None = None
 
     def install(self) -> None:
         register_optimizer_step_pre_hook(self._before_optimizer_step)
@@ -375,6 +384,9 @@ class AutoMonitor:
         except Exception as error:  # a framework's state not as expected: measure on, the layout unknown
             self.failures.record("AutoMonitor.detect_layout", error)
             layout = None
+        self._shape, read = model_shape(model)
+        if self._shape is None:
+            notes.append(f"the model's shape is not known ({read}): the PLAN rules cannot predict its step")
         self._layout_known = layout is not None
         whole = whole_gradients(model, layout)
         fsdp = sys.modules.get("torch.distributed.fsdp")  # FSDP1 clips through its own method; loaded if used
@@ -545,11 +557,39 @@ class AutoMonitor:
                 return next_batch(iterator)
             outer = self._phase_safely("data")
             try:
-                return next_batch(iterator)
+                batch = next_batch(iterator)
             finally:
                 self._back_safely(outer)
+            if self._batches is not None:
+                self._read_batch(batch)
+            return batch
 
         return wrapper
+
+    def _read_batch(self, batch: Any) -> None:
+        """A training batch of the step read for the hello's global batch and sequence length."""
+        try:
+            shape = batch_shape(batch)
+            if shape is not None and self._batches is not None:
+                self._batches.append(shape)
+        except Exception as error:
+            self.failures.record("AutoMonitor._read_batch", error)
+
+    def _say_workload(self, monitor: Monitor) -> None:
+        """Once the model's shape is known, read the batches of the first whole step (the first one's first batch
+        comes before the Monitor) and say in the hello what the job trains: the shape, the global batch (this rank's
+        sequences a step × its data-parallel replicas) and the sequence length."""
+        if self._shape is None:
+            return
+        if self._batches is None:
+            self._batches = []
+            return
+        batches, self._batches = self._batches, None
+        if batches and len({tokens for _, tokens in batches}) == 1:
+            monitor.relayout(monitor.layout, {
+                "model": self._shape.as_record().as_dict(), "seq_len": batches[0][1],
+                "global_batch": sum(sequences for sequences, _ in batches) * monitor.layout.dp_size})
+        self._shape = None
 
     def _phase_safely(self, name: str) -> str | None:
         try:
@@ -632,6 +672,7 @@ class AutoMonitor:
             self._scaled, self._loss_scale, self._grad_norm = [], None, None
             self.step = None
             step.__exit__(None, None, None)
+            self._say_workload(step.monitor)
             if not self._noted_step:
                 self._noted_step = True
                 status.note("step", rank=step.monitor.layout.rank, step=step.number)

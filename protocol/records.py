@@ -188,8 +188,9 @@ class Gpu(Fields):
 
 
 class ModelShapeFields(Fields):
-    """The transformer a rank trains, as ``gpuwatch plan`` reads a model (gpuwatch.plan.model.ModelShape): what
-    diagnosis predicts the step from."""
+    """The transformer a rank trains, as ``gpuwatch plan`` reads a model (gpuwatch.plan.model.ModelShape, which is
+    this struct with the planner's defaults for what a description leaves out): what diagnosis predicts the step
+    from."""
 
     layers: Dimension
     hidden: Dimension
@@ -199,8 +200,8 @@ class ModelShapeFields(Fields):
     vocab: Dimension
     tied_embeddings: bool | None = None
     gated: bool | None = None
-    bias: bool | None = None
     norm_params: Annotated[int, msgspec.Meta(ge=1, le=2)] | None = None
+    bias: bool | None = None
     positions: Annotated[int, msgspec.Meta(ge=0, le=2**31)] | None = None
     source: Annotated[Label, most(16)] | None = None
 

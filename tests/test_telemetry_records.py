@@ -26,6 +26,7 @@ from gpuwatch.agent.telemetry.rounds import StateReadings, rank_readings
 from gpuwatch.agent.telemetry.store import TelemetryStore
 from gpuwatch.diagnosis.sources import SourceError, run_log
 from gpuwatch.diagnosis.sources import agent as agent_source
+from gpuwatch.diagnosis.sources import telemetry as telemetry_source
 from gpuwatch.protocol import records, schema
 from gpuwatch.trainer.telemetry import TelemetryClient
 
@@ -222,6 +223,18 @@ def test_a_folded_step_declares_its_fields_as_the_step_does():
     for name, hint in typing.get_type_hints(records.FoldedStep, include_extras=True).items():
         if name != "pipeline":
             assert hint == step_hints[name], name
+
+
+def test_the_step_view_reads_each_of_its_fields_from_the_records():
+    """Diagnosis' StepFacts is filled by name from a step record, its pipeline and a memory reading: from a record of
+    every field, each of the view's fields holds the record's value (a field of the view that the record does not
+    name would stay empty here)."""
+    body = schema.decode(schema.encode(FULL["step"])).body
+    assert isinstance(body, records.Step) and body.memory is not None and body.pipeline is not None
+    view = dataclasses.asdict(telemetry_source.step(body, body.memory))
+    view["groups"] = {group: totals.as_dict() for group, totals in view["groups"].items()}
+    sent = {**FULL["step"], **FULL["step"]["pipeline"], **FULL["step"]["memory"], "memory_kind": "cuda"}
+    assert view == {name: sent[name] for name in view}
 
 
 # --- the typed path end to end: client → run log / agent state → typed records → facts -------------------------------

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from typing import Annotated, Any, TypeAlias, TypeVar
 
 import msgspec
@@ -29,6 +28,7 @@ from gpuwatch.protocol.limits import (
     COLLECTIVE_BUCKETS,
     COLLECTIVE_OPS,
     COSINE_TOLERANCE,
+    ENV_NAME_PATTERN,
     FRAMEWORKS,
     HEX_PATTERN,
     INTERCONNECTS,
@@ -55,7 +55,6 @@ from gpuwatch.protocol.limits import (
     UNAVAILABLE_FROM_OUTSIDE,
     UNAVAILABLE_REASONS,
     UNAVAILABLE_SIGNALS,
-    env_name_allowed,
 )
 
 T = TypeVar("T")
@@ -131,10 +130,9 @@ class KnownKeys:
 
 @dataclasses.dataclass(frozen=True)
 class Allowlisted:
-    """A mapping whose names ``allowed`` refuses are dropped unread, whatever their value (a hello's environment): a
-    client that leaks a secret leaks it nowhere. No msgspec form: a record with one is judged by the checks."""
-
-    allowed: Callable[[str], bool]
+    """A mapping whose keys' constraint is an allowlist (a hello's environment names, ``ENV_NAME_PATTERN``): a name
+    that breaks it is dropped unread, whatever its value, not refused, so a client that leaks a secret leaks it
+    nowhere. msgspec refuses such a record instead, and the checks then judge it."""
 
 
 def most(items: int) -> msgspec.Meta:
@@ -155,6 +153,8 @@ Ratio = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 #: 1..N characters of ``[A-Za-z0-9_.:+/-]`` (with ``most(N)``): a string that may become a Prometheus label, so no
 #: quote, backslash, brace or newline reaches the exposition.
 Label = Annotated[str, msgspec.Meta(pattern=LABEL_PATTERN), Refused("bad_label")]
+#: A variable's name a hello's environment may carry (``limits.env_name_allowed``).
+EnvName = Annotated[str, msgspec.Meta(pattern=ENV_NAME_PATTERN)]
 Bucketed = Annotated[list[Count], msgspec.Meta(min_length=len(COLLECTIVE_BUCKETS) + 1,
                                                 max_length=len(COLLECTIVE_BUCKETS) + 1)]
 
@@ -231,8 +231,8 @@ class Hello(CommonFields, tag="hello"):
     nccl_version: Annotated[Label, most(64)] | None = None
     process_groups: Annotated[dict[Annotated[Label, most(64)], Annotated[list[Rank], most(65536)]],
                               most(16)] | None = None
-    env: Annotated[dict[str, Annotated[str, most(MAX_ENV_VALUE_CHARS)]], most(MAX_ENV_VARS),
-                   Allowlisted(env_name_allowed)] | None = None
+    env: Annotated[dict[EnvName, Annotated[str, most(MAX_ENV_VALUE_CHARS)]], most(MAX_ENV_VARS),
+                   Allowlisted()] | None = None
     faults: Annotated[list[Annotated[Label, most(64)]], most(32)] | None = None
     backends: Annotated[dict[Annotated[Label, most(64)], Annotated[Label, most(32)]], most(17)] | None = None
     framework: Annotated[str, OneOf(FRAMEWORKS)] | None = None

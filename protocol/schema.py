@@ -384,9 +384,9 @@ def encode(record: Mapping[str, Any]) -> bytes:
 class _Field:
     """One field's rule. ``check`` validates a parsed JSON value and returns it normalised (ints as floats where a
     float is expected, unknown fields and null optional ones dropped), or raises RecordRejected saying why.
-    ``type`` is the same rule as a msgspec type, or None where msgspec cannot state it (the environment's allowlist
-    drops names instead of refusing them). It may refuse more than ``check`` (an unknown field, ``NaN``, a number
-    past a double's range): such a record is judged by ``check`` alone."""
+    ``type`` is the same rule as a msgspec type (None for a record's ``kind``, its struct's tag, which ``decode``
+    checks itself). It may refuse more than ``check`` (an unknown field, ``NaN``, a number past a double's range, a
+    variable off the environment's allowlist, which ``check`` drops): such a record is judged by ``check`` alone."""
 
     check: Callable[[Any], Any]
     type: Any = None
@@ -480,8 +480,7 @@ def _list(item: _Field, max_items: int) -> _Field:
                 raise rejected.within(str(index)) from None
         return out
 
-    typed = None if item.type is None else types.GenericAlias(list, item.type)
-    return _Field(check, None if typed is None else Annotated[typed, msgspec.Meta(max_length=max_items)])
+    return _Field(check, Annotated[types.GenericAlias(list, item.type), msgspec.Meta(max_length=max_items)])
 
 
 def _counts(items: int, item: _Field, low: int, high: int) -> _Field:
@@ -504,9 +503,10 @@ def _counts(items: int, item: _Field, low: int, high: int) -> _Field:
     return _Field(check, Annotated[typed, msgspec.Meta(min_length=items, max_length=items)])
 
 
-def _mapping(key: _Field, item: _Field, max_items: int, allowed: Callable[[str], bool] | None = None) -> _Field:
-    """A JSON object of at most ``max_items`` names, each a ``key``, to values, each an ``item``; a name ``allowed``
-    refuses is dropped unread (the environment's allowlist), which msgspec cannot state."""
+def _mapping(key: _Field, item: _Field, max_items: int, *, allowlist: bool = False) -> _Field:
+    """A JSON object of at most ``max_items`` names, each a ``key``, to values, each an ``item``. Where the key's rule
+    is an ``allowlist`` (the environment's names), a name it refuses is dropped unread, which msgspec cannot state:
+    its form refuses the record instead, for ``check`` to judge."""
     def check(value: Any) -> dict[str, Any]:
         if type(value) is not dict:
             raise RecordRejected("bad_type")
@@ -514,7 +514,7 @@ def _mapping(key: _Field, item: _Field, max_items: int, allowed: Callable[[str],
             raise RecordRejected("out_of_range")
         out = {}
         for name, element in value.items():
-            if allowed is not None and not allowed(name):
+            if allowlist and not _passes(key, name):
                 continue
             try:
                 out[key.check(name)] = item.check(element)
@@ -522,10 +522,16 @@ def _mapping(key: _Field, item: _Field, max_items: int, allowed: Callable[[str],
                 raise rejected.within(name) from None
         return out
 
-    typed = None
-    if allowed is None and key.type is not None and item.type is not None:
-        typed = Annotated[types.GenericAlias(dict, (key.type, item.type)), msgspec.Meta(max_length=max_items)]
-    return _Field(check, typed)
+    return _Field(check, Annotated[types.GenericAlias(dict, (key.type, item.type)), msgspec.Meta(max_length=max_items)])
+
+
+def _passes(rule: _Field, value: Any) -> bool:
+    """Whether ``rule`` takes ``value``: an allowlist's verdict, which drops a name instead of refusing the record."""
+    try:
+        rule.check(value)
+    except RecordRejected:
+        return False
+    return True
 
 
 def _check_nesting(value: Any, levels_left: int) -> None:
@@ -584,22 +590,19 @@ def _object(struct: type[Fields]) -> _Field:
     rules = {field.name: _rule(_without_none(hints[field.name])) for field in members}
     required = [field.name for field in members if field.required]
     tag = {} if config.tag_field is None else {config.tag_field: _Field(_unchecked)}
-    spec = _Field(_fields({**tag, **rules}, [*tag, *required]))
-    if any(field.type is None for field in rules.values()):
-        return spec
     typed = msgspec.defstruct(
         struct.__name__,
         [(field.name, rules[field.name].type) if field.required else (field.name, rules[field.name].type | None, None)
          for field in members],
         bases=(struct,), kw_only=True, forbid_unknown_fields=True, tag=config.tag,
     )
-    return dataclasses.replace(spec, type=typed)
+    return _Field(_fields({**tag, **rules}, [*tag, *required]), typed)
 
 
 def _keyed(keys: tuple[str, ...], item: _Field) -> _Field:
     """A JSON object of some of ``keys``, each an ``item`` (an op's calls, a drop reason's count), read as a dict;
     unknown keys are checked for nesting depth and dropped, as an object's unknown fields are."""
-    typed = None if item.type is None else types.GenericAlias(dict, (Literal.__getitem__(keys), item.type))
+    typed = types.GenericAlias(dict, (Literal.__getitem__(keys), item.type))
     return _Field(_fields(dict.fromkeys(keys, item), ()), typed)
 
 
@@ -655,8 +658,7 @@ def _rule(hint: Any) -> _Field:
     if origin is dict:
         if KnownKeys in marker:
             return _keyed(marker[KnownKeys].keys, _rule(args[1]))
-        allowed = marker[Allowlisted].allowed if Allowlisted in marker else None
-        return _mapping(_rule(args[0]), _rule(args[1]), meta["max_length"], allowed)
+        return _mapping(_rule(args[0]), _rule(args[1]), meta["max_length"], allowlist=Allowlisted in marker)
     if origin in (typing.Union, types.UnionType):
         return _either(*map(_rule, args))
     raise TypeError(f"no rule for {hint!r}")
@@ -723,9 +725,8 @@ def _check_buckets(collectives: Mapping[str, CollectiveTotals] | None, path: str
             raise RecordRejected("out_of_range", f"{path}.{op}.buckets")
 
 
-#: The kinds whose every field has a msgspec form (not the hello: its environment's allowlist drops names), in one
-#: decoder that tells them apart by their ``kind`` tag.
-_TYPED = msgspec.json.Decoder(functools.reduce(operator.or_, [spec.type for spec in _KINDS.values() if spec.type]))
+#: Every kind's msgspec form, in one decoder that tells them apart by their ``kind`` tag.
+_TYPED = msgspec.json.Decoder(functools.reduce(operator.or_, [spec.type for spec in _KINDS.values()]))
 
 
 def _parse(datagram: bytes) -> Any:

@@ -10,6 +10,7 @@ import ast
 import dataclasses
 import json
 import math
+import re
 import time
 import types
 import typing
@@ -223,6 +224,27 @@ def test_a_folded_step_declares_its_fields_as_the_step_does():
     for name, hint in typing.get_type_hints(records.FoldedStep, include_extras=True).items():
         if name != "pipeline":
             assert hint == step_hints[name], name
+
+
+def _documented(kind: str) -> dict[str, bool]:
+    """The fields schema.py's docstring (the wire format for humans) lists for a kind: name -> optional (``?``)."""
+    sections = re.split(r"^``(hello|step|probe|progress)`` — ", schema.__doc__ or "", flags=re.M)
+    text = dict(zip(sections[1::2], sections[2::2], strict=True))[kind]
+    named = {}
+    for line in text.splitlines():
+        if listed := re.match(r"^    ([a-z_]+\??(?:, [a-z_]+\??)*)(?:\s|$)", line):
+            named.update((name.rstrip("?"), name.endswith("?")) for name in listed.group(1).split(", "))
+    return named
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_wire_formats_prose_names_each_field_as_declared(kind):
+    """schema.py documents the record for humans: each field of a kind (besides the common ones, documented once),
+    optional (``?``) where the struct's is."""
+    common = set(records.CommonFields.__struct_fields__)
+    declared = {field.name: not field.required for field in msgspec.structs.fields(KINDS[kind])
+                if field.name not in common}
+    assert {name: optional for name, optional in _documented(kind).items() if name not in common} == declared
 
 
 def test_the_step_view_reads_each_of_its_fields_from_the_records():

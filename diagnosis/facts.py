@@ -238,7 +238,13 @@ class Workload:
 
 @dataclasses.dataclass
 class StepFacts:
-    """The rank's latest step."""
+    """The rank's latest step, as far as its source knows it: a view of the step record (``protocol.records.Step``),
+    its fields named as the record names them and filled by that name (``sources.telemetry.step``; the Prometheus
+    source by the exported gauges' fields, ``collectors.read_by``), not a record of its own. A view, not the ``Step``:
+    it joins the latest step with the latest memory reading, which an earlier record carried (every N steps), and
+    flattens the pipeline and the memory reading into it (the memory reading's ``kind`` as ``memory_kind``); and the
+    Prometheus source can fill only part of it (what the agent exports as gauges, as floats: not the exposed collective
+    time nor the per-group traffic), so every field but the step number may be absent."""
 
     step: int
     step_seconds: float | None = None

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from gpuwatch.protocol.records import ModelShapeFields
 
 #: Where a shape came from; "reference" also means the reference trainer's own rules apply (even layer splits).
@@ -57,19 +59,14 @@ class Parameters:
         return self.split // tp + self.replicated
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """Everything the planner needs of a model. ``ffn`` is the MLP's inner width; ``gated`` a SwiGLU-style MLP
-    (gate and up projections, three matrices); ``norm_params`` 2 for LayerNorm (gain and bias), 1 for RMSNorm;
-    ``bias`` whether every linear layer has a bias (the LM head's included); ``positions`` the rows of a learned
-    position embedding (0 with rotary embeddings)."""
+class ModelShape(ModelShapeFields, frozen=True):  # type: ignore[misc]  # msgspec allows it; mypy reads dataclasses
+    """Everything the planner needs of a model: the hello's model block (``protocol.records.ModelShapeFields``,
+    which declares the fields, their types and their bounds), with the planner's default for each field a description
+    may leave out, and checked on construction. ``ffn`` is the MLP's inner width; ``gated`` a SwiGLU-style MLP (gate
+    and up projections, three matrices); ``norm_params`` 2 for LayerNorm (gain and bias), 1 for RMSNorm; ``bias``
+    whether every linear layer has a bias (the LM head's included); ``positions`` the rows of a learned position
+    embedding (0 with rotary embeddings). Frozen, so that it is hashable (``compute.stage_seconds`` caches by it)."""
 
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
     tied_embeddings: bool = False
     gated: bool = True
     norm_params: int = 1
@@ -127,11 +124,10 @@ class ModelShape:
         return head
 
     def as_record(self) -> ModelShapeFields:
-        """The shape as a rank's hello carries it (``model``), for diagnosis to plan from."""
-        return ModelShapeFields(
-            layers=self.layers, hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads, ffn=self.ffn,
-            vocab=self.vocab, tied_embeddings=self.tied_embeddings, gated=self.gated, bias=self.bias,
-            norm_params=self.norm_params, positions=self.positions, source=self.source)
+        """The shape as a rank's hello carries it (``model``), for diagnosis to plan from: every field written, a
+        default included (the record's own defaults are "not said", which a ``ModelShape``'s as_dict would leave
+        out)."""
+        return ModelShapeFields(**msgspec.structs.asdict(self))
 
     def total_parameters(self) -> int:
         """The model's parameters, each counted once (tied embeddings once)."""
@@ -142,7 +138,7 @@ class ModelShape:
 def from_record(record: ModelShapeFields) -> ModelShape:
     """The shape a hello carried (`ModelShape.as_record`); a field it left out takes `ModelShape`'s default, a
     shape that cannot be planned is a ModelError."""
-    given = {name: getattr(record, name) for name in record.__struct_fields__ if getattr(record, name) is not None}
+    given = {name: value for name, value in msgspec.structs.asdict(record).items() if value is not None}
     return ModelShape(**given)
 
 

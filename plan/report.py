@@ -10,6 +10,8 @@ from collections import defaultdict
 from dataclasses import asdict
 from typing import Any
 
+import msgspec
+
 from gpuwatch.plan import calibrate
 from gpuwatch.plan.comm import GROUPS
 from gpuwatch.plan.gpus import GEMM_EFFICIENCY, GIB, Cluster
@@ -75,7 +77,7 @@ def as_json(plan: Plan, top: int | None = None) -> dict[str, Any]:
     shown = plan.feasible if top is None else plan.feasible[:top]
     return {
         "schema": SCHEMA,
-        "model": {**asdict(plan.shape), "parameters": plan.shape.total_parameters()},
+        "model": {**msgspec.structs.asdict(plan.shape), "parameters": plan.shape.total_parameters()},
         "cluster": {"gpus": plan.cluster.gpus, "gpus_per_node": plan.cluster.gpus_per_node,
                     "nvlink_domain": plan.cluster.domain, "gpu": gpu.name,
                     "memory_bytes": gpu.memory_bytes, "peak_flops": dict(gpu.peak_flops),

@@ -195,7 +195,6 @@ backslashes, braces or newlines can reach the exposition.
 Past 500 lines on purpose: the wire format is documented here (the first ~180 lines) beside the checks that
 enforce it, so the two are read and changed together.
 """
-
 from __future__ import annotations
 
 import bisect
@@ -206,160 +205,130 @@ import math
 import operator
 import re
 import types
+import typing
 from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated, Any, Literal
 
 import msgspec
 
 from gpuwatch.protocol.records import (
+    Allowlisted,
     Body,
-    ClientCounters,
     CollectiveTotals,
     Fields,
     Folded,
-    FoldedPipeline,
     FoldedStep,
-    Gpu,
-    GroupTotals,
     Hello,
-    InFlight,
+    KnownKeys,
+    MaybeNonFinite,
     Memory,
-    ModelShapeFields,
-    Pipeline,
+    OneOf,
     Probe,
-    ProbeResult,
     Progress,
-    RecorderEntry,
-    StackFrame,
+    Refused,
     Step,
-    StepError,
+    WhenFinite,
     convert,
 )
 
-SCHEMA_VERSION = 1
-#: Larger datagrams are rejected unread. A step record is ~1.5 KiB; a hello with a few dozen
-#: environment variables and process-group members for a 1,000-way DP group stays well below.
-MAX_RECORD_BYTES = 16 * 1024
-#: Steps a step record may carry folded (``folded``): with the record itself, 16 steps a datagram, which a rank of
-#: the usual shape fills in well under 16 KiB.
-MAX_FOLDED_STEPS = 15
-#: How deep an *unknown* field may nest; known fields have a fixed shape.
-MAX_UNKNOWN_DEPTH = 4
-
-#: Upper bounds (seconds, ``le``) of the collective latency histogram: 1-2-5 per decade from
-#: 10 µs (a small intra-node all-reduce) to 10 s (a stalled collective); the overflow bucket is +Inf.
-COLLECTIVE_BUCKETS: tuple[float, ...] = (
-    1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3,
-    0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
+#: The wire format's constants live in ``limits.py`` (``records.py`` declares the fields with them); they are
+#: re-exported here, where the clients, the agent and diagnosis import them from.
+__all__ = [
+    "CLIENT_DROP_REASONS",
+    "COLLECTIVE_BUCKETS",
+    "COLLECTIVE_OPS",
+    "COSINE_TOLERANCE",
+    "ENV_DENY",
+    "ENV_NAMES",
+    "ENV_PREFIXES",
+    "EXPORTED_ENV",
+    "FOLDED_COUNTS",
+    "FOLDED_STEP_FIELDS",
+    "FRAMEWORKS",
+    "INTERCONNECTS",
+    "MAX_COMMAND_ARGS",
+    "MAX_COMMAND_ARG_CHARS",
+    "MAX_ENV_VALUE_CHARS",
+    "MAX_ENV_VARS",
+    "MAX_EXPORTED_ENV_VALUE_CHARS",
+    "MAX_FOLDED_STEPS",
+    "MAX_GROUP_TEXT_CHARS",
+    "MAX_MODULE_NAME_CHARS",
+    "MAX_NOTES",
+    "MAX_PROBE_HOSTNAMES",
+    "MAX_PROBE_RESULTS",
+    "MAX_RANK",
+    "MAX_RECORD_BYTES",
+    "MAX_STACK_FRAMES",
+    "MAX_STAGE_MODULES",
+    "MAX_TEXT_CHARS",
+    "MAX_UNKNOWN_DEPTH",
+    "MEMORY_COUNTS",
+    "MEMORY_KINDS",
+    "OVERDUE_FACTOR",
+    "OVERDUE_FLOOR_SECONDS",
+    "P2P_OPS",
+    "PHASES",
+    "PIPELINE_SCHEDULES",
+    "PROBE_OPS",
+    "REDACTED",
+    "REJECT_REASONS",
+    "SCHEMA_VERSION",
+    "STEP_PHASES",
+    "UNAVAILABLE_FROM_OUTSIDE",
+    "UNAVAILABLE_REASONS",
+    "UNAVAILABLE_SIGNALS",
+    "Record",
+    "RecordRejected",
+    "bucket_index",
+    "decode",
+    "encode",
+    "env_name_allowed",
+]
+from gpuwatch.protocol.limits import (
+    CLIENT_DROP_REASONS,
+    COLLECTIVE_BUCKETS,
+    COLLECTIVE_OPS,
+    COSINE_TOLERANCE,
+    ENV_DENY,
+    ENV_NAMES,
+    ENV_PREFIXES,
+    EXPORTED_ENV,
+    FRAMEWORKS,
+    INTERCONNECTS,
+    MAX_COMMAND_ARG_CHARS,
+    MAX_COMMAND_ARGS,
+    MAX_ENV_VALUE_CHARS,
+    MAX_ENV_VARS,
+    MAX_EXPORTED_ENV_VALUE_CHARS,
+    MAX_FOLDED_STEPS,
+    MAX_GROUP_TEXT_CHARS,
+    MAX_MODULE_NAME_CHARS,
+    MAX_NOTES,
+    MAX_PROBE_HOSTNAMES,
+    MAX_PROBE_RESULTS,
+    MAX_RANK,
+    MAX_RECORD_BYTES,
+    MAX_STACK_FRAMES,
+    MAX_STAGE_MODULES,
+    MAX_TEXT_CHARS,
+    MAX_UNKNOWN_DEPTH,
+    MEMORY_KINDS,
+    OVERDUE_FACTOR,
+    OVERDUE_FLOOR_SECONDS,
+    P2P_OPS,
+    PHASES,
+    PIPELINE_SCHEDULES,
+    PROBE_OPS,
+    REDACTED,
+    REJECT_REASONS,
+    SCHEMA_VERSION,
+    STEP_PHASES,
+    UNAVAILABLE_FROM_OUTSIDE,
+    UNAVAILABLE_REASONS,
+    UNAVAILABLE_SIGNALS,
+    env_name_allowed,
 )
-COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "gather",
-                  "scatter", "barrier", "send", "recv")
-#: The point-to-point ops among them: pairs of ranks, not the whole group, take part (not in ``collective_calls``).
-P2P_OPS = frozenset({"send", "recv"})
-MEMORY_KINDS = ("cuda", "host_rss")
-#: What a rank's training thread can be in, as a progress record says.
-PHASES = ("data", "compute", "optimizer", "collective", "step", "idle", "closed")
-#: A step record's phases, in the order they are listed: each field's seconds, net of the collectives waited for
-#: inside it; with ``exposed_collective_seconds`` they sum to ``step_seconds``.
-STEP_PHASES = {"data": "dataloader_wait_seconds", "compute": "compute_seconds", "optimizer": "optimizer_seconds",
-               "outside_model": "outside_model_seconds"}
-#: A rank's hooks send progress records once its step is overdue: no progress for this many times its median step ...
-OVERDUE_FACTOR = 5.0
-#: ... and for at least this long (seconds): a pause of a second or two is scheduling, not a hang.
-OVERDUE_FLOOR_SECONDS = 3.0
-#: The innermost frames of a stalled rank's stack that a progress record carries, and a frame's text fields.
-MAX_STACK_FRAMES = 32
-MAX_TEXT_CHARS = 512
-#: A progress record's ``flight_recorder``: the longest process-group name or description it carries.
-MAX_GROUP_TEXT_CHARS = 128
-#: The most notes a hello carries.
-MAX_NOTES = 8
-#: The pipeline schedules the instrumentation names in a hello's ``schedule``: torch.distributed.pipelining's
-#: schedule classes in snake case (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS,
-#: ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV). Not enforced: a framework's own
-#: schedule is sent under its own label, whose theoretical bubble diagnosis then does not know.
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble",
-                      "dualpipev")
-#: A hello's ``stage_modules``: at most this many module names, each at most this long.
-MAX_STAGE_MODULES = 64
-MAX_MODULE_NAME_CHARS = 128
-#: Optional memory fields: allocator state on CUDA; host_rss reports only peak_bytes.
-MEMORY_COUNTS = ("allocated_bytes", "reserved_bytes", "inactive_split_bytes", "alloc_retries", "ooms")
-#: Why a client dropped a record instead of sending it.
-CLIENT_DROP_REASONS = ("no_agent", "busy", "too_large", "encode_error", "error")
-REJECT_REASONS = (
-    "too_large", "not_json", "too_deep", "not_object", "bad_version", "bad_kind",
-    "missing_field", "bad_type", "out_of_range", "not_finite", "bad_label",
-    "cardinality",  # raised by the agent's store, not by decode: too many jobs or ranks
-)
-COSINE_TOLERANCE = 1e-3
-#: Signals a step record may report as not computable (``unavailable``), and why; the reason's text is what
-#: ``gpuwatch diagnose`` prints for a rule that could not run for want of that signal.
-UNAVAILABLE_SIGNALS = ("grad_cosine_similarity", "grad_norm", "param_checksum")
-UNAVAILABLE_REASONS: Mapping[str, str] = {
-    "zero_gradient": "every gradient element was zero, so there is no direction to compare (the model does "
-                     "not learn: see CONV006)",
-    "nonfinite_gradient": "the gradients held NaN or Inf",
-    "no_gradient_seen": "no gradient reached the hooks this step (no backward, or no DDP bucket was reduced)",
-    "no_data_parallel_group": "the rank has no data-parallel peers (data-parallel size 1)",
-    "no_parameters": "the Monitor was given no model, so it has no parameters to read",
-}
-#: The frameworks ``gpuwatch run`` tells apart (a hello's ``framework``), "plain" for a loop of the user's own.
-FRAMEWORKS = ("torchtitan", "megatron", "lightning", "transformers", "accelerate", "plain")
-#: What a rank instrumented from outside (``gpuwatch run``, no code of the user's calling gpuwatch) cannot measure,
-#: and why: its hello lists them (``unavailable_from_outside``).
-UNAVAILABLE_FROM_OUTSIDE: Mapping[str, str] = {
-    "tokens": "the tokens a step processes are known to the training loop only",
-    "samples": "the samples a step processes are known to the training loop only",
-    "mfu": "model FLOP/s and MFU need the tokens per step and the model's FLOPs per token",
-    "loss_scale": "an AMP loss scale is seen only from torch.amp.GradScaler.scale (a framework's own scaler is not "
-                  "seen, and the loss reported is then the scaled tensor backward() was called on)",
-    "pipeline": "a pipeline schedule's busy and idle time needs the schedule's own marks",
-    "ddp_bucket_latency": "under a built-in C++ communication hook (registered before gpuwatch's), DDP's all-reduce "
-                          "is timed as one tail per backward, not per bucket",
-    "layout": "which ranks are data-parallel replicas doing the same work is known only from gpuwatch run --layout, "
-              "Megatron's parallel state, a device mesh over every rank (torchtitan's) or a DDP model spanning "
-              "every rank, so ranks are not compared as peers",
-    "gradients": "each rank's whole gradient and parameters are seen only under a DistributedDataParallel model: a "
-                 "sharded (FSDP) or model-parallel rank holds a shard, so the gradient cosine similarity and the "
-                 "parameter checksum are not measured, and the gradient norm only where the job clips it "
-                 "(torch.nn.utils.clip_grad_norm_ returns it)",
-}
-#: What ``gpuwatch probe`` measures, and how it names the path its traffic took.
-PROBE_OPS = ("all_reduce", "all_gather", "reduce_scatter")
-INTERCONNECTS = ("nvlink", "pcie", "infiniband", "roce", "socket", "loopback", "unknown")
-#: A probe record must fit one datagram: 90 rows (3 ops × 30 sizes) of ~125 bytes and 8 long hostnames do.
-MAX_PROBE_RESULTS = 90
-MAX_PROBE_HOSTNAMES = 8
-
-MAX_RANK = 2**20 - 1
-_MAX_COUNT = 2**63 - 1
-_LABEL = re.compile(r"[A-Za-z0-9_.:+/-]+")
-_HEX = re.compile(r"[0-9a-fA-F]{1,64}")
-
-# The environment a hello may carry: names under these prefixes, plus a few launcher variables,
-# minus anything that looks like a secret even under an allowed prefix. Deliberately coarse:
-# NCCL_IB_PKEY is dropped with the rest for containing KEY.
-ENV_PREFIXES = ("NCCL_", "TORCH_", "PYTORCH_", "CUDA_")
-ENV_NAMES = frozenset({
-    "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-    "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME",
-    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
-})
-ENV_DENY = ("KEY", "TOKEN", "SECRET", "PASSW", "CREDENTIAL", "AUTH", "COOKIE")
-MAX_ENV_VARS = 128
-MAX_COMMAND_ARGS = 64
-MAX_COMMAND_ARG_CHARS = 256
-REDACTED = "<redacted>"
-MAX_ENV_VALUE_CHARS = 1024
-#: The part of a hello's environment the agent exports as ``gpuwatch_train_env_info`` series: the variables
-#: diagnosis rules read, so that ``gpuwatch diagnose --prometheus`` can judge them. A fixed list keeps it to at
-#: most this many series per rank; values longer than MAX_EXPORTED_ENV_VALUE_CHARS are not exported (a cut
-#: interface list would read as another setting), they stay in /api/v1/state.
-EXPORTED_ENV = ("NCCL_ALGO", "NCCL_IB_DISABLE", "NCCL_IB_GID_INDEX", "NCCL_NET", "NCCL_P2P_DISABLE",
-                "NCCL_P2P_LEVEL", "NCCL_SHM_DISABLE", "NCCL_SOCKET_IFNAME", "PYTORCH_CUDA_ALLOC_CONF")
-MAX_EXPORTED_ENV_VALUE_CHARS = 128
-_ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]{0,127}")
 
 
 class RecordRejected(Exception):
@@ -386,13 +355,6 @@ class Record:
     body: Body
 
 
-def env_name_allowed(name: str) -> bool:
-    """Whether a variable may be copied into a hello: allowlisted and not secret-looking."""
-    if not _ENV_NAME.fullmatch(name) or any(word in name for word in ENV_DENY):
-        return False
-    return name in ENV_NAMES or name.startswith(ENV_PREFIXES)
-
-
 def bucket_index(seconds: float) -> int:
     """Index into a record's ``buckets`` list for one collective's latency."""
     return bisect.bisect_left(COLLECTIVE_BUCKETS, seconds)
@@ -406,32 +368,28 @@ def encode(record: Mapping[str, Any]) -> bytes:
     return json.dumps(record, separators=(",", ":")).encode()
 
 
-# --- validation: small composable fields, each stated once in two forms --------------------------------------------
+# --- validation: derived from the record structs, each rule in two forms --------------------------------------------
 #
 # A step record is checked 64 times a second on a node of 64 ranks. ``check``, in Python, costs ~16 µs a step record;
 # msgspec (https://jcristharif.com/msgspec/), which parses and checks against a type in C, ~5 µs
-# (benchmarks/CHANGELOG.md, Agent cost), straight into the typed body (``protocol.records``). Each field below states
-# its rule once and yields both forms: a record msgspec accepts is one ``check`` accepts, decoded to the same body;
-# anything msgspec refuses, ``check`` judges whole, and its verdict (and reason code) stands, its body then converted
-# to the same struct.
-# tests/test_telemetry_schema.py holds the two to that.
+# (benchmarks/CHANGELOG.md, Agent cost), straight into the typed body (``protocol.records``). Each field's rule is
+# declared once, in its struct's annotation (``protocol/records.py``), and ``_rule`` derives both forms from it: a
+# record msgspec accepts is one ``check`` accepts, decoded to the same body; anything msgspec refuses, ``check`` judges
+# whole, and its verdict (and reason code) stands, its body then converted to the same struct.
+# tests/test_telemetry_schema.py holds the two forms to that, tests/test_telemetry_records.py the declarations to the
+# verdicts.
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Field:
     """One field's rule. ``check`` validates a parsed JSON value and returns it normalised (ints as floats where a
     float is expected, unknown fields and null optional ones dropped), or raises RecordRejected saying why.
-    ``type`` is the same rule as a msgspec type, or None where msgspec cannot state it (the environment's allowlist
-    drops names instead of refusing them). It may refuse more than ``check`` (an unknown field, ``NaN``, a number
-    past a double's range): such a record is judged by ``check`` alone."""
+    ``type`` is the same rule as a msgspec type (None for a record's ``kind``, its struct's tag, which ``decode``
+    checks itself). It may refuse more than ``check`` (an unknown field, ``NaN``, a number past a double's range, a
+    variable off the environment's allowlist, which ``check`` drops): such a record is judged by ``check`` alone."""
 
     check: Callable[[Any], Any]
     type: Any = None
-    #: The structure, which ``protocol/records.py``'s typed structs restate and tests/test_telemetry_records.py holds
-    #: them to: an object's fields and which are required; a list's items' or a mapping's values' rule.
-    fields: Mapping[str, _Field] | None = None
-    required: frozenset[str] = frozenset()
-    item: _Field | None = None
 
 
 def _range(low: float, high: float) -> msgspec.Meta:
@@ -439,13 +397,7 @@ def _range(low: float, high: float) -> msgspec.Meta:
     return msgspec.Meta(ge=low if math.isfinite(low) else None, le=high if math.isfinite(high) else None)
 
 
-def _matching(regex: re.Pattern[str], max_length: int | None = None) -> msgspec.Meta:
-    """A msgspec constraint for ``regex.fullmatch``: msgspec searches its pattern, so it is anchored at both ends
-    (``\\Z``: ``$`` would also match before a final newline)."""
-    return msgspec.Meta(pattern=f"^(?:{regex.pattern})\\Z", max_length=max_length)
-
-
-def _integer(low: int = 0, high: int = _MAX_COUNT) -> _Field:
+def _integer(low: int, high: int) -> _Field:
     def check(value: Any) -> int:
         if type(value) is not int:
             raise RecordRejected("bad_type")
@@ -456,7 +408,7 @@ def _integer(low: int = 0, high: int = _MAX_COUNT) -> _Field:
     return _Field(check, Annotated[int, _range(low, high)])
 
 
-def _number(low: float = 0.0, high: float = math.inf, *, nonfinite_ok: bool = False) -> _Field:
+def _number(low: float, high: float, *, nonfinite_ok: bool = False) -> _Field:
     def check(value: Any) -> float:
         if type(value) is int:
             if not low <= value <= high:  # before float(): a huge int would overflow it
@@ -476,27 +428,19 @@ def _number(low: float = 0.0, high: float = math.inf, *, nonfinite_ok: bool = Fa
     return _Field(check, Annotated[float, _range(low, high)])
 
 
-def _label(max_chars: int) -> _Field:
+def _string(pattern: str | None, max_chars: int | None, refused: str) -> _Field:
+    """A string of at most ``max_chars`` matching ``pattern`` (each where given), else refused for ``refused``: a
+    label's "bad_label", a long text's or a malformed digest's "out_of_range"."""
+    regex = None if pattern is None else re.compile(pattern)
+
     def check(value: Any) -> str:
         if type(value) is not str:
             raise RecordRejected("bad_type")
-        if len(value) > max_chars or not _LABEL.fullmatch(value):
-            raise RecordRejected("bad_label")
+        if (max_chars is not None and len(value) > max_chars) or (regex is not None and not regex.search(value)):
+            raise RecordRejected(refused)
         return value
 
-    return _Field(check, Annotated[str, _matching(_LABEL, max_chars)])
-
-
-def _text(max_chars: int) -> _Field:
-    """A string never made a label (a file path, a message): any characters, bounded."""
-    def check(value: Any) -> str:
-        if type(value) is not str:
-            raise RecordRejected("bad_type")
-        if len(value) > max_chars:
-            raise RecordRejected("out_of_range")
-        return value
-
-    return _Field(check, Annotated[str, msgspec.Meta(max_length=max_chars)])
+    return _Field(check, Annotated[str, msgspec.Meta(pattern=pattern, max_length=max_chars)])
 
 
 def _check_boolean(value: Any) -> bool:
@@ -508,9 +452,12 @@ def _check_boolean(value: Any) -> bool:
 _BOOLEAN = _Field(_check_boolean, bool)
 
 
-def _choice(*allowed: str) -> _Field:
-    def check(value: Any) -> str:
-        if type(value) is not str:
+def _choice(allowed: tuple[Any, ...]) -> _Field:
+    """One of ``allowed``, all of one type (the strings of an op or a phase; ``v``'s version)."""
+    of_type = type(allowed[0])
+
+    def check(value: Any) -> Any:
+        if type(value) is not of_type:
             raise RecordRejected("bad_type")
         if value not in allowed:
             raise RecordRejected("out_of_range")
@@ -533,31 +480,33 @@ def _list(item: _Field, max_items: int) -> _Field:
                 raise rejected.within(str(index)) from None
         return out
 
-    typed = None if item.type is None else types.GenericAlias(list, item.type)
-    return _Field(check, None if typed is None else Annotated[typed, msgspec.Meta(max_length=max_items)], item=item)
+    return _Field(check, Annotated[types.GenericAlias(list, item.type), msgspec.Meta(max_length=max_items)])
 
 
-def _counts(items: int) -> _Field:
-    """Exactly ``items`` counts (the collective buckets), as ``_list(_COUNT, items)`` checks each, with no Python
-    call per item when all pass: they are most of the numbers in a step record."""
+def _counts(items: int, item: _Field, low: int, high: int) -> _Field:
+    """Exactly ``items`` integers of ``item`` (``low..high``: the collective buckets), as ``_list`` checks each, with
+    no Python call per item when all pass: they are most of the numbers in a step record."""
     def check(value: Any) -> list[int]:
         if type(value) is not list:
             raise RecordRejected("bad_type")
         if len(value) != items:
             raise RecordRejected("out_of_range")
-        if not ({*map(type, value)} == {int} and min(value) >= 0 and max(value) <= _MAX_COUNT):
+        if not ({*map(type, value)} == {int} and min(value) >= low and max(value) <= high):
             for index, element in enumerate(value):
                 try:
-                    _COUNT.check(element)
+                    item.check(element)
                 except RecordRejected as rejected:
                     raise rejected.within(str(index)) from None
         return value
 
-    typed = types.GenericAlias(list, _COUNT.type)
-    return _Field(check, Annotated[typed, msgspec.Meta(min_length=items, max_length=items)], item=_COUNT)
+    typed = types.GenericAlias(list, item.type)
+    return _Field(check, Annotated[typed, msgspec.Meta(min_length=items, max_length=items)])
 
 
-def _mapping(key: _Field, item: _Field, max_items: int) -> _Field:
+def _mapping(key: _Field, item: _Field, max_items: int, *, allowlist: bool = False) -> _Field:
+    """A JSON object of at most ``max_items`` names, each a ``key``, to values, each an ``item``. Where the key's rule
+    is an ``allowlist`` (the environment's names), a name it refuses is dropped unread, which msgspec cannot state:
+    its form refuses the record instead, for ``check`` to judge."""
     def check(value: Any) -> dict[str, Any]:
         if type(value) is not dict:
             raise RecordRejected("bad_type")
@@ -565,14 +514,24 @@ def _mapping(key: _Field, item: _Field, max_items: int) -> _Field:
             raise RecordRejected("out_of_range")
         out = {}
         for name, element in value.items():
+            if allowlist and not _passes(key, name):
+                continue
             try:
                 out[key.check(name)] = item.check(element)
             except RecordRejected as rejected:
                 raise rejected.within(name) from None
         return out
 
-    typed = None if key.type is None or item.type is None else types.GenericAlias(dict, (key.type, item.type))
-    return _Field(check, None if typed is None else Annotated[typed, msgspec.Meta(max_length=max_items)], item=item)
+    return _Field(check, Annotated[types.GenericAlias(dict, (key.type, item.type)), msgspec.Meta(max_length=max_items)])
+
+
+def _passes(rule: _Field, value: Any) -> bool:
+    """Whether ``rule`` takes ``value``: an allowlist's verdict, which drops a name instead of refusing the record."""
+    try:
+        rule.check(value)
+    except RecordRejected:
+        return False
+    return True
 
 
 def _check_nesting(value: Any, levels_left: int) -> None:
@@ -586,15 +545,11 @@ def _check_nesting(value: Any, levels_left: int) -> None:
         _check_nesting(item, levels_left - 1)
 
 
-def _object(struct: type[Fields] | None, required: Mapping[str, _Field],
-            optional: Mapping[str, _Field] | None = None) -> _Field:
-    """A JSON object with these fields, read as ``struct``; a null optional field counts as absent; unknown fields are
+def _fields(fields: Mapping[str, _Field], required: Iterable[str]) -> Callable[[Any], dict[str, Any]]:
+    """The check of a JSON object with these fields; a null optional field counts as absent; unknown fields are
     checked for nesting depth and dropped. The fields present are walked, not the schema's: a step record has ~15 of
-    the ~35 fields it may carry. Its msgspec form is a subclass of ``struct`` whose fields carry their rules and which
-    refuses unknown fields (``check`` judges those records): decoded, the body *is* a ``struct``. A tagged struct (a
-    record kind) keeps its tag, so that one decoder tells records apart by it in C."""
-    optional = optional or {}
-    fields = {**optional, **required}
+    the ~35 fields it may carry."""
+    required = tuple(required)
 
     def check(value: Any) -> dict[str, Any]:
         if type(value) is not dict:
@@ -615,208 +570,119 @@ def _object(struct: type[Fields] | None, required: Mapping[str, _Field],
             raise rejected.within(name) from None
         return out
 
-    spec = _Field(check, fields=fields, required=frozenset(required))
-    if struct is None:
-        return spec
-    config = struct.__struct_config__
-    members = {name: field for name, field in fields.items() if name != config.tag_field}
-    if any(field.type is None for field in members.values()):
-        return spec
-    typed = msgspec.defstruct(
-        struct.__name__,
-        [(name, field.type) if name in required else (name, field.type | None, None)
-         for name, field in members.items()],
-        bases=(struct,), kw_only=True, forbid_unknown_fields=True, tag=config.tag,
-    )
-    return dataclasses.replace(spec, type=typed)
-
-
-def _keyed(keys: Iterable[str], item: _Field) -> _Field:
-    """A JSON object of some of ``keys``, each an ``item`` (an op's calls, a drop reason's count), read as a dict;
-    unknown keys are checked for nesting depth and dropped, as an object's unknown fields are."""
-    keys = tuple(keys)
-    typed = None if item.type is None else types.GenericAlias(dict, (Literal.__getitem__(keys), item.type))
-    return _Field(_object(None, {}, dict.fromkeys(keys, item)).check, typed, item=item)
-
-
-def _check_environment(value: Any) -> dict[str, str]:
-    """Allowed names only: anything else is dropped unread, whatever the client sent."""
-    if type(value) is not dict:
-        raise RecordRejected("bad_type")
-    if len(value) > MAX_ENV_VARS:
-        raise RecordRejected("out_of_range")
-    out = {}
-    for name, text in value.items():
-        if not env_name_allowed(name):
-            continue
-        if type(text) is not str:
-            raise RecordRejected("bad_type", name)
-        if len(text) > MAX_ENV_VALUE_CHARS:
-            raise RecordRejected("out_of_range", name)
-        out[name] = text
-    return out
-
-
-def _check_checksum(value: Any) -> float | str:
-    """A float, or a hex digest for checksums that are not floats."""
-    if type(value) is not str:
-        return _ANY_FINITE.check(value)
-    if not _HEX.fullmatch(value):
-        raise RecordRejected("out_of_range")
-    return value
+    return check
 
 
 def _unchecked(value: Any) -> Any:
-    """For ``v`` and ``kind``, validated before the fields are."""
+    """For ``kind``, validated before the fields are (the tag that names a record's struct)."""
     return value
 
 
-_COUNT = _integer()
-_SECONDS = _number()
-_RATIO = _number(0.0, 1.0)
-_ANY_FINITE = _number(-math.inf, math.inf)
-_RANK = _integer(0, MAX_RANK)
-_SIZE = _integer(1, MAX_RANK + 1)
-_CHECKSUM = _Field(_check_checksum, _ANY_FINITE.type | Annotated[str, _matching(_HEX)])
-
-#: One op's calls in a step: a bucket per bound plus the overflow (adding up to the count: ``_check_step``).
-_COLLECTIVE = _object(CollectiveTotals, {
-    "count": _COUNT, "bytes": _COUNT, "seconds": _SECONDS,
-    "buckets": _counts(len(COLLECTIVE_BUCKETS) + 1),
-})
-_COLLECTIVES = _keyed(COLLECTIVE_OPS, _COLLECTIVE)
-#: A diverging run is data, not an error: NaN and Infinity are allowed.
-_LOSS = _number(-math.inf, math.inf, nonfinite_ok=True)
-_GRAD_NORM = _number(nonfinite_ok=True)
-
-#: ``v`` and ``kind`` are checked by ``decode`` before the fields are; their msgspec form states them.
-_COMMON = {"v": _Field(_unchecked, Literal[SCHEMA_VERSION]), "kind": _Field(_unchecked), "job": _label(128),
-           "rank": _RANK, "time": _number()}
+@functools.cache
+def _object(struct: type[Fields]) -> _Field:
+    """A JSON object read as ``struct``, each field by the rule its annotation declares. Its msgspec form is a
+    subclass of ``struct`` whose fields carry their rules and which refuses unknown fields (``check`` judges those
+    records): decoded, the body *is* a ``struct``. A tagged struct (a record kind) keeps its tag, so that one decoder
+    tells records apart by it in C; the tag itself is checked by ``decode`` before the fields are."""
+    config = struct.__struct_config__
+    hints = typing.get_type_hints(struct, include_extras=True)
+    members = msgspec.structs.fields(struct)
+    rules = {field.name: _rule(_without_none(hints[field.name])) for field in members}
+    required = [field.name for field in members if field.required]
+    tag = {} if config.tag_field is None else {config.tag_field: _Field(_unchecked)}
+    typed = msgspec.defstruct(
+        struct.__name__,
+        [(field.name, rules[field.name].type) if field.required else (field.name, rules[field.name].type | None, None)
+         for field in members],
+        bases=(struct,), kw_only=True, forbid_unknown_fields=True, tag=config.tag,
+    )
+    return _Field(_fields({**tag, **rules}, [*tag, *required]), typed)
 
 
-def _kind(struct: type[Fields], required: Mapping[str, _Field], optional: Mapping[str, _Field]) -> _Field:
-    """A record of the kind ``struct`` is tagged with: the common fields and its own."""
-    return _object(struct, {**_COMMON, **required}, optional)
+def _keyed(keys: tuple[str, ...], item: _Field) -> _Field:
+    """A JSON object of some of ``keys``, each an ``item`` (an op's calls, a drop reason's count), read as a dict;
+    unknown keys are checked for nesting depth and dropped, as an object's unknown fields are."""
+    typed = types.GenericAlias(dict, (Literal.__getitem__(keys), item.type))
+    return _Field(_fields(dict.fromkeys(keys, item), ()), typed)
 
 
-_HELLO = _kind(
-    Hello,
-    {
-        "local_rank": _RANK, "world_size": _SIZE,
-        "tp_size": _SIZE, "pp_size": _SIZE, "dp_size": _SIZE,
-        "tp_rank": _RANK, "pp_stage": _RANK, "dp_rank": _RANK,
-        "hostname": _label(255), "pid": _integer(1, 2**22),
-    },
-    {
-        "cpus": _integer(1, 2**20),
-        "schedule": _label(32), "micro_batches": _integer(1, MAX_RANK + 1), "precision": _label(32),
-        "virtual_stages": _integer(1, 1024),
-        "stage_modules": _list(_text(MAX_MODULE_NAME_CHARS), MAX_STAGE_MODULES),
-        "gpu": _object(Gpu, {"index": _integer(0, 1023), "uuid": _label(96)}),
-        "torch_version": _label(64), "nccl_version": _label(64),
-        "process_groups": _mapping(_label(64), _list(_RANK, 65536), 16),
-        "env": _Field(_check_environment),
-        "faults": _list(_label(64), 32),
-        "backends": _mapping(_label(64), _label(32), 17),
-        "framework": _choice(*FRAMEWORKS),
-        "command": _list(_text(MAX_COMMAND_ARG_CHARS), MAX_COMMAND_ARGS),
-        "unavailable_from_outside": _list(_choice(*UNAVAILABLE_FROM_OUTSIDE), len(UNAVAILABLE_FROM_OUTSIDE)),
-        "notes": _list(_text(MAX_TEXT_CHARS), MAX_NOTES),
-        "model": _object(
-            ModelShapeFields,
-            dict.fromkeys(("layers", "hidden", "heads", "kv_heads", "ffn", "vocab"), _integer(1, 2**31)),
-            {"tied_embeddings": _BOOLEAN, "gated": _BOOLEAN, "bias": _BOOLEAN, "norm_params": _integer(1, 2),
-             "positions": _integer(0, 2**31), "source": _label(16)},
-        ),
-        "global_batch": _integer(1, 2**31), "seq_len": _integer(1, 2**31),
-    },
-)
+def _without_none(hint: Any) -> Any:
+    """``X`` of an optional field's ``X | None``: absent or null is the object's to judge, not the value's."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        members = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        return members[0] if len(members) == 1 else typing.Union.__getitem__(tuple(members))
+    return hint
 
-_STEP_REQUIRED = {"step": _integer(0, 2**53), "step_seconds": _SECONDS}
-_STEP_OPTIONAL = {
-    "compute_seconds": _SECONDS, "dataloader_wait_seconds": _SECONDS, "optimizer_seconds": _SECONDS,
-    "outside_model_seconds": _SECONDS, "exposed_collective_seconds": _SECONDS,
-    "pipeline": _object(
-        Pipeline, {"busy_seconds": _SECONDS, "idle_seconds": _SECONDS, "bubble_ratio": _RATIO},
-        {"bubble_ratio_theoretical": _RATIO},
-    ),
-    "collectives": _COLLECTIVES,
-    "gradient_sync_bytes": _COUNT,
-    "collective_calls": _mapping(_label(64), _COUNT, 17),
-    "groups": _mapping(_label(64), _object(GroupTotals, {"bytes": _COUNT, "seconds": _SECONDS}), 17),
-    "loss": _LOSS,
-    "grad_norm": _GRAD_NORM,
-    "nonfinite": _BOOLEAN,
-    "loss_scale": _number(),
-    "lr": _number(),
-    "grad_cosine_similarity": _number(-1.0 - COSINE_TOLERANCE, 1.0 + COSINE_TOLERANCE),
-    "param_checksum": _CHECKSUM,
-    "memory": _object(
-        Memory, {"kind": _choice(*MEMORY_KINDS), "peak_bytes": _COUNT},
-        dict.fromkeys(MEMORY_COUNTS, _COUNT),
-    ),
-    "tokens": _COUNT,
-    "samples": _COUNT,
-    "unavailable": _mapping(_choice(*UNAVAILABLE_SIGNALS), _choice(*UNAVAILABLE_REASONS), len(UNAVAILABLE_SIGNALS)),
-    "model_flops_per_second": _number(),
-    "mfu": _RATIO,
-    "client": _object(ClientCounters, {"sent": _COUNT, "dropped": _keyed(CLIENT_DROP_REASONS, _COUNT)}),
-}
+
+def _parts(hint: Any) -> tuple[Any, dict[str, Any], dict[type, Any]]:
+    """An annotation's type, its msgspec constraints (every ``msgspec.Meta`` of it, merged) and its markers by type."""
+    base, marks = hint, list[Any]()
+    if typing.get_origin(hint) is Annotated:
+        base, *marks = typing.get_args(hint)
+    meta = {name: value for mark in marks if isinstance(mark, msgspec.Meta) for name in _CONSTRAINTS
+            if (value := getattr(mark, name)) is not None}
+    return base, meta, {type(mark): mark for mark in marks if not isinstance(mark, msgspec.Meta)}
+
+
+_CONSTRAINTS = ("ge", "le", "min_length", "max_length", "pattern")
+
+
+def _rule(hint: Any) -> _Field:
+    """The rule a struct field's annotation declares: its type, msgspec's constraints and the markers of
+    ``protocol.records`` for what msgspec cannot state. A declaration it cannot read is a TypeError on import."""
+    base, meta, marker = _parts(hint)
+    origin, args = typing.get_origin(base), typing.get_args(base)
+    if OneOf in marker:
+        return _choice(marker[OneOf].values)
+    if isinstance(base, type) and issubclass(base, Fields):
+        return _object(base)
+    if base is bool:
+        return _BOOLEAN
+    if base is int:
+        if not {"ge", "le"} <= meta.keys():
+            raise TypeError(f"{hint!r}: an integer field declares its range")
+        return _integer(meta["ge"], meta["le"])
+    if base is float:
+        return _number(meta.get("ge", -math.inf), meta.get("le", math.inf))
+    if base is MaybeNonFinite:
+        bounds = marker.get(WhenFinite, WhenFinite())
+        return _number(bounds.ge, bounds.le, nonfinite_ok=True)
+    if base is str:
+        return _string(meta.get("pattern"), meta.get("max_length"), marker.get(Refused, Refused("out_of_range")).reason)
+    if origin is list:
+        item = _rule(args[0])
+        if "min_length" in meta:  # a fixed number of counts
+            _, bounds, _ = _parts(args[0])
+            return _counts(meta["min_length"], item, bounds["ge"], bounds["le"])
+        return _list(item, meta["max_length"])
+    if origin is dict:
+        if KnownKeys in marker:
+            return _keyed(marker[KnownKeys].keys, _rule(args[1]))
+        return _mapping(_rule(args[0]), _rule(args[1]), meta["max_length"], allowlist=Allowlisted in marker)
+    if origin in (typing.Union, types.UnionType):
+        return _either(*map(_rule, args))
+    raise TypeError(f"no rule for {hint!r}")
+
+
+def _either(number: _Field, text: _Field) -> _Field:
+    """A number, or a string of its own rule (a checksum: a float, or a hex digest for checksums that are not)."""
+    def check(value: Any) -> Any:
+        return text.check(value) if type(value) is str else number.check(value)
+
+    return _Field(check, number.type | text.type)
+
+
+_KINDS = {str(struct.__struct_config__.tag): _object(struct) for struct in (Hello, Step, Probe, Progress)}
+
 #: What a folded step keeps of its record (``folded.steps``): what the agent's window of recent steps reads. Of
 #: ``pipeline``, only ``bubble_ratio``.
-FOLDED_STEP_FIELDS = ("step", "time", "step_seconds", "compute_seconds", "dataloader_wait_seconds",
-                      "optimizer_seconds", "outside_model_seconds", "exposed_collective_seconds", "pipeline", "loss",
-                      "grad_norm")
+FOLDED_STEP_FIELDS = FoldedStep.__struct_fields__
 #: The count-like fields of a step, summed over the folded steps (``folded``).
-FOLDED_COUNTS = ("collectives", "tokens", "samples")
-_FOLDED_STEP_REQUIRED = ("step", "time", "step_seconds")
-_FOLDED_STEP_SPECS = {**_COMMON, **_STEP_REQUIRED, **_STEP_OPTIONAL,
-                      "pipeline": _object(FoldedPipeline, {"bubble_ratio": _RATIO})}
-_FOLDED = _object(
-    Folded,
-    {"steps": _list(_object(FoldedStep, {name: _FOLDED_STEP_SPECS[name] for name in _FOLDED_STEP_REQUIRED},
-                            {name: _FOLDED_STEP_SPECS[name] for name in FOLDED_STEP_FIELDS
-                             if name not in _FOLDED_STEP_REQUIRED}),
-                    MAX_FOLDED_STEPS)},
-    {name: _STEP_OPTIONAL[name] for name in FOLDED_COUNTS},
-)
-_STEP = _kind(Step, _STEP_REQUIRED, {**_STEP_OPTIONAL, "folded": _FOLDED})
+FOLDED_COUNTS = tuple(name for name in Folded.__struct_fields__ if name != "steps")
+#: Optional memory fields: allocator state on CUDA; host_rss reports only peak_bytes.
+MEMORY_COUNTS = tuple(field.name for field in msgspec.structs.fields(Memory) if not field.required)
 
-_PROBE = _kind(
-    Probe,
-    {
-        "hostname": _label(255), "nodes": _SIZE, "world_size": _SIZE, "ranks_per_node": _SIZE,
-        "backend": _label(32), "device": _label(32), "interconnect": _choice(*INTERCONNECTS),
-        "results": _list(_object(ProbeResult, {
-            "op": _choice(*PROBE_OPS), "bytes": _integer(1), "seconds": _SECONDS,
-            "algbw_bytes_per_second": _number(), "busbw_bytes_per_second": _number(),
-        }), MAX_PROBE_RESULTS),
-    },
-    {"hostnames": _list(_label(255), MAX_PROBE_HOSTNAMES), "dtype": _label(32)},
-)
 
-_PROGRESS = _kind(
-    Progress,
-    {
-        "step": _integer(0, 2**53), "phase": _choice(*PHASES), "stalled_seconds": _SECONDS,
-        "overdue_seconds": _SECONDS,
-    },
-    {
-        "collective": _object(InFlight, {
-            "op": _choice(*COLLECTIVE_OPS), "group": _label(64), "group_size": _SIZE, "group_rank": _RANK,
-            "seq": _integer(1, 2**53), "bytes": _COUNT, "seconds": _SECONDS,
-        }),
-        "stack": _list(_object(StackFrame, {"file": _text(MAX_TEXT_CHARS), "line": _integer(0, 2**31),
-                                "function": _text(MAX_TEXT_CHARS)}), MAX_STACK_FRAMES),
-        "error": _object(StepError, {"type": _label(128), "message": _text(MAX_TEXT_CHARS)}),
-        "flight_recorder": _object(RecorderEntry, {
-            "op": _label(64), "group": _text(MAX_GROUP_TEXT_CHARS), "seq": _integer(0, 2**53), "p2p": _BOOLEAN,
-            "state": _label(32),
-        }, {"group_desc": _text(MAX_GROUP_TEXT_CHARS)}),
-    },
-)
-
-_KINDS = {"hello": _HELLO, "step": _STEP, "probe": _PROBE, "progress": _PROGRESS}
 
 
 def _check_coordinates(hello: Hello) -> None:
@@ -859,9 +725,8 @@ def _check_buckets(collectives: Mapping[str, CollectiveTotals] | None, path: str
             raise RecordRejected("out_of_range", f"{path}.{op}.buckets")
 
 
-#: The kinds whose every field has a msgspec form (not the hello: its environment's allowlist drops names), in one
-#: decoder that tells them apart by their ``kind`` tag.
-_TYPED = msgspec.json.Decoder(functools.reduce(operator.or_, [spec.type for spec in _KINDS.values() if spec.type]))
+#: Every kind's msgspec form, in one decoder that tells them apart by their ``kind`` tag.
+_TYPED = msgspec.json.Decoder(functools.reduce(operator.or_, [spec.type for spec in _KINDS.values()]))
 
 
 def _parse(datagram: bytes) -> Any:

@@ -1,7 +1,8 @@
-"""The typed records (protocol/records.py) against the schema's field specs (protocol/schema.py): the same fields,
-required alike, nested alike, of the same kind of value, so that the two declarations cannot drift apart. And the
-typed path end to end: records the trainer's client wrote, read by the run-log source and through an agent's
-/api/v1/state, give the same facts, holding what the records said; the diagnosis sources read them by attribute."""
+"""The typed records (protocol/records.py), the one declaration of each record, against what decode does with
+them: a record carrying every declared field round-trips, a field of the wrong type is refused at any depth, and
+each declared constraint gives its reject reason. And the typed path end to end: records the trainer's client
+wrote, read by the run-log source and through an agent's /api/v1/state, give the same facts, holding what the
+records said; the diagnosis sources read them by attribute."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import ast
 import dataclasses
 import json
 import math
+import re
 import time
 import types
 import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 import pytest
@@ -25,10 +27,61 @@ from gpuwatch.agent.telemetry.rounds import StateReadings, rank_readings
 from gpuwatch.agent.telemetry.store import TelemetryStore
 from gpuwatch.diagnosis.sources import SourceError, run_log
 from gpuwatch.diagnosis.sources import agent as agent_source
+from gpuwatch.diagnosis.sources import telemetry as telemetry_source
 from gpuwatch.protocol import records, schema
 from gpuwatch.trainer.telemetry import TelemetryClient
 
 KINDS = {"hello": records.Hello, "step": records.Step, "probe": records.Probe, "progress": records.Progress}
+
+#: A record of each kind with every field its struct declares, at every depth (``test_the_full_records_hold_every_
+#: declared_field`` holds them to the structs): what the tests below change one field of at a time.
+FULL = {
+    "hello": hello(
+        1, cpus=8, virtual_stages=2, stage_modules=["layers.2", "norm"], backends={"default": "nccl"},
+        framework="plain", command=["python", "train.py"], unavailable_from_outside=["tokens", "mfu"],
+        notes=["a mesh it could not place"], global_batch=8, seq_len=32,
+        model={"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 4, "ffn": 256, "vocab": 128,
+               "tied_embeddings": False, "gated": True, "bias": False, "norm_params": 1, "positions": 0,
+               "source": "flags"}),
+    "step": step(
+        1, 5, exposed_collective_seconds=0.1, outside_model_seconds=0.01, gradient_sync_bytes=1000,
+        collective_calls={"default": 3}, groups={"tp": {"bytes": 10, "seconds": 0.1}}, samples=4,
+        param_checksum="abc123", unavailable={"grad_norm": "nonfinite_gradient"},
+        client={"sent": 3, "dropped": {"busy": 1}},
+        folded={"steps": [{"step": 4, "time": 1.0, "step_seconds": 0.5, "compute_seconds": 0.3,
+                           "dataloader_wait_seconds": 0.01, "optimizer_seconds": 0.02, "outside_model_seconds": 0.01,
+                           "exposed_collective_seconds": 0.1, "pipeline": {"bubble_ratio": 0.2}, "loss": 2.5,
+                           "grad_norm": 1.0}],
+                "collectives": collectives({"all_reduce": [0.002]}), "tokens": 4096, "samples": 4}),
+    "probe": probe(),
+    "progress": progress(
+        1, collective={"group": "tp", "group_size": 2, "group_rank": 1},
+        stack=[{"file": "train.py", "line": 12, "function": "step"}],
+        error={"type": "RuntimeError", "message": "NCCL timeout"},
+        flight_recorder={"op": "all_reduce", "group": "0", "group_desc": "default_pg", "seq": 4, "p2p": False,
+                         "state": "scheduled"}),
+}
+
+
+def _declared(struct: type[msgspec.Struct], prefix: str = "") -> dict[str, Any]:
+    """Every field path the struct declares, at every depth, and its annotation (``X`` of ``X | None``, constraints
+    kept): an object's fields by name, a list's items as ``[]`` and a mapping's values as ``{}``."""
+    out = {}
+    for name, hint in typing.get_type_hints(struct, include_extras=True).items():
+        out.update(_paths(_without_none(hint), f"{prefix}{name}"))
+    return out
+
+
+def _paths(hint: Any, path: str) -> dict[str, Any]:
+    base = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
+    out = {path: hint}
+    if isinstance(base, type) and issubclass(base, msgspec.Struct):
+        out.update(_declared(base, f"{path}."))
+    elif typing.get_origin(base) is list:
+        out.update(_paths(typing.get_args(base)[0], f"{path}[]"))
+    elif typing.get_origin(base) is dict:
+        out.update(_paths(typing.get_args(base)[1], f"{path}{{}}"))
+    return out
 
 
 def _without_none(hint: Any) -> Any:
@@ -39,67 +92,171 @@ def _without_none(hint: Any) -> Any:
     return hint
 
 
-def _scalar(hint: Any) -> Any:
-    """The plain Python type(s) a hint holds: Annotated constraints dropped, a Literal of labels a str, the float
-    that may be non-finite a float; a union as a set of them."""
-    if typing.get_origin(hint) is Annotated:
-        return _scalar(typing.get_args(hint)[0])
-    if typing.get_origin(hint) is Literal:
-        return frozenset(type(value) for value in typing.get_args(hint))
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return frozenset().union(*(_scalar(arg) for arg in typing.get_args(hint)))
-    return frozenset({float if hint is records.MaybeNonFinite else hint})
+Found = tuple[str, tuple[Any, ...], Any, Any]
 
 
-def _agree(struct: type[msgspec.Struct], spec: schema._Field, path: str) -> None:
-    assert spec.fields is not None, f"{path}: the schema's rule is not an object"
-    fields = {field.name: field for field in msgspec.structs.fields(struct)}
-    tag = {struct.__struct_config__.tag_field} - {None}  # a record's kind: the struct's tag, not a field
-    assert set(fields) == spec.fields.keys() - tag, path
-    assert {name for name, field in fields.items() if field.required} == spec.required - tag, path
-    hints = typing.get_type_hints(struct)
-    for name in fields:
-        _same(hints[name], spec.fields[name], f"{path}.{name}")
+def _found(kind: str) -> list[Found]:
+    """Each field of the full record of ``kind``, at every depth (a list's first item, a mapping's first value), as
+    (the path ``_declared`` names it by, where it is in the record, its value, its declared annotation)."""
+    return _fields_of(KINDS[kind], FULL[kind], (), "")
 
 
-def _same(hint: Any, spec: schema._Field, path: str) -> None:
-    """The struct's annotation ``hint`` states what ``spec`` checks."""
-    hint = _without_none(hint)
-    origin = typing.get_origin(hint)
-    if isinstance(hint, type) and issubclass(hint, msgspec.Struct):
-        _agree(hint, spec, path)
-    elif origin is list:
-        assert spec.item is not None, f"{path}: a list in the struct, not in the schema"
-        _same(typing.get_args(hint)[0], spec.item, f"{path}[]")
-    elif origin is dict:
-        if spec.check is schema._check_environment:  # names dropped unless allowed, not a rule msgspec states
-            assert hint == dict[str, str], path
-            return
-        assert spec.item is not None, f"{path}: a dict in the struct, not a mapping in the schema"
-        value_spec = spec.item  # {name: value}, or {op: calls} of some keys (``_keyed``)
-        _same(typing.get_args(hint)[1], value_spec, f"{path}{{}}")
-    else:
-        assert spec.fields is None and spec.item is None, f"{path}: a scalar in the struct, not in the schema"
-        assert _scalar(hint) == _scalar(spec.type), path
+def _fields_of(struct: type[msgspec.Struct], value: dict[str, Any], where: tuple[Any, ...], path: str) -> list[Found]:
+    hints = typing.get_type_hints(struct, include_extras=True)
+    out = []
+    for name, item in value.items():
+        if name != struct.__struct_config__.tag_field:
+            out += _field(_without_none(hints[name]), item, (*where, name), f"{path}{name}")
+    return out
+
+
+def _field(hint: Any, value: Any, where: tuple[Any, ...], path: str) -> list[Found]:
+    base = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
+    out = [(path, where, value, hint)]
+    if isinstance(base, type) and issubclass(base, msgspec.Struct):
+        out += _fields_of(base, value, where, f"{path}.")
+    elif typing.get_origin(base) is list:
+        out += _field(typing.get_args(base)[0], value[0], (*where, 0), f"{path}[]")
+    elif typing.get_origin(base) is dict:
+        key = next(iter(value))
+        out += _field(typing.get_args(base)[1], value[key], (*where, key), f"{path}{{}}")
+    return out
+
+
+def _with(record: dict[str, Any], where: tuple[str | int, ...], value: Any) -> dict[str, Any]:
+    record = json.loads(json.dumps(record))
+    *parents, last = where
+    target = record
+    for key in parents:
+        target = target[key]
+    target[last] = value
+    return record
+
+
+def _verdict(record: dict[str, Any]) -> tuple[str, str]:
+    try:
+        schema.decode(schema.encode(record))
+    except schema.RecordRejected as rejected:
+        return rejected.reason, rejected.field
+    return "accepted", ""
+
+
+def _field_of(where: tuple[str | int, ...]) -> str:
+    return ".".join(map(str, where))
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_each_record_struct_states_the_schemas_fields(kind):
-    _agree(KINDS[kind], schema._KINDS[kind], kind)
+def test_the_full_records_hold_every_declared_field(kind):
+    """What a struct declares, the full record carries, so every field below is tried (and nothing undeclared: a
+    field no struct declares is a KeyError in ``_found``)."""
+    assert {path for path, *_ in _found(kind)} == set(_declared(KINDS[kind]))
 
 
-def test_a_struct_that_drifts_from_the_schema_is_caught():
-    class Drifted(records.CommonFields, tag="progress"):
-        step: int
-        phase: str
-        stalled_seconds: float
-        overdue_seconds: float | None = None  # required by the schema
-        collective: records.InFlight | None = None
-        stack: list[records.StackFrame] | None = None
-        error: records.StepError | None = None
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_record_of_every_field_round_trips(kind):
+    body = schema.decode(schema.encode(FULL[kind])).body
+    assert isinstance(body, KINDS[kind])
+    assert body.as_dict() == FULL[kind]
+    assert schema.decode(msgspec.json.encode(body.as_dict())).body.as_dict() == FULL[kind]
 
-    with pytest.raises(AssertionError):
-        _agree(Drifted, schema._PROGRESS, "progress")
+
+def _every_field() -> list[tuple[str, tuple[Any, ...], Any]]:
+    return [(kind, where, value) for kind in KINDS for _, where, value, _ in _found(kind) if where[0] != "v"]
+
+
+@pytest.mark.parametrize(("kind", "where", "value"), _every_field(), ids=str)
+def test_every_field_is_validated(kind, where, value):
+    """A field of the wrong JSON type, at any depth, is refused as such, naming the field."""
+    wrong = {} if isinstance(value, list) else []
+    assert _verdict(_with(FULL[kind], where, wrong)) == ("bad_type", _field_of(where))
+
+
+def _constraint_cases() -> list[tuple[str, tuple[Any, ...], Any, str]]:
+    """For each field of the full records, values just past what its declaration allows, and the reason each must
+    be refused for: bounds, lengths, labels, choices, as ``protocol/records.py`` states them (and a non-finite
+    number: refused but where it may be NaN or Infinity)."""
+    cases = []
+    for kind in KINDS:
+        for _, where, value, hint in _found(kind):
+            base, *marks = typing.get_args(hint) if typing.get_origin(hint) is Annotated else (hint,)
+            label = records.Refused("bad_label") in marks
+            for mark in marks:
+                if isinstance(mark, msgspec.Meta | records.WhenFinite):
+                    cases += [(kind, where, bound, "out_of_range") for bound in (
+                        None if mark.ge is None else mark.ge - 1, None if mark.le is None else mark.le + 1)
+                        if bound is not None and math.isfinite(bound)]
+                if isinstance(mark, msgspec.Meta) and mark.max_length is not None:
+                    too_long = _longer(value, mark.max_length + 1)
+                    if len(json.dumps(too_long)) < schema.MAX_RECORD_BYTES // 2:  # else: too_large, judged unread
+                        cases.append((kind, where, too_long, "bad_label" if label else "out_of_range"))
+                if isinstance(mark, msgspec.Meta) and mark.min_length is not None:
+                    cases.append((kind, where, value[:-1], "out_of_range"))
+                if isinstance(mark, records.OneOf) and where[0] != "v":
+                    cases.append((kind, where, "no-such-choice", "out_of_range"))
+                if isinstance(mark, records.WhenFinite):
+                    cases.append((kind, where, math.nan, "accepted"))
+            if label:
+                cases.append((kind, where, "a b", "bad_label"))
+            if base is float:
+                cases.append((kind, where, math.inf, "not_finite"))
+    return cases
+
+
+def _longer(value: Any, length: int) -> Any:
+    """A string, list or mapping of ``length`` characters or items, made from ``value``'s first."""
+    if isinstance(value, str):
+        return "x" * length
+    if isinstance(value, list):
+        return value[:1] * length
+    key = next(iter(value))
+    return {f"{key}{index}": value[key] for index in range(length)}
+
+
+@pytest.mark.parametrize(("kind", "where", "value", "reason"), _constraint_cases(), ids=lambda part: str(part)[:40])
+def test_each_declared_constraint_gives_its_reject_reason(kind, where, value, reason):
+    expected = (reason, "" if reason == "accepted" else _field_of(where))
+    assert _verdict(_with(FULL[kind], where, value)) == expected
+
+
+def test_a_folded_step_declares_its_fields_as_the_step_does():
+    """The fields a folded step keeps are the step record's own, held to the same rules."""
+    step_hints = typing.get_type_hints(records.Step, include_extras=True)
+    for name, hint in typing.get_type_hints(records.FoldedStep, include_extras=True).items():
+        if name != "pipeline":
+            assert hint == step_hints[name], name
+
+
+def _documented(kind: str) -> dict[str, bool]:
+    """The fields schema.py's docstring (the wire format for humans) lists for a kind: name -> optional (``?``)."""
+    sections = re.split(r"^``(hello|step|probe|progress)`` — ", schema.__doc__ or "", flags=re.M)
+    text = dict(zip(sections[1::2], sections[2::2], strict=True))[kind]
+    named = {}
+    for line in text.splitlines():
+        if listed := re.match(r"^    ([a-z_]+\??(?:, [a-z_]+\??)*)(?:\s|$)", line):
+            named.update((name.rstrip("?"), name.endswith("?")) for name in listed.group(1).split(", "))
+    return named
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_wire_formats_prose_names_each_field_as_declared(kind):
+    """schema.py documents the record for humans: each field of a kind (besides the common ones, documented once),
+    optional (``?``) where the struct's is."""
+    common = set(records.CommonFields.__struct_fields__)
+    declared = {field.name: not field.required for field in msgspec.structs.fields(KINDS[kind])
+                if field.name not in common}
+    assert {name: optional for name, optional in _documented(kind).items() if name not in common} == declared
+
+
+def test_the_step_view_reads_each_of_its_fields_from_the_records():
+    """Diagnosis' StepFacts is filled by name from a step record, its pipeline and a memory reading: from a record of
+    every field, each of the view's fields holds the record's value (a field of the view that the record does not
+    name would stay empty here)."""
+    body = schema.decode(schema.encode(FULL["step"])).body
+    assert isinstance(body, records.Step) and body.memory is not None and body.pipeline is not None
+    view = dataclasses.asdict(telemetry_source.step(body, body.memory))
+    view["groups"] = {group: totals.as_dict() for group, totals in view["groups"].items()}
+    sent = {**FULL["step"], **FULL["step"]["pipeline"], **FULL["step"]["memory"], "memory_kind": "cuda"}
+    assert view == {name: sent[name] for name in view}
 
 
 # --- the typed path end to end: client → run log / agent state → typed records → facts -------------------------------

@@ -278,7 +278,7 @@ _EDGES = st.sampled_from([
 
 
 @settings(max_examples=1000, deadline=None)
-@given(st.sampled_from([step(), _FOLDED, progress(collective={}), probe()]), st.data())
+@given(st.sampled_from([step(), _FOLDED, progress(collective={}), probe(), hello()]), st.data())
 def test_msgspec_form_and_the_checks_agree_on_every_record(record, data):
     """decode takes most records through msgspec's form of the fields; whatever it makes of a record, accepted as
     the same body or refused for the same reason and field, must be what the fields' checks alone make of it. A
@@ -304,18 +304,22 @@ def test_msgspec_form_and_the_checks_agree_on_every_record(record, data):
     assert _verdict(decode, datagram) == _verdict(_by_the_checks_alone, datagram)
 
 
-@pytest.mark.parametrize("record", [step(), step(loss=None), _FOLDED, progress(collective={}), progress(), probe()],
-                         ids=["step", "step-without-loss", "folded", "progress-in-collective", "progress", "probe"])
+@pytest.mark.parametrize("record", [step(), step(loss=None), _FOLDED, progress(collective={}), progress(), probe(),
+                                    hello()],
+                         ids=["step", "step-without-loss", "folded", "progress-in-collective", "progress", "probe",
+                              "hello"])
 def test_usual_records_take_msgspecs_form(record):
-    """The fast form must hold for what clients send (or every record would pay for both): all but the hello,
-    whose environment is filtered by name."""
+    """The fast form must hold for what clients send (or every record would pay for both): the hello too, whose
+    environment a client has already filtered by name (``env_name_allowed``, a pattern msgspec checks)."""
     record = {name: value for name, value in record.items() if value is not None}
     body = schema._TYPED.decode(encode(record))
     assert msgspec.to_builtins(body) == decode(encode(record)).body.as_dict()
 
 
-def test_hello_and_records_with_unknown_fields_are_judged_by_the_checks():
-    for record in (hello(), step(extension={"a": 1})):
+def test_records_with_unknown_fields_or_unallowed_variables_are_judged_by_the_checks():
+    """msgspec's form refuses what the checks drop instead (an unknown field, a variable off the allowlist): the
+    checks then judge the record, and the agent keeps it without them."""
+    for record in (hello(env={"NCCL_DEBUG": "INFO", "WANDB_API_KEY": "k"}), step(extension={"a": 1})):
         with pytest.raises(msgspec.ValidationError):
             schema._TYPED.decode(encode(record))
         assert decode(encode(record)).body.as_dict() == _by_the_checks_alone(encode(record)).body.as_dict()

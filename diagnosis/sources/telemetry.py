@@ -4,8 +4,11 @@ bandwidth measurements from probe records. Shared by the agent and run-log sourc
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
+
+import msgspec
 
 from gpuwatch.agent.telemetry.readings import RankReadings, SampledAt
 from gpuwatch.agent.telemetry.store import SAMPLED_FIELDS, probe_peaks
@@ -24,7 +27,7 @@ from gpuwatch.diagnosis.facts import (
     group_members,
 )
 from gpuwatch.protocol.records import CollectiveTotals, Hello, Memory, Probe, Progress, Step
-from gpuwatch.protocol.schema import COLLECTIVE_BUCKETS, STEP_PHASES
+from gpuwatch.protocol.schema import COLLECTIVE_BUCKETS
 
 
 def histogram_quantile(quantile: float, buckets: Sequence[int]) -> float | None:
@@ -68,23 +71,24 @@ def workload(hello: Hello) -> Workload | None:
     return Workload(hello.model, hello.global_batch, hello.seq_len)
 
 
+#: The step view's fields (``StepFacts``), each named as the record names it, and the one it renames: the memory
+#: reading's ``kind``.
+_STEP_VIEW = frozenset(field.name for field in dataclasses.fields(StepFacts))
+_RENAMED = {"kind": "memory_kind"}
+
+
 def step(body: Step, memory: Memory | None) -> StepFacts:
-    """The latest step record, with the latest memory reading (a step in N has one: `memory_every`)."""
-    pipeline = body.pipeline
-    return StepFacts(
-        step=body.step, step_seconds=body.step_seconds,
-        **{field: getattr(body, field) for field in STEP_PHASES.values()},
-        exposed_collective_seconds=body.exposed_collective_seconds,
-        gradient_sync_bytes=body.gradient_sync_bytes,
-        collective_calls=dict(body.collective_calls) if body.collective_calls is not None else None,
-        groups=dict(body.groups) if body.groups is not None else None,
-        bubble_ratio=pipeline.bubble_ratio if pipeline else None,
-        bubble_ratio_theoretical=pipeline.bubble_ratio_theoretical if pipeline else None,
-        loss=body.loss, grad_norm=body.grad_norm, loss_scale=body.loss_scale,
-        memory_kind=memory.kind if memory else None, peak_bytes=memory.peak_bytes if memory else None,
-        allocated_bytes=memory.allocated_bytes if memory else None,
-        reserved_bytes=memory.reserved_bytes if memory else None,
-        inactive_split_bytes=memory.inactive_split_bytes if memory else None)
+    """The latest step record, with the latest memory reading (a step in N has one: `memory_every`), as diagnosis'
+    view of them: each field of ``StepFacts`` taken by its name from the step, its pipeline or the memory reading, so
+    a field added to the view reads the record's field of that name, no copying code between them."""
+    values: dict[str, Any] = {}
+    for part in (body, body.pipeline, memory):
+        if part is not None:
+            values.update((_RENAMED.get(name, name), value) for name, value in msgspec.structs.asdict(part).items())
+    # Any, as mypy cannot match ** keys to StepFacts' own fields; a mapping copied, not shared with the record.
+    view: dict[str, Any] = {name: dict(value) if isinstance(value, dict) else value for name, value in values.items()
+                            if name in _STEP_VIEW}
+    return StepFacts(**view)
 
 
 def progress(body: Progress, hello: Hello | None) -> ProgressFacts:

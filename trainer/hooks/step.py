@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from gpuwatch.trainer.hooks.monitor import Monitor  # a step's `monitor` slot only: the step reads its context
     from gpuwatch.trainer.telemetry import TelemetryClient
 
+
 @dataclass(slots=True, eq=False)
 class StepContext:
     """What the Monitor hands each of its steps, one per rank (`Monitor.step` gives every step the same): the

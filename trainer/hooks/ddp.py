@@ -16,8 +16,9 @@ in place as the buckets complete: there a hook after each parameter's gradient a
 bucket) for what only it sees: each bucket's latency and bytes on DDP's process group (the record's `collectives`
 and `groups`). `gpuwatch run` uses it for every DDP model, keeping a hook the user registers inside it.
 
-Every hook here runs inside autograd or DDP, and never raises into them: a failure is counted in the monitor's
-`failures`.
+Both are handed the Monitor's `step.StepContext` (its clock, progress, numbering of collectives and the step open
+now, which a backward's times go to), never the Monitor itself. Every hook here runs inside autograd or DDP, and never
+raises into them: a failure is counted in the context's `failures`.
 """
 
 from __future__ import annotations
@@ -35,8 +36,7 @@ from gpuwatch.trainer.hooks.progress import InFlight
 from gpuwatch.trainer.hooks.safety import guarded
 
 if TYPE_CHECKING:
-    from gpuwatch.trainer.hooks.monitor import Monitor
-    from gpuwatch.trainer.hooks.step import Step
+    from gpuwatch.trainer.hooks.step import Step, StepContext
 
 #: Autograd's engine, whose final callbacks (`queue_callback`) run once a backward's graph is done, in the order
 #: queued; DDP's reducer queues the one that waits for its buckets when the last bucket is launched.
@@ -48,14 +48,14 @@ class DdpWatch:
     all-reduce tail on every step (`watch_backward`), and on measuring steps this rank's gradients against DDP's
     averages (`watch_gradients`)."""
 
-    def __init__(self, monitor: Monitor, ddp: DistributedDataParallel) -> None:
-        self.monitor = monitor
-        self.failures = monitor.failures
+    def __init__(self, context: StepContext, ddp: DistributedDataParallel) -> None:
+        self._context = context
+        self.failures = context.failures
         self.ddp = ddp
-        # What every backward reads, one attribute away (only the monitor's current step is read through it)
-        self._mark, self._progress, self._clock = monitor.mark, monitor.progress, monitor.clock
-        self._in_flight, self._on_host, self._times_collectives = (monitor.in_flight, monitor.on_host,
-                                                                   monitor.times_collectives)
+        # What every backward reads, one attribute away (only the step open now is read through the context)
+        self._mark, self._progress, self._clock = context.mark, context.progress, context.clock
+        self._in_flight, self._on_host, self._times_collectives = (context.in_flight, context.on_host,
+                                                                   context.times_collectives)
         #: the parameters that get gradients, and the bytes DDP all-reduces per synchronising backward
         self._params = [p for p in ddp.parameters() if p.requires_grad]
         self.sync_bytes = sum(p.numel() * p.element_size() for p in self._params)
@@ -108,7 +108,7 @@ class DdpWatch:
                     self.tail_stage = 0
                     return
                 self._tail_start = self._mark()
-                self._tail_step = self.monitor.current
+                self._tail_step = self._context.current
                 self.tail_stage = 2
                 _ENGINE.queue_callback(self.tail)
                 if self.keep_at_tail:
@@ -118,7 +118,7 @@ class DdpWatch:
                 self._progress.at("collective", self._tail_in_flight)
             elif stage == 2:
                 self.tail_stage = 0
-                step_now = self.monitor.current
+                step_now = self._context.current
                 self._progress.at((step_now.phase or "step") if step_now is not None else "idle")
                 step = self._tail_step
                 self._tail_step = None
@@ -221,12 +221,12 @@ class BucketHook:
 
     DDP takes one communication hook, once. So the hook registered is always this one, and a hook of the user's
     runs inside it (`compose`): given to the Monitor (`comm_hook`), or registered with DDP's `register_comm_hook`
-    later, which `gpuwatch run` routes here (`of` finds the model's). Made before any Monitor (`monitor=None`:
+    later, which `gpuwatch run` routes here (`of` finds the model's). Made before any Monitor (`context=None`:
     a hook the user registered before gpuwatch run's Monitor was made), it only hands the buckets to the user's
-    hook until a Monitor is attached (`attach`)."""
+    hook until a Monitor attaches its steps' context (`attach`), where the step open now and the clock are."""
 
-    def __init__(self, monitor: Monitor | None) -> None:
-        self.monitor = monitor
+    def __init__(self, context: StepContext | None) -> None:
+        self.context = context
         #: the user's hook and its state, which DDP's buckets go through; None: DDP's own all-reduce of the mean
         self.inner: tuple[Callable, Any] | None = None
 
@@ -235,8 +235,8 @@ class BucketHook:
         """The BucketHook registered on `model`, if any."""
         return model.__dict__.get(_ATTRIBUTE)
 
-    def attach(self, monitor: Monitor) -> None:
-        self.monitor = monitor
+    def attach(self, context: StepContext) -> None:
+        self.context = context
 
     def compose(self, hook: Callable | None, state: Any) -> None:
         """From now on the buckets go through the user's `hook` (None: DDP's own all-reduce of the mean)."""
@@ -258,7 +258,7 @@ class BucketHook:
             if isinstance(bucket, tuple):  # DDP's Python reducer (compiled autograd) hands (grad, param): untimed
                 return _python_reducer(self.inner, group, bucket)
             tensor = bucket.buffer()
-            started = self._started(tensor, group) if self.monitor is not None else None
+            started = self._started(tensor, group) if self.context is not None else None
             inner = self.inner
             if inner is not None:
                 future = inner[0](inner[1], bucket)
@@ -275,25 +275,25 @@ class BucketHook:
 
     def _started(self, buffer: torch.Tensor,
                  group: Any) -> tuple[Step, Call | None, torch.Tensor | None, InFlight | None] | None:
-        monitor = self.monitor
+        context = self.context
         try:
-            assert monitor is not None
-            step = monitor.current
+            assert context is not None
+            step = context.current
             if step is None:
                 return None
             call = in_flight = None
-            if monitor.times_collectives:
+            if context.times_collectives:
                 # numbered on DDP's group, as the collective in flight: once the backward's computation is done the
                 # training thread waits for the last one launched (HANG001 names it)
-                in_flight = monitor.in_flight("all_reduce", buffer.nbytes, group)
-                call = Call("all_reduce", buffer.nbytes, monitor.clock.mark(), blocking=False, phase=step.phase,
+                in_flight = context.in_flight("all_reduce", buffer.nbytes, group)
+                call = Call("all_reduce", buffer.nbytes, context.clock.mark(), blocking=False, phase=step.phase,
                             group=None if in_flight is None else in_flight.group)
                 step.calls.append(call)
-                monitor.progress.collective = in_flight
+                context.progress.collective = in_flight
             local = buffer.clone() if step.similarity is not None else None  # the all-reduce works in place
             return None if call is None and local is None else (step, call, local, in_flight)
         except Exception as error:
-            monitor.failures.record("BucketHook._started", error)  # type: ignore[union-attr]
+            context.failures.record("BucketHook._started", error)  # type: ignore[union-attr]
             return None
 
     def _done(self, step: Step, call: Call | None, local: torch.Tensor | None, in_flight: InFlight | None,
@@ -304,12 +304,12 @@ class BucketHook:
 
     def _observed(self, step: Step, call: Call | None, local: torch.Tensor | None, in_flight: InFlight | None,
                   mean: torch.Tensor) -> None:
-        monitor = self.monitor
+        context = self.context
         try:
-            assert monitor is not None
+            assert context is not None
             if call is not None:
-                call.end = monitor.clock.mark()  # on CUDA: a stream ordered after the all-reduce
-                progress = monitor.progress
+                call.end = context.clock.mark()  # on CUDA: a stream ordered after the all-reduce
+                progress = context.progress
                 if progress.collective is in_flight:  # the last launched is done: none in flight
                     progress.collective = None
                 if progress.device_done is not None and in_flight is not None:
@@ -320,7 +320,7 @@ class BucketHook:
                 if step.similarity is not None:  # a local copy is taken only for a step that measures similarity
                     step.similarity.observe(local, mean)
         except Exception as error:
-            monitor.failures.record("BucketHook._observed", error)  # type: ignore[union-attr]
+            context.failures.record("BucketHook._observed", error)  # type: ignore[union-attr]
 
 
 #: Where a DDP model keeps its BucketHook.

@@ -1,17 +1,19 @@
-"""`Monitor`, one per rank: the life cycle of its steps, from the training loop's `step()` to the record sent.
+"""`Monitor`, one per rank: the rank-wide state its steps share, from the training loop's `step()` to the record sent.
 
 A step's measurements are marks (`clock`) and device tensors taken without waiting for the device.
 The record is built once they are resolved: at once on the CPU, a step or two later on a GPU, when
 the device has passed the step's last mark. Steps wait in a short queue until then, so the training
 loop never synchronises for the hooks' sake. A resolved step is handed to the telemetry client's
-thread (`TelemetryClient.submit`), which builds its record (`record.step_record`), encodes and sends it: the
-training thread only takes the marks and the few values that would change under it.
+thread (`TelemetryClient.submit`), which builds its record (`Step.finish`, `record.step_record`), encodes and sends
+it: the training thread only takes the marks and the few values that would change under it.
 
-The parts, each readable alone: the objects the training loop holds (`step.py`: `Step`, `Phase`,
-`CollectiveTimer`), the record (`record.py`), DistributedDataParallel watched (`ddp.py`), the gradient statistics
-of measuring steps (`gradient_stats.py`), memory (`memory.py`), the hang watchdog (`progress.py`) and who the rank
-is (`identity.py`). What the Monitor shares with them is public state (`current`, `mark`, `pending`, ... below),
-read and written directly on the hot path rather than through methods: a Python frame per step or phase adds up.
+A step's life cycle, from start to record, is the `Step`'s own (`step.py`), with what the Monitor hands it: one
+`StepContext` per rank (the clock, client, progress, gradient statistics, memory, the queue of pending steps and its
+`flush`, the step open now). The Monitor owns that state and sets it up; the step and the parts below read and write
+the context, never the Monitor, directly on the hot path rather than through methods (a Python frame per step or
+phase adds up). The other parts, each readable alone: the record (`record.py`), DistributedDataParallel watched
+(`ddp.py`), the gradient statistics of measuring steps (`gradient_stats.py`), memory (`memory.py`), the hang watchdog
+(`progress.py`) and who the rank is (`identity.py`).
 
 Cost on the training thread, per step with every default signal: see benchmarks/README.md ("Training
 hooks"). What stays on it is what cannot wait: the marks, the phase bookkeeping, reading the values the
@@ -42,7 +44,7 @@ from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
 from gpuwatch.protocol.schema import P2P_OPS
-from gpuwatch.trainer.hooks.clock import Mark, WallClock, clock_for
+from gpuwatch.trainer.hooks.clock import WallClock, clock_for
 from gpuwatch.trainer.hooks.ddp import BucketHook, DdpWatch
 from gpuwatch.trainer.hooks.flops import peak_flops
 from gpuwatch.trainer.hooks.gradient_stats import GradientStatistics
@@ -50,9 +52,8 @@ from gpuwatch.trainer.hooks.identity import Layout, hello_record, hello_with, re
 from gpuwatch.trainer.hooks.memory import CudaMemory, HostMemory, memory_for
 from gpuwatch.trainer.hooks.off import OFF, Off
 from gpuwatch.trainer.hooks.progress import InFlight, Progress, Watchdog, closed_record
-from gpuwatch.trainer.hooks.record import step_record
 from gpuwatch.trainer.hooks.safety import Failures, guarded
-from gpuwatch.trainer.hooks.step import CollectiveTimer, Step, new
+from gpuwatch.trainer.hooks.step import CollectiveTimer, Step, StepContext, new
 from gpuwatch.trainer.telemetry import TelemetryClient, run_log_file
 
 T = TypeVar("T")
@@ -150,17 +151,12 @@ class Monitor:
         self.peak_flops = peak_flops_per_second or peak_flops(self.device)
         self.shard_groups = tuple(shard_groups)
         self.job = resolve_job(job)
-        # State shared with the steps (step.py), the record (record.py) and the DDP watch (ddp.py), read and set by
-        # them directly on the hot path; not settings.
+        # The rank-wide state handed to every step (`StepContext`, made below), not settings.
         self.clock = clock_for(self.device)
         self.mark = self.clock.mark  # on the CPU time.perf_counter itself: no Python frame per mark
         self.on_host = isinstance(self.clock, WallClock)  # every mark ready when taken: no queue
-        #: the step open now, and the data-loader wait `data()` measured for the next one
-        self.current: Step | None = None
-        self.data_wait: tuple[Mark, Mark] | None = None
         #: ended steps waiting for the device (`flush`)
         self.pending: deque[Step] = deque()
-        self.raised = False  # a step raised: its error record stands, no "closed" follows it
         self.memory = self._open_memory() if self._memory_every else None
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         self.gradients = GradientStatistics(self.params, self.device, self.layout.dp_size, self.shard_groups,
@@ -183,6 +179,14 @@ class Monitor:
         self.collective_counts: dict[str, int] = {}
         self._p2p_counts: dict[str, int] = {}
         self._group_names: dict[Any, tuple[str, int, int]] = {}
+        #: what each step is handed, and the step open now, which collectives are counted in (`StepContext`)
+        self.step_context = StepContext(
+            failures=self.failures, clock=self.clock, mark=self.mark, on_host=self.on_host, progress=self.progress,
+            client=self.client, job=self.job, rank=self.layout.rank, device=self.device, signals=self.signals,
+            times_collectives=self.times_collectives, params=self.params, gradients=self.gradients,
+            memory=self.memory, flops_per_token=self.flops_per_token, peak_flops=self.peak_flops,
+            collective_counts=self.collective_counts, in_flight=self.in_flight, group_name=self.group_name,
+            pending=self.pending, flush=self.flush)
         self._watchdog = Watchdog(self.progress, self.client.send, self.job, self.layout.rank, threading.get_ident())
         self._watchdog.start()
         self._closed = False
@@ -191,13 +195,13 @@ class Monitor:
         registered = BucketHook.of(ddp) if ddp is not None else None  # gpuwatch run's, holding a user's hook
         self.bucket_hook = ddp is not None and (bucket_hook or comm_hook is not None or registered is not None)
         if registered is not None:
-            registered.attach(self)
+            registered.attach(self.step_context)
             if comm_hook is not None:
                 registered.compose(comm_hook, comm_state)
         elif ddp is not None and self.bucket_hook:
-            BucketHook(self).register(ddp, comm_hook, comm_state)
+            BucketHook(self.step_context).register(ddp, comm_hook, comm_state)
         elif ddp is not None:
-            self.ddp_watch = DdpWatch(self, ddp)
+            self.ddp_watch = self.step_context.ddp_watch = DdpWatch(self.step_context, ddp)
             if self.times_collectives:
                 self.ddp_watch.watch_backward()
 
@@ -211,7 +215,7 @@ class Monitor:
         self._last_number = number = self._last_number + 1 if number is None else number
         # Made here rather than in a Step.__init__: one Python frame fewer on the hot path.
         step = new(Step)
-        step.monitor, step.failures, step.number = self, self.failures, number
+        step.monitor, step.context, step.failures, step.number = self, self.step_context, self.failures, number
         step.tokens, step.samples = tokens, samples
         step.start = step.end = step.phase = step.pipeline = step.memory = step.scalars = step.host = None
         step.measured = step.similarity = step.reported = step.collective_calls = None
@@ -232,7 +236,7 @@ class Monitor:
     def data(self, iterable: Iterable[T]) -> Iterator[T]:
         """Yield from `iterable`, timing each wait for the next item as the data-loader wait of the step
         it feeds (the next `step()`, whose time then starts with that wait)."""
-        iterator, mark, failures = iter(iterable), self.mark, self.failures
+        iterator, mark, failures, context = iter(iterable), self.mark, self.failures, self.step_context
         while True:
             try:  # guarded inline, as Step.__enter__
                 start = mark()
@@ -245,20 +249,21 @@ class Monitor:
                 return
             try:
                 end = mark()
-                self.data_wait = None if start is None else (start, end)
+                context.data_wait = None if start is None else (start, end)
             except Exception as error:
                 failures.record("Clock.mark", error)
-                self.data_wait = None
+                context.data_wait = None
             yield item
 
     def collective(self, op: str, nbytes: int, group: Any = None) -> CollectiveTimer | Off:
         """A context manager timing one blocking collective call of this step (op: schema.COLLECTIVE_OPS) on
         `group` (a ProcessGroup; None: the default group), which is the collective in flight while it lasts.
         The reference trainer routes its comm layer through it (`comm.set_timer(monitor.collective)`)."""
-        step = self.current
+        context = self.step_context
+        step = context.current
         if step is None or not self.times_collectives:
             return OFF
-        return CollectiveTimer(self, step, op, nbytes, self.in_flight(op, nbytes, group))
+        return CollectiveTimer(context, step, op, nbytes, self.in_flight(op, nbytes, group))
 
     def in_flight(self, op: str, nbytes: int, group: Any) -> InFlight | None:
         """The collective about to start, numbered on its group: the group's name in the hello (`process_groups`,
@@ -351,19 +356,7 @@ class Monitor:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)  # the rare wait that bounds the queue
             pending.popleft()
-            self.client.submit(partial(self.finish, step))
-
-    @guarded
-    def finish(self, step: Step) -> dict[str, Any] | None:
-        """The record of a resolved step, its marks then free for reuse (CUDA events; numbers need no release);
-        on the client's thread."""
-        try:
-            return step_record(self, step)
-        finally:
-            if not self.on_host:
-                pending = self.progress.on_device
-                kept = pending[1] if pending is not None else None  # the watchdog may still ask about it
-                self.clock.release([mark for mark in step.marks() if mark is not kept])
+            self.client.submit(step.finish)
 
     # -- opening and closing -----------------------------------------------------------------------
 
@@ -371,7 +364,7 @@ class Monitor:
     def _send_closed(self) -> None:
         """Handed over like a step, so that it goes out after the last steps (a step record after it would read
         as the rank going on)."""
-        if not self.raised:
+        if not self.step_context.raised:
             self.client.submit(partial(closed_record, self.job, self.layout.rank, self.progress))
 
     @guarded

@@ -1,7 +1,8 @@
 """A resolved step's record (gpuwatch.protocol.schema), built on the telemetry client's thread.
 
 The training thread only took marks and kept the values that would change under it (`step.Step.__exit__`); the
-record is built here, beside the training loop, once the device has passed every mark. The less Python here, the
+record is built here (`step.Step.finish`), beside the training loop, once the device has passed every mark, from the
+step and what its Monitor handed it (`step.StepContext`). The less Python here, the
 less it takes the GIL from the training thread: wall-clock marks are subtracted inline, not through
 `Clock.seconds`.
 """
@@ -21,18 +22,18 @@ from gpuwatch.trainer.hooks.gradient_stats import combine_measured
 from gpuwatch.trainer.hooks.safety import Failures
 
 if TYPE_CHECKING:
-    from gpuwatch.trainer.hooks.monitor import Monitor
     from gpuwatch.trainer.hooks.step import Step
 
 
-def step_record(monitor: Monitor, step: Step) -> dict[str, Any] | None:
-    """The step record of a resolved step of `monitor`'s; None for a step that never started or ended."""
+def step_record(step: Step) -> dict[str, Any] | None:
+    """The step record of a resolved step; None for a step that never started or ended."""
     if step.start is None or step.end is None:
         return None
-    clock, on_host = monitor.clock, monitor.on_host
+    context = step.context
+    clock, on_host = context.clock, context.on_host
     step_seconds = max(0.0, step.end - step.start) if on_host else clock.seconds(step.start, step.end)
     record: dict[str, Any] = {
-        "v": SCHEMA_VERSION, "kind": "step", "job": monitor.job, "rank": monitor.layout.rank, "time": step.time,
+        "v": SCHEMA_VERSION, "kind": "step", "job": context.job, "rank": context.rank, "time": step.time,
         "step": step.number, "step_seconds": step_seconds,
     }
     phases: dict[str, float] = {}
@@ -67,7 +68,7 @@ def step_record(monitor: Monitor, step: Step) -> dict[str, Any] | None:
         record["collectives"] = histogram(calls)
     if calls or step.waits:
         record["exposed_collective_seconds"] = sum(exposed.values())
-    watch = monitor.ddp_watch
+    watch = context.ddp_watch
     if step.waits and watch is not None:  # DDP's all-reduce, whose calls no hook sees: its volume
         record["gradient_sync_bytes"] = watch.sync_bytes
     if step.collective_calls:
@@ -77,10 +78,10 @@ def step_record(monitor: Monitor, step: Step) -> dict[str, Any] | None:
     assert step.scalars is not None  # set when the step ended; only ended steps are recorded
     values: dict[str, Any] = dict(step.scalars)
     if step.reported is not None:
-        read_reported(step.reported, values, monitor.failures)
+        read_reported(step.reported, values, context.failures)
     if step.host is not None:
         values.update(step.host.read())
-    gradients = monitor.gradients
+    gradients = context.gradients
     if step.measured is not None:  # the monitor's own tensors on the host, final since it made them
         gradients.read(step.measured, values)
     combine_measured(values)  # on a GPU they came with the device's values (step.host)
@@ -110,11 +111,12 @@ def step_record(monitor: Monitor, step: Step) -> dict[str, Any] | None:
         record["samples"] = step.samples
     if step.tokens is not None:
         record["tokens"] = step.tokens
-        if monitor.flops_per_token and step_seconds > 0:
-            flops = monitor.flops_per_token * step.tokens / step_seconds
+        flops_per_token, peak = context.flops_per_token, context.peak_flops
+        if flops_per_token and step_seconds > 0:
+            flops = flops_per_token * step.tokens / step_seconds
             record["model_flops_per_second"] = flops
-            if monitor.peak_flops and flops <= monitor.peak_flops:  # above peak: a wrong flops_per_token
-                record["mfu"] = flops / monitor.peak_flops
+            if peak and flops <= peak:  # above peak: a wrong flops_per_token
+                record["mfu"] = flops / peak
     return record
 
 

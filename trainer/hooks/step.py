@@ -1,36 +1,90 @@
-"""The objects the training loop holds: a `Step`, its phases (`Phase`) and its timed collectives (`CollectiveTimer`).
+"""A step's life cycle, from start to record: the `Step` the training loop holds, its phases (`Phase`) and timed
+collectives (`CollectiveTimer`), and what the Monitor hands every step (`StepContext`).
+
+A step owns its state from `__enter__` to its record: it takes its marks and device tensors without waiting for
+the device, keeps at its end the values the next step would change, then goes to the client's thread at once (on
+the CPU) or to the Monitor's queue of steps waiting for the device (`StepContext.pending`, resolved by
+`StepContext.flush`), and its record is built on the client's thread (`Step.finish`, `record.step_record`). What
+it reads or writes beyond itself is its `StepContext`: the rank's clock, client, progress, gradient statistics and
+the like, and the little one step passes on to the next (the step open now, the data-loader wait, whether the last
+one raised). It never reads or writes its Monitor: to change when a step ends, read this module.
 
 This is the hot path: every step the training thread enters and leaves a step and a few phases, and a
 tensor-parallel layer times several collectives a micro-batch. So none of them has an `__init__` that the
 Monitor could do without (it fills a Step's and a Phase's slots itself), none calls a method of its own, and
 each guards itself inline rather than with `guarded` (a wrapper's Python frame per call adds up here). They
-read and write the state their Monitor shares with them (`Monitor.current`, `data_wait`, `pending`, ...)
-directly, for the same reason: a method of the Monitor's per step would be one more frame.
-
-A step's measurements are marks (`clock`) and device tensors taken without waiting for the device; the
-Monitor builds its record (`record.step_record`) once they are resolved.
+read and write their context's attributes directly, for the same reason: a method per step would be one more
+frame.
 """
 
 from __future__ import annotations
 
 import time
-from functools import partial
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch.distributed import ProcessGroup
 
-from gpuwatch.trainer.hooks.clock import Mark
+from gpuwatch.trainer.hooks.clock import Clock, Mark
 from gpuwatch.trainer.hooks.collectives import Call
 from gpuwatch.trainer.hooks.gradients import GradientSimilarity
 from gpuwatch.trainer.hooks.off import OFF, Off
 from gpuwatch.trainer.hooks.pipeline import PipelineClock, WindowClock
-from gpuwatch.trainer.hooks.progress import InFlight, error_record
-from gpuwatch.trainer.hooks.record import HostValues, plain
-from gpuwatch.trainer.hooks.safety import Failures
+from gpuwatch.trainer.hooks.progress import InFlight, Progress, error_record
+from gpuwatch.trainer.hooks.record import HostValues, plain, step_record
+from gpuwatch.trainer.hooks.safety import Failures, guarded
 
 if TYPE_CHECKING:
-    from gpuwatch.trainer.hooks.monitor import Monitor
+    from gpuwatch.trainer.hooks.ddp import DdpWatch
+    from gpuwatch.trainer.hooks.gradient_stats import GradientStatistics
+    from gpuwatch.trainer.hooks.memory import CudaMemory, HostMemory
+    from gpuwatch.trainer.hooks.monitor import Monitor  # a step's `monitor` slot only: the step reads its context
+    from gpuwatch.trainer.telemetry import TelemetryClient
+
+
+@dataclass(slots=True, eq=False)
+class StepContext:
+    """What the Monitor hands each of its steps, one per rank (`Monitor.step` gives every step the same): the
+    rank-wide parts a step uses from start to record, which the Monitor owns and sets up, and what steps pass on to
+    each other (and to the Monitor, DDP's watch and the bucket hook, which read the step open now). Slotted
+    attributes, read on the hot path without a method's frame."""
+
+    failures: Failures
+    clock: Clock
+    mark: Callable[[], Mark]  # clock.mark, on the CPU time.perf_counter itself: no Python frame per mark
+    on_host: bool  # every mark ready when taken: no queue
+    progress: Progress  # the training thread's place, which the watchdog reports
+    client: TelemetryClient
+    job: str
+    rank: int  # the global rank, which a relayout keeps
+    device: torch.device
+    signals: frozenset[str]
+    times_collectives: bool  # whether collectives are timed (blocking calls, DDP's all-reduce tail, the buckets)
+    params: Sequence[torch.Tensor]
+    gradients: GradientStatistics
+    memory: CudaMemory | HostMemory | None  # None: memory is not read
+    flops_per_token: float | None
+    peak_flops: float | None
+    #: the collectives numbered per group (the Monitor counts them), copied into a step's record as it ends
+    collective_counts: dict[str, int]
+    #: the Monitor's numbering of the collective about to start on a group, and a group's name in the hello
+    in_flight: Callable[[str, int, Any], InFlight | None]
+    group_name: Callable[[Any], str]
+    #: ended steps waiting for the device, and the Monitor's hand-over of those the device has passed
+    pending: deque[Step]
+    flush: Callable[[], None]
+    #: a DDP model that reduces its gradients in C++, watched through autograd (set once the Monitor made it)
+    ddp_watch: DdpWatch | None = None
+    #: the step open now, which collectives are counted in
+    current: Step | None = None
+    #: the data-loader wait `Monitor.data` measured for the next step, which then starts with it
+    data_wait: tuple[Mark, Mark] | None = None
+    #: a step raised: its error record stands, and no "closed" record follows it
+    raised: bool = False
+
 
 #: Makes an instance without calling its class (no `__init__` frame): `Monitor.step` fills a Step's slots, and the
 #: Step a Phase's.
@@ -41,12 +95,14 @@ class Step:
     """One training step: a context manager around it, with phases inside (`data`, `compute`,
     `optimizer`) and the values only the training loop knows (`report`)."""
 
-    __slots__ = ("calls", "checksum_due", "collective_calls", "end", "failures", "host", "measured", "memory",
-                 "memory_due", "monitor", "norm_from_grads", "number", "phase", "phases", "pipeline", "reported",
-                 "samples", "scalars", "similarity", "similarity_due", "start", "time", "tokens", "values", "waits")
+    __slots__ = ("calls", "checksum_due", "collective_calls", "context", "end", "failures", "host", "measured",
+                 "memory", "memory_due", "monitor", "norm_from_grads", "number", "phase", "phases", "pipeline",
+                 "reported", "samples", "scalars", "similarity", "similarity_due", "start", "time", "tokens", "values",
+                 "waits")
 
     # Made by Monitor.step (no __init__: a Python frame fewer on the hot path). What each slot holds:
-    monitor: Monitor
+    monitor: Monitor  # the Monitor that made it, for the training loop; the step reads only its context
+    context: StepContext
     failures: Failures
     number: int
     tokens: int | None
@@ -76,19 +132,19 @@ class Step:
 
     def __enter__(self) -> Step:
         # The hot path guards itself inline (as `CollectiveTimer` does): a `guarded` wrapper per call adds up here.
-        monitor = self.monitor
+        context = self.context
         try:
-            wait, monitor.data_wait = monitor.data_wait, None
+            wait, context.data_wait = context.data_wait, None
             if wait is None:
-                self.start = monitor.mark()
+                self.start = context.mark()
             else:  # measured by data() just before this step, which then starts with it
                 self.start = wait[0]
                 self.phases.append(("data", wait[0], wait[1]))
-            monitor.current = self
-            watch = monitor.ddp_watch
+            context.current = self
+            watch = context.ddp_watch
             if watch is not None:
                 watch.tail_stage = 0  # a backward that raised never ran its callbacks
-            progress = monitor.progress
+            progress = context.progress
             progress.at("step")
             progress.step_started = progress.since
         except Exception as error:
@@ -98,18 +154,18 @@ class Step:
     def __exit__(self, exc_type: type | None, *exc_info: object) -> Literal[False]:
         """The step's end mark and what the record needs before the next step changes it, then the hand-over;
         nothing here waits for the device. Guarded inline, in parts (the hot path, as `__enter__`)."""
-        monitor = self.monitor
-        monitor.current = None
-        watch = monitor.ddp_watch
+        context = self.context
+        context.current = None
+        watch = context.ddp_watch
         if watch is not None and (watch.grad_handles or watch.keep_at_tail):  # a measuring step DDP never averaged
             watch.drop_gradients()  # (a failed backward)
-        progress = monitor.progress
+        progress = context.progress
         if exc_type is not None:  # the training loop raised: no step record, and no collective of ours to wait in
             error = exc_info[0]
             if isinstance(error, BaseException):  # said at once: the rank may be about to die, its peers to wait
                 try:
-                    monitor.raised = True
-                    monitor.client.send(error_record(monitor.job, monitor.layout.rank, progress, error))
+                    context.raised = True
+                    context.client.send(error_record(context.job, context.rank, progress, error))
                 except Exception as failure:
                     self.failures.record("Step.__exit__", failure)
             return False
@@ -117,25 +173,25 @@ class Step:
         progress.at("idle")
         if progress.step_started is not None:
             progress.durations.append(progress.since - progress.step_started)
-        monitor.raised = False  # a step that raised was caught, and training went on
+        context.raised = False  # a step that raised was caught, and training went on
         try:
-            self.end = monitor.mark()
+            self.end = context.mark()
         except Exception as error:
             self.failures.record("Clock.mark", error)
-        if monitor.collective_counts:
-            self.collective_calls = monitor.collective_counts.copy()
+        if context.collective_counts:
+            self.collective_calls = context.collective_counts.copy()
         if self.similarity is not None:
             # A collective over the shard groups unless the training loop made it already: every rank
             # makes it on every measuring step, whatever else fails here, or its peers would wait forever.
             sums = self.similarity.reduce()
             if sums is not None:
                 self.measure("similarity", sums)
-        if self.checksum_due and monitor.params:
-            monitor.gradients.take_checksum(self)
-        if self.memory_due and monitor.memory is not None:
+        if self.checksum_due and context.params:
+            context.gradients.take_checksum(self)
+        if self.memory_due and context.memory is not None:
             try:
-                self.memory = monitor.memory.read()
-                monitor.memory.reset()  # the next reading's peak starts here
+                self.memory = context.memory.read()
+                context.memory.reset()  # the next reading's peak starts here
             except Exception as error:
                 self.failures.record("Monitor._read_memory", error)
         try:
@@ -165,19 +221,19 @@ class Step:
                         self.reported = {}
                     self.reported[name] = (value, version)
             self.scalars = scalars
-            if self.measured is not None and not monitor.on_host:
+            if self.measured is not None and not context.on_host:
                 on_device = {**(on_device or {}), **{name: torch.stack(value) if isinstance(value, list) else value
                                                      for name, value in self.measured.items()}}
                 self.measured = None
             if on_device is not None:
-                self.host = HostValues(on_device, monitor.clock)
-            if monitor.on_host and not monitor.pending and self.pipeline is None:  # resolved: hand it over
-                monitor.client.submit(partial(monitor.finish, self))
+                self.host = HostValues(on_device, context.clock)
+            if context.on_host and not context.pending and self.pipeline is None:  # resolved: hand it over
+                context.client.submit(self.finish)
                 return False
-            monitor.pending.append(self)
+            context.pending.append(self)
         except Exception as error:
             self.failures.record("Monitor._end", error)
-        monitor.flush()
+        context.flush()
         return False
 
     # The phases are made by hand: `Phase(self, name)` would cost an `__init__` frame more on the hot path.
@@ -199,7 +255,7 @@ class Step:
         is taken from .grad here, before the update and before zero_grad (and not timed as the optimizer's)."""
         if self.norm_from_grads:
             self.norm_from_grads = False
-            self.monitor.gradients.take_norm(self)
+            self.context.gradients.take_norm(self)
         phase = new(Phase)
         phase.step, phase.name, phase.start = self, "optimizer", None
         return phase
@@ -237,10 +293,10 @@ class Step:
         """A clock for this step's pipeline schedule over `group` (the stage's pipeline, its rank 0 the first
         stage), or OFF when the pipeline signal is off or there is one stage. Every stage must ask on
         the same steps and call its `start`, `busy` and `stop` (`PipelineClock`)."""
+        context = self.context
         try:
-            if "pipeline" in self.monitor.signals and torch.distributed.get_world_size(group) > 1:
-                self.pipeline = PipelineClock(self.monitor.clock, self.failures, group, micro_batches,
-                                              self.monitor.device)
+            if "pipeline" in context.signals and torch.distributed.get_world_size(group) > 1:
+                self.pipeline = PipelineClock(context.clock, self.failures, group, micro_batches, context.device)
                 return self.pipeline
         except Exception as error:
             self.failures.record("Step.pipeline_clock", error)
@@ -251,7 +307,8 @@ class Step:
         run`): the one the step has already, or a new one; `theoretical` the schedule's bubble with equal stages,
         where known."""
         if self.pipeline is None:
-            self.pipeline = WindowClock(self.monitor.clock, self.calls, self.monitor.group_name(group), theoretical)
+            context = self.context
+            self.pipeline = WindowClock(context.clock, self.calls, context.group_name(group), theoretical)
         return self.pipeline
 
     def ready(self) -> bool:
@@ -261,8 +318,21 @@ class Step:
             return False
         if any(call.end is None for call in self.calls):
             return False
-        ready = self.monitor.clock.ready
+        ready = self.context.clock.ready
         return all(ready(end) for _, _, end in self.waits)
+
+    @guarded
+    def finish(self) -> dict[str, Any] | None:
+        """The record of a resolved step (`record.step_record`), its marks then free for reuse (CUDA events;
+        numbers need no release); on the client's thread."""
+        context = self.context
+        try:
+            return step_record(self)
+        finally:
+            if not context.on_host:
+                pending = context.progress.on_device
+                kept = pending[1] if pending is not None else None  # the watchdog may still ask about it
+                context.clock.release([mark for mark in self.marks() if mark is not kept])
 
     def marks(self) -> list[Mark]:
         marks = [self.start, self.end] + [m for _, start, end in self.phases for m in (start, end)]
@@ -287,8 +357,9 @@ class Phase:
         step = self.step  # guarded inline, as Step.__enter__
         try:
             self.outer, step.phase = step.phase, self.name
-            step.monitor.progress.at(self.name)
-            self.start = step.monitor.mark()
+            context = step.context
+            context.progress.at(self.name)
+            self.start = context.mark()
         except Exception as error:
             self.start = None
             step.failures.record("Phase.__enter__", error)
@@ -296,10 +367,11 @@ class Phase:
     def __exit__(self, *exc_info: object) -> Literal[False]:
         step = self.step
         try:
+            context = step.context
             if self.start is not None:
-                step.phases.append((self.name, self.start, step.monitor.mark()))
+                step.phases.append((self.name, self.start, context.mark()))
             step.phase = self.outer
-            step.monitor.progress.at(self.outer or "step")
+            context.progress.at(self.outer or "step")
         except Exception as error:
             step.failures.record("Phase.__exit__", error)
         return False
@@ -311,8 +383,8 @@ class CollectiveTimer:
 
     __slots__ = ("clock", "failures", "in_flight", "nbytes", "op", "progress", "start", "step")
 
-    def __init__(self, monitor: Monitor, step: Step, op: str, nbytes: int, in_flight: InFlight | None) -> None:
-        self.step, self.clock, self.failures, self.progress = step, monitor.clock, monitor.failures, monitor.progress
+    def __init__(self, context: StepContext, step: Step, op: str, nbytes: int, in_flight: InFlight | None) -> None:
+        self.step, self.clock, self.failures, self.progress = step, context.clock, context.failures, context.progress
         self.op, self.nbytes, self.start, self.in_flight = op, nbytes, None, in_flight
 
     def __enter__(self) -> None:

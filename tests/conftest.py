@@ -227,6 +227,19 @@ def sharing(module: str, values: Iterable[Any], run: Callable[[Any], str] = str,
             for index, value in enumerate(values)]
 
 
+#: How much of a bytes parameter names its test (``pytest_make_parametrize_id``).
+BYTES_ID_CHARS = 40
+
+
+def pytest_make_parametrize_id(val: object) -> str | None:
+    """A bytes parameter is named by its start, not all of it: xdist's workers must each collect the very same test
+    ids, and a whole encoded record holds the time it was made at (tests/telemetry_records.py), which differs from
+    one worker's collection to the next. Ids its start leaves alike pytest numbers in their order."""
+    if isinstance(val, bytes) and len(val) > BYTES_ID_CHARS:
+        return repr(val[:BYTES_ID_CHARS])[2:-1]  # escaped, as pytest escapes a whole one
+    return None
+
+
 def _shared(item: pytest.Item) -> set[str]:
     """What ``item`` shares with other tests that costs a run to make: each session fixture of the tests' own by
     name; its module's fixtures as one (or, for a test marked ``shares(NAME)``, NAME instead: its module's fixtures

@@ -14,8 +14,9 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -197,3 +198,92 @@ def agent(tmp_path_factory) -> Iterator[AgentProcess]:
 def workdir(tmp_path_factory) -> Path:
     """Where a module's job runs keep their run logs and results."""
     return tmp_path_factory.mktemp("runs")
+
+
+def _report_run(name: str) -> Any:
+    """The session fixture ``name``: report_runs' run log of that name (a real gloo run of the reference trainer),
+    made once a session for tests/test_report.py and tests/test_report_browser.py alike. Imported when first used:
+    it imports torch, which most of the suite's tests do not need."""
+
+    @pytest.fixture(scope="session", name=name)
+    def run_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+        import report_runs
+
+        return getattr(report_runs, name)(tmp_path_factory)
+
+    return run_log
+
+
+straggler_log, bubble_log, hang_log = (_report_run(name) for name in ("straggler_log", "bubble_log", "hang_log"))
+
+
+def sharing(module: str, values: Iterable[Any], run: Callable[[Any], str] = str,
+            ids: Sequence[str] | None = None) -> list[Any]:
+    """``values`` as ``parametrize``'s parameters (a tuple per parameter where it takes several), each marked
+    ``shares(f"{module}:{run(value)}")``: the tests of one run read it in one xdist worker, and each run's tests
+    can go to another worker (``_shared``). ``ids``: the parameters' ids, where parametrize's own would differ."""
+    return [pytest.param(*(value if isinstance(value, tuple) else (value,)),
+                         marks=pytest.mark.shares(f"{module}:{run(value)}"), id=None if ids is None else ids[index])
+            for index, value in enumerate(values)]
+
+
+#: How much of a bytes parameter names its test (``pytest_make_parametrize_id``).
+BYTES_ID_CHARS = 40
+
+
+def pytest_make_parametrize_id(val: object) -> str | None:
+    """A bytes parameter is named by its start, not all of it: xdist's workers must each collect the very same test
+    ids, and a whole encoded record holds the time it was made at (tests/telemetry_records.py), which differs from
+    one worker's collection to the next. Ids its start leaves alike pytest numbers in their order."""
+    if isinstance(val, bytes) and len(val) > BYTES_ID_CHARS:
+        return repr(val[:BYTES_ID_CHARS])[2:-1]  # escaped, as pytest escapes a whole one
+    return None
+
+
+def _shared(item: pytest.Item) -> set[str]:
+    """What ``item`` shares with other tests that costs a run to make: each session fixture of the tests' own by
+    name; its module's fixtures as one (or, for a test marked ``shares(NAME)``, NAME instead: its module's fixtures
+    are cheap and what it reads is made per name, e.g. one framework job)."""
+    shared = set()
+    marked = item.get_closest_marker("shares")
+    if marked is not None:
+        shared.add(f"shares:{marked.args[0]}")
+    definitions_by_name = item._fixtureinfo.name2fixturedefs if isinstance(item, pytest.Function) else {}
+    for name, definitions in definitions_by_name.items():
+        definition = definitions[-1]
+        if not definition.baseid:  # pytest's own and plugins' (tmp_path_factory, ...)
+            continue
+        if definition.scope == "session":
+            shared.add(f"session:{name}")
+        elif definition.scope in ("package", "module", "class") and marked is None:
+            shared.add(f"module:{item.nodeid.split('::')[0]}")
+    return shared
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Group the tests for pytest-xdist's ``--dist loadgroup`` (pyproject's addopts): tests that share something
+    that costs a run to make (``_shared``: a real job, an agent, a Prometheus server made by a module or session
+    fixture) are in one ``xdist_group``, the connected tests' union, so that one worker makes it once, as a run without
+    workers does; a test that shares nothing goes to whichever worker is free. Runs before xdist's own hook
+    (tryfirst), which reads the marks.
+
+    The modules with integration tests go first, in their order: they start processes and wait on them and are most
+    of the suite's time; the in-process tests fill the workers' gaps at the end, so that no long group starts last
+    (pyproject's addopts keep xdist from reordering the groups by their number of tests)."""
+    parent: dict[str, str] = {}
+
+    def root(key: str) -> str:
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    shared = {item: sorted(_shared(item)) for item in items}
+    for keys in shared.values():
+        for key in keys[1:]:
+            parent[root(key)] = root(keys[0])
+    integration = {item.path for item in items if item.get_closest_marker("integration") is not None}
+    for item, keys in shared.items():
+        if keys:
+            item.add_marker(pytest.mark.xdist_group(root(keys[0])))
+    items.sort(key=lambda item: item.path not in integration)

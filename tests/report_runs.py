@@ -3,6 +3,10 @@
 dp2 computes 8x slower), a pipeline left to idle (pp4 with one micro-batch: a 75 % bubble in theory), and a hang
 (the last rank blocks before its all-reduce of step 4; the job is killed once its peers' run logs say whom they wait
 for). `gpuwatch train` as test_e2e_faults.py and test_e2e_hangs.py run it, without an agent: the run log is the source.
+
+tests/conftest.py makes them the session's fixtures (``straggler_log``, ``bubble_log``, ``hang_log``): defined there
+once, each run is made once a session (in one xdist worker: conftest keeps their tests together), where a fixture
+imported into each test module is that module's own and made again for each.
 """
 
 from __future__ import annotations
@@ -35,14 +39,12 @@ def finished_run(directory: Path, job: str, *args: str) -> Path:
     return directory
 
 
-@pytest.fixture(scope="session", name="straggler_log")
-def straggler_log_fixture(tmp_path_factory) -> Path:
+def straggler_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return finished_run(tmp_path_factory.mktemp("straggler"), "straggler", "--tp", "1", "--pp", "2", "--dp", "2",
                         "--fault", "slow-rank", "--fault-rank", str(STRAGGLER))
 
 
-@pytest.fixture(scope="session", name="bubble_log")
-def bubble_log_fixture(tmp_path_factory) -> Path:
+def bubble_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return finished_run(tmp_path_factory.mktemp("bubble"), "bubble", "--tp", "1", "--pp", "4", "--dp", "1",
                         "--micro-batches", "1")
 
@@ -64,8 +66,7 @@ def _waiting(directory: Path) -> bool:
     return True
 
 
-@pytest.fixture(scope="session", name="hang_log")
-def hang_log_fixture(tmp_path_factory) -> Path:
+def hang_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("hang")
     run_log = directory / "log"
     no_agent = types.SimpleNamespace(telemetry_socket=directory / "no-agent.sock")

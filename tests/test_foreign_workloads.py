@@ -14,7 +14,9 @@ A healthy run must raise nothing at warning level or worse, from either source: 
 judged. A planted fault must be named by its rule, on the right ranks; what else the report says about a faulty run
 is left to the healthy runs to judge, so that one noisy rule does not hide whether the others find their fault.
 
-Each run is made once and shared by the tests of both sources (``runs``); one agent serves the module. The machine
+Each run is made once and shared by the tests of its sources (``runs``), which are marked as its (``sharing``):
+under pytest-xdist they run in one worker, each run's in whichever worker is free; one agent and one Prometheus serve
+the module in each. The machine
 has 2 CPUs, so 3-4 ranks oversubscribe it, as they did for the user. No test looks at a timing, only at what the
 diagnosis says about which rank.
 """
@@ -30,7 +32,7 @@ from foreign import Run, Workload, preflight, ranks_named
 from gpuwatch.agent.simulate import PRESETS
 from gpuwatch.agent.simulate.sysfs import SimulatedSysfs
 
-from conftest import PrometheusServer
+from conftest import PrometheusServer, sharing
 
 pytestmark = pytest.mark.integration
 
@@ -79,7 +81,8 @@ def _judged(run: Run, source: str):
 
 
 @pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize(("script", "nproc"), HEALTHY, ids=[f"{s}-{n}" for s, n in HEALTHY])
+@pytest.mark.parametrize(("script", "nproc"), sharing("foreign", HEALTHY, lambda w: f"{w[0]}-{w[1]}-none",
+                                                      ids=[f"{s}-{n}" for s, n in HEALTHY]))
 def test_a_healthy_run_raises_no_warning(runs, script, nproc, source):
     run = runs(script, nproc)
     assert [r["rank"] for r in run.ranks] == list(range(nproc))
@@ -93,7 +96,9 @@ SLOW = [("ddp_tutorial", 2, 0), ("grad_accumulation", 3, 1), ("tiny_lm", 2, None
 
 
 @pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize(("script", "nproc", "fault_rank"), SLOW, ids=[f"{s}-{n}" for s, n, _ in SLOW])
+@pytest.mark.parametrize(("script", "nproc", "fault_rank"),
+                         sharing("foreign", SLOW, lambda w: f"{w[0]}-{w[1]}-sleep-rank",
+                                 ids=[f"{s}-{n}" for s, n, _ in SLOW]))
 def test_a_sleeping_rank_is_named_as_the_straggler(runs, script, nproc, fault_rank, source):
     run = runs(script, nproc, "sleep-rank", fault_rank)
     diagnosis = _judged(run, source)
@@ -112,8 +117,9 @@ EVERY_RANK = [("same-data", "CONV004", "ddp_tutorial", 2), ("same-data", "CONV00
 
 
 @pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize(("fault", "code", "script", "nproc"), EVERY_RANK,
-                         ids=[f"{f}-{s}-{n}" for f, _, s, n in EVERY_RANK])
+@pytest.mark.parametrize(("fault", "code", "script", "nproc"),
+                         sharing("foreign", EVERY_RANK, lambda w: f"{w[2]}-{w[3]}-{w[0]}",
+                                 ids=[f"{f}-{s}-{n}" for f, _, s, n in EVERY_RANK]))
 def test_a_bug_of_every_rank_is_named_on_every_rank(runs, fault, code, script, nproc, source):
     run = runs(script, nproc, fault)
     diagnosis = _judged(run, source)
@@ -122,6 +128,7 @@ def test_a_bug_of_every_rank_is_named_on_every_rank(runs, fault, code, script, n
     assert set().union(*map(ranks_named, found[code])) == set(range(nproc)), found[code]
 
 
+@pytest.mark.shares("foreign:nccl-ib-disable")
 @pytest.mark.parametrize("source", SOURCES)
 def test_nccl_ib_disable_on_a_gloo_job_is_no_nccl_finding(runs, source):
     """NCCL_IB_DISABLE=1 in a single-node gloo job's environment: NCCL never runs, so its settings cannot hurt.

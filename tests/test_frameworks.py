@@ -24,7 +24,8 @@ What must hold for every framework:
   single logit) is named by CONV006 on every rank;
 * the losses and final parameters are bit for bit those of the same run without gpuwatch.
 
-Every run is made once and shared by the tests that read it (``runs``); one agent serves the module. Timing
+Every run is made once and shared by the tests that read it (``runs``), which are marked as its (``sharing``): under
+pytest-xdist they run in one worker, each run's in whichever worker is free; one agent serves the module in each. Timing
 assertions are structural (which phase holds a 0.2 s sleep), not thresholds on how fast a step is.
 """
 
@@ -39,6 +40,8 @@ from pathlib import Path
 import foreign
 import pytest
 from foreign import GPUWATCH_RUN, Run, Workload, launched, ranks_named
+
+from conftest import sharing
 
 pytestmark = pytest.mark.integration
 
@@ -85,6 +88,8 @@ SLOWED = [("hf_trainer", "data"), ("hf_trainer", "compute"), ("hf_trainer", "out
           ("pytorch_lightning-1", "optimizer"), ("fsdp2", "data"), ("fsdp2", "compute"), ("fsdp2", "outside")]
 NEVER_LEARNS = ["hf_trainer", "accelerate", "lightning-2", "fsdp2"]
 SOURCES = ("agent", "run_log")
+#: The parameters of the tests of each run, marked as that run's (conftest's ``sharing``).
+HEALTHY = sharing("frameworks", VARIANTS, lambda variant: f"{variant}-none")
 
 
 def _workload(variant: str, workdir: Path, name: str, fault: str, steps: int, fault_rank: int | None,
@@ -151,7 +156,7 @@ def _phases_sum_to_the_step(records: list[dict]) -> None:
 
 # -- healthy runs ---------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", HEALTHY)
 def test_each_optimizer_step_is_one_step_with_the_frameworks_own_loss(runs, workdir, variant):
     run = runs(variant)
     steps = run.run_log_steps()
@@ -180,7 +185,7 @@ def test_each_optimizer_step_is_one_step_with_the_frameworks_own_loss(runs, work
                     (reported[rank], own)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", HEALTHY)
 def test_the_framework_is_named_in_the_hello(runs, variant):
     run = runs(variant)
     assert [r["hello"]["framework"] for r in run.ranks] == [FRAMEWORK[variant]] * 2  # the agent's
@@ -189,7 +194,7 @@ def test_the_framework_is_named_in_the_hello(runs, variant):
     assert {h["framework"] for hs in hellos.values() for h in hs} == {FRAMEWORK[variant]}  # the run log's
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", HEALTHY)
 def test_the_phases_sum_to_the_step(runs, variant):
     steps = runs(variant).run_log_steps()
     for rank, records in steps.items():
@@ -200,14 +205,14 @@ def test_the_phases_sum_to_the_step(runs, variant):
 
 
 @pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", HEALTHY)
 def test_a_healthy_run_raises_no_warning(runs, variant, source):
     diagnosis = _judged(runs(variant), source)
     assert "PERF002" not in diagnosis.not_run(), diagnosis.not_run()  # the straggler rule did compare the ranks
     assert diagnosis.serious() == {}, diagnosis.describe()
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", HEALTHY)
 def test_the_losses_and_parameters_are_bit_for_bit_those_of_the_unmeasured_run(runs, agent, workdir, variant):
     runs(variant)
     bare = _workload(variant, workdir, f"{variant}-bare", "none", STEPS, None, wrapped=False)
@@ -222,7 +227,12 @@ def test_the_losses_and_parameters_are_bit_for_bit_those_of_the_unmeasured_run(r
 
 # -- planted faults -------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("variant", "phase"), SLOWED, ids=[f"{v}-{p}" for v, p in SLOWED])
+def _slowed_run(slowed: tuple[str, str]) -> str:
+    variant, phase = slowed
+    return f"{variant}-slow-{phase}"
+
+
+@pytest.mark.parametrize(("variant", "phase"), sharing("frameworks", SLOWED, _slowed_run))
 def test_a_slowed_phase_holds_the_time(runs, variant, phase):
     """Rank 1 sleeps 0.2 s per optimizer step in one phase: on rank 1 that phase's median is at least half the sleep
     and three times any other phase's; rank 0 waits for it in a collective (exposed communication), not in that
@@ -245,7 +255,7 @@ STRAGGLERS = [(v, p) for v, p in SLOWED if p != "optimizer"]
 
 
 @pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize(("variant", "phase"), STRAGGLERS, ids=[f"{v}-{p}" for v, p in STRAGGLERS])
+@pytest.mark.parametrize(("variant", "phase"), sharing("frameworks", STRAGGLERS, _slowed_run))
 def test_a_slowed_rank_is_named_as_the_straggler_with_its_phase(runs, variant, phase, source):
     """PERF002 names rank 1, whatever phase holds its extra time, and its evidence about rank 1 names that phase
     (``values["phase"]``: the phase, or its record field)."""
@@ -258,7 +268,7 @@ def test_a_slowed_rank_is_named_as_the_straggler_with_its_phase(runs, variant, p
 
 
 @pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize("variant", NEVER_LEARNS)
+@pytest.mark.parametrize("variant", sharing("frameworks", NEVER_LEARNS, lambda variant: f"{variant}-never-learns"))
 def test_a_model_that_never_learns_is_named_on_every_rank(runs, variant, source):
     diagnosis = _judged(runs(variant, "never-learns"), source)
     found = diagnosis.serious().get("CONV006", [])

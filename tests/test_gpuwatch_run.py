@@ -32,7 +32,7 @@ from gpuwatch.trainer.auto import SITE_DIRECTORY, instrumented_environment, is_l
 from gpuwatch.trainer.auto import layout as layout_module
 from gpuwatch.trainer.telemetry import captured_command
 
-from conftest import wait_until
+from conftest import sharing, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -75,7 +75,8 @@ def _losses(directory: Path) -> dict[int, list[float]]:
 
 @pytest.fixture(scope="module")
 def runs(agent, workdir) -> Callable[..., Run]:
-    """``runs(workload_key, workload)``: the finished run, made on first use and shared by the tests."""
+    """``runs(workload_key, workload)``: the finished run, made on first use and shared by the tests, which are
+    marked as its (``shares``, conftest's ``sharing``): under pytest-xdist each run's tests go to one worker."""
     made: dict[str, Run] = {}
 
     def get(key: str, workload: Workload) -> Run:
@@ -90,7 +91,7 @@ def _with_losses(workdir: Path, name: str, steps: int = STEPS, *args: str, wrapp
     return _plain(steps, "none", None, "--losses", str(workdir / name), *args, wrapped=wrapped)
 
 
-@pytest.mark.parametrize("accumulate", [1, 3])
+@pytest.mark.parametrize("accumulate", sharing("gpuwatch_run", [1, 3], lambda accumulate: f"healthy-{accumulate}"))
 def test_every_rank_reports_each_optimizer_step_with_the_scripts_loss(runs, workdir, accumulate):
     run = runs(f"healthy-{accumulate}", _with_losses(workdir, f"losses-{accumulate}", STEPS, "--accumulate",
                                                      str(accumulate)))
@@ -127,6 +128,7 @@ def test_every_rank_reports_each_optimizer_step_with_the_scripts_loss(runs, work
         assert [r["step"] for r in records if "grad_norm" in r] == [10, 20, 30]
 
 
+@pytest.mark.shares("gpuwatch_run:healthy-1")
 def test_losses_are_bit_identical_with_and_without_gpuwatch_run(runs, agent, workdir):
     runs("healthy-1", _with_losses(workdir, "losses-1", STEPS, "--accumulate", "1"))
     bare = _with_losses(workdir, "losses-bare", STEPS, wrapped=False)
@@ -137,6 +139,7 @@ def test_losses_are_bit_identical_with_and_without_gpuwatch_run(runs, agent, wor
     assert [[x.hex() for x in measured[r]] for r in (0, 1)] == [[x.hex() for x in unmeasured[r]] for r in (0, 1)]
 
 
+@pytest.mark.shares("gpuwatch_run:healthy-1")
 def test_a_users_own_comm_hook_runs_inside_gpuwatchs_and_the_losses_stay_bit_for_bit(runs, agent, workdir):
     """DDP takes one communication hook, once; gpuwatch run registers its own, which times each bucket. A script's
     own hook (PyTorch's fp16_compress_hook), registered before gpuwatch's Monitor is made (right after the DDP model)
@@ -161,6 +164,7 @@ def test_a_users_own_comm_hook_runs_inside_gpuwatchs_and_the_losses_stay_bit_for
         assert "raised" not in run.output and "raised" not in healthy.output, run.output[-2000:]
 
 
+@pytest.mark.shares("gpuwatch_run:healthy-1")
 def test_an_exception_inside_the_injected_code_is_counted_and_never_reaches_training(runs, agent, workdir):
     runs("healthy-1", _with_losses(workdir, "losses-1", STEPS, "--accumulate", "1"))
     driver, failures = workdir / "raising_driver.py", workdir / "failures"
@@ -183,6 +187,7 @@ def test_an_exception_inside_the_injected_code_is_counted_and_never_reaches_trai
                        "planted in the injected code (in 2 processes)")
 
 
+@pytest.mark.shares("gpuwatch_run:sleep")
 def test_a_sleeping_rank_is_named_as_the_straggler(runs):
     run = runs("sleep", _plain(SLOW_STEPS, "sleep-rank", 0))
     for source in ("agent", "run_log"):
@@ -192,6 +197,7 @@ def test_a_sleeping_rank_is_named_as_the_straggler(runs):
         assert ranks_named(straggler) == {0}, straggler
 
 
+@pytest.mark.shares("gpuwatch_run:same-data")
 def test_duplicated_shards_are_named_on_every_rank(runs):
     run = runs("same-data", _plain(STEPS, "same-data"))
     for source in ("agent", "run_log"):

@@ -13,12 +13,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from report_runs import (  # noqa: F401 - the session's run logs, as fixtures
+from report_runs import (  # the session's run logs are conftest's fixtures
     STEPS,
     STRAGGLER,
-    bubble_log_fixture,
-    hang_log_fixture,
-    straggler_log_fixture,
 )
 
 from gpuwatch.cli.plan import plan

@@ -16,12 +16,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from playwright.sync_api import sync_playwright
-from report_runs import (  # noqa: F401 - the session's run logs, as fixtures
+from report_runs import (  # the session's run logs are conftest's fixtures
     HUNG,
     STRAGGLER,
-    bubble_log_fixture,
-    hang_log_fixture,
-    straggler_log_fixture,
 )
 
 from gpuwatch.report.cli import report

@@ -195,6 +195,30 @@ def test_the_framework_is_named_in_the_hello(runs, variant):
 
 
 @pytest.mark.parametrize("variant", HEALTHY)
+def test_the_hello_says_what_the_job_trains_where_the_model_says_it(runs, variant):
+    """After its first whole step a rank's hello says what it trains (gpuwatch.trainer.auto.workload), for the PLAN
+    rules: the Hugging Face job's Llama from its config, the global batch (micro-batches of 4, 2 accumulated, 2 ranks)
+    and the sequence length; the other jobs' model (blocks without attention) is no transformer the planner reads,
+    and their hellos' notes say so, with no shape."""
+    sequence = 16  # workloads/framework_job.py's SEQUENCE
+    run = runs(variant)
+    hellos = run.run_log_hellos()
+    latest = {rank: said[-1] for rank, said in hellos.items()}
+    agents = {r["rank"]: r["hello"] for r in run.ranks}
+    if variant == "hf_trainer":
+        for hello in (*latest.values(), *agents.values()):
+            assert hello["model"] == {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "ffn": 64, "vocab": 128,
+                                      "tied_embeddings": False, "gated": True, "norm_params": 1, "bias": False,
+                                      "positions": 0, "source": "hf"}, hello
+            assert (hello["global_batch"], hello["seq_len"]) == (4 * 2 * 2, sequence), hello
+    else:
+        for rank, said in hellos.items():
+            assert all("model" not in hello for hello in said), rank
+            notes = [note for hello in said for note in hello.get("notes", ())]
+            assert any(note.startswith("the model's shape is not known (no attention module") for note in notes), notes
+
+
+@pytest.mark.parametrize("variant", HEALTHY)
 def test_the_phases_sum_to_the_step(runs, variant):
     steps = runs(variant).run_log_steps()
     for rank, records in steps.items():

@@ -168,7 +168,8 @@ EXPOSED_COLLECTIVES = _rank_fact("exposed collective time over a window",
 STEP_TIME = _rank_fact("step time over a window", _windowed("step_seconds"), f"no step records, {_FEW_STEPS}")
 WORKLOAD = _rank_fact("the model's shape and batch", lambda r: r.workload is not None and r.layout is not None,
                       "no hello carries the model's shape, global batch and sequence length (the reference "
-                      "trainer's do)")
+                      "trainer's do, and gpuwatch run's where it can read the model and the job's layout: its "
+                      "hello's notes say what it could not)")
 PIPELINE = Need("pipeline bubble or micro-batches", _pipeline_available)
 COLLECTIVES = _rank_fact("collective timings", lambda r: bool(r.collectives), "step records lack collectives",
                          outside="ddp_bucket_latency")

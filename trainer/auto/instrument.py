@@ -577,8 +577,9 @@ class AutoMonitor:
 
     def _say_workload(self, monitor: Monitor) -> None:
         """Once the model's shape is known, read the batches of the first whole step (the first one's first batch
-        comes before the Monitor) and say in the hello what the job trains: the shape, the global batch (this rank's
-        sequences a step × its data-parallel replicas) and the sequence length."""
+        comes before the Monitor) and say in the hello what the job trains: the shape, the sequence length and, where
+        the job's layout is known, the global batch (this rank's sequences a step × its data-parallel replicas; with
+        the layout unknown the replicas would be a guess, and the PLAN rules then say the job gives no batch)."""
         if self._shape is None:
             return
         if self._batches is None:
@@ -586,9 +587,10 @@ class AutoMonitor:
             return
         batches, self._batches = self._batches, None
         if batches and len({tokens for _, tokens in batches}) == 1:
-            monitor.relayout(monitor.layout, {
-                "model": self._shape.as_record().as_dict(), "seq_len": batches[0][1],
-                "global_batch": sum(sequences for sequences, _ in batches) * monitor.layout.dp_size})
+            said: dict[str, Any] = {"model": self._shape.as_record().as_dict(), "seq_len": batches[0][1]}
+            if self._layout_known:
+                said["global_batch"] = sum(sequences for sequences, _ in batches) * monitor.layout.dp_size
+            monitor.relayout(monitor.layout, said)
         self._shape = None
 
     def _phase_safely(self, name: str) -> str | None:

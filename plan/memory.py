@@ -37,6 +37,7 @@ for the loss (4sbV, /t vocabulary-parallel) and the final norm's output.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 
 from gpuwatch.plan.model import ModelShape
@@ -101,8 +102,9 @@ class Memory:
     embeddings_logits: float
     allowance: float
 
-    @property
+    @functools.cached_property
     def total(self) -> float:
+        """Cached: the planner compares every stage's total to find the heaviest."""
         return sum(getattr(self, item.name) for item in fields(self))
 
     def as_dict(self) -> dict[str, float]:

@@ -184,14 +184,17 @@ def predict(shape: ModelShape, cluster: Cluster, run: Run, layout: Layout) -> Pr
     batch = layout.micro_batch_size(run.global_batch)
     split = stage_layers(shape.layers, layout.pp)
     stages = []
-    # a stage's traffic is its layers', its edges' (first, last) and its pipeline sends', its memory its layers', edges'
-    # and micro-batches in flight: the middle stages of a deep pipeline share them, counted once (most of a large
-    # plan's time went to recounting them)
+    # a stage's parameters are its layers' and its edges' (first, last), its traffic theirs and its pipeline sends',
+    # its memory theirs and its micro-batches in flight: the middle stages of a deep pipeline share them, counted once
+    # (most of a large plan's time went to recounting them)
+    parameters_of: dict[tuple[int, bool, bool], int] = {}
     traffic: dict[tuple[int, bool, bool, int], Traffic] = {}
     memory: dict[tuple[int, bool, bool, float], Memory] = {}
     for index, layers in enumerate(split):
-        parameters = stage_parameters(shape, layout, index, layers)
         edges = (layers, index == 0, index == layout.last_stage)
+        if edges not in parameters_of:
+            parameters_of[edges] = stage_parameters(shape, layout, index, layers)
+        parameters = parameters_of[edges]
         sends, held = (*edges, boundary_transfers(layout, index)), (*edges, in_flight(layout, index))
         if sends not in traffic:
             traffic[sends] = stage_traffic(shape, run, layout, cluster, index, layers, parameters)

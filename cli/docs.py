@@ -115,7 +115,10 @@ def rendered(root: Path = ROOT) -> dict[Path, tuple[str, str]]:
     documents: dict[Path, tuple[str, str]] = {}
     for table in TABLES:
         path = root / table.document
-        committed, current = documents.get(path) or (text := path.read_text(encoding="utf-8"), text)
+        if path not in documents:
+            text = path.read_text(encoding="utf-8")
+            documents[path] = (text, text)
+        committed, current = documents[path]
         documents[path] = (committed, table.render(current))
     return documents
 

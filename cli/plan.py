@@ -45,11 +45,12 @@ def agent_gpus(urls: tuple[str, ...], gpu: str | None = None) -> AgentGpus:
             if node.gpus is None:
                 raise ValueError(f"the agent at {url} reads no GPU on {name}: "
                                  f"{node.missing.get('gpus', 'no NVML readings')}; give --gpus and --gpu")
-            present = [gpu for gpu in node.gpus if not gpu.lost and gpu.model is not None]
+            present = [(gpu.model, gpu.memory_total_bytes) for gpu in node.gpus
+                       if not gpu.lost and gpu.model is not None]
             if not present:
                 raise ValueError(f"the agent at {url} sees no working GPU on {name}; give --gpus and --gpu")
             per_node[name] = len(present)
-            models.update((gpu.model, gpu.memory_total_bytes) for gpu in present if gpu.model is not None)
+            models.update(present)
     names = tuple(sorted({model for model, _ in models}))
     if gpu is not None:
         return AgentGpus(sum(per_node.values()), max(per_node.values()), gpu, names)

@@ -311,6 +311,7 @@ class FoldedStep(Fields):
     optimizer_seconds: Seconds | None = None
     outside_model_seconds: Seconds | None = None
     exposed_collective_seconds: Seconds | None = None
+    cpu_wait_seconds: Seconds | None = None
     pipeline: FoldedPipeline | None = None
     loss: MaybeNonFinite | None = None
     grad_norm: Annotated[MaybeNonFinite, WhenFinite(ge=0.0)] | None = None
@@ -335,6 +336,7 @@ class Step(CommonFields, tag="step"):
     optimizer_seconds: Seconds | None = None
     outside_model_seconds: Seconds | None = None
     exposed_collective_seconds: Seconds | None = None
+    cpu_wait_seconds: Seconds | None = None
     pipeline: Pipeline | None = None
     collectives: Annotated[dict[str, CollectiveTotals], KnownKeys(COLLECTIVE_OPS)] | None = None
     gradient_sync_bytes: Count | None = None

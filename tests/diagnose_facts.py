@@ -3,7 +3,7 @@ grid, each with healthy defaults that a test overrides where it wants a rule to 
 
 from __future__ import annotations
 
-from gpuwatch.agent.telemetry.window import BUSY, PHASE_TIMINGS, TIMINGS, WindowSummary
+from gpuwatch.agent.telemetry.window import BUSY, CPU_WAIT, PHASE_TIMINGS, TIMINGS, WindowSummary
 from gpuwatch.diagnosis.facts import (
     Facts,
     GpuFacts,
@@ -64,12 +64,12 @@ def rank(number: int, *, tp: int = 1, pp: int = 1, dp: int = 1, host: str = "nod
 
 
 def window(last: StepFacts | None = None, steps: int = 20, **fields) -> WindowSummary:
-    """A rank's window of ``steps`` steps whose medians are ``last``'s timings (its busy time the sum of its phases),
-    of a model that learns (the loss moves, gradients are not zero, parameters change), unless ``fields`` say
-    otherwise."""
+    """A rank's window of ``steps`` steps whose medians are ``last``'s timings (its busy time the sum of its phases
+    less its wait for a CPU, as ``window.summarize`` takes it), of a model that learns (the loss moves, gradients are
+    not zero, parameters change), unless ``fields`` say otherwise."""
     medians = {name: value for name in TIMINGS if (value := getattr(last, name, None)) is not None}
     if phases := [medians[field] for field in PHASE_TIMINGS if field in medians]:
-        medians[BUSY] = sum(phases)
+        medians[BUSY] = max(0.0, sum(phases) - medians.get(CPU_WAIT, 0.0))
     values = dict(steps=steps, first_step=100 - steps + 1, last_step=100, seconds=steps * 0.5, medians=medians,
                   loss_steps=steps, loss_min=1.9, loss_max=2.1, grad_norm_steps=steps, grad_norm_max=1.0, checksums=2,
                   distinct_checksums=2)

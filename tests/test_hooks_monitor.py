@@ -4,6 +4,10 @@ raise into the training loop. Multi-process behaviour is in test_hooks_trainer.p
 import json
 import logging
 import math
+import os
+import subprocess
+import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +18,7 @@ from hooks_helpers import ManualClock
 from gpuwatch.cli.main import main
 from gpuwatch.protocol.schema import COLLECTIVE_BUCKETS, decode, encode
 from gpuwatch.trainer import hooks
-from gpuwatch.trainer.hooks import memory
+from gpuwatch.trainer.hooks import cpu_wait, memory
 from gpuwatch.trainer.hooks import monitor as monitor_module
 from gpuwatch.trainer.hooks.collectives import Call, by_group, by_phase, exposed_seconds
 from gpuwatch.trainer.hooks.gradients import similarity_of
@@ -457,3 +461,58 @@ def test_a_steps_sums_and_norms_become_one_checksum_and_one_norm_from_the_host_o
     one_parameter = {"param_sums": 1.5, "grad_norms": 5.0}
     combine_measured(one_parameter)
     assert one_parameter == {"param_checksum": checksum_of([1.5]), "grad_norm_of_grads": 5.0}
+
+
+def test_a_steps_wait_for_a_cpu_is_the_threads_run_queue_delay_from_its_start_to_its_end(records, clock,
+                                                                                          monkeypatch, tmp_path):
+    """``cpu_wait_seconds``: the second field of the thread's schedstat (ns) at the step's end less at its start, at
+    most the step; the reader is the kernel's file (``cpu_wait.open_reader``), given here readings of its layout."""
+    readings = iter([b"100 1000000000 5\n", b"900 1250000000 9\n", b"900 1250000000 9\n", b"999 9000000000 12\n"])
+    descriptor = os.open(os.devnull, os.O_RDONLY)
+    monkeypatch.setattr(monitor_module, "open_reader", lambda: (lambda: next(readings), descriptor))
+    monitor = _monitor(records)
+    for seconds in (0.5, 0.5):
+        with monitor.step():
+            clock.advance(seconds)
+    monitor.close()
+    first, second = records.steps()
+    assert first["cpu_wait_seconds"] == pytest.approx(0.25)
+    assert second["cpu_wait_seconds"] == 0.5  # 7.75 s of readings in a 0.5 s step: never more than the step
+    with pytest.raises(OSError):  # the Monitor closed the file with itself
+        os.close(descriptor)
+
+
+def test_the_reader_is_none_where_the_kernel_keeps_no_schedstat(tmp_path):
+    assert cpu_wait.open_reader(str(tmp_path / "missing")) is None
+    (tmp_path / "other").write_text("not the layout\n")
+    assert cpu_wait.open_reader(str(tmp_path / "other")) is None
+    read, descriptor = cpu_wait.open_reader()  # this kernel's own (Linux: CI and every supported node)
+    try:
+        assert cpu_wait.waited_seconds(read(), read()) >= 0
+    finally:
+        os.close(descriptor)
+
+
+def test_a_step_that_shares_its_cpu_with_a_busy_process_waits_for_it(records):
+    """The real kernel: the training thread and a spinning process pinned to one CPU take turns on it, so a step of
+    0.2 s of the thread's own CPU time waits on the run queue while the other runs (CFS gives each about half). Not
+    a timing threshold: the wait is there because the CPU is shared, whatever the machine's speed."""
+    cpu = min(os.sched_getaffinity(0))
+    allowed = os.sched_getaffinity(0)
+    spinner = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}}); print(1, "
+                                                      "flush=True)\nwhile True: pass"], stdout=subprocess.PIPE)
+    try:
+        assert spinner.stdout.readline() == b"1\n"
+        os.sched_setaffinity(0, {cpu})  # this (the training) thread only
+        monitor = _monitor(records)
+        with monitor.step():
+            started = time.thread_time()
+            while time.thread_time() - started < 0.2:
+                pass
+        monitor.close()
+    finally:
+        os.sched_setaffinity(0, allowed)
+        spinner.kill()
+        spinner.wait()
+    (record,) = records.steps()
+    assert 0.05 < record["cpu_wait_seconds"] <= record["step_seconds"], record

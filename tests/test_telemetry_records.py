@@ -44,14 +44,15 @@ FULL = {
                "tied_embeddings": False, "gated": True, "bias": False, "norm_params": 1, "positions": 0,
                "source": "flags"}),
     "step": step(
-        1, 5, exposed_collective_seconds=0.1, outside_model_seconds=0.01, gradient_sync_bytes=1000,
+        1, 5, exposed_collective_seconds=0.1, outside_model_seconds=0.01, cpu_wait_seconds=0.02,
+        gradient_sync_bytes=1000,
         collective_calls={"default": 3}, groups={"tp": {"bytes": 10, "seconds": 0.1}}, samples=4,
         param_checksum="abc123", unavailable={"grad_norm": "nonfinite_gradient"},
         client={"sent": 3, "dropped": {"busy": 1}},
         folded={"steps": [{"step": 4, "time": 1.0, "step_seconds": 0.5, "compute_seconds": 0.3,
                            "dataloader_wait_seconds": 0.01, "optimizer_seconds": 0.02, "outside_model_seconds": 0.01,
-                           "exposed_collective_seconds": 0.1, "pipeline": {"bubble_ratio": 0.2}, "loss": 2.5,
-                           "grad_norm": 1.0}],
+                           "exposed_collective_seconds": 0.1, "cpu_wait_seconds": 0.02,
+                           "pipeline": {"bubble_ratio": 0.2}, "loss": 2.5, "grad_norm": 1.0}],
                 "collectives": collectives({"all_reduce": [0.002]}), "tokens": 4096, "samples": 4}),
     "probe": probe(),
     "progress": progress(

@@ -37,13 +37,18 @@ TIMINGS: Mapping[str, tuple[str, ...]] = {
     "step_seconds": ("step_seconds",),
     **{field: (field,) for field in PHASE_TIMINGS},
     "exposed_collective_seconds": ("exposed_collective_seconds",),
+    "cpu_wait_seconds": ("cpu_wait_seconds",),
     "bubble_ratio": ("pipeline", "bubble_ratio"),
 }
-#: A timing no record carries, summarised beside TIMINGS: the step's busy time, the sum of the phases it reported.
-#: With every phase reported it is the step without its waits in collectives; where a rank waits there for a late
-#: peer, the late peer's busy time is what makes the others wait, so a straggler is judged by it (PERF002). A step
-#: that reported only some phases (an older client: compute alone) is busy for those.
+#: A timing no record carries, summarised beside TIMINGS: the step's busy time, the sum of the phases it reported,
+#: less the time its training thread waited for a CPU where it says so (``cpu_wait_seconds``, CPU ranks: the host's
+#: shortage of cores, not the rank's work; at least 0). With every phase reported it is the step without its waits in
+#: collectives; where a rank waits there for a late peer, the late peer's busy time is what makes the others wait, so
+#: a straggler is judged by it (PERF002). A step that reported only some phases (an older client: compute alone) is
+#: busy for those.
 BUSY = "busy_seconds"
+#: The training thread's wait for a CPU in a step (CPU ranks), which BUSY is net of.
+CPU_WAIT = "cpu_wait_seconds"
 #: The timings in seconds whose medians a summary holds, TIMINGS' then BUSY.
 MEDIAN_SECONDS = (*(name for name in TIMINGS if name.endswith("_seconds")), BUSY)
 
@@ -73,6 +78,7 @@ class StepPoint(NamedTuple):
     optimizer_seconds: float | None = None
     outside_model_seconds: float | None = None
     exposed_collective_seconds: float | None = None
+    cpu_wait_seconds: float | None = None
     bubble_ratio: float | None = None
     loss: float | None = None
     grad_norm: float | None = None
@@ -103,6 +109,7 @@ class StepPoint(NamedTuple):
 #: Where a point holds its timings, in ``TIMING_ORDER`` (a test holds the fields to it), and its phases among them.
 _TIMINGS_AT = slice(2, 2 + len(TIMING_ORDER))
 _PHASES_AT = [TIMING_ORDER.index(field) for field in PHASE_TIMINGS]
+_CPU_WAIT_AT = TIMING_ORDER.index(CPU_WAIT)
 
 
 def _number(value: float | str | None) -> float | None:
@@ -181,7 +188,7 @@ def summarize(points: Iterable[StepPoint]) -> WindowSummary | None:
     timings = columns[_TIMINGS_AT]
     medians = {}
     for name, column in (*zip(TIMING_ORDER, timings, strict=True),
-                         (BUSY, _busy([timings[index] for index in _PHASES_AT]))):
+                         (BUSY, _busy([timings[index] for index in _PHASES_AT], timings[_CPU_WAIT_AT]))):
         ordered = _sorted_reported(column)
         if ordered:
             middle = len(ordered) // 2  # the median as statistics.median takes it
@@ -210,17 +217,22 @@ def _sorted_reported(column: tuple[float | None, ...]) -> list[float]:
     return ordered if ordered and ordered[-1] is not None else []
 
 
-def _busy(phases: list[tuple[float | None, ...]]) -> tuple[float | None, ...]:
-    """Each step's busy time (``BUSY``): the sum of the phases it reported, None for a step that reported none; no
-    column where no step reported a phase. Summed in C while every step reported the same phases, value by value
-    only where a phase's column mixes reported and missing."""
+def _busy(phases: list[tuple[float | None, ...]], cpu_wait: tuple[float | None, ...]) -> tuple[float | None, ...]:
+    """Each step's busy time (``BUSY``): the sum of the phases it reported less its wait for a CPU (at least 0), None
+    for a step that reported no phase; no column where no step reported a phase. Summed in C while every step
+    reported the same phases, value by value only where a phase's column mixes reported and missing."""
     present = [column for column in phases if column.count(None) < len(column)]
     if not present:
         return ()
     if not any(None in column for column in present):
-        return tuple(map(sum, zip(*present, strict=True)))
-    return tuple(sum(value for value in row if value is not None) if row.count(None) < len(row) else None
-                 for row in zip(*present, strict=True))
+        sums: tuple[float | None, ...] = tuple(map(sum, zip(*present, strict=True)))
+    else:
+        sums = tuple(sum(value for value in row if value is not None) if row.count(None) < len(row) else None
+                     for row in zip(*present, strict=True))
+    if cpu_wait.count(None) == len(cpu_wait):  # GPU ranks, and CPU ranks where the kernel keeps no schedstat
+        return sums
+    return tuple(None if busy is None else busy if wait is None else max(0.0, busy - wait)
+                 for busy, wait in zip(sums, cpu_wait, strict=True))
 
 
 def _finite(column: tuple[float | None, ...]) -> Sequence[float]:

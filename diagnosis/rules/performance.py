@@ -11,7 +11,7 @@ import statistics
 import types
 from collections.abc import Iterator
 
-from gpuwatch.agent.telemetry.window import BUSY, PHASE_TIMINGS
+from gpuwatch.agent.telemetry.window import BUSY, CPU_WAIT, PHASE_TIMINGS
 from gpuwatch.diagnosis import needs
 from gpuwatch.diagnosis.coverage import (
     INPUT_WAIT,
@@ -283,7 +283,8 @@ def straggler(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     reading from slow disks, or a slow GPU, sets the pace of the whole job. The other ranks' waiting for it in
     collectives (their exposed collective time beyond the straggler's) is its evidence, not a network problem. Ranks
     that compute on CPUs (no GPU: a test, a demo, a CPU job) share the host's cores, so their timings include
-    waiting for one, and only a larger gap (shared_cpu_ratio) tells a straggler from that noise. Ranks whose layout
+    waiting for one, and only a larger gap (shared_cpu_ratio) tells a straggler from that noise; where the kernel
+    counts that wait (``cpu_wait_seconds``) it is taken out of their busy time. Ranks whose layout
     is unknown (measured by `gpuwatch run` without a DDP model over every rank) have no known peers and are not
     compared."""
     for job, ranks in facts.jobs().items():
@@ -304,6 +305,11 @@ def straggler(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
             sharing = [Evidence(f"the ranks of job {job} compute on CPUs, whose cores they share with each other and "
                                 "the rest of the host: their timings include waiting for a core", Where(job=job),
                                 {"cpu_ranks": len(timed)})]
+        waits = [w for r in timed if (w := windowed(r, CPU_WAIT)) is not None]
+        if waits:
+            sharing.append(Evidence(f"busy times are net of each rank's wait for a CPU (Linux's run-queue delay), a "
+                                    f"median {median(waits):.3g} s per step, up to {max(waits):.3g} s",
+                                    Where(job=job), {"cpu_wait_seconds": median(waits), "ranks": len(waits)}))
         threshold = max(t.straggler_ratio, t.shared_cpu_ratio) if sharing else t.straggler_ratio
         slow: list[_Straggler] = []
         for stage, peers in group_by(timed, lambda r: r.layout.pp_stage):

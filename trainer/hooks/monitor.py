@@ -45,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gpuwatch.protocol.schema import P2P_OPS
 from gpuwatch.trainer.hooks.clock import WallClock, clock_for
+from gpuwatch.trainer.hooks.cpu_wait import open_reader
 from gpuwatch.trainer.hooks.ddp import BucketHook, DdpWatch
 from gpuwatch.trainer.hooks.flops import peak_flops
 from gpuwatch.trainer.hooks.gradient_stats import GradientStatistics
@@ -179,6 +180,9 @@ class Monitor:
         self.collective_counts: dict[str, int] = {}
         self._p2p_counts: dict[str, int] = {}
         self._group_names: dict[Any, tuple[str, int, int]] = {}
+        #: the training thread's wait for a CPU, read as each step starts and ends (CPU ranks only: `cpu_wait`)
+        cpu_wait = open_reader() if self.on_host else None
+        self._cpu_wait_descriptor = cpu_wait[1] if cpu_wait is not None else None
         #: what each step is handed, and the step open now, which collectives are counted in (`StepContext`)
         self.step_context = StepContext(
             failures=self.failures, clock=self.clock, mark=self.mark, on_host=self.on_host, progress=self.progress,
@@ -186,7 +190,7 @@ class Monitor:
             times_collectives=self.times_collectives, params=self.params, gradients=self.gradients,
             memory=self.memory, flops_per_token=self.flops_per_token, peak_flops=self.peak_flops,
             collective_counts=self.collective_counts, in_flight=self.in_flight, group_name=self.group_name,
-            pending=self.pending, flush=self.flush)
+            pending=self.pending, flush=self.flush, cpu_wait=cpu_wait[0] if cpu_wait is not None else None)
         self._watchdog = Watchdog(self.progress, self.client.send, self.job, self.layout.rank, threading.get_ident())
         self._watchdog.start()
         self._closed = False
@@ -219,6 +223,7 @@ class Monitor:
         step.tokens, step.samples = tokens, samples
         step.start = step.end = step.phase = step.pipeline = step.memory = step.scalars = step.host = None
         step.measured = step.similarity = step.reported = step.collective_calls = None
+        step.cpu_at_start = step.cpu_at_end = None
         step.phases, step.calls, step.waits, step.values, step.time = [], [], [], {}, 0.0
         every = self._checksum_every
         step.checksum_due = every > 0 and number % every == 0
@@ -324,6 +329,9 @@ class Monitor:
         self._watchdog.close()
         self.flush(timeout=CLOSE_TIMEOUT_S)
         self._close_memory()
+        if self._cpu_wait_descriptor is not None:
+            self.step_context.cpu_wait = None  # a step after the close reads nothing
+            os.close(self._cpu_wait_descriptor)
         if self.ddp_watch is not None:
             self.ddp_watch.close()
         self._send_closed()

@@ -76,6 +76,9 @@ class StepContext:
     #: ended steps waiting for the device, and the Monitor's hand-over of those the device has passed
     pending: deque[Step]
     flush: Callable[[], None]
+    #: the training thread's run-queue statistics (`cpu_wait`), read as a step starts and ends; None: not measured
+    #: (a GPU's step, or no such file)
+    cpu_wait: Callable[[], bytes] | None
     #: a DDP model that reduces its gradients in C++, watched through autograd (set once the Monitor made it)
     ddp_watch: DdpWatch | None = None
     #: the step open now, which collectives are counted in
@@ -95,10 +98,10 @@ class Step:
     """One training step: a context manager around it, with phases inside (`data`, `compute`,
     `optimizer`) and the values only the training loop knows (`report`)."""
 
-    __slots__ = ("calls", "checksum_due", "collective_calls", "context", "end", "failures", "host", "measured",
-                 "memory", "memory_due", "monitor", "norm_from_grads", "number", "phase", "phases", "pipeline",
-                 "reported", "samples", "scalars", "similarity", "similarity_due", "start", "time", "tokens", "values",
-                 "waits")
+    __slots__ = ("calls", "checksum_due", "collective_calls", "context", "cpu_at_end", "cpu_at_start", "end",
+                 "failures", "host", "measured", "memory", "memory_due", "monitor", "norm_from_grads", "number",
+                 "phase", "phases", "pipeline", "reported", "samples", "scalars", "similarity", "similarity_due",
+                 "start", "time", "tokens", "values", "waits")
 
     # Made by Monitor.step (no __init__: a Python frame fewer on the hot path). What each slot holds:
     monitor: Monitor  # the Monitor that made it, for the training loop; the step reads only its context
@@ -129,6 +132,8 @@ class Step:
     #: this step's GradientSimilarity, or None when the step does not measure it (or nothing would feed it)
     similarity: GradientSimilarity | None
     norm_from_grads: bool  # whether step.optimizer() takes the gradient norm from .grad
+    cpu_at_start: bytes | None  # the thread's run-queue statistics as the step started and ended (`cpu_wait`)
+    cpu_at_end: bytes | None
 
     def __enter__(self) -> Step:
         # The hot path guards itself inline (as `CollectiveTimer` does): a `guarded` wrapper per call adds up here.
@@ -141,6 +146,9 @@ class Step:
                 self.start = wait[0]
                 self.phases.append(("data", wait[0], wait[1]))
             context.current = self
+            read_cpu_wait = context.cpu_wait
+            if read_cpu_wait is not None:
+                self.cpu_at_start = read_cpu_wait()
             watch = context.ddp_watch
             if watch is not None:
                 watch.tail_stage = 0  # a backward that raised never ran its callbacks
@@ -176,6 +184,9 @@ class Step:
         context.raised = False  # a step that raised was caught, and training went on
         try:
             self.end = context.mark()
+            read_cpu_wait = context.cpu_wait
+            if read_cpu_wait is not None:
+                self.cpu_at_end = read_cpu_wait()
         except Exception as error:
             self.failures.record("Clock.mark", error)
         if context.collective_counts:

@@ -79,7 +79,8 @@ that restarted learns the rank's layout and a hung-but-alive rank does not expir
     cpu_wait_seconds?   float ≥ 0    CPU ranks: time the training thread was ready to run but waited for a
                                      CPU, from the step's start to its end (Linux's run-queue delay,
                                      /proc/thread-self/schedstat): the host's shortage of cores, not the
-                                     rank's work, which diagnosis takes out of its busy time
+                                     rank's work: diagnosis judges the busy time by the share of the step the
+                                     thread had a core for
     pipeline?           {busy_seconds, idle_seconds: float ≥ 0,
                          bubble_ratio, bubble_ratio_theoretical?: 0..1}
     collectives?        {op: {count, bytes: int, seconds: float,

@@ -65,11 +65,12 @@ def rank(number: int, *, tp: int = 1, pp: int = 1, dp: int = 1, host: str = "nod
 
 def window(last: StepFacts | None = None, steps: int = 20, **fields) -> WindowSummary:
     """A rank's window of ``steps`` steps whose medians are ``last``'s timings (its busy time the sum of its phases
-    less its wait for a CPU, as ``window.summarize`` takes it), of a model that learns (the loss moves, gradients are
-    not zero, parameters change), unless ``fields`` say otherwise."""
+    times the share of the step it had a CPU for, as ``window.summarize`` takes it), of a model that learns (the loss
+    moves, gradients are not zero, parameters change), unless ``fields`` say otherwise."""
     medians = {name: value for name in TIMINGS if (value := getattr(last, name, None)) is not None}
     if phases := [medians[field] for field in PHASE_TIMINGS if field in medians]:
-        medians[BUSY] = max(0.0, sum(phases) - medians.get(CPU_WAIT, 0.0))
+        waited = medians.get(CPU_WAIT, 0.0) / medians["step_seconds"] if medians.get("step_seconds") else 0.0
+        medians[BUSY] = sum(phases) * (1 - min(1.0, waited))
     values = dict(steps=steps, first_step=100 - steps + 1, last_step=100, seconds=steps * 0.5, medians=medians,
                   loss_steps=steps, loss_min=1.9, loss_max=2.1, grad_norm_steps=steps, grad_norm_max=1.0, checksums=2,
                   distinct_checksums=2)

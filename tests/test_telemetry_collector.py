@@ -182,9 +182,10 @@ def test_window_summary_takes_every_median_and_finite_range_by_their_definition(
     for name in TIMING_ORDER:
         reported = [getattr(point, name) for point in points if getattr(point, name) is not None]
         assert summary.median(name) == (statistics.median(reported) if reported else None)
-    # busy: each step's phases that it reported, summed in their order, less its wait for a CPU where it reported one
-    # (at least 0); the steps that reported no phase left out
-    busy = [sum(phases) if point.cpu_wait_seconds is None else max(0.0, sum(phases) - point.cpu_wait_seconds)
+    # busy: each step's phases that it reported, summed in their order, times the share of the step it did not wait
+    # for a CPU where it reported that wait; the steps that reported no phase left out
+    busy = [sum(phases) * (1 - min(1, point.cpu_wait_seconds / point.step_seconds))
+            if point.cpu_wait_seconds is not None and point.step_seconds else sum(phases)
             for point in points
             if (phases := [getattr(point, name) for name in PHASE_TIMINGS if getattr(point, name) is not None])]
     assert summary.median(BUSY) == (statistics.median(busy) if busy else None)

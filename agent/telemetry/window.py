@@ -40,12 +40,15 @@ TIMINGS: Mapping[str, tuple[str, ...]] = {
     "cpu_wait_seconds": ("cpu_wait_seconds",),
     "bubble_ratio": ("pipeline", "bubble_ratio"),
 }
-#: A timing no record carries, summarised beside TIMINGS: the step's busy time, the sum of the phases it reported,
-#: less the time its training thread waited for a CPU where it says so (``cpu_wait_seconds``, CPU ranks: the host's
-#: shortage of cores, not the rank's work; at least 0). With every phase reported it is the step without its waits in
-#: collectives; where a rank waits there for a late peer, the late peer's busy time is what makes the others wait, so
-#: a straggler is judged by it (PERF002). A step that reported only some phases (an older client: compute alone) is
-#: busy for those.
+#: A timing no record carries, summarised beside TIMINGS: the step's busy time, the sum of the phases it reported.
+#: With every phase reported it is the step without its waits in collectives; where a rank waits there for a late
+#: peer, the late peer's busy time is what makes the others wait, so a straggler is judged by it (PERF002). A step
+#: that reported only some phases (an older client: compute alone) is busy for those. Where a step says how long its
+#: training thread waited for a CPU (``cpu_wait_seconds``, CPU ranks: the host's shortage of cores, not the rank's
+#: work), the busy time keeps only the share of the step the thread had a core for: busy × (1 - wait / step). The
+#: wait is measured over the whole step, and a thread also waits for a core as it wakes from a collective, so taking
+#: all of it out of the phases would make a rank that mostly waits for its peers look idle (measured: a healthy
+#: Lightning rank's wait exceeded its busy time in 5 of 12 steps, on a 2-CPU machine running 4 test workers).
 BUSY = "busy_seconds"
 #: The training thread's wait for a CPU in a step (CPU ranks), which BUSY is net of.
 CPU_WAIT = "cpu_wait_seconds"
@@ -109,7 +112,7 @@ class StepPoint(NamedTuple):
 #: Where a point holds its timings, in ``TIMING_ORDER`` (a test holds the fields to it), and its phases among them.
 _TIMINGS_AT = slice(2, 2 + len(TIMING_ORDER))
 _PHASES_AT = [TIMING_ORDER.index(field) for field in PHASE_TIMINGS]
-_CPU_WAIT_AT = TIMING_ORDER.index(CPU_WAIT)
+_CPU_WAIT_AT, _STEP_AT = TIMING_ORDER.index(CPU_WAIT), TIMING_ORDER.index("step_seconds")
 
 
 def _number(value: float | str | None) -> float | None:
@@ -188,7 +191,8 @@ def summarize(points: Iterable[StepPoint]) -> WindowSummary | None:
     timings = columns[_TIMINGS_AT]
     medians = {}
     for name, column in (*zip(TIMING_ORDER, timings, strict=True),
-                         (BUSY, _busy([timings[index] for index in _PHASES_AT], timings[_CPU_WAIT_AT]))):
+                         (BUSY, _busy([timings[index] for index in _PHASES_AT], timings[_CPU_WAIT_AT],
+                                      timings[_STEP_AT]))):
         ordered = _sorted_reported(column)
         if ordered:
             middle = len(ordered) // 2  # the median as statistics.median takes it
@@ -217,10 +221,12 @@ def _sorted_reported(column: tuple[float | None, ...]) -> list[float]:
     return ordered if ordered and ordered[-1] is not None else []
 
 
-def _busy(phases: list[tuple[float | None, ...]], cpu_wait: tuple[float | None, ...]) -> tuple[float | None, ...]:
-    """Each step's busy time (``BUSY``): the sum of the phases it reported less its wait for a CPU (at least 0), None
-    for a step that reported no phase; no column where no step reported a phase. Summed in C while every step
-    reported the same phases, value by value only where a phase's column mixes reported and missing."""
+def _busy(phases: list[tuple[float | None, ...]], cpu_wait: tuple[float | None, ...],
+          steps: tuple[float | None, ...]) -> tuple[float | None, ...]:
+    """Each step's busy time (``BUSY``): the sum of the phases it reported, times the share of the step its thread had
+    a CPU for where it reported its wait for one; None for a step that reported no phase; no column where no step
+    reported a phase. Summed in C while every step reported the same phases, value by value only where a phase's
+    column mixes reported and missing."""
     present = [column for column in phases if column.count(None) < len(column)]
     if not present:
         return ()
@@ -231,8 +237,8 @@ def _busy(phases: list[tuple[float | None, ...]], cpu_wait: tuple[float | None, 
                      for row in zip(*present, strict=True))
     if cpu_wait.count(None) == len(cpu_wait):  # GPU ranks, and CPU ranks where the kernel keeps no schedstat
         return sums
-    return tuple(None if busy is None else busy if wait is None else max(0.0, busy - wait)
-                 for busy, wait in zip(sums, cpu_wait, strict=True))
+    return tuple(busy * (1.0 - min(1.0, wait / step)) if busy is not None and wait is not None and step else busy
+                 for busy, wait, step in zip(sums, cpu_wait, steps, strict=True))
 
 
 def _finite(column: tuple[float | None, ...]) -> Sequence[float]:

@@ -269,8 +269,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     (tryfirst), which reads the marks.
 
     The modules with integration tests go first, in their order: they start processes and wait on them and are most
-    of the suite's time; the in-process tests fill the workers' gaps at the end, so that no long group starts last
-    (pyproject's addopts keep xdist from reordering the groups by their number of tests)."""
+    of the suite's time; the in-process tests fill the workers' gaps at the end. xdist then sends the groups out
+    largest first (its loadscope order), and a test in no group is a group of one, so the in-process tests still come
+    last and no long group starts at the end."""
     parent: dict[str, str] = {}
 
     def root(key: str) -> str:

@@ -9,10 +9,11 @@ its own agent. The last rank is the culprit: `hang-rank` blocks before the DP al
 `skip-collective` leaves out its DP all-reduces of step 4 (the ranks soon wait on each other in a circle), `crash-rank`
 is killed with SIGKILL there. Onset, on this machine's clock: for a hang, the culprit's progress record's time less
 the seconds it says it has been stalled; for a crash, the moment the agent's pidfd saw its
-process exit. Each finding source is polled every 0.25 s; each fault runs `--repeat` times and the latencies are
-printed as min / median / max. Target: ≤ 10 s, against 10 minutes for NCCL's watchdog.
+process exit. Each finding source is polled every `--poll` seconds (0.25 s: each poll is a `gpuwatch diagnose`
+process); each fault runs `--repeat` times and the latencies are printed as min / median / max. Target: ≤ 10 s,
+against 10 minutes for NCCL's watchdog.
 
-    python benchmarks/hang_latency.py [--repeat 3]
+    python benchmarks/hang_latency.py [--repeat 3] [--poll 0.25]
 """
 
 from __future__ import annotations
@@ -106,16 +107,16 @@ def _onset(fault: str, urls: list[str], job: str) -> float | None:
     return progress["time"] - progress["stalled_seconds"] if progress else None
 
 
-def _first(source: list[str], code: str, job: str, deadline: float) -> float | None:
+def _first(source: list[str], code: str, job: str, deadline: float, poll_seconds: float) -> float | None:
     """When `gpuwatch diagnose SOURCE` first names the culprit of `job` under `code` (wall clock), else None."""
     while time.time() < deadline:
         if _names_culprit(_diagnose(*source), code, job):
             return time.time()
-        time.sleep(POLL_SECONDS)
+        time.sleep(poll_seconds)
     return None
 
 
-def measure(fault: str, repeat: int, workdir: Path) -> dict[str, list[float]]:
+def measure(fault: str, repeat: int, workdir: Path, poll_seconds: float = POLL_SECONDS) -> dict[str, list[float]]:
     code, results = EXPECTED[fault], {"agent": [], "prometheus": [], "post-mortem (diagnose time)": []}
     workdir.mkdir(parents=True)
     with _agents(workdir) as agents:
@@ -127,8 +128,8 @@ def measure(fault: str, repeat: int, workdir: Path) -> dict[str, list[float]]:
                 job, run_log = f"{fault}-{attempt}", workdir / f"{fault}-{attempt}"
                 with _job(fault, job, agents, run_log):
                     deadline = time.time() + 120
-                    by_agent = _first(agent_sources, code, job, deadline)
-                    by_prometheus = _first(["--prometheus", prometheus.url], code, job, deadline)
+                    by_agent = _first(agent_sources, code, job, deadline, poll_seconds)
+                    by_prometheus = _first(["--prometheus", prometheus.url], code, job, deadline, poll_seconds)
                     onset = _onset(fault, urls, job)
                 if onset is None or by_agent is None or by_prometheus is None:
                     print(f"  {fault} run {attempt}: not found (onset {onset}, agent {by_agent}, "
@@ -149,14 +150,17 @@ def measure(fault: str, repeat: int, workdir: Path) -> dict[str, list[float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=3, help="Runs per fault.")
+    parser.add_argument("--poll", type=float, default=POLL_SECONDS, help="Seconds between two polls of a source.")
     args = parser.parse_args()
+    if args.repeat < 1 or not args.poll > 0:
+        parser.error("--repeat must be at least 1 and --poll positive")
     print(f"machine: {machine()}; load average before {load_average()}", flush=True)
     print(f"layout: 2 agents (node-0, node-1), tp 1 x pp 2 x dp 2 as 2 torchrun nodes x 2 ranks; culprit rank "
           f"{CULPRIT}, fault at step {FAULT_STEP}; {args.repeat} run(s) per fault", flush=True)
     table = []
     with tempfile.TemporaryDirectory(prefix="gpuwatch-hangs-") as workdir:
         for fault in EXPECTED:
-            for source, values in measure(fault, args.repeat, Path(workdir) / fault).items():
+            for source, values in measure(fault, args.repeat, Path(workdir) / fault, args.poll).items():
                 table.append((fault, source, values))
     print(f"\n{'fault':15} {'source':28} {'named':>6}   {'seconds: min  median    max':>28}")
     for fault, source, values in table:

@@ -254,7 +254,8 @@ class StepFacts:
     optimizer_seconds: float | None = None
     outside_model_seconds: float | None = None
     exposed_collective_seconds: float | None = None
-    cpu_wait_seconds: float | None = None  # CPU ranks: the training thread's wait for a core, which busy time is net of
+    cpu_seconds: float | None = None  # CPU ranks: the training thread's time on a core ...
+    cpu_wait_seconds: float | None = None  # ... and its wait for one, which busy time is net of (window.BUSY)
     gradient_sync_bytes: float | None = None  # DDP's all-reduce volume, where its calls are not timed
     #: collective calls (not send/recv) made on each process group (hello names) by the step's end
     collective_calls: dict[str, int] | None = None

@@ -311,6 +311,7 @@ class FoldedStep(Fields):
     optimizer_seconds: Seconds | None = None
     outside_model_seconds: Seconds | None = None
     exposed_collective_seconds: Seconds | None = None
+    cpu_seconds: Seconds | None = None
     cpu_wait_seconds: Seconds | None = None
     pipeline: FoldedPipeline | None = None
     loss: MaybeNonFinite | None = None
@@ -336,6 +337,7 @@ class Step(CommonFields, tag="step"):
     optimizer_seconds: Seconds | None = None
     outside_model_seconds: Seconds | None = None
     exposed_collective_seconds: Seconds | None = None
+    cpu_seconds: Seconds | None = None
     cpu_wait_seconds: Seconds | None = None
     pipeline: Pipeline | None = None
     collectives: Annotated[dict[str, CollectiveTotals], KnownKeys(COLLECTIVE_OPS)] | None = None

@@ -76,11 +76,11 @@ that restarted learns the rank's layout and a hung-but-alive rank does not expir
                                      blocking calls whole, overlapped ones (DDP buckets) from the last
                                      launch to the end of the phase. Waiting for late peers and the
                                      transfer itself together; diagnosis splits them across ranks.
-    cpu_wait_seconds?   float ≥ 0    CPU ranks: time the training thread was ready to run but waited for a
-                                     CPU, from the step's start to its end (Linux's run-queue delay,
-                                     /proc/thread-self/schedstat): the host's shortage of cores, not the
-                                     rank's work: diagnosis judges the busy time by the share of the step the
-                                     thread had a core for
+    cpu_seconds?, cpu_wait_seconds?   float ≥ 0   CPU ranks: the training thread's time on a CPU, and its
+                                     time ready to run but waiting for one, from the step's start to its end
+                                     (Linux's /proc/thread-self/schedstat): the wait is the host's shortage of
+                                     cores, not the rank's work, and diagnosis takes it out of the busy time,
+                                     never below the time on a CPU (window.BUSY)
     pipeline?           {busy_seconds, idle_seconds: float ≥ 0,
                          bubble_ratio, bubble_ratio_theoretical?: 0..1}
     collectives?        {op: {count, bytes: int, seconds: float,
@@ -122,7 +122,7 @@ that restarted learns the rank's layout and a hung-but-alive rank does not expir
                                      counters, added by ``TelemetryClient`` (CLIENT_DROP_REASONS)
     folded?             {steps: [{step, time, step_seconds, compute_seconds?, dataloader_wait_seconds?,
                                   optimizer_seconds?, outside_model_seconds?, exposed_collective_seconds?,
-                                  cpu_wait_seconds?,
+                                  cpu_seconds?, cpu_wait_seconds?,
                                   pipeline?: {bubble_ratio}, loss?, grad_norm?}],
                          collectives?, tokens?, samples?}
                         earlier steps the client folded into this record, oldest first (at most

@@ -3,7 +3,7 @@ grid, each with healthy defaults that a test overrides where it wants a rule to 
 
 from __future__ import annotations
 
-from gpuwatch.agent.telemetry.window import BUSY, CPU_WAIT, PHASE_TIMINGS, TIMINGS, WindowSummary
+from gpuwatch.agent.telemetry.window import BUSY, CPU_SECONDS, CPU_WAIT, PHASE_TIMINGS, TIMINGS, WindowSummary
 from gpuwatch.diagnosis.facts import (
     Facts,
     GpuFacts,
@@ -65,12 +65,13 @@ def rank(number: int, *, tp: int = 1, pp: int = 1, dp: int = 1, host: str = "nod
 
 def window(last: StepFacts | None = None, steps: int = 20, **fields) -> WindowSummary:
     """A rank's window of ``steps`` steps whose medians are ``last``'s timings (its busy time the sum of its phases
-    times the share of the step it had a CPU for, as ``window.summarize`` takes it), of a model that learns (the loss
-    moves, gradients are not zero, parameters change), unless ``fields`` say otherwise."""
+    less its wait for a CPU, never below its time on one, as ``window.summarize`` takes it), of a model that learns
+    (the loss moves, gradients are not zero, parameters change), unless ``fields`` say otherwise."""
     medians = {name: value for name in TIMINGS if (value := getattr(last, name, None)) is not None}
     if phases := [medians[field] for field in PHASE_TIMINGS if field in medians]:
-        waited = medians.get(CPU_WAIT, 0.0) / medians["step_seconds"] if medians.get("step_seconds") else 0.0
-        medians[BUSY] = sum(phases) * (1 - min(1.0, waited))
+        busy = medians[BUSY] = sum(phases)
+        if CPU_WAIT in medians and CPU_SECONDS in medians:
+            medians[BUSY] = max(busy - medians[CPU_WAIT], min(busy, medians[CPU_SECONDS]))
     values = dict(steps=steps, first_step=100 - steps + 1, last_step=100, seconds=steps * 0.5, medians=medians,
                   loss_steps=steps, loss_min=1.9, loss_max=2.1, grad_norm_steps=steps, grad_norm_max=1.0, checksums=2,
                   distinct_checksums=2)

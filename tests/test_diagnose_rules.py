@@ -513,20 +513,23 @@ def test_perf002_asks_cpu_ranks_for_a_larger_gap_and_says_why():
 
 
 def test_perf002_takes_a_cpu_ranks_wait_for_a_core_out_of_its_busy_time():
-    """On a contended host a CPU rank that waited for a core looks busy: rank 3's 1.2 s against 0.3 s (4x) came in a
-    1.5 s step of which it waited 0.9 s on the kernel's run queue (``cpu_wait_seconds``): with a core for 40 % of the
-    step, 0.48 s of it is its own (1.6x), and it is not a straggler; a rank that slept or worked the same 1.2 s without
-    waiting for a core is, and the evidence says the busy times are net of the waits."""
-    def ranks(wait: float) -> list[RankFacts]:
+    """On a contended host a CPU rank that waited for a core looks busy: rank 3's 1.2 s against 0.3 s (4x), of which it
+    ran 0.3 s and waited 0.9 s on the kernel's run queue (``cpu_wait_seconds``), is 0.3 s of its own, and it is not a
+    straggler. Its peers waited 0.4 s each, all of it as they woke from collectives (their busy 0.3 s is all on a CPU):
+    their busy time stays 0.3 s, never below their time on a CPU. A rank that slept 0.9 s while busy, with no wait, is
+    a straggler, and the evidence says the busy times are net of the waits."""
+    def ranks(ran: float, wait: float) -> list[RankFacts]:
         return _on_cpu([rank(r, dp=4, last=step(step_seconds=1.5, compute_seconds=1.2 if r == 3 else 0.3,
-                                                 cpu_wait_seconds=wait if r == 3 else 0.01)) for r in range(4)])
+                                                 cpu_seconds=ran if r == 3 else 0.3,
+                                                 cpu_wait_seconds=wait if r == 3 else 0.4)) for r in range(4)])
 
-    silent("PERF002", facts(ranks=ranks(0.9)))
-    (finding,) = fired("PERF002", facts(ranks=ranks(0.0)))
+    silent("PERF002", facts(ranks=ranks(0.3, 0.9)))
+    (finding,) = fired("PERF002", facts(ranks=ranks(0.3, 0.0)))
     assert finding.evidence[0].where.rank == 3 and finding.evidence[0].values["busy_seconds"] == pytest.approx(1.2)
-    assert finding.evidence[-1].text == ("busy times count the share of each step a rank had a CPU for: the ranks "
-                                         "waited for one (Linux's run-queue delay) a median 0.01 s per step, up to "
-                                         "0.01 s")
+    assert finding.evidence[0].values["median_seconds"] == pytest.approx(0.3)
+    assert finding.evidence[-1].text == ("busy times are net of each rank's wait for a CPU, never below its time on "
+                                         "one: the ranks waited for one (Linux's run-queue delay) a median 0.4 s per "
+                                         "step, up to 0.4 s")
 
 
 def test_perf002_judges_window_medians_not_the_latest_step():

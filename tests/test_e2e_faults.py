@@ -94,11 +94,16 @@ def test_slow_rank_is_named_from_its_busy_time_with_its_extra_time_in_compute(ag
     slow = by_rank(straggler)
     assert set(slow) == {2}  # stage 1, whose other rank is rank 3
     assert slow[2]["ratio"] >= 3, straggler  # faults.SLOWDOWN is 8; 4 ranks on 2 CPUs: 3x is the bar
-    # judged over the window of the last steps: its peer's median busy time there (each step's phases summed, times
-    # the share of the step it had a CPU for), and the window's size; the extra is in its forward and backward
-    assert slow[2]["median_seconds"] == pytest.approx(statistics.median(
-        sum(point[field] for field in PHASE_TIMINGS if field in point)
-        * (1 - min(1, point.get("cpu_wait_seconds", 0) / point["step_seconds"])) for point in ranks[3]["window"]))
+    # judged over the window of the last steps: its peer's median busy time there (each step's phases summed, less
+    # its wait for a CPU but never below its time on one), and the window's size; the extra is in its forward and
+    # backward
+    def busy(point: dict) -> float:
+        phases = sum(point[field] for field in PHASE_TIMINGS if field in point)
+        if "cpu_wait_seconds" not in point:
+            return phases
+        return max(phases - point["cpu_wait_seconds"], min(phases, point["cpu_seconds"]))
+
+    assert slow[2]["median_seconds"] == pytest.approx(statistics.median(map(busy, ranks[3]["window"])))
     assert slow[2]["window_steps"] == STEPS
     assert slow[2]["phase"] == "compute" and "HW005" in straggler["fix"]
 

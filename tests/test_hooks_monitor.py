@@ -465,8 +465,9 @@ def test_a_steps_sums_and_norms_become_one_checksum_and_one_norm_from_the_host_o
 
 def test_a_steps_wait_for_a_cpu_is_the_threads_run_queue_delay_from_its_start_to_its_end(records, clock,
                                                                                           monkeypatch, tmp_path):
-    """``cpu_wait_seconds``: the second field of the thread's schedstat (ns) at the step's end less at its start, at
-    most the step; the reader is the kernel's file (``cpu_wait.open_reader``), given here readings of its layout."""
+    """``cpu_seconds`` and ``cpu_wait_seconds``: the first two fields of the thread's schedstat (ns) at the step's end
+    less at its start, at most the step; the reader is the kernel's file (``cpu_wait.open_reader``), given here
+    readings of its layout."""
     readings = iter([b"100 1000000000 5\n", b"900 1250000000 9\n", b"900 1250000000 9\n", b"999 9000000000 12\n"])
     descriptor = os.open(os.devnull, os.O_RDONLY)
     monkeypatch.setattr(monitor_module, "open_reader", lambda: (lambda: next(readings), descriptor))
@@ -476,7 +477,7 @@ def test_a_steps_wait_for_a_cpu_is_the_threads_run_queue_delay_from_its_start_to
             clock.advance(seconds)
     monitor.close()
     first, second = records.steps()
-    assert first["cpu_wait_seconds"] == pytest.approx(0.25)
+    assert (first["cpu_seconds"], first["cpu_wait_seconds"]) == (pytest.approx(800e-9), pytest.approx(0.25))
     assert second["cpu_wait_seconds"] == 0.5  # 7.75 s of readings in a 0.5 s step: never more than the step
     with pytest.raises(OSError):  # the Monitor closed the file with itself
         os.close(descriptor)
@@ -488,7 +489,8 @@ def test_the_reader_is_none_where_the_kernel_keeps_no_schedstat(tmp_path):
     assert cpu_wait.open_reader(str(tmp_path / "other")) is None
     read, descriptor = cpu_wait.open_reader()  # this kernel's own (Linux: CI and every supported node)
     try:
-        assert cpu_wait.waited_seconds(read(), read()) >= 0
+        ran, waited = cpu_wait.thread_seconds(read(), read())
+        assert ran >= 0 and waited >= 0
     finally:
         os.close(descriptor)
 
@@ -516,3 +518,4 @@ def test_a_step_that_shares_its_cpu_with_a_busy_process_waits_for_it(records):
         spinner.wait()
     (record,) = records.steps()
     assert 0.05 < record["cpu_wait_seconds"] <= record["step_seconds"], record
+    assert record["cpu_seconds"] >= 0.2, record  # the thread's own 0.2 s, which schedstat counts as thread_time does

@@ -182,10 +182,10 @@ def test_window_summary_takes_every_median_and_finite_range_by_their_definition(
     for name in TIMING_ORDER:
         reported = [getattr(point, name) for point in points if getattr(point, name) is not None]
         assert summary.median(name) == (statistics.median(reported) if reported else None)
-    # busy: each step's phases that it reported, summed in their order, times the share of the step it did not wait
-    # for a CPU where it reported that wait; the steps that reported no phase left out
-    busy = [sum(phases) * (1 - min(1, point.cpu_wait_seconds / point.step_seconds))
-            if point.cpu_wait_seconds is not None and point.step_seconds else sum(phases)
+    # busy: each step's phases that it reported, summed in their order, less its wait for a CPU where it reported that
+    # and its time on one, never below that time; the steps that reported no phase left out
+    busy = [max(sum(phases) - point.cpu_wait_seconds, min(sum(phases), point.cpu_seconds))
+            if point.cpu_wait_seconds is not None and point.cpu_seconds is not None else sum(phases)
             for point in points
             if (phases := [getattr(point, name) for name in PHASE_TIMINGS if getattr(point, name) is not None])]
     assert summary.median(BUSY) == (statistics.median(busy) if busy else None)

@@ -146,8 +146,8 @@ WINDOW_TIMINGS = MEDIAN_SECONDS
 WINDOW_MEDIAN = _per_rank(
     "gpuwatch_train_window_median_seconds",
     f"Median of a step timing {_WINDOW} (timing: {', '.join(WINDOW_TIMINGS)}; {BUSY}: the sum of the step's "
-    "phases, the step without its waits in collectives, on CPU ranks times the share of the step the rank had a CPU "
-    "for, by which a straggler is judged).", "seconds",
+    "phases, the step without its waits in collectives, on CPU ranks less the wait for a CPU but never below the time "
+    "on one, by which a straggler is judged).", "seconds",
     extra=("timing",))
 #: A signal a measuring step could not compute (labels signal and reason).
 UNAVAILABLE = _per_rank("gpuwatch_train_signal_unavailable", "A signal the rank's latest measuring step could not "

@@ -37,6 +37,7 @@ TIMINGS: Mapping[str, tuple[str, ...]] = {
     "step_seconds": ("step_seconds",),
     **{field: (field,) for field in PHASE_TIMINGS},
     "exposed_collective_seconds": ("exposed_collective_seconds",),
+    "cpu_seconds": ("cpu_seconds",),
     "cpu_wait_seconds": ("cpu_wait_seconds",),
     "bubble_ratio": ("pipeline", "bubble_ratio"),
 }
@@ -45,13 +46,16 @@ TIMINGS: Mapping[str, tuple[str, ...]] = {
 #: peer, the late peer's busy time is what makes the others wait, so a straggler is judged by it (PERF002). A step
 #: that reported only some phases (an older client: compute alone) is busy for those. Where a step says how long its
 #: training thread waited for a CPU (``cpu_wait_seconds``, CPU ranks: the host's shortage of cores, not the rank's
-#: work), the busy time keeps only the share of the step the thread had a core for: busy × (1 - wait / step). The
-#: wait is measured over the whole step, and a thread also waits for a core as it wakes from a collective, so taking
-#: all of it out of the phases would make a rank that mostly waits for its peers look idle (measured: a healthy
-#: Lightning rank's wait exceeded its busy time in 5 of 12 steps, on a 2-CPU machine running 4 test workers).
+#: work), that wait comes out of the busy time, but never below the thread's time on a CPU in the step
+#: (``cpu_seconds``): max(busy - wait, min(busy, cpu)). The wait is measured over the whole step, and a thread also
+#: waits for a core as it wakes from a collective; all of it taken out made a healthy Lightning rank that mostly
+#: waited for its peer look idle, its peer a 23x straggler (4 test workers on a 2-CPU machine). A rank's busy time
+#: less its time on a CPU is the most of it that can have been a wait, so the bound is exact for a rank that waited
+#: only while busy (the contended one) and for one that waited only in collectives (its peers), and a rank that
+#: slept while busy (a planted straggler) keeps its sleep.
 BUSY = "busy_seconds"
-#: The training thread's wait for a CPU in a step (CPU ranks), which BUSY is net of.
-CPU_WAIT = "cpu_wait_seconds"
+#: The training thread's wait for a CPU in a step (CPU ranks), which BUSY is net of, and its time on one.
+CPU_WAIT, CPU_SECONDS = "cpu_wait_seconds", "cpu_seconds"
 #: The timings in seconds whose medians a summary holds, TIMINGS' then BUSY.
 MEDIAN_SECONDS = (*(name for name in TIMINGS if name.endswith("_seconds")), BUSY)
 
@@ -81,6 +85,7 @@ class StepPoint(NamedTuple):
     optimizer_seconds: float | None = None
     outside_model_seconds: float | None = None
     exposed_collective_seconds: float | None = None
+    cpu_seconds: float | None = None
     cpu_wait_seconds: float | None = None
     bubble_ratio: float | None = None
     loss: float | None = None
@@ -112,7 +117,7 @@ class StepPoint(NamedTuple):
 #: Where a point holds its timings, in ``TIMING_ORDER`` (a test holds the fields to it), and its phases among them.
 _TIMINGS_AT = slice(2, 2 + len(TIMING_ORDER))
 _PHASES_AT = [TIMING_ORDER.index(field) for field in PHASE_TIMINGS]
-_CPU_WAIT_AT, _STEP_AT = TIMING_ORDER.index(CPU_WAIT), TIMING_ORDER.index("step_seconds")
+_CPU_WAIT_AT, _CPU_AT = TIMING_ORDER.index(CPU_WAIT), TIMING_ORDER.index(CPU_SECONDS)
 
 
 def _number(value: float | str | None) -> float | None:
@@ -192,7 +197,7 @@ def summarize(points: Iterable[StepPoint]) -> WindowSummary | None:
     medians = {}
     for name, column in (*zip(TIMING_ORDER, timings, strict=True),
                          (BUSY, _busy([timings[index] for index in _PHASES_AT], timings[_CPU_WAIT_AT],
-                                      timings[_STEP_AT]))):
+                                      timings[_CPU_AT]))):
         ordered = _sorted_reported(column)
         if ordered:
             middle = len(ordered) // 2  # the median as statistics.median takes it
@@ -222,10 +227,10 @@ def _sorted_reported(column: tuple[float | None, ...]) -> list[float]:
 
 
 def _busy(phases: list[tuple[float | None, ...]], cpu_wait: tuple[float | None, ...],
-          steps: tuple[float | None, ...]) -> tuple[float | None, ...]:
-    """Each step's busy time (``BUSY``): the sum of the phases it reported, times the share of the step its thread had
-    a CPU for where it reported its wait for one; None for a step that reported no phase; no column where no step
-    reported a phase. Summed in C while every step reported the same phases, value by value only where a phase's
+          cpu: tuple[float | None, ...]) -> tuple[float | None, ...]:
+    """Each step's busy time (``BUSY``): the sum of the phases it reported, less its wait for a CPU where it reported
+    that and its time on one (never below that time); None for a step that reported no phase; no column where no
+    step reported a phase. Summed in C while every step reported the same phases, value by value only where a phase's
     column mixes reported and missing."""
     present = [column for column in phases if column.count(None) < len(column)]
     if not present:
@@ -237,8 +242,8 @@ def _busy(phases: list[tuple[float | None, ...]], cpu_wait: tuple[float | None, 
                      for row in zip(*present, strict=True))
     if cpu_wait.count(None) == len(cpu_wait):  # GPU ranks, and CPU ranks where the kernel keeps no schedstat
         return sums
-    return tuple(busy * (1.0 - min(1.0, wait / step)) if busy is not None and wait is not None and step else busy
-                 for busy, wait, step in zip(sums, cpu_wait, steps, strict=True))
+    return tuple(max(busy - wait, min(busy, ran)) if busy is not None and wait is not None and ran is not None
+                 else busy for busy, wait, ran in zip(sums, cpu_wait, cpu, strict=True))
 
 
 def _finite(column: tuple[float | None, ...]) -> Sequence[float]:

@@ -284,7 +284,7 @@ def straggler(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     collectives (their exposed collective time beyond the straggler's) is its evidence, not a network problem. Ranks
     that compute on CPUs (no GPU: a test, a demo, a CPU job) share the host's cores, so their timings include
     waiting for one, and only a larger gap (shared_cpu_ratio) tells a straggler from that noise; where the kernel
-    counts that wait (``cpu_wait_seconds``) their busy time keeps only the share of the step they had a core for
+    counts that wait (``cpu_wait_seconds``) it comes out of their busy time, never below their time on a CPU
     (``window.BUSY``). Ranks whose layout
     is unknown (measured by `gpuwatch run` without a DDP model over every rank) have no known peers and are not
     compared."""
@@ -308,9 +308,9 @@ def straggler(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
                                 {"cpu_ranks": len(timed)})]
         waits = [w for r in timed if (w := windowed(r, CPU_WAIT)) is not None]
         if waits:
-            sharing.append(Evidence(f"busy times count the share of each step a rank had a CPU for: the ranks waited "
-                                    f"for one (Linux's run-queue delay) a median {median(waits):.3g} s per step, up to "
-                                    f"{max(waits):.3g} s",
+            sharing.append(Evidence(f"busy times are net of each rank's wait for a CPU, never below its time on one: "
+                                    "the ranks waited for one (Linux's run-queue delay) a median "
+                                    f"{median(waits):.3g} s per step, up to {max(waits):.3g} s",
                                     Where(job=job), {"cpu_wait_seconds": median(waits), "ranks": len(waits)}))
         threshold = max(t.straggler_ratio, t.shared_cpu_ratio) if sharing else t.straggler_ratio
         slow: list[_Straggler] = []

@@ -5,9 +5,9 @@ else on it. A rank that is ready to run but has no core is not working, yet its 
 were, and on a host with more runnable threads than CPUs healthy ranks drift several times apart that way. The
 kernel counts that wait per thread: ``/proc/thread-self/schedstat`` holds the thread's time on a CPU, its time
 waiting on a run queue, and its time slices, in nanoseconds (the kernel's Documentation/scheduler/sched-stats.rst;
-the figure ``perf sched`` and delay accounting read). A step record carries the wait between its start and its
-end (``cpu_wait_seconds``), and diagnosis judges a rank's busy time net of it: the host's shortage of cores, not
-the rank's work.
+the figures ``perf sched`` and delay accounting read). A step record carries both between its start and its end
+(``cpu_seconds``, ``cpu_wait_seconds``), and diagnosis judges a rank's busy time net of the wait: the host's shortage
+of cores, not the rank's work (``window.BUSY`` says how much of it, and why the time on a CPU bounds it).
 
 Only where every mark is a wall-clock reading (CPU ranks): on a GPU a step's times are the device's, and the host
 thread's waits are not comparable to them. The file is opened once, by the thread that makes the Monitor (the one
@@ -24,7 +24,7 @@ from collections.abc import Callable
 #: The calling thread's scheduler statistics: "<ns on a CPU> <ns waiting on a run queue> <time slices>".
 SCHEDSTAT = "/proc/thread-self/schedstat"
 
-Reading = bytes  # the file's raw text, parsed off the training thread (`waited_seconds`)
+Reading = bytes  # the file's raw text, parsed off the training thread (`thread_seconds`)
 
 
 def open_reader(path: str = SCHEDSTAT) -> tuple[Callable[[], Reading], int] | None:
@@ -36,13 +36,14 @@ def open_reader(path: str = SCHEDSTAT) -> tuple[Callable[[], Reading], int] | No
         return None
     read = functools.partial(os.pread, descriptor, 64, 0)
     try:
-        waited_seconds(read(), read())
+        thread_seconds(read(), read())
     except (OSError, ValueError, IndexError):  # present but not in the layout above
         os.close(descriptor)
         return None
     return read, descriptor
 
 
-def waited_seconds(start: Reading, end: Reading) -> float:
-    """The run-queue wait between two readings, in seconds."""
-    return max(0, int(end.split()[1]) - int(start.split()[1])) / 1e9
+def thread_seconds(start: Reading, end: Reading) -> tuple[float, float]:
+    """The thread's time on a CPU and its run-queue wait between two readings, in seconds."""
+    (ran_from, waited_from), (ran_to, waited_to) = (map(int, reading.split()[:2]) for reading in (start, end))
+    return max(0, ran_to - ran_from) / 1e9, max(0, waited_to - waited_from) / 1e9

@@ -18,7 +18,7 @@ import torch
 from gpuwatch.protocol.schema import SCHEMA_VERSION, STEP_PHASES
 from gpuwatch.trainer.hooks.clock import Clock, Mark
 from gpuwatch.trainer.hooks.collectives import by_group, by_phase, exposed_seconds, histogram, resolve
-from gpuwatch.trainer.hooks.cpu_wait import waited_seconds
+from gpuwatch.trainer.hooks.cpu_wait import thread_seconds
 from gpuwatch.trainer.hooks.gradient_stats import combine_measured
 from gpuwatch.trainer.hooks.safety import Failures
 
@@ -62,7 +62,8 @@ def step_record(step: Step) -> dict[str, Any] | None:
     if phases:
         record["outside_model_seconds"] = max(0.0, step_seconds - accounted)
     if step.cpu_at_start is not None and step.cpu_at_end is not None:
-        record["cpu_wait_seconds"] = min(step_seconds, waited_seconds(step.cpu_at_start, step.cpu_at_end))
+        ran, waited = thread_seconds(step.cpu_at_start, step.cpu_at_end)
+        record["cpu_seconds"], record["cpu_wait_seconds"] = min(step_seconds, ran), min(step_seconds, waited)
     if step.pipeline is not None:
         pipeline = step.pipeline.result()
         if pipeline is not None:

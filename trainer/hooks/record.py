@@ -62,8 +62,8 @@ def step_record(step: Step) -> dict[str, Any] | None:
     if phases:
         record["outside_model_seconds"] = max(0.0, step_seconds - accounted)
     if step.cpu_at_start is not None and step.cpu_at_end is not None:
-        ran, waited = thread_seconds(step.cpu_at_start, step.cpu_at_end)
-        record["cpu_seconds"], record["cpu_wait_seconds"] = min(step_seconds, ran), min(step_seconds, waited)
+        on_cpu, cpu_wait = thread_seconds(step.cpu_at_start, step.cpu_at_end)
+        record["cpu_seconds"], record["cpu_wait_seconds"] = min(step_seconds, on_cpu), min(step_seconds, cpu_wait)
     if step.pipeline is not None:
         pipeline = step.pipeline.result()
         if pipeline is not None:

@@ -1,4 +1,4 @@
-"""How long the training thread waited for a CPU: Linux's run-queue delay, per step.
+"""How long the training thread ran on a CPU and waited for one, per step: Linux's schedstat.
 
 Ranks that compute on CPUs (gloo: a test, a demo, a CPU job) share the host's cores with each other and everything
 else on it. A rank that is ready to run but has no core is not working, yet its wall-clock phases grow as if it

@@ -180,7 +180,8 @@ class Monitor:
         self.collective_counts: dict[str, int] = {}
         self._p2p_counts: dict[str, int] = {}
         self._group_names: dict[Any, tuple[str, int, int]] = {}
-        #: the training thread's wait for a CPU, read as each step starts and ends (CPU ranks only: `cpu_wait`)
+        #: the training thread's time on a CPU and wait for one, read as each step starts and ends (CPU ranks only:
+        #: `cpu_wait`)
         cpu_wait = open_reader() if self.on_host else None
         self._cpu_wait_descriptor = cpu_wait[1] if cpu_wait is not None else None
         #: what each step is handed, and the step open now, which collectives are counted in (`StepContext`)

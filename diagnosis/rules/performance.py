@@ -306,12 +306,6 @@ def straggler(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
             sharing = [Evidence(f"the ranks of job {job} compute on CPUs, whose cores they share with each other and "
                                 "the rest of the host: their timings include waiting for a core", Where(job=job),
                                 {"cpu_ranks": len(timed)})]
-        waits = [w for r in timed if (w := windowed(r, CPU_WAIT)) is not None]
-        if waits:
-            sharing.append(Evidence(f"busy times are net of each rank's wait for a CPU, never below its time on one: "
-                                    "the ranks waited for one (Linux's run-queue delay) a median "
-                                    f"{median(waits):.3g} s per step, up to {max(waits):.3g} s",
-                                    Where(job=job), {"cpu_wait_seconds": median(waits), "ranks": len(waits)}))
         threshold = max(t.straggler_ratio, t.shared_cpu_ratio) if sharing else t.straggler_ratio
         slow: list[_Straggler] = []
         for stage, peers in group_by(timed, lambda r: r.layout.pp_stage):
@@ -331,7 +325,18 @@ def straggler(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
         # the outlier fetch reads some ranks in detail on purpose, and brings the whole job's yardsticks (whole_step)
         seen = [partial] if whole_step is None and (partial := partial_view(job, ranks)) is not None else []
         for phase, members in group_by(slow, lambda s: s.phase):
-            yield _straggler_issue(job, ranks, timed, phase, members, step, [*waiting, *sharing, *seen])
+            yield _straggler_issue(job, ranks, timed, phase, members, step,
+                                   [*waiting, *sharing, *_cpu_wait_evidence(job, timed), *seen])
+
+
+def _cpu_wait_evidence(job: str, timed: list[RankFacts]) -> list[Evidence]:
+    """CPU ranks' waits for a core (``window.BUSY`` takes them out of the busy times judged), where reported."""
+    waits = [w for r in timed if (w := windowed(r, CPU_WAIT)) is not None]
+    if not waits:
+        return []
+    return [Evidence("busy times are net of each rank's wait for a CPU, never below its time on one: the ranks "
+                     f"waited for one (Linux's run-queue delay) a median {median(waits):.3g} s per step, up to "
+                     f"{max(waits):.3g} s", Where(job=job), {"cpu_wait_seconds": median(waits), "ranks": len(waits)})]
 
 
 def _waiting_evidence(job: str, ranks: list[RankFacts], slow: set[int]) -> list[Evidence]:

@@ -182,8 +182,8 @@ class Monitor:
         self._group_names: dict[Any, tuple[str, int, int]] = {}
         #: the training thread's time on a CPU and wait for one, read as each step starts and ends (CPU ranks only:
         #: `cpu_wait`)
-        cpu_wait = open_reader() if self.on_host else None
-        self._cpu_wait_descriptor = cpu_wait[1] if cpu_wait is not None else None
+        cpu_times = open_reader() if self.on_host else None
+        self._cpu_times_descriptor = cpu_times[1] if cpu_times is not None else None
         #: what each step is handed, and the step open now, which collectives are counted in (`StepContext`)
         self.step_context = StepContext(
             failures=self.failures, clock=self.clock, mark=self.mark, on_host=self.on_host, progress=self.progress,
@@ -191,7 +191,8 @@ class Monitor:
             times_collectives=self.times_collectives, params=self.params, gradients=self.gradients,
             memory=self.memory, flops_per_token=self.flops_per_token, peak_flops=self.peak_flops,
             collective_counts=self.collective_counts, in_flight=self.in_flight, group_name=self.group_name,
-            pending=self.pending, flush=self.flush, cpu_wait=cpu_wait[0] if cpu_wait is not None else None)
+            pending=self.pending, flush=self.flush,
+            read_cpu_times=cpu_times[0] if cpu_times is not None else None)
         self._watchdog = Watchdog(self.progress, self.client.send, self.job, self.layout.rank, threading.get_ident())
         self._watchdog.start()
         self._closed = False
@@ -330,9 +331,9 @@ class Monitor:
         self._watchdog.close()
         self.flush(timeout=CLOSE_TIMEOUT_S)
         self._close_memory()
-        if self._cpu_wait_descriptor is not None:
-            self.step_context.cpu_wait = None  # a step after the close reads nothing
-            os.close(self._cpu_wait_descriptor)
+        if self._cpu_times_descriptor is not None:
+            self.step_context.read_cpu_times = None  # a step after the close reads nothing
+            os.close(self._cpu_times_descriptor)
         if self.ddp_watch is not None:
             self.ddp_watch.close()
         self._send_closed()

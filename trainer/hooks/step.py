@@ -76,9 +76,9 @@ class StepContext:
     #: ended steps waiting for the device, and the Monitor's hand-over of those the device has passed
     pending: deque[Step]
     flush: Callable[[], None]
-    #: the training thread's run-queue statistics (`cpu_wait`), read as a step starts and ends; None: not measured
-    #: (a GPU's step, or no such file)
-    cpu_wait: Callable[[], bytes] | None
+    #: reads the training thread's time on a CPU and wait for one (`cpu_wait`), as a step starts and ends; None: not
+    #: measured (a GPU's step, or no such file)
+    read_cpu_times: Callable[[], bytes] | None
     #: a DDP model that reduces its gradients in C++, watched through autograd (set once the Monitor made it)
     ddp_watch: DdpWatch | None = None
     #: the step open now, which collectives are counted in
@@ -146,9 +146,9 @@ class Step:
                 self.start = wait[0]
                 self.phases.append(("data", wait[0], wait[1]))
             context.current = self
-            read_cpu_wait = context.cpu_wait
-            if read_cpu_wait is not None:
-                self.cpu_at_start = read_cpu_wait()
+            read_cpu_times = context.read_cpu_times
+            if read_cpu_times is not None:
+                self.cpu_at_start = read_cpu_times()
             watch = context.ddp_watch
             if watch is not None:
                 watch.tail_stage = 0  # a backward that raised never ran its callbacks
@@ -184,9 +184,9 @@ class Step:
         context.raised = False  # a step that raised was caught, and training went on
         try:
             self.end = context.mark()
-            read_cpu_wait = context.cpu_wait
-            if read_cpu_wait is not None:
-                self.cpu_at_end = read_cpu_wait()
+            read_cpu_times = context.read_cpu_times
+            if read_cpu_times is not None:
+                self.cpu_at_end = read_cpu_times()
         except Exception as error:
             self.failures.record("Clock.mark", error)
         if context.collective_counts:

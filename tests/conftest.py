@@ -48,6 +48,13 @@ def wait_until(predicate, timeout: float = 20.0, interval: float = 0.1, what: st
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+#: How often a test polls ``gpuwatch diagnose`` for a verdict it waits for (``wait_until``'s interval): once a
+#: second, as a user polls it. A verdict changes at most once per agent round (0.5-1 s in the tests), and each poll is
+#: a whole diagnosis and a read of the source: at wait_until's default 0.1 s the hang tests spent most of their CPU
+#: (58 s of test_e2e_hangs.py's) asking.
+VERDICT_POLL_S = 1.0
+
+
 #: Every test agent's collector deadline (``args`` may set another): generous, so that on a loaded machine a healthy
 #: collector never misses a round and drops out of the one page or state a test reads. The deadline itself is
 #: tested with an injected hang (test_sampler.py, test_collector_nvml.py).

@@ -172,12 +172,16 @@ class Workload:
     job: str = ""
     args: tuple[str, ...] = ()  # more of the script's own arguments
     wrapper: tuple[str, ...] = ()  # what torchrun runs under, e.g. GPUWATCH_RUN
+    #: Faults planted as well as ``fault`` (the user-style scripts take ``--fault`` more than once): one run for
+    #: several faults whose rules do not read each other's evidence, e.g. a sleeping rank and duplicated data.
+    more_faults: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         known = SCRIPTS + UNMODIFIED_SCRIPTS + FRAMEWORK_SCRIPTS + HYBRID_SCRIPTS
         if self.script not in known:
             raise ValueError(f"unknown workload {self.script!r}; known: {', '.join(known)}")
-        self.job = self.job or f"{self.script}-{self.nproc}r-{self.fault}-{uuid.uuid4().hex[:6]}"
+        faults = "+".join((self.fault, *self.more_faults))
+        self.job = self.job or f"{self.script}-{self.nproc}r-{faults}-{uuid.uuid4().hex[:6]}"
 
     @property
     def slow_rank(self) -> int | None:
@@ -189,8 +193,9 @@ class Workload:
     def command(self) -> list[str]:
         command = [*self.wrapper, sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                    str(self.nproc), str(WORKLOADS / f"{self.script}.py"), "--steps", str(self.steps), *self.args]
-        if self.fault != "none":
-            command += ["--fault", self.fault]
+        for fault in (self.fault, *self.more_faults):
+            if fault != "none":
+                command += ["--fault", fault]
         if self.fault_rank is not None:
             command += ["--fault-rank", str(self.fault_rank)]
         return command
@@ -323,13 +328,16 @@ def run(workload: Workload, agent: AgentProcess, workdir: Path, prometheus: Prom
                                                      for r in ranks)
         return ranks if done else None
 
-    ranks = wait_until(settled, timeout=SETTLE_TIMEOUT_S, what=f"the agent to hold job {workload.job}'s last steps")
+    # polled every half second: each poll reads the agent's whole state, every job of the module in it
+    ranks = wait_until(settled, timeout=SETTLE_TIMEOUT_S, interval=0.5,
+                       what=f"the agent to hold job {workload.job}'s last steps")
     if prometheus is not None:
         def scraped() -> bool:  # every rank's window ends at the last step (the job label is exported_job there)
             ends = prometheus.query(f'gpuwatch_train_window_last_step{{exported_job="{workload.job}"}}')
             return len(ends) == workload.nproc and all(float(e["value"][1]) == workload.steps for e in ends)
 
-        wait_until(scraped, timeout=SETTLE_TIMEOUT_S, what=f"Prometheus to hold job {workload.job}'s last steps")
+        wait_until(scraped, timeout=SETTLE_TIMEOUT_S, interval=0.5,
+                   what=f"Prometheus to hold job {workload.job}'s last steps")
     return Run(workload, agent.url, run_log, output, ranks, prometheus.url if prometheus is not None else None)
 
 

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from test_e2e_faults import by_rank, findings, serious
 
 from gpuwatch.trainer.cli import train
 
-from conftest import AgentProcess, wait_until
+from conftest import VERDICT_POLL_S, AgentProcess, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -49,6 +50,12 @@ def _stop(process: subprocess.Popen) -> None:
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGKILL)
     process.wait(30)
+
+
+def _verdict(predicate: Callable[[], dict | None], what: str) -> dict:
+    """``predicate``'s first finding, polled as a user polls diagnose (conftest's VERDICT_POLL_S), FOUND_TIMEOUT_S at
+    most."""
+    return wait_until(predicate, timeout=FOUND_TIMEOUT_S, interval=VERDICT_POLL_S, what=what)
 
 
 def _found(job: str, code: str, option: str, location: str) -> dict | None:
@@ -79,8 +86,7 @@ def test_a_hanging_rank_is_named_with_the_collective_its_peers_wait_in_and_its_s
     run_log = tmp_path / "log"
     process = _train(agent, job, run_log, *shape, "--fault", "hang-rank", "--fault-step", "4")
     try:
-        finding = wait_until(lambda: _found(job, "HANG001", "--agent", agent.url), timeout=FOUND_TIMEOUT_S,
-                             what=f"HANG001 for job {job}")
+        finding = _verdict(lambda: _found(job, "HANG001", "--agent", agent.url), what=f"HANG001 for job {job}")
         assert set(serious(findings(job, "--agent", agent.url))) == {"HANG001"}
         named = by_rank(finding)
         assert set(named) == {culprit}, finding
@@ -115,8 +121,8 @@ def test_a_rank_that_skipped_its_collectives_is_named_by_its_count_of_calls(agen
     process = _train(agent, job, run_log, *shape, "--fault", "skip-collective", "--fault-step", "4")
 
     def named(option: str, location: str) -> dict:
-        finding = wait_until(lambda: _found(job, "HANG002", option, location), timeout=FOUND_TIMEOUT_S,
-                             what=f"HANG002 for job {job} through {option}")
+        finding = _verdict(lambda: _found(job, "HANG002", option, location),
+                           what=f"HANG002 for job {job} through {option}")
         odd = [e for e in finding["evidence"] if e["values"]["odd"]]
         assert [e["where"]["rank"] for e in odd] == [culprit], finding
         assert (odd[0]["values"]["group"], odd[0]["values"]["step"]) == ("dp", 4)
@@ -144,8 +150,8 @@ def test_a_rank_that_dies_is_named_first_and_its_peers_as_consequences(agent, tm
                                         "--telemetry-socket", str(agent.telemetry_socket), "--run-log", str(run_log),
                                         "--fault", fault, "--fault-step", "4"])
     assert result.exit_code == 1 and f"rank {culprit} failed" in result.output  # the launcher names it too
-    finding = wait_until(lambda: _death_told(job, "--agent", agent.url, culprit, error is not None),
-                         timeout=FOUND_TIMEOUT_S, what=f"HANG004 for job {job} with rank {culprit}'s exit")
+    finding = _verdict(lambda: _death_told(job, "--agent", agent.url, culprit, error is not None),
+                       what=f"HANG004 for job {job} with rank {culprit}'s exit")
     assert set(by_rank(finding)) == {culprit}, finding
     died = by_rank(finding)[culprit]
     if error is None:
@@ -168,8 +174,8 @@ def test_a_hanging_rank_is_named_through_prometheus(agent, tmp_path, prometheus_
     job, culprit = f"hang-prometheus-{world}", world - 1
     process = _train(agent, job, tmp_path / "log", *shape, "--fault", "hang-rank", "--fault-step", "4")
     try:
-        finding = wait_until(lambda: _found(job, "HANG001", "--prometheus", server.url), timeout=FOUND_TIMEOUT_S,
-                             what=f"HANG001 for job {job} through Prometheus")
+        finding = _verdict(lambda: _found(job, "HANG001", "--prometheus", server.url),
+                           what=f"HANG001 for job {job} through Prometheus")
         assert set(by_rank(finding)) == {culprit}
         waiting = set(by_rank(finding)[culprit]["waiting"])  # the others, as each passes the stall threshold
         assert waiting and waiting <= set(range(world)) - {culprit}
@@ -188,8 +194,8 @@ def test_a_rank_that_dies_is_named_through_prometheus(agent, tmp_path, prometheu
                                         "--telemetry-socket", str(agent.telemetry_socket), "--fault", fault,
                                         "--fault-step", "4"])
     assert result.exit_code == 1 and f"rank {culprit} failed" in result.output
-    finding = wait_until(lambda: _death_told(job, "--prometheus", server.url, culprit, error is not None),
-                         timeout=FOUND_TIMEOUT_S, what=f"HANG004 for job {job} through Prometheus with its exit")
+    finding = _verdict(lambda: _death_told(job, "--prometheus", server.url, culprit, error is not None),
+                       what=f"HANG004 for job {job} through Prometheus with its exit")
     assert set(by_rank(finding)) == {culprit}, finding
     died = by_rank(finding)[culprit]
     assert died["error"] is None if error is None else died["error"].startswith(error)
@@ -200,15 +206,15 @@ def test_a_users_ddp_script_with_a_stuck_rank_is_named_live_and_post_mortem(tmp_
     workload = Workload("ddp_tutorial", nproc=2, steps=1000, fault="stuck-rank", fault_rank=1)
     with simulated_agent(tmp_path) as agent, launched(workload, agent, tmp_path) as (_, run_log):
         server = prometheus_server([f"127.0.0.1:{agent.port}"])
-        finding = wait_until(lambda: _found(workload.job, "HANG001", "--agent", agent.url),
-                             timeout=FOUND_TIMEOUT_S, what="HANG001 for the DDP script")
+        finding = _verdict(lambda: _found(workload.job, "HANG001", "--agent", agent.url),
+                           what="HANG001 for the DDP script")
         evidence = by_rank(finding)[1]
         assert (evidence["op"], evidence["group"], evidence["waiting"]) == ("all_reduce", "default", [0])
         assert evidence["phase"] == "compute"  # the script's own compute phase, where it stands
         assert evidence["stack_top"].split(":")[0].endswith("workloads/ddp_tutorial.py")
         assert evidence["stack_top"].endswith(" wait_for_a_lock_nobody_releases")
-        through_prometheus = wait_until(lambda: _found(workload.job, "HANG001", "--prometheus", server.url),
-                                        timeout=FOUND_TIMEOUT_S, what="HANG001 for the DDP script via Prometheus")
+        through_prometheus = _verdict(lambda: _found(workload.job, "HANG001", "--prometheus", server.url),
+                                      what="HANG001 for the DDP script via Prometheus")
         assert by_rank(through_prometheus)[1]["waiting"] == [0]
     post_mortem = _found(workload.job, "HANG001", "--run-log", str(run_log))
     assert post_mortem is not None and set(by_rank(post_mortem)) == {1}

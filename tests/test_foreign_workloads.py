@@ -39,12 +39,13 @@ pytestmark = pytest.mark.integration
 SOURCES = ("agent", "run_log", "prometheus")
 #: Steps of a run: three gradient-similarity samples (every 10 steps), a window of medians for the timing rules.
 STEPS = 30
-#: A sleeping rank costs 0.3 s a step; 20 steps show it as plainly and keep the file inside its CI budget.
-SLOW_STEPS = 20
 
 #: (script, ranks) of the healthy runs: every script, every rank count from 1 to 4.
 HEALTHY = [("ddp_tutorial", 1), ("ddp_tutorial", 2), ("grad_accumulation", 2), ("grad_accumulation", 3),
            ("tiny_lm", 2), ("tiny_lm", 4)]
+#: The healthy run whose environment also holds NCCL_IB_DISABLE=1, a setting that cannot hurt a gloo job (its own
+#: test reads the run too, rather than a job of its own: CI time).
+NCCL_IB_DISABLED = ("ddp_tutorial", 2)
 
 
 @pytest.fixture(scope="module")
@@ -57,17 +58,16 @@ def prometheus(agent, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(agent, prometheus, tmp_path_factory) -> Callable[..., Run]:
-    """``runs(script, nproc, fault=..., fault_rank=..., env=...)``: that workload's finished run, made on first
-    use and shared by the tests of both sources (a failed run is not retried: it fails each of them alike)."""
+    """``runs(script, nproc, fault=..., fault_rank=...)``: that workload's finished run, made on first use and
+    shared by the tests of every source (a failed run is not retried: it fails each of them alike)."""
     workdir = tmp_path_factory.mktemp("runs")
     made = foreign.Made()
 
-    def get(script: str, nproc: int, fault: str = "none", fault_rank: int | None = None,
-            env: dict[str, str] | None = None) -> Run:
-        workload = Workload(script, nproc, SLOW_STEPS if fault == "sleep-rank" else STEPS, fault, fault_rank,
-                            dict(env or {}))
-        return made.get((script, nproc, fault, fault_rank, tuple(sorted((env or {}).items()))),
-                        lambda: foreign.run(workload, agent, workdir, prometheus))
+    def get(script: str, nproc: int, fault: str = "none", fault_rank: int | None = None) -> Run:
+        env = {"NCCL_IB_DISABLE": "1"} if (script, nproc, fault) == (*NCCL_IB_DISABLED, "none") else {}
+        workload = Workload(script, nproc, STEPS, fault, fault_rank, env,
+                            more_faults=("same-data",) if fault == "sleep-rank" else ())
+        return made.get((script, nproc, fault, fault_rank), lambda: foreign.run(workload, agent, workdir, prometheus))
 
     return get
 
@@ -92,13 +92,15 @@ def test_a_healthy_run_raises_no_warning(runs, script, nproc, source):
     assert diagnosis.serious() == {}, diagnosis.describe()
 
 
-SLOW = [("ddp_tutorial", 2, 0), ("grad_accumulation", 3, 1), ("tiny_lm", 2, None)]
+#: (script, ranks, the sleeping rank or None for the last) of the runs with a straggler: one rank sleeps 0.3 s a step.
+#: Every rank of these runs also trains on the same data (``same-data``): one run for two faults whose rules read
+#: different evidence (timings; gradients), each named on its own (a run each would cost CI ~8 s of CPU more).
+SLOW = [("ddp_tutorial", 2, 0), ("grad_accumulation", 3, 1), ("tiny_lm", 3, None)]
+SLOW_RUNS = sharing("foreign", SLOW, lambda w: f"{w[0]}-{w[1]}-sleep-rank", ids=[f"{s}-{n}" for s, n, _ in SLOW])
 
 
 @pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize(("script", "nproc", "fault_rank"),
-                         sharing("foreign", SLOW, lambda w: f"{w[0]}-{w[1]}-sleep-rank",
-                                 ids=[f"{s}-{n}" for s, n, _ in SLOW]))
+@pytest.mark.parametrize(("script", "nproc", "fault_rank"), SLOW_RUNS)
 def test_a_sleeping_rank_is_named_as_the_straggler(runs, script, nproc, fault_rank, source):
     run = runs(script, nproc, "sleep-rank", fault_rank)
     diagnosis = _judged(run, source)
@@ -108,32 +110,41 @@ def test_a_sleeping_rank_is_named_as_the_straggler(runs, script, nproc, fault_ra
     assert ranks_named(straggler) == {run.workload.slow_rank}, straggler
 
 
-#: (user-style bug, the rule that must name it on every rank, script, ranks): the same data on every rank (a sampler
-#: without its replicas, the rank left out of a seed) is a duplicated shard; a loss over a single logit (loss 0,
-#: gradients 0) is a model that does not learn.
-EVERY_RANK = [("same-data", "CONV004", "ddp_tutorial", 2), ("same-data", "CONV004", "grad_accumulation", 2),
-              ("same-data", "CONV004", "tiny_lm", 3), ("bad-loss-shape", "CONV006", "ddp_tutorial", 1),
-              ("bad-loss-shape", "CONV006", "grad_accumulation", 2), ("bad-loss-shape", "CONV006", "tiny_lm", 2)]
-
-
-@pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize(("fault", "code", "script", "nproc"),
-                         sharing("foreign", EVERY_RANK, lambda w: f"{w[2]}-{w[3]}-{w[0]}",
-                                 ids=[f"{f}-{s}-{n}" for f, _, s, n in EVERY_RANK]))
-def test_a_bug_of_every_rank_is_named_on_every_rank(runs, fault, code, script, nproc, source):
-    run = runs(script, nproc, fault)
+def _named_on_every_rank(run: Run, code: str, source: str) -> None:
     diagnosis = _judged(run, source)
     found = diagnosis.serious()
     assert code in found, diagnosis.describe()
-    assert set().union(*map(ranks_named, found[code])) == set(range(nproc)), found[code]
+    assert set().union(*map(ranks_named, found[code])) == set(range(run.workload.nproc)), found[code]
 
 
-@pytest.mark.shares("foreign:nccl-ib-disable")
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize(("script", "nproc", "fault_rank"), SLOW_RUNS)
+def test_the_same_data_on_every_rank_is_a_duplicated_shard_on_every_rank(runs, script, nproc, fault_rank, source):
+    """A sampler without its replicas, or the rank left out of a seed (``same-data``, in the runs with a sleeping
+    rank): CONV004 on every rank."""
+    _named_on_every_rank(runs(script, nproc, "sleep-rank", fault_rank), "CONV004", source)
+
+
+#: (script, ranks) of the runs with a loss over a single logit (``bad-loss-shape``: loss 0, gradients 0).
+BAD_LOSS_SHAPE = [("ddp_tutorial", 1), ("grad_accumulation", 2), ("tiny_lm", 2)]
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize(("script", "nproc"), sharing("foreign", BAD_LOSS_SHAPE,
+                                                      lambda w: f"{w[0]}-{w[1]}-bad-loss-shape",
+                                                      ids=[f"{s}-{n}" for s, n in BAD_LOSS_SHAPE]))
+def test_a_model_that_does_not_learn_is_named_on_every_rank(runs, script, nproc, source):
+    """CONV006 on every rank."""
+    _named_on_every_rank(runs(script, nproc, "bad-loss-shape"), "CONV006", source)
+
+
+@pytest.mark.shares("foreign:{}-{}-none".format(*NCCL_IB_DISABLED))
 @pytest.mark.parametrize("source", SOURCES)
 def test_nccl_ib_disable_on_a_gloo_job_is_no_nccl_finding(runs, source):
-    """NCCL_IB_DISABLE=1 in a single-node gloo job's environment: NCCL never runs, so its settings cannot hurt.
-    No NCCL rule may speak, and NCCL001 must say why it did not judge (not run, with a reason)."""
-    run = runs("ddp_tutorial", 2, env={"NCCL_IB_DISABLE": "1"})
+    """NCCL_IB_DISABLE=1 in a single-node gloo job's environment (a healthy run's, which must raise no warning
+    either): NCCL never runs, so its settings cannot hurt. No NCCL rule may speak, and NCCL001 must say why it did
+    not judge (not run, with a reason)."""
+    run = runs(*NCCL_IB_DISABLED)
     assert all(r["hello"]["env"].get("NCCL_IB_DISABLE") == "1" for r in run.ranks)  # the agent did see it
     diagnosis = _judged(run, source)
     assert not {code for code in diagnosis.codes() if code.startswith("NCCL")}, diagnosis.describe()

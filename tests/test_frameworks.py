@@ -21,7 +21,8 @@ What must hold for every framework:
 * a healthy run raises no warning or critical finding, through the agent and the run log;
 * a rank slowed in a callback, in its forward or in its data is named by PERF002, with the phase its extra time is in;
 * a model that never learns (a learning rate of 0; for FSDP2, whose shards give no parameter checksum, a loss over a
-  single logit) is named by CONV006 on every rank;
+  single logit) is named by CONV006 on every rank; it is planted in one of each job's slowed runs, on every rank
+  (a run per planted fault would cost a job, ~10 s of CPU, each), and both are named;
 * the losses and final parameters are bit for bit those of the same run without gpuwatch.
 
 Every run is made once and shared by the tests that read it (``runs``), which are marked as its (``sharing``): under
@@ -66,7 +67,8 @@ BACKWARDS = {"hf_trainer": 2, "accelerate": 2, "lightning-1": 1, "lightning-2": 
 STEPS = 12
 #: A slowed run: 0.2 s a step on one rank; 8 steps show it plainly (the rules judge from 5).
 SLOW_STEPS, DELAY = 8, 0.2
-#: A run that never learns: the parameter checksum is measured every 10 steps, and CONV006 needs two of them.
+#: A slowed run whose model also never learns: the parameter checksum is measured every 10 steps, and CONV006 needs
+#: two of them.
 NEVER_STEPS = 20
 #: The slowed rank.
 SLOW_RANK, PEER = 1, 0
@@ -86,31 +88,35 @@ SLOWED = [("hf_trainer", "data"), ("hf_trainer", "compute"), ("hf_trainer", "out
           ("lightning-2", "data"), ("lightning-2", "compute"), ("lightning-2", "outside"),
           ("lightning-2", "optimizer"), ("pytorch_lightning-1", "compute"), ("pytorch_lightning-1", "outside"),
           ("pytorch_lightning-1", "optimizer"), ("fsdp2", "data"), ("fsdp2", "compute"), ("fsdp2", "outside")]
-NEVER_LEARNS = ["hf_trainer", "accelerate", "lightning-2", "fsdp2"]
+#: The slowed runs whose model also never learns (``--never-learns``, every rank): one per framework.
+NEVER_LEARNS = [("hf_trainer", "data"), ("accelerate", "compute"), ("lightning-2", "optimizer"), ("fsdp2", "outside")]
 SOURCES = ("agent", "run_log")
 #: The parameters of the tests of each run, marked as that run's (conftest's ``sharing``).
 HEALTHY = sharing("frameworks", VARIANTS, lambda variant: f"{variant}-none")
 
 
 def _workload(variant: str, workdir: Path, name: str, fault: str, steps: int, fault_rank: int | None,
-              wrapped: bool) -> Workload:
+              wrapped: bool, never_learns: bool = False) -> Workload:
     script, args = VARIANTS[variant]
-    return Workload(script, 2, steps, fault, fault_rank, args=(*args, "--out", str(workdir / name)),
+    return Workload(script, 2, steps, fault, fault_rank,
+                    args=(*args, "--out", str(workdir / name), *(("--never-learns",) if never_learns else ())),
                     wrapper=GPUWATCH_RUN if wrapped else ())
 
 
 @pytest.fixture(scope="module")
 def runs(agent, workdir) -> Callable[..., Run]:
-    """``runs(variant, fault="none")``: that job's finished run under ``gpuwatch run`` (a slow-* fault on rank 1,
-    any other on every rank), made on first use and shared by the tests (a failed run is not retried: it fails
-    each of them alike). Its results file is ``out(run)``."""
+    """``runs(variant, fault="none")``: that job's finished run under ``gpuwatch run`` (a slow-* fault on rank 1, and
+    a model that never learns on every rank where NEVER_LEARNS says so), made on first use and shared by the tests (a
+    failed run is not retried: it fails each of them alike). Its results are in ``workdir / f"{variant}-{fault}"``."""
     made = foreign.Made()
 
     def make(variant: str, fault: str) -> Run:
-        steps = SLOW_STEPS if fault.startswith("slow-") else NEVER_STEPS if fault == "never-learns" else STEPS
-        rank = SLOW_RANK if fault.startswith("slow-") else None
-        run = foreign.run(_workload(variant, workdir, f"{variant}-{fault}", fault, steps, rank, wrapped=True), agent,
-                          workdir)
+        slowed = fault.startswith("slow-")
+        never_learns = slowed and (variant, fault.removeprefix("slow-")) in NEVER_LEARNS
+        steps = NEVER_STEPS if never_learns else SLOW_STEPS if slowed else STEPS
+        workload = _workload(variant, workdir, f"{variant}-{fault}", fault, steps, SLOW_RANK if slowed else None,
+                             wrapped=True, never_learns=never_learns)
+        run = foreign.run(workload, agent, workdir)
         # judged at once: the agent forgets a rank silent for its TTL (120 s), sooner than the module's later runs
         # are done
         JUDGED.update({(run.job, source): run.diagnosis(source) for source in SOURCES})
@@ -261,10 +267,11 @@ def test_a_slowed_phase_holds_the_time(runs, variant, phase):
     """Rank 1 sleeps 0.2 s per optimizer step in one phase: on rank 1 that phase's median is at least half the sleep
     and three times any other phase's; rank 0 waits for it in a collective (exposed communication), not in that
     phase of its own."""
-    steps = runs(variant, f"slow-{phase}").run_log_steps()
+    run = runs(variant, f"slow-{phase}")
+    steps = run.run_log_steps()
     assert sorted(steps) == [0, 1]
     for records in steps.values():
-        assert [r["step"] for r in records] == list(range(1, SLOW_STEPS + 1))
+        assert [r["step"] for r in records] == list(range(1, run.workload.steps + 1))
         _phases_sum_to_the_step(records)
     slowed, peer = _medians(steps[SLOW_RANK]), _medians(steps[PEER])
     others = {name: seconds for name, seconds in slowed.items() if name != phase}
@@ -292,9 +299,10 @@ def test_a_slowed_rank_is_named_as_the_straggler_with_its_phase(runs, variant, p
 
 
 @pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize("variant", sharing("frameworks", NEVER_LEARNS, lambda variant: f"{variant}-never-learns"))
-def test_a_model_that_never_learns_is_named_on_every_rank(runs, variant, source):
-    diagnosis = _judged(runs(variant, "never-learns"), source)
+@pytest.mark.parametrize(("variant", "phase"), sharing("frameworks", NEVER_LEARNS, _slowed_run))
+def test_a_model_that_never_learns_is_named_on_every_rank(runs, variant, phase, source):
+    """Named by CONV006 on both ranks, though one of them is also slowed."""
+    diagnosis = _judged(runs(variant, f"slow-{phase}"), source)
     found = diagnosis.serious().get("CONV006", [])
     assert found, diagnosis.describe()
     assert set().union(*map(ranks_named, found)) == {0, 1}, found

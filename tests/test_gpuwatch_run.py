@@ -32,14 +32,12 @@ from gpuwatch.trainer.auto import SITE_DIRECTORY, instrumented_environment, is_l
 from gpuwatch.trainer.auto import layout as layout_module
 from gpuwatch.trainer.telemetry import captured_command
 
-from conftest import sharing, wait_until
+from conftest import VERDICT_POLL_S, sharing, wait_until
 
 pytestmark = pytest.mark.integration
 
 #: Three gradient-similarity samples (every 10 steps) and an LR drop (StepLR every 10 steps) in a run.
 STEPS = 30
-#: A sleeping rank costs 0.3 s a step: 20 steps show it plainly.
-SLOW_STEPS = 20
 #: Long enough for the watchdog (3 s floor, 5 × the median step) plus the rules' 5 s and a few rounds.
 FOUND_TIMEOUT_S = 90.0
 #: Plants an exception in the injected code, then runs the script given as its first argument as __main__; at exit
@@ -63,8 +61,15 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def _plain(steps: int = STEPS, fault: str = "none", fault_rank: int | None = None, *args: str,
-           wrapped: bool = True) -> Workload:
-    return Workload("plain_ddp", 2, steps, fault, fault_rank, args=args, wrapper=GPUWATCH_RUN if wrapped else ())
+           wrapped: bool = True, more_faults: tuple[str, ...] = ()) -> Workload:
+    return Workload("plain_ddp", 2, steps, fault, fault_rank, args=args, wrapper=GPUWATCH_RUN if wrapped else (),
+                    more_faults=more_faults)
+
+
+def _sleeping_on_the_same_data() -> Workload:
+    """Rank 0 sleeps 0.3 s a step, and both ranks train on the same data: one run for two faults whose rules read
+    different evidence (timings; gradients), each named on its own."""
+    return _plain(STEPS, "sleep-rank", 0, more_faults=("same-data",))
 
 
 def _losses(directory: Path) -> dict[int, list[float]]:
@@ -187,9 +192,9 @@ def test_an_exception_inside_the_injected_code_is_counted_and_never_reaches_trai
                        "planted in the injected code (in 2 processes)")
 
 
-@pytest.mark.shares("gpuwatch_run:sleep")
+@pytest.mark.shares("gpuwatch_run:sleep-same-data")
 def test_a_sleeping_rank_is_named_as_the_straggler(runs):
-    run = runs("sleep", _plain(SLOW_STEPS, "sleep-rank", 0))
+    run = runs("sleep-same-data", _sleeping_on_the_same_data())
     for source in ("agent", "run_log"):
         diagnosis = run.diagnosis(source)
         (straggler,) = diagnosis.serious().get("PERF002", [None])
@@ -197,9 +202,9 @@ def test_a_sleeping_rank_is_named_as_the_straggler(runs):
         assert ranks_named(straggler) == {0}, straggler
 
 
-@pytest.mark.shares("gpuwatch_run:same-data")
+@pytest.mark.shares("gpuwatch_run:sleep-same-data")
 def test_duplicated_shards_are_named_on_every_rank(runs):
-    run = runs("same-data", _plain(STEPS, "same-data"))
+    run = runs("sleep-same-data", _sleeping_on_the_same_data())
     for source in ("agent", "run_log"):
         diagnosis = run.diagnosis(source)
         found = diagnosis.serious().get("CONV004", [])
@@ -214,7 +219,8 @@ def test_a_stuck_rank_is_named_live_and_post_mortem(tmp_path):
             findings = foreign.diagnose(workload.job, "agent", agent.url).serious().get("HANG001")
             return findings[0] if findings else None
 
-        finding = wait_until(found, timeout=FOUND_TIMEOUT_S, what="HANG001 for the unmodified DDP script")
+        finding = wait_until(found, timeout=FOUND_TIMEOUT_S, interval=VERDICT_POLL_S,
+                             what="HANG001 for the unmodified DDP script")
         evidence = by_rank(finding)[1]
         assert (evidence["op"], evidence["group"], evidence["waiting"]) == ("all_reduce", "default", [0])
         assert evidence["phase"] == "compute"

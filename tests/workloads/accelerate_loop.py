@@ -12,7 +12,7 @@ its micro-batches' ``loss / gradient_accumulation_steps`` (``accelerator.backwar
 
 Faults (framework_job.FAULTS): ``slow-data`` in the data set's ``__getitem__``; ``slow-compute`` in the model's
 forward; ``slow-outside`` in the logging call between optimizer steps; ``slow-optimizer`` in the optimizer's
-``step``; ``never-learns``: a learning rate of 0.
+``step``; ``--never-learns``: a learning rate of 0.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ hooks are added the way the README shows them; those lines are marked ``# gpuwat
     gpuwatch agent &
     torchrun --standalone --nproc-per-node 2 tests/workloads/ddp_tutorial.py --steps 40
 
-``--fault`` plants a bug users really write, so that gpuwatch's diagnosis can be checked against it:
+``--fault`` (given more than once: each) plants a bug users really write, so that gpuwatch's diagnosis can be
+checked against it:
 
 * ``sleep-rank``: one rank (``--fault-rank``, default the last) sleeps 0.3 s in its forward pass, as a slow GPU
   would: a straggler the others wait for at every all-reduce.
@@ -55,8 +56,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--fault", choices=("none", "sleep-rank", "same-data", "bad-loss-shape", "stuck-rank"),
-                        default="none")
+    parser.add_argument("--fault", action="append", default=[], help="a planted bug (given again: several)",
+                        choices=("none", "sleep-rank", "same-data", "bad-loss-shape", "stuck-rank"))
     parser.add_argument("--fault-rank", type=int, default=None,
                         help="the sleeping or stuck rank (default: the last)")
     args = parser.parse_args()
@@ -67,7 +68,7 @@ def main() -> None:
 
     batches_per_epoch = 10
     dataset = random_dataset(args.batch_size * batches_per_epoch * world_size)
-    if args.fault == "same-data":
+    if "same-data" in args.fault:
         sampler = DistributedSampler(dataset, num_replicas=1, rank=0)  # the bug: one replica's sampler on every rank
     else:
         sampler = DistributedSampler(dataset)
@@ -84,11 +85,11 @@ def main() -> None:
             with monitor.step(samples=len(inputs)) as measured:  # gpuwatch
                 with measured.compute():  # gpuwatch
                     logits = model(inputs)
-                    if args.fault == "sleep-rank" and rank == slow_rank:
+                    if "sleep-rank" in args.fault and rank == slow_rank:
                         time.sleep(0.3)  # a slow GPU
-                    if args.fault == "stuck-rank" and rank == slow_rank and step == 4:
+                    if "stuck-rank" in args.fault and rank == slow_rank and step == 4:
                         wait_for_a_lock_nobody_releases()
-                    if args.fault == "bad-loss-shape":
+                    if "bad-loss-shape" in args.fault:
                         loss = F.cross_entropy(logits, labels)  # the bug: a softmax over one logit
                     else:
                         loss = F.binary_cross_entropy_with_logits(logits, labels)

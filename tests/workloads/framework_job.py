@@ -9,8 +9,9 @@ Options every such script takes (tests/foreign.py's Workload passes the first th
   (``FAULTS``): ``slow-data`` sleeps inside the data set's ``__getitem__``, ``slow-compute`` inside a module's
   forward (in training mode only), ``slow-outside`` in a framework callback or a logging call between two optimizer
   steps, ``slow-optimizer`` inside the optimizer's ``step`` (after its update, outside any closure), each ``D``
-  seconds per optimizer step on the slowed ranks, spread over its micro-batches or samples; ``never-learns`` is a
-  model that does not learn (how, each script says: a learning rate of 0, or a loss over a single logit);
+  seconds per optimizer step on the slowed ranks, spread over its micro-batches or samples;
+* ``--never-learns``: on every rank, a model that does not learn (how, each script says: a learning rate of 0, or a
+  loss over a single logit), alone or with a slow-* fault (one run then plants both);
 * ``--out DIR``: each rank writes DIR/rank-R.json: ``losses``, the framework's own per-optimizer-step loss as the
   script reads it from the framework (``float.hex``: exact; each script says which value that is), and ``params``,
   a SHA-256 of the rank's final parameters (its shards under FSDP), for comparing a run under ``gpuwatch run`` with
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-FAULTS = ("none", "slow-data", "slow-compute", "slow-outside", "slow-optimizer", "never-learns")
+FAULTS = ("none", "slow-data", "slow-compute", "slow-outside", "slow-optimizer")
 #: The tiny model's sizes: a vocabulary of 128, hidden 32, 2 layers, sequences of 16 tokens.
 VOCAB, HIDDEN, LAYERS, SEQUENCE = 128, 32, 2, 16
 
@@ -48,17 +49,20 @@ def parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--fault", choices=FAULTS, default="none")
     parser.add_argument("--fault-rank", default=None, help="the rank the fault is planted on (default: every rank)")
     parser.add_argument("--delay", type=float, default=0.2, help="seconds a slow-* fault costs an optimizer step")
+    parser.add_argument("--never-learns", action="store_true", help="on every rank, a model that does not learn")
     parser.add_argument("--out", type=Path, default=None, help="write each rank's losses and parameter hash here")
     return parser
 
 
 class Fault:
-    """The fault planted on this rank (``none`` on a rank it is not planted on)."""
+    """The faults planted on this rank: its slow-* fault (``none`` on a rank it is not planted on), and whether its
+    model never learns (``--never-learns``, every rank's)."""
 
     def __init__(self, args: argparse.Namespace, rank: int) -> None:
         planted = args.fault_rank is None or int(args.fault_rank) == rank
         self.name = args.fault if planted else "none"
         self.delay = args.delay
+        self.never_learns: bool = args.never_learns
 
     def slows(self, phase: str) -> bool:
         """Whether this rank is slowed in ``phase`` ("data", "compute", "outside", "optimizer")."""
@@ -69,10 +73,6 @@ class Fault:
         rank is slowed in ``phase``."""
         if self.slows(phase):
             time.sleep(self.delay / share)
-
-    @property
-    def never_learns(self) -> bool:
-        return self.name == "never-learns"
 
 
 class Tokens(Dataset):

@@ -9,7 +9,7 @@ The framework's own per-step loss (``--out``) is the loss ``backward()`` was cal
 
 Faults (framework_job.FAULTS): ``slow-data`` in the data set's ``__getitem__``; ``slow-compute`` in the model's
 forward; ``slow-outside`` in the logging call between optimizer steps; ``slow-optimizer`` in the optimizer's
-``step``; ``never-learns``: a cross-entropy over a single logit (loss 0 and gradients 0 whatever the weights: no
+``step``; ``--never-learns``: a cross-entropy over a single logit (loss 0 and gradients 0 whatever the weights: no
 parameter checksum can show it here, FSDP shards the parameters).
 """
 

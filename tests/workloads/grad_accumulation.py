@@ -7,7 +7,7 @@ optimizer step as one step; those lines are marked ``# gpuwatch``.
     gpuwatch agent &
     torchrun --standalone --nproc-per-node 2 tests/workloads/grad_accumulation.py --steps 40
 
-``--fault`` plants a bug users really write:
+``--fault`` (given more than once: each) plants a bug users really write:
 
 * ``sleep-rank``: one rank (``--fault-rank``, default the last) sleeps 0.3 s per step in its forward passes, as
   a slow GPU would.
@@ -62,7 +62,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps")
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--accumulate", type=int, default=4, help="micro-batches per optimizer step")
-    parser.add_argument("--fault", choices=("none", "sleep-rank", "same-data", "bad-loss-shape"), default="none")
+    parser.add_argument("--fault", action="append", default=[], help="a planted bug (given again: several)",
+                        choices=("none", "sleep-rank", "same-data", "bad-loss-shape"))
     parser.add_argument("--fault-rank", type=int, default=None, help="the sleeping rank (default: the last)")
     args = parser.parse_args()
 
@@ -71,7 +72,7 @@ def main() -> None:
     slow_rank = world_size - 1 if args.fault_rank is None else args.fault_rank
 
     dataset = quadrant_images(args.steps * args.accumulate * args.micro_batch * world_size)
-    sampler_rank = int(os.environ.get("NODE_RANK", 0)) if args.fault == "same-data" else rank  # the bug: NODE_RANK
+    sampler_rank = int(os.environ.get("NODE_RANK", 0)) if "same-data" in args.fault else rank  # the bug: NODE_RANK
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=sampler_rank, seed=42)
     loader = DataLoader(dataset, batch_size=args.micro_batch * args.accumulate, sampler=sampler, drop_last=True)
 
@@ -95,9 +96,9 @@ def main() -> None:
                     last = index == len(micro_batches) - 1
                     with nullcontext() if last else model.no_sync():  # all-reduce on the last micro-batch only
                         logits = model(micro_images)  # (N, classes, 1)
-                        if args.fault == "sleep-rank" and rank == slow_rank:
+                        if "sleep-rank" in args.fault and rank == slow_rank:
                             time.sleep(0.3 / args.accumulate)  # a slow GPU
-                        class_dim = -1 if args.fault == "bad-loss-shape" else 1  # the bug: dim=-1 is the singleton
+                        class_dim = -1 if "bad-loss-shape" in args.fault else 1  # the bug: dim=-1 is the singleton
                         log_probs = F.log_softmax(logits, dim=class_dim).squeeze(-1)
                         loss = F.nll_loss(log_probs, micro_labels) / args.accumulate
                         loss.backward()

@@ -13,7 +13,7 @@ writes the same list, and the evaluations and checkpoints the Trainer made (``on
 
 Faults (framework_job.FAULTS): ``slow-data`` in the data set's ``__getitem__``; ``slow-compute`` in a forward
 pre-hook of the model's embedding (inside the model's forward); ``slow-outside`` in a ``TrainerCallback``'s
-``on_step_end``; ``slow-optimizer`` in the optimizer's ``step`` (``optimizer_cls_and_kwargs``); ``never-learns``:
+``on_step_end``; ``slow-optimizer`` in the optimizer's ``step`` (``optimizer_cls_and_kwargs``); ``--never-learns``:
 ``learning_rate=0``.
 """
 

@@ -14,7 +14,7 @@ its accumulated batches of the loss ``on_train_batch_end`` is given (``training_
 
 Faults (framework_job.FAULTS): ``slow-data`` in the data set's ``__getitem__``; ``slow-compute`` in the model's
 forward; ``slow-outside`` in a ``Callback``'s ``on_train_batch_end`` after each optimizer step; ``slow-optimizer`` in
-the optimizer's ``step``, after the closure and the update; ``never-learns``: a learning rate of 0.
+the optimizer's ``step``, after the closure and the update; ``--never-learns``: a learning rate of 0.
 """
 
 # ruff: noqa: E402 (the Lightning package is imported first, chosen by an argument: the imports after it wait)

@@ -17,7 +17,7 @@ scaler and a clipped norm.
 ``fp16_compress_hook``: the gradients all-reduced in float16, which changes the losses), right after making the DDP
 model or after its first forward (when ``gpuwatch run`` has made its Monitor and registered its own hook).
 
-``--fault`` plants a bug users really write:
+``--fault`` (given more than once: each) plants a bug users really write:
 
 * ``sleep-rank``: one rank (``--fault-rank``, default the last) sleeps 0.3 s in its forward passes, as a slow GPU
   would: a straggler the others wait for at every all-reduce.
@@ -66,7 +66,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps")
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--fault", choices=("none", "sleep-rank", "same-data", "stuck-rank"), default="none")
+    parser.add_argument("--fault", action="append", default=[], help="a planted bug (given again: several)",
+                        choices=("none", "sleep-rank", "same-data", "stuck-rank"))
     parser.add_argument("--fault-rank", type=int, default=None, help="the sleeping or stuck rank (default: the last)")
     parser.add_argument("--losses", type=Path, default=None, help="write each rank's losses to DIR/rank-R.json")
     parser.add_argument("--scaler", action="store_true", help="step through a GradScaler, clipping the gradient")
@@ -80,7 +81,7 @@ def main() -> None:
     torch.manual_seed(0)
 
     dataset = random_dataset(args.batch_size * 10 * world_size)
-    if args.fault == "same-data":
+    if "same-data" in args.fault:
         sampler = DistributedSampler(dataset, num_replicas=1, rank=0)  # the bug: one replica's sampler on every rank
     else:
         sampler = DistributedSampler(dataset)
@@ -103,9 +104,9 @@ def main() -> None:
                 logits = model(inputs)
                 if args.comm_hook == "after" and micro == 1:
                     model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-                if args.fault == "sleep-rank" and rank == faulty_rank:
+                if "sleep-rank" in args.fault and rank == faulty_rank:
                     time.sleep(0.3)  # a slow GPU
-                if args.fault == "stuck-rank" and rank == faulty_rank and step == 4:
+                if "stuck-rank" in args.fault and rank == faulty_rank and step == 4:
                     wait_for_a_lock_nobody_releases()
                 loss = F.binary_cross_entropy_with_logits(logits, labels) / args.accumulate
                 scaler.scale(loss).backward()

@@ -6,7 +6,7 @@ The model is an embedding, a GRU and a head. gpuwatch's lines are marked ``# gpu
     gpuwatch agent &
     torchrun --standalone --nproc-per-node 2 tests/workloads/tiny_lm.py --steps 40
 
-``--fault`` plants a bug users really write:
+``--fault`` (given more than once: each) plants a bug users really write:
 
 * ``sleep-rank``: one rank (``--fault-rank``, default the last) sleeps 0.3 s in its forward pass, as a slow GPU
   would.
@@ -62,7 +62,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seed", type=int, default=1337)
-    parser.add_argument("--fault", choices=("none", "sleep-rank", "same-data", "bad-loss-shape"), default="none")
+    parser.add_argument("--fault", action="append", default=[], help="a planted bug (given again: several)",
+                        choices=("none", "sleep-rank", "same-data", "bad-loss-shape"))
     parser.add_argument("--fault-rank", type=int, default=None, help="the sleeping rank (default: the last)")
     args = parser.parse_args()
 
@@ -71,7 +72,7 @@ def main() -> None:
     slow_rank = world_size - 1 if args.fault_rank is None else args.fault_rank
 
     data = token_stream(20_000)
-    seed_offset = 0 if args.fault == "same-data" else rank  # the bug: every rank seeded alike
+    seed_offset = 0 if "same-data" in args.fault else rank  # the bug: every rank seeded alike
     generator = torch.Generator().manual_seed(args.seed + seed_offset)
 
     def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,10 +92,10 @@ def main() -> None:
         with monitor.step(tokens=inputs.numel()) as step:  # gpuwatch
             with step.compute():  # gpuwatch
                 logits = model(inputs)
-                if args.fault == "sleep-rank" and rank == slow_rank:
+                if "sleep-rank" in args.fault and rank == slow_rank:
                     time.sleep(0.3)  # a slow GPU
                 picked = targets.unsqueeze(-1)
-                if args.fault == "bad-loss-shape":  # the bug: normalised over the one logit gathered
+                if "bad-loss-shape" in args.fault:  # the bug: normalised over the one logit gathered
                     log_probs = logits.gather(-1, picked).log_softmax(-1)
                 else:
                     log_probs = logits.log_softmax(-1).gather(-1, picked)

@@ -3,7 +3,7 @@ grid, each with healthy defaults that a test overrides where it wants a rule to 
 
 from __future__ import annotations
 
-from gpuwatch.agent.telemetry.window import BUSY, CPU_SECONDS, CPU_WAIT, PHASE_TIMINGS, TIMINGS, WindowSummary
+from gpuwatch.agent.telemetry.window import BUSY, CPU_SECONDS, CPU_WAIT, PHASE_TIMINGS, TIMINGS, WindowSummary, net_busy
 from gpuwatch.diagnosis.facts import (
     Facts,
     GpuFacts,
@@ -69,9 +69,9 @@ def window(last: StepFacts | None = None, steps: int = 20, **fields) -> WindowSu
     (the loss moves, gradients are not zero, parameters change), unless ``fields`` say otherwise."""
     medians = {name: value for name in TIMINGS if (value := getattr(last, name, None)) is not None}
     if phases := [medians[field] for field in PHASE_TIMINGS if field in medians]:
-        busy = medians[BUSY] = sum(phases)
+        medians[BUSY] = sum(phases)
         if CPU_WAIT in medians and CPU_SECONDS in medians:
-            medians[BUSY] = max(busy - medians[CPU_WAIT], min(busy, medians[CPU_SECONDS]))
+            medians[BUSY] = net_busy(medians[BUSY], medians[CPU_WAIT], medians[CPU_SECONDS])
     values = dict(steps=steps, first_step=100 - steps + 1, last_step=100, seconds=steps * 0.5, medians=medians,
                   loss_steps=steps, loss_min=1.9, loss_max=2.1, grad_norm_steps=steps, grad_norm_max=1.0, checksums=2,
                   distinct_checksums=2)

@@ -48,6 +48,11 @@ HEALTHY = [("ddp_tutorial", 1), ("ddp_tutorial", 2), ("grad_accumulation", 2), (
 NCCL_IB_DISABLED = ("ddp_tutorial", 2)
 
 
+def _healthy_run(workload: tuple[str, int]) -> str:
+    """The name of a healthy run, which its tests share (conftest's ``sharing``)."""
+    return f"{workload[0]}-{workload[1]}-none"
+
+
 @pytest.fixture(scope="module")
 def prometheus(agent, tmp_path_factory):
     """A real Prometheus scraping the agent every second: the third source every run is judged through."""
@@ -81,7 +86,7 @@ def _judged(run: Run, source: str):
 
 
 @pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize(("script", "nproc"), sharing("foreign", HEALTHY, lambda w: f"{w[0]}-{w[1]}-none",
+@pytest.mark.parametrize(("script", "nproc"), sharing("foreign", HEALTHY, _healthy_run,
                                                       ids=[f"{s}-{n}" for s, n in HEALTHY]))
 def test_a_healthy_run_raises_no_warning(runs, script, nproc, source):
     run = runs(script, nproc)
@@ -138,7 +143,7 @@ def test_a_model_that_does_not_learn_is_named_on_every_rank(runs, script, nproc,
     _named_on_every_rank(runs(script, nproc, "bad-loss-shape"), "CONV006", source)
 
 
-@pytest.mark.shares("foreign:{}-{}-none".format(*NCCL_IB_DISABLED))
+@pytest.mark.shares(f"foreign:{_healthy_run(NCCL_IB_DISABLED)}")
 @pytest.mark.parametrize("source", SOURCES)
 def test_nccl_ib_disable_on_a_gloo_job_is_no_nccl_finding(runs, source):
     """NCCL_IB_DISABLE=1 in a single-node gloo job's environment (a healthy run's, which must raise no warning

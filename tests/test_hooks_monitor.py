@@ -18,7 +18,7 @@ from hooks_helpers import ManualClock
 from gpuwatch.cli.main import main
 from gpuwatch.protocol.schema import COLLECTIVE_BUCKETS, decode, encode
 from gpuwatch.trainer import hooks
-from gpuwatch.trainer.hooks import cpu_wait, memory
+from gpuwatch.trainer.hooks import cpu_times, memory
 from gpuwatch.trainer.hooks import monitor as monitor_module
 from gpuwatch.trainer.hooks.collectives import Call, by_group, by_phase, exposed_seconds
 from gpuwatch.trainer.hooks.gradients import similarity_of
@@ -466,7 +466,7 @@ def test_a_steps_sums_and_norms_become_one_checksum_and_one_norm_from_the_host_o
 def test_a_steps_wait_for_a_cpu_is_the_threads_run_queue_delay_from_its_start_to_its_end(records, clock,
                                                                                           monkeypatch, tmp_path):
     """``cpu_seconds`` and ``cpu_wait_seconds``: the first two fields of the thread's schedstat (ns) at the step's end
-    less at its start, at most the step; the reader is the kernel's file (``cpu_wait.open_reader``), given here
+    less at its start, at most the step; the reader is the kernel's file (``cpu_times.open_reader``), given here
     readings of its layout."""
     readings = iter([b"100 1000000000 5\n", b"900 1250000000 9\n", b"900 1250000000 9\n", b"999 9000000000 12\n"])
     descriptor = os.open(os.devnull, os.O_RDONLY)
@@ -484,12 +484,12 @@ def test_a_steps_wait_for_a_cpu_is_the_threads_run_queue_delay_from_its_start_to
 
 
 def test_the_reader_is_none_where_the_kernel_keeps_no_schedstat(tmp_path):
-    assert cpu_wait.open_reader(str(tmp_path / "missing")) is None
+    assert cpu_times.open_reader(str(tmp_path / "missing")) is None
     (tmp_path / "other").write_text("not the layout\n")
-    assert cpu_wait.open_reader(str(tmp_path / "other")) is None
-    read, descriptor = cpu_wait.open_reader()  # this kernel's own (Linux: CI and every supported node)
+    assert cpu_times.open_reader(str(tmp_path / "other")) is None
+    read, descriptor = cpu_times.open_reader()  # this kernel's own (Linux: CI and every supported node)
     try:
-        ran, waited = cpu_wait.thread_seconds(read(), read())
+        ran, waited = cpu_times.thread_seconds(read(), read())
         assert ran >= 0 and waited >= 0
     finally:
         os.close(descriptor)

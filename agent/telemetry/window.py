@@ -242,8 +242,13 @@ def _busy(phases: list[tuple[float | None, ...]], cpu_wait: tuple[float | None, 
                      for row in zip(*present, strict=True))
     if cpu_wait.count(None) == len(cpu_wait):  # GPU ranks, and CPU ranks where the kernel keeps no schedstat
         return sums
-    return tuple(max(busy - wait, min(busy, ran)) if busy is not None and wait is not None and ran is not None
-                 else busy for busy, wait, ran in zip(sums, cpu_wait, cpu, strict=True))
+    return tuple(net_busy(busy, wait, ran) if busy is not None and wait is not None and ran is not None else busy
+                 for busy, wait, ran in zip(sums, cpu_wait, cpu, strict=True))
+
+
+def net_busy(busy: float, cpu_wait: float, cpu: float) -> float:
+    """A CPU rank's busy time less its wait for a CPU, never below its time on one (``BUSY`` says why)."""
+    return max(busy - cpu_wait, min(busy, cpu))
 
 
 def _finite(column: tuple[float | None, ...]) -> Sequence[float]:

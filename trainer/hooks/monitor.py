@@ -45,7 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gpuwatch.protocol.schema import P2P_OPS
 from gpuwatch.trainer.hooks.clock import WallClock, clock_for
-from gpuwatch.trainer.hooks.cpu_wait import open_reader
+from gpuwatch.trainer.hooks.cpu_times import open_reader
 from gpuwatch.trainer.hooks.ddp import BucketHook, DdpWatch
 from gpuwatch.trainer.hooks.flops import peak_flops
 from gpuwatch.trainer.hooks.gradient_stats import GradientStatistics
@@ -181,7 +181,7 @@ class Monitor:
         self._p2p_counts: dict[str, int] = {}
         self._group_names: dict[Any, tuple[str, int, int]] = {}
         #: the training thread's time on a CPU and wait for one, read as each step starts and ends (CPU ranks only:
-        #: `cpu_wait`)
+        #: `cpu_times`)
         cpu_times = open_reader() if self.on_host else None
         self._cpu_times_descriptor = cpu_times[1] if cpu_times is not None else None
         #: what each step is handed, and the step open now, which collectives are counted in (`StepContext`)

@@ -18,7 +18,7 @@ import torch
 from gpuwatch.protocol.schema import SCHEMA_VERSION, STEP_PHASES
 from gpuwatch.trainer.hooks.clock import Clock, Mark
 from gpuwatch.trainer.hooks.collectives import by_group, by_phase, exposed_seconds, histogram, resolve
-from gpuwatch.trainer.hooks.cpu_wait import thread_seconds
+from gpuwatch.trainer.hooks.cpu_times import thread_seconds
 from gpuwatch.trainer.hooks.gradient_stats import combine_measured
 from gpuwatch.trainer.hooks.safety import Failures
 

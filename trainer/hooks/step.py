@@ -76,7 +76,7 @@ class StepContext:
     #: ended steps waiting for the device, and the Monitor's hand-over of those the device has passed
     pending: deque[Step]
     flush: Callable[[], None]
-    #: reads the training thread's time on a CPU and wait for one (`cpu_wait`), as a step starts and ends; None: not
+    #: reads the training thread's time on a CPU and wait for one (`cpu_times`), as a step starts and ends; None: not
     #: measured (a GPU's step, or no such file)
     read_cpu_times: Callable[[], bytes] | None
     #: a DDP model that reduces its gradients in C++, watched through autograd (set once the Monitor made it)
@@ -132,7 +132,7 @@ class Step:
     #: this step's GradientSimilarity, or None when the step does not measure it (or nothing would feed it)
     similarity: GradientSimilarity | None
     norm_from_grads: bool  # whether step.optimizer() takes the gradient norm from .grad
-    cpu_at_start: bytes | None  # the thread's run-queue statistics as the step started and ended (`cpu_wait`)
+    cpu_at_start: bytes | None  # the thread's scheduler statistics as the step started and ended (`cpu_times`)
     cpu_at_end: bytes | None
 
     def __enter__(self) -> Step:

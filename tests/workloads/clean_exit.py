@@ -9,6 +9,14 @@ takes the GIL, a finalizing interpreter ends the thread instead, and its unwindi
 destructor calls ``std::terminate``. PyTorch PR #179291 discusses the same crash at interpreter exit. A test that
 judges what gpuwatch saw must not fail on it, and cannot retry (the agent would see the job twice).
 
+A second race of the same threads deadlocks instead (seen twice in Hugging Face Trainer jobs with no gpuwatch in them,
+on a 2-vCPU VM: once in a whole-suite run, once in 32 runs of the job two at a time): a script that calls
+``destroy_process_group()`` and then returns drops its DDP model, whose ``Reducer`` holds the last reference to the
+gloo group; the group's destructor joins its worker threads with the GIL held while a worker, destroying the last
+collective's work, waits for the GIL to drop a tensor (``~ProcessGroupGloo`` in ``std::thread::join``; PyTorch issue
+#56297, a blocking destructor bound without releasing the GIL). So ``main`` returns what holds its process group, and
+it is kept alive until ``os._exit``.
+
 The atexit handlers run first, as at a normal exit (gpuwatch's ``Monitor.close`` among them, for a script that
 never closes its monitor); then the process ends before finalization starts, so no thread is left to race it.
 """
@@ -23,9 +31,9 @@ from typing import Any, NoReturn
 
 
 def run_then_exit(main: Callable[..., Any], *args: Any) -> NoReturn:
-    """``main(*args)``, then exit 0 as above. An exception from ``main`` propagates: the interpreter prints it and
-    exits 1, as it would without this."""
-    main(*args)
+    """``main(*args)``, then exit 0 as above, what it returned (its DDP model, its trainer) alive to the end. An
+    exception from ``main`` propagates: the interpreter prints it and exits 1, as it would without this."""
+    kept = main(*args)  # noqa: F841 -- never dropped: its process group's destructor can deadlock (above)
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

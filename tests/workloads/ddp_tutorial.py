@@ -52,7 +52,7 @@ def wait_for_a_lock_nobody_releases() -> None:
     lock.acquire()  # held already, by this very thread: waits for good
 
 
-def main() -> None:
+def main() -> object:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -108,6 +108,7 @@ def main() -> None:
     if rank == 0:
         print(f"{world_size} rank(s), {step} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     dist.destroy_process_group()
+    return model
 
 
 if __name__ == "__main__":

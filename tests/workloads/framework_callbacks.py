@@ -29,7 +29,7 @@ from gpuwatch.trainer.auto.adapters import huggingface_callback, lightning_callb
 MICRO_BATCH, ACCUMULATE = 16, 2
 
 
-def main() -> None:
+def main() -> object:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--framework", choices=("huggingface", "lightning"), required=True)
@@ -69,6 +69,7 @@ def main() -> None:
         if hf_args is not None:
             callback.on_step_end(hf_args, state, control)
     dist.destroy_process_group()
+    return model
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ def small_convnet() -> nn.Module:
                          nn.Conv2d(8, CLASSES, 1), nn.Flatten(2))
 
 
-def main() -> None:
+def main() -> object:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps")
     parser.add_argument("--micro-batch", type=int, default=16)
@@ -115,6 +115,7 @@ def main() -> None:
         print(f"{world_size} rank(s), {args.steps} optimizer steps of {args.accumulate} micro-batches, "
               f"last loss {step_loss.item():.4f}")
     dist.destroy_process_group()
+    return model
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ class LoggedLosses(transformers.TrainerCallback):
         self.checkpoints += 1
 
 
-def main() -> None:
+def main() -> object:
     args = parser(__doc__).parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     fault = Fault(args, rank)
@@ -97,6 +97,7 @@ def main() -> None:
         if rank == 0:
             shutil.rmtree(output, ignore_errors=True)
         dist.destroy_process_group()
+    return trainer
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ class StepLosses(pl.Callback):
             self.fault.sleep("outside")
 
 
-def main() -> None:
+def main() -> object:
     parser_ = parser(__doc__)
     parser_.add_argument("--package", choices=("lightning", "pytorch_lightning"), default="lightning")
     parser_.add_argument("--accumulate", type=int, choices=(1, 2), default=1)
@@ -92,6 +92,7 @@ def main() -> None:
     write_results(args.out, rank, losses.losses, parameters_hash(module.model.parameters()))
     if dist.is_initialized():
         dist.destroy_process_group()
+    return trainer
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def wait_for_a_lock_nobody_releases() -> None:
     lock.acquire()  # held already, by this very thread: waits for good
 
 
-def main() -> None:
+def main() -> object:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps")
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
@@ -134,6 +134,7 @@ def main() -> None:
         args.losses.mkdir(parents=True, exist_ok=True)
         (args.losses / f"rank-{rank}.json").write_text(json.dumps([loss.hex() for loss in losses]))
     dist.destroy_process_group()
+    return model
 
 
 if __name__ == "__main__":

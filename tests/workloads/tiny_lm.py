@@ -57,7 +57,7 @@ class TinyGRULM(nn.Module):
         return self.head(hidden)
 
 
-def main() -> None:
+def main() -> object:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -109,6 +109,7 @@ def main() -> None:
             print(f"step {number}: loss {loss.item():.4f}")
     monitor.close()  # gpuwatch: sends the last steps
     dist.destroy_process_group()
+    return model
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ class NoSeams:
         return nullcontext()
 
 
-def train(steps: int, seams_for: Callable[[nn.Module], Any] = lambda model: NoSeams()) -> None:
+def train(steps: int, seams_for: Callable[[nn.Module], Any] = lambda model: NoSeams()) -> nn.Module:
     """`steps` optimizer steps of plain_ddp.py's model on 2+ gloo ranks, through `seams_for(model)`'s calls."""
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -83,6 +83,7 @@ def train(steps: int, seams_for: Callable[[nn.Module], Any] = lambda model: NoSe
                 break
         epoch += 1
     dist.destroy_process_group()
+    return model
 
 
 if __name__ == "__main__":

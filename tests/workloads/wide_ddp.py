@@ -32,7 +32,7 @@ class Sleepy(nn.Module):
         return x
 
 
-def main() -> None:
+def main() -> object:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--batch-size", type=int, default=1024)
@@ -54,6 +54,7 @@ def main() -> None:
         loss.backward()
         optimizer.step()
     dist.destroy_process_group()
+    return ddp
 
 
 if __name__ == "__main__":

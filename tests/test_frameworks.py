@@ -67,6 +67,9 @@ BACKWARDS = {"hf_trainer": 2, "accelerate": 2, "lightning-1": 1, "lightning-2": 
 STEPS = 12
 #: A slowed run: 0.2 s a step on one rank; 8 steps show it plainly (the rules judge from 5).
 SLOW_STEPS, DELAY = 8, 0.2
+#: How far below a sleep's time the record of a phase holding it may fall: the two clocks' reads and the
+#: rounding of a delay spread over a step's samples.
+CLOCK_SLACK = 0.001
 #: A slowed run whose model also never learns: the parameter checksum is measured every 10 steps, and CONV006 needs
 #: two of them.
 NEVER_STEPS = 20
@@ -148,9 +151,9 @@ def _judged(run: Run, source: str) -> foreign.Diagnosis:
     return diagnosis
 
 
-def _medians(records: list[dict]) -> dict[str, float]:
-    """Each phase's median over a rank's steps after the first (which holds the job's start), 0 where absent."""
-    return {phase: statistics.median(r.get(field, 0.0) for r in records[1:]) for phase, field in PHASES.items()}
+def _phase_statistic(records: list[dict], statistic: Callable[[list[float]], float]) -> dict[str, float]:
+    """Each phase's ``statistic`` over a rank's steps after the first (which holds the job's start), 0 where absent."""
+    return {phase: statistic([r.get(field, 0.0) for r in records[1:]]) for phase, field in PHASES.items()}
 
 
 def _phases_sum_to_the_step(records: list[dict]) -> None:
@@ -264,21 +267,26 @@ def _slowed_run(slowed: tuple[str, str]) -> str:
 
 @pytest.mark.parametrize(("variant", "phase"), sharing("frameworks", SLOWED, _slowed_run))
 def test_a_slowed_phase_holds_the_time(runs, variant, phase):
-    """Rank 1 sleeps 0.2 s per optimizer step in one phase: on rank 1 that phase's median is at least half the sleep
-    and three times any other phase's; rank 0 waits for it in a collective (exposed communication), not in that
-    phase of its own."""
+    """Rank 1 sleeps 0.2 s per optimizer step in one phase, and the record puts the sleep there.
+
+    The verdict rests on what a sleep guarantees, not on how fast the machine is: a sleep lasts at least its time, so
+    the slowed phase's median step holds the whole of it; a phase that held even half of it would in every step, so
+    every other phase (and the peer's same phase) has a step with less. A loaded machine stretches the phases' own
+    work, never that bound (CI once saw a loaded 2-core machine take 0.07 s over a phase of this tiny model's).
+    Rank 0 waits for rank 1 in a collective (exposed communication), not in that phase of its own."""
     run = runs(variant, f"slow-{phase}")
     steps = run.run_log_steps()
     assert sorted(steps) == [0, 1]
     for records in steps.values():
         assert [r["step"] for r in records] == list(range(1, run.workload.steps + 1))
         _phases_sum_to_the_step(records)
-    slowed, peer = _medians(steps[SLOW_RANK]), _medians(steps[PEER])
-    others = {name: seconds for name, seconds in slowed.items() if name != phase}
-    assert slowed[phase] >= DELAY / 2 and all(slowed[phase] >= 3 * s for s in others.values()), \
-        f"rank {SLOW_RANK}, slowed in {phase}: medians {slowed}"
-    assert peer[phase] < DELAY / 2 and peer["collective"] >= DELAY / 2, \
-        f"rank {PEER}, waiting for rank {SLOW_RANK}: medians {peer}"
+    slowed, slowed_least = (_phase_statistic(steps[SLOW_RANK], statistic) for statistic in (statistics.median, min))
+    peer, peer_least = (_phase_statistic(steps[PEER], statistic) for statistic in (statistics.median, min))
+    assert slowed[phase] >= DELAY - CLOCK_SLACK, f"rank {SLOW_RANK}, slowed in {phase}: medians {slowed}"
+    holding_half = {name: least for name, least in slowed_least.items() if name != phase and least >= DELAY / 2}
+    assert not holding_half, f"rank {SLOW_RANK}, slowed in {phase}, has the sleep elsewhere: least {slowed_least}"
+    assert peer_least[phase] < DELAY / 2 and peer["collective"] >= DELAY / 2, \
+        f"rank {PEER}, waiting for rank {SLOW_RANK}: medians {peer}, least {peer_least}"
 
 
 #: The straggler runs: each slowed phase but the optimizer's (one rank's slow update is named the same way).

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from gpuwatch.agent.collectors.host import PROCESS_CPU
 from gpuwatch.agent.collectors.infiniband import PORT_ERRORS, PORT_UP
 from gpuwatch.agent.collectors.nvlink import LINK_ERRORS, LINK_UP
 from gpuwatch.agent.collectors.nvml import (
@@ -41,6 +42,8 @@ from gpuwatch.agent.metricspec import MetricSpec, by_field
 from gpuwatch.agent.sampler import COLLECTOR_UP
 from gpuwatch.agent.telemetry.metrics import (
     CHECKSUM,
+    CLOSED,
+    CLOSED_CPU,
     COUNTERS,
     EXITED,
     GPU_JOB,
@@ -138,6 +141,9 @@ METRIC_FAMILIES: Mapping[str, MetricSpec] = {
     "IN_FLIGHT": IN_FLIGHT,
     "RANK_INFO": RANK_INFO,
     "EXITED": EXITED,
+    "CLOSED": CLOSED,
+    "CLOSED_CPU": CLOSED_CPU,
+    "PROCESS_CPU": PROCESS_CPU,
     "PHASE": PHASE,
     "RAISED": RAISED,
     "LAST_STEP": LAST_STEP,
@@ -347,6 +353,22 @@ GROUPS = (
                           "${for_minutes} minute(s) or more, and none is inside a collective gpuwatch sees: a "
                           "deadlock, a collective its hooks do not wrap, or a data loader that stopped. gpuwatch "
                           "diagnose names each rank's phase, the rank that stopped first and its stack."),
+        Alert("TrainingRankNotExiting", "HANG007", """
+            (time() - ${CLOSED} >= ${min_age_seconds})
+              unless on (instance, job, rank) ${EXITED}
+            and on (instance, job, rank) (
+              ${PROCESS_CPU}_total - on (instance, job, rank) ${CLOSED_CPU}
+                <= on (instance, job, rank) ${max_cpu_share} * (time() - ${CLOSED})
+            )
+            """,
+              comment="A rank whose hooks closed (its training ended) and whose process, a while later, has not "
+                      "exited and has used almost no CPU since: stuck in its teardown, its launcher waiting on it. "
+                      "The CPU time since the close is the host collector's of the rank's process less its own as "
+                      "its hooks closed.",
+              summary="Training job {{ $labels.job }}: rank {{ $labels.rank }} ended training but does not exit",
+              description="Rank {{ $labels.rank }} of job {{ $labels.job }} closed its hooks "
+                          "{{ $value | humanizeDuration }} ago and its process has neither exited nor worked since: "
+                          "the job does not end. py-spy dump --native --pid PID on its node shows where it waits."),
         Alert("TrainingLossNotFinite", "CONV001",
               "count by (job) ((${LOSS} != ${LOSS}) or (abs(${LOSS}) == +Inf)) > 0", for_minutes=1,
               summary="Training job {{ $labels.job }} has a NaN or Inf loss",

@@ -24,6 +24,7 @@ import types
 from collections.abc import Callable, Mapping
 
 from gpuwatch.agent.telemetry.metrics import (
+    CLOSED,
     ENV_INFO,
     EXITED,
     PROBE_INFO,
@@ -115,6 +116,9 @@ GRADIENTS_ALIKE = Selector(
     lambda t, y: f'{y["gpuwatch:train_grad_cosine:max_by_instance"]} > {t("CONV004").min_cosine:g}')
 RANK_OVERDUE_DEAD_OR_FAILED = Selector("jobs with an overdue, dead or failed rank",
                                        lambda t, y: f"{STALLED} or {EXITED} or {RAISED}", by=JOB)
+CLOSED_NOT_EXITED = Selector(
+    "jobs with a rank whose hooks closed long ago and whose process has not exited",
+    lambda t, y: f'(time() - {CLOSED} >= {t("HANG007").min_age_seconds:g}) unless {EXITED}', by=JOB)
 NO_STEP_SINCE_HELLO = Selector(
     "jobs with ranks that said hello long ago, or ended, and reported no step",
     lambda t, y: f'time() - {y["gpuwatch:train_hello_without_step:min_by_job"]} >= {t("HANG005").min_age_seconds:g}'

@@ -373,6 +373,8 @@ class ProgressFacts:
     stack: tuple[str, ...] = ()
     error: str | None = None  # "Type: message" of the exception a step raised
     time: float | None = None  # the rank's wall clock when it sent the record
+    #: phase "closed": the process's CPU time, user and system, as its hooks closed
+    cpu_seconds: float | None = None
     #: a second source, where PyTorch's Flight Recorder is on: the oldest collective it has not seen finish
     recorder: RecorderEntry | None = None
 
@@ -383,6 +385,16 @@ class ProgressFacts:
             if "/threading.py:" not in frame and "/torch/" not in frame:
                 return frame
         return self.stack[-1] if self.stack else None
+
+
+@dataclasses.dataclass(frozen=True)
+class AfterClose:
+    """A rank whose hooks closed (it ended its training) and whose process has not exited: whether it still works
+    (an evaluation, a checkpoint's upload) or is stuck in its teardown is told by the CPU time it used since."""
+
+    seconds: float  # since its hooks closed, by the source's clock
+    cpu_seconds: float  # the process's CPU time, user and system, since then
+    pid: int
 
 
 @dataclasses.dataclass
@@ -430,6 +442,9 @@ class RankFacts:
     progress: ProgressFacts | None = None
     #: when its process was found gone (wall clock; the agent only); None while alive or unknown
     exited_at: float | None = None
+    #: its hooks closed and its process still runs, as the agent on its node sees it; None where the source cannot
+    #: see the process (a run log ends at the close, Prometheus exports no close time) or it is not closed or gone
+    after_close: AfterClose | None = None
 
     @property
     def where(self) -> Where:

@@ -448,6 +448,7 @@ class Progress(CommonFields, tag="progress"):
     stack: Annotated[list[StackFrame], most(MAX_STACK_FRAMES)] | None = None
     error: StepError | None = None
     flight_recorder: RecorderEntry | None = None
+    cpu_seconds: Seconds | None = None
 
 
 

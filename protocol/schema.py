@@ -190,6 +190,9 @@ closed (phase "closed"), so that a rank's exit after it is a normal end, not a d
                                      collectives and send/recv apart, so it may run ahead of
                                      ``collective.seq``), its state ("scheduled", "started"; gloo's
                                      stay "scheduled")
+    cpu_seconds?        float ≥ 0    with phase "closed": the process's CPU time, user and system, as its hooks
+                                     closed (``time.process_time()``): a process that uses none after it and
+                                     does not exit is stuck in its teardown, not still at work
 
 Types are strict: an int field takes only JSON integers, a float field integers or floats, never
 strings or booleans. Non-finite numbers are written as ``json.dumps`` writes them by default

@@ -28,7 +28,7 @@ import statistics
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,13 +127,14 @@ def ranks_named(finding: dict) -> set[int]:
 OPTIONS = {"agent": "--agent", "run_log": "--run-log", "prometheus": "--prometheus"}
 
 
-def diagnose(job: str, source: str, location: str | Path, *, process: bool = False) -> Diagnosis:
+def diagnose(job: str, source: str, location: str | Path, *, process: bool = False,
+             options: Sequence[str] = ()) -> Diagnosis:
     """``gpuwatch diagnose --agent URL`` (source "agent"), ``--run-log DIR`` ("run_log") or ``--prometheus URL``
-    ("prometheus") ``--format json``; exit
+    ("prometheus") ``--format json``, and ``options`` (``--config FILE``); exit
     status 2 (the source could not be read) gives a Diagnosis without a report. In this process through click's
     test runner by default: the same command and arguments, without a Python start per verdict (~0.5 s on the CI
     machine, dozens of verdicts a test run); ``process=True`` runs it as its own process, as a user polls it."""
-    args = [OPTIONS[source], str(location), "--format", "json", "--fail-on", "never"]
+    args = [OPTIONS[source], str(location), "--format", "json", "--fail-on", "never", *options]
     if process:
         result = subprocess.run([sys.executable, "-m", "gpuwatch.cli.main", "diagnose", *args],
                                 capture_output=True, text=True, timeout=120)

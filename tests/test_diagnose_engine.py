@@ -32,6 +32,7 @@ CATALOGUE = {
     "TOPO001": ("topology", "critical"), "TOPO002": ("topology", "warning"),
     "HANG001": ("hangs", "critical"), "HANG002": ("hangs", "critical"), "HANG003": ("hangs", "critical"),
     "HANG004": ("hangs", "critical"), "HANG005": ("hangs", "warning"), "HANG006": ("hangs", "critical"),
+    "HANG007": ("hangs", "warning"),
     "PLAN001": ("plan", "warning"), "PLAN002": ("plan", "warning"),
 }
 

@@ -23,6 +23,8 @@ import concurrent.futures
 import dataclasses
 import json
 import math
+import subprocess
+import sys
 import threading
 import time
 import urllib.parse
@@ -83,7 +85,8 @@ class Scenario:
     rank per entry of ``placement`` (by default two on each node of a pair of ``PAIRS``: every job spans nodes).
     ``hello`` and ``step`` hold fields over each rank's records, by rank (a callable value is called with the step's
     number); ``after`` makes the records a rank sends after its steps (from its rank, job and node). A job that keeps
-    ``stepping`` sends a step a second for as long as the test runs."""
+    ``stepping`` sends a step a second for as long as the test runs. With ``idle_sender`` the ``after`` records come
+    from a process of their own, which then idles until the test ends (``IdleSender``)."""
 
     node: str | None = None
     layout: Fields = dataclasses.field(default_factory=lambda: DP4)
@@ -93,6 +96,7 @@ class Scenario:
     after: Mapping[int, Callable[[int, str, str], list[dict[str, Any]]]] = dataclasses.field(default_factory=dict)
     steps: int = STEPS
     stepping: bool = False
+    idle_sender: bool = False
 
 
 def each(fields: Fields, ranks: int = 4) -> dict[int, Fields]:
@@ -112,6 +116,11 @@ def computing(rank: int, job: str, node: str) -> list[dict[str, Any]]:
 def raised(rank: int, job: str, node: str) -> list[dict[str, Any]]:
     return [progress(rank, job, stalled=0.5, step=STEPS, error={
         "type": "RuntimeError", "message": "CUDA error: an illegal memory access was encountered"})]
+
+
+def closed_long_ago(rank: int, job: str, node: str) -> list[dict[str, Any]]:
+    """Hooks closed two minutes ago (past HANG007's minute); the process stays, idle (``IdleSender``)."""
+    return [progress(rank, job, stalled=0.0, step=STEPS, phase="closed", overdue_seconds=0.0, time=time.time() - 120)]
 
 
 def slow_probe(rank: int, job: str, node: str) -> list[dict[str, Any]]:
@@ -141,6 +150,8 @@ SCENARIOS: dict[str, Scenario] = {
     "HANG004": Scenario(**HANG, after={2: raised}),
     "HANG005": Scenario(hello=each({"time": time.time() - 300}), steps=0),
     "HANG006": Scenario(**HANG, after=dict.fromkeys(range(4), computing)),
+    "HANG007": Scenario(**HANG, after={3: closed_long_ago}, idle_sender=True,
+                        placement=tuple(node for node in PAIRS[1] for _ in range(2))),
     "MEM001": Scenario(step={1: {"memory": {**HEALTHY_MEMORY, "reserved_bytes": 8 * GIB, "allocated_bytes": 4 * GIB,
                                             "alloc_retries": 9}}}),
     "MEM002": Scenario(step={1: {"memory": {**HEALTHY_MEMORY, "peak_bytes": 79 * GIB, "reserved_bytes": 79 * GIB}}}),
@@ -232,6 +243,38 @@ def _send(agents: Mapping[str, AgentProcess], batches: Mapping[str, list[dict[st
             assert client.dropped == 0, (node, client.drops)
 
 
+class IdleSender:
+    """A process that sends records to an agent, its progress records of closed hooks with its own CPU time then (as
+    the hooks' are), and idles until closed: a rank whose training ended and whose process does not exit. The agent
+    reads its CPU time by the sender's pid, which this test's own process, sending for every other rank, cannot
+    stand in for."""
+
+    SCRIPT = """
+import json, sys, time
+from gpuwatch.trainer.telemetry import TelemetryClient
+client = TelemetryClient(sys.argv[1], heartbeat_interval=0)
+for record in json.loads(sys.argv[2]):
+    if record.get("phase") == "closed":
+        record["cpu_seconds"] = time.process_time()
+    client.send(record)
+client.close(timeout=60)
+print(client.dropped, flush=True)
+sys.stdin.read()
+"""
+
+    def __init__(self, agent: AgentProcess, records: list[dict[str, Any]]) -> None:
+        self.process = subprocess.Popen([sys.executable, "-c", self.SCRIPT, str(agent.telemetry_socket),
+                                         json.dumps(records)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        text=True)
+        assert self.process.stdout is not None
+        assert self.process.stdout.readline().strip() == "0", "the idle sender's records were all sent"
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait(30)
+
+
 def _count(url: str, expr: str) -> int:
     status, body, _ = http_get(f"{url}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
     result = json.loads(body)["data"]["result"] if status == 200 else []
@@ -281,13 +324,19 @@ def cluster(start_agent, prometheus_server, tmp_path) -> Iterator[tuple[str, dic
     server = prometheus_server([f"127.0.0.1:{agent.port}" for agent in agents.values()], honor_labels=True)
     gpus = {name: [gpu["uuid"] for gpu in agent.state()["facts"]["nvml"]["gpus"]] for name, agent in agents.items()}
     batches: dict[str, list[dict[str, Any]]] = {name: [] for name in NODES}
+    idle: list[tuple[str, list[dict[str, Any]]]] = []
     for code, placement in PLACEMENT.items():
         scenario = SCENARIOS[code]
         for rank, node in enumerate(placement):
             batches[node] += _records(code, rank, gpus, range(1, scenario.steps + 1))
             if rank in scenario.after:
-                batches[node] += scenario.after[rank](rank, job_of(code), node)
+                after = scenario.after[rank](rank, job_of(code), node)
+                if scenario.idle_sender:
+                    idle.append((node, after))
+                else:
+                    batches[node] += after
     _send(agents, batches)
+    senders = [IdleSender(agents[node], records) for node, records in idle]
 
     stop = threading.Event()
 
@@ -314,6 +363,10 @@ def cluster(start_agent, prometheus_server, tmp_path) -> Iterator[tuple[str, dic
                                                   stepping),
             "the overdue ranks": ("count(gpuwatch_train_stalled_seconds)", overdue),
             "the probe": ("count(gpuwatch_probe_info)", 1),
+            "the idle senders' process CPU time": (
+                "count(gpuwatch_host_process_cpu_seconds_total"
+                " and on (job, rank) gpuwatch_train_closed_timestamp_seconds)",
+                len(senders)),
             "the planted hardware faults": (
                 "count(gpuwatch_nvlink_up == 0) + count(gpuwatch_gpu_pcie_link_generation{kind='current'} == 3)"
                 " + count(gpuwatch_ib_port_state_id == 1) + count(gpuwatch_gpu_xid_errors_total > 0)"
@@ -330,6 +383,8 @@ def cluster(start_agent, prometheus_server, tmp_path) -> Iterator[tuple[str, dic
     finally:
         stop.set()
         stepper.join()
+        for sender in senders:
+            sender.close()
 
 
 def test_every_rule_fires_alike_through_the_full_pull_and_the_outlier_fetch(cluster):

@@ -1,6 +1,7 @@
 """The hang rules on facts built by hand: who waits for whom, mismatched sequence numbers, a transport that stopped,
 deaths and their consequences, ranks that said hello and never stepped, every rank stopped outside any collective,
-and what must stay quiet (a pause shorter than the stall threshold, a job whose ranks all moved on)."""
+a rank whose process never exits after its training ended, and what must stay quiet (a pause shorter than the stall
+threshold, a job whose ranks all moved on)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from telemetry_records import step as step_record
 from test_diagnose_rules import fired, not_run, silent
 
 from gpuwatch.diagnosis import engine
-from gpuwatch.diagnosis.facts import InFlightFacts, ProgressFacts, RankFacts
+from gpuwatch.diagnosis.facts import AfterClose, InFlightFacts, ProgressFacts, RankFacts
 from gpuwatch.diagnosis.sources import run_log
 from gpuwatch.protocol.records import RecorderEntry
 from gpuwatch.trainer.telemetry import TelemetryClient
@@ -343,3 +344,40 @@ def test_hang006_and_perf006_from_a_run_log_of_records(tmp_path):
     assert findings["HANG006"].evidence[0].values["rank"] == 0
     assert findings["HANG006"].evidence[0].values["stack"] == ["/app/train.py:88 main"]
     assert findings["PERF006"].evidence[0].values["modules"] == modules[1]
+
+
+CLOSED = ProgressFacts(step=100, phase="closed", stalled_seconds=0, overdue_seconds=0)
+
+
+def after_close(number: int, seconds: float, cpu_seconds: float) -> RankFacts:
+    """A rank whose hooks closed ``seconds`` ago and whose process, not exited, used ``cpu_seconds`` since."""
+    return rank(number, dp=4, progress=CLOSED, after_close=AfterClose(seconds, cpu_seconds, pid=4000 + number))
+
+
+def test_hang007_names_the_rank_whose_process_idles_after_its_close_and_not_the_others():
+    """Rank 3 closed 90 s ago and used 0.01 s of CPU since; rank 0 exited; rank 1 still works (30 s of CPU: an
+    evaluation); rank 2 closed 10 s ago."""
+    ended = rank(0, dp=4, progress=CLOSED, exited_at=1000.0)
+    (finding,) = fired("HANG007", facts(ranks=[ended, after_close(1, 90, 30.0), after_close(2, 10, 0.0),
+                                               after_close(3, 90, 0.01)]))
+    assert finding.evidence[0].where.rank == 3
+    assert finding.evidence[0].values == {"rank": 3, "pid": 4003, "step": 100, "seconds_since_close": 90,
+                                          "cpu_seconds_since_close": 0.01}
+    assert "closed its hooks after step 100 90 s ago and has not exited" in finding.evidence[0].text
+    assert finding.evidence[1].values == {"ranks": [0]}  # ended normally
+    assert finding.evidence[2].values == {"ranks": [1, 2]}  # working, or closed a moment ago: not named
+    assert finding.title.startswith("job job-1: rank 3 ended training but did not exit")
+    assert "py-spy dump --native --pid 4003" in finding.fix and "#56297" in finding.fix
+
+
+def test_hang007_judges_cpu_against_the_time_since_the_close():
+    """2 % of a core: 1.2 s of CPU in a minute is idle, 1.3 s is work."""
+    assert fired("HANG007", facts(ranks=[after_close(0, 60, 1.2)]))
+    silent("HANG007", facts(ranks=[after_close(0, 60, 1.3)]))
+    silent("HANG007", facts(ranks=[after_close(0, 59, 0.0)]))
+
+
+def test_hang007_quiet_on_a_job_that_ended_or_where_the_source_cannot_see_the_process():
+    silent("HANG007", facts(ranks=[rank(n, dp=4, progress=CLOSED, exited_at=1000.0) for n in DP]))  # ended
+    silent("HANG007", facts(ranks=[rank(n, dp=4, progress=CLOSED) for n in DP]))  # a run log: no process seen
+    silent("HANG007", facts(ranks=[rank(n, dp=4) for n in DP]))  # training

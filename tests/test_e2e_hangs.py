@@ -58,11 +58,11 @@ def _verdict(predicate: Callable[[], dict | None], what: str) -> dict:
     return wait_until(predicate, timeout=FOUND_TIMEOUT_S, interval=VERDICT_POLL_S, what=what)
 
 
-def _found(job: str, code: str, option: str, location: str) -> dict | None:
-    """The first `code` finding about `job` from `gpuwatch diagnose OPTION LOCATION`; None before there is one (or
-    while the source cannot be read yet: a Prometheus server before its first scrape)."""
+def _found(job: str, code: str, option: str, location: str, *options: str) -> dict | None:
+    """The first `code` finding about `job` from `gpuwatch diagnose OPTION LOCATION [OPTIONS]`; None before there is
+    one (or while the source cannot be read yet: a Prometheus server before its first scrape)."""
     source = {"--agent": "agent", "--run-log": "run_log", "--prometheus": "prometheus"}[option]
-    found = diagnose(job, source, location).serious().get(code)
+    found = diagnose(job, source, location, options=options).serious().get(code)
     return found[0] if found else None
 
 
@@ -218,3 +218,25 @@ def test_a_users_ddp_script_with_a_stuck_rank_is_named_live_and_post_mortem(tmp_
         assert by_rank(through_prometheus)[1]["waiting"] == [0]
     post_mortem = _found(workload.job, "HANG001", "--run-log", str(run_log))
     assert post_mortem is not None and set(by_rank(post_mortem)) == {1}
+
+
+def test_a_rank_stuck_as_it_exits_is_named_and_one_still_working_is_not(tmp_path, prometheus_server):
+    """After training and destroy_process_group() rank 1 of a user's DDP script waits on a lock for good (its hooks
+    closed, its process never exits) and rank 0 evaluates until stopped: HANG007 names rank 1 alone, by its pid,
+    live through the agent and through Prometheus. Its minute is lowered to 10 s (``--config``); the process has
+    used no CPU worth the name since the close, rank 0 a share of a core. A run log ends at the close: it cannot
+    tell, and names no one."""
+    workload = Workload("ddp_tutorial", nproc=2, steps=10, fault="stuck-at-exit", fault_rank=1)
+    config = tmp_path / "minute.yaml"
+    config.write_text("thresholds: {HANG007: {min_age_seconds: 10}}\n")
+    with simulated_agent(tmp_path) as agent, launched(workload, agent, tmp_path) as (_, run_log):
+        server = prometheus_server([f"127.0.0.1:{agent.port}"])
+        for option, location in (("--agent", agent.url), ("--prometheus", server.url)):
+            finding = _verdict(lambda option=option, location=location: _found(
+                workload.job, "HANG007", option, location, "--config", str(config)), what=f"HANG007 {option}")
+            named = {e["where"]["rank"]: e["values"] for e in finding["evidence"] if e["where"].get("rank") is not None}
+            assert set(named) == {1}, finding
+            stuck = named[1]
+            assert stuck["seconds_since_close"] >= 10 and stuck["cpu_seconds_since_close"] <= 0.2, stuck
+            assert "ddp_tutorial.py" in Path(f"/proc/{stuck['pid']}/cmdline").read_text(), stuck  # rank 1's process
+        assert _found(workload.job, "HANG007", "--run-log", str(run_log), "--config", str(config)) is None

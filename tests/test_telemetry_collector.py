@@ -405,6 +405,23 @@ def test_silent_ranks_expire_after_the_ttl_and_free_their_slot():
     assert _feed(store, hello(2)) == [None]
 
 
+def test_a_closed_rank_whose_process_runs_outlives_the_ttl_until_it_exits():
+    """Closed ranks send nothing more: one whose watched process has not exited stays past the TTL (HANG007 judges
+    it), and goes once the process exits; without a known pid (another pid namespace) the TTL applies as ever."""
+    clock = FakeClock()
+    store = TelemetryStore(ttl=60, clock=clock)
+    closed = {"phase": "closed", "stalled": 0.0, "overdue_seconds": 0.0}
+    for rank, pid in ((0, 21), (1, None)):
+        for record in (hello(rank), progress(rank, **closed)):
+            assert store.ingest(encode(record), sender_pid=pid) is None
+    clock.now += 61
+    assert [s.rank for s in store.expire()] == [1]
+    clock.now += 600
+    assert store.expire() == [] and [s.rank for s in store.snapshot()[0]] == [0]
+    store.mark_exited(21, 2000.0)
+    assert [s.rank for s in store.expire()] == [0]
+
+
 def test_rejections_are_counted_by_reason():
     store = TelemetryStore()
     assert _feed(store, step(job='evil"}'), step(step_seconds=-1)) == ["bad_label", "out_of_range"]

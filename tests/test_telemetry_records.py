@@ -60,7 +60,7 @@ FULL = {
         stack=[{"file": "train.py", "line": 12, "function": "step"}],
         error={"type": "RuntimeError", "message": "NCCL timeout"},
         flight_recorder={"op": "all_reduce", "group": "0", "group_desc": "default_pg", "seq": 4, "p2p": False,
-                         "state": "scheduled"}),
+                         "state": "scheduled"}, cpu_seconds=12.5),
 }
 
 

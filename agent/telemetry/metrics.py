@@ -165,6 +165,13 @@ IN_FLIGHT = _per_rank("gpuwatch_train_in_flight_collective_seq", "Sequence numbe
                       extra=("op", "group"))
 EXITED = _per_rank("gpuwatch_train_rank_exited_timestamp_seconds", "When the agent found the rank's process gone "
                    "(wall clock).", "seconds")
+#: A rank whose hooks closed, from its closed progress record: when, and its process's CPU time then (beside
+#: gpuwatch_host_process_cpu_seconds, whether a process that has not exited still works: HANG007)
+CLOSED = _per_rank("gpuwatch_train_closed_timestamp_seconds", "When the rank's hooks closed (its wall clock): it ended "
+                   "its training; without an exit timestamp, its process still runs.", "seconds")
+CLOSED_CPU = _per_rank("gpuwatch_train_closed_process_cpu_seconds", "CPU time, user and system, of the rank's process "
+                       "as its hooks closed: what gpuwatch_host_process_cpu_seconds adds after it is the work the "
+                       "process still does.", "seconds", "cpu_seconds")
 #: The latest step's collective calls per process group (label group: the hello's name, "default" the world)
 CALLS = _per_rank("gpuwatch_train_collective_calls", "Collective calls (not send/recv) the rank had made on a process "
                   "group by the end of its latest step (group: the hello's name, default the world); every member of "
@@ -208,8 +215,8 @@ VOLUME = _per_rank("gpuwatch_train_collective_bytes", "Bytes the rank's collecti
 #: Families with series per rank, in exposition order.
 PER_RANK: tuple[MetricSpec, ...] = (
     RANK_INFO, MODEL_INFO, ENV_INFO, GPU_JOB, GROUP_INFO, HELLO_TIME, *STEP_GAUGES, *MEMORY_GAUGES, *COUNTERS, COSINE,
-    CHECKSUM, *WINDOW_GAUGES, WINDOW_MEDIAN, UNAVAILABLE, STALLED, PHASE, IN_FLIGHT, EXITED, CALLS, RAISED, LATENCY,
-    VOLUME,
+    CHECKSUM, *WINDOW_GAUGES, WINDOW_MEDIAN, UNAVAILABLE, STALLED, PHASE, IN_FLIGHT, EXITED, CLOSED, CLOSED_CPU,
+    CALLS, RAISED, LATENCY, VOLUME,
 )
 
 #: The store's own families and the probes', beside the ranks'.

@@ -30,6 +30,8 @@ from gpuwatch.agent.exposition import TextFamily, format_value, series_prefix
 from gpuwatch.agent.telemetry.metrics import (
     CALLS,
     CHECKSUM,
+    CLOSED,
+    CLOSED_CPU,
     COSINE,
     COUNTERS,
     ENV_INFO,
@@ -245,6 +247,10 @@ class RankLines:
             if error is not None:
                 parts[_FAMILY_INDEX[RAISED.name]] = line(
                     RAISED.name, progress.time, extra=(("type", error.type), ("message", error.message)))
+            if progress.phase == "closed":
+                parts[_FAMILY_INDEX[CLOSED.name]] = line(CLOSED.name, progress.time)
+                if progress.cpu_seconds is not None:
+                    parts[_FAMILY_INDEX[CLOSED_CPU.name]] = line(CLOSED_CPU.name, progress.cpu_seconds)
         if state.exited_time is not None:
             parts[_FAMILY_INDEX[EXITED.name]] = line(EXITED.name, state.exited_time)
         step = state.last_step

@@ -15,7 +15,9 @@ senders do: a new (job, rank) beyond the caps first makes room by forgetting the
 (every rank's hooks closed and its process gone: a normal end, which no diagnosis needs kept), and is rejected as
 ``cardinality`` only when no job has ended so; a rank silent for ``ttl`` seconds is forgotten, so its series
 disappear from /metrics. A job that died (a rank gone without closing its hooks) is kept until its TTL: who died
-is what a hang's diagnosis needs. Probe records are kept apart from the ranks: the latest per job, for at most
+is what a hang's diagnosis needs. A rank whose hooks closed sends nothing more, yet is not forgotten while its
+process (its sender pid, watched) has not exited: a process stuck in its teardown keeps its job from ending, and
+HANG007 needs it seen. Probe records are kept apart from the ranks: the latest per job, for at most
 ``max_jobs`` jobs (a new job's probe pushes out the oldest), without a TTL.
 """
 
@@ -161,6 +163,12 @@ class RankState:
         copied.unavailable, copied.client_dropped = dict(self.unavailable), dict(self.client_dropped)
         copied.window = self.window.copy()
         return copied
+
+    def closed_and_running(self) -> bool:
+        """Its hooks closed, and its process, whose exit the agent watches (its pid known), has not exited."""
+        progress = self.progress
+        return (progress is not None and progress.phase == "closed" and self.sender_pid is not None
+                and self.exited_time is None)
 
     def counters(self) -> dict[str, int]:
         return {"steps": self.steps, "nonfinite_steps": self.nonfinite_steps, "tokens": self.tokens,
@@ -387,10 +395,12 @@ class TelemetryStore:
         return not self._ranks and not self._pending
 
     def expire(self) -> list[RankState]:
-        """Forget ranks silent for longer than the TTL; return what was forgotten."""
+        """Forget ranks silent for longer than the TTL, but those closed whose process has not exited; return what
+        was forgotten."""
         deadline = self._clock() - self.ttl
         with self._current():
-            expired = [state for state in self._ranks.values() if state.last_seen < deadline]
+            expired = [state for state in self._ranks.values()
+                       if state.last_seen < deadline and not state.closed_and_running()]
             self.changes += bool(expired)
             for state in expired:
                 del self._ranks[state.job, state.rank]

@@ -13,6 +13,8 @@ watchdog's timeout (PyTorch docs, "Flight Recorder for Debugging Stuck Jobs"), a
 Where every rank is stuck and none is in a collective the hooks know, there are no waits to follow: HANG006 names
 each rank's phase, the rank that stopped first and its stack.
 
+A rank that ended its training but whose process never exits (HANG007) keeps its job from ending just as surely.
+
 Past 500 lines on purpose: the HANG rules share what a rank is doing (stuck, dead, closed, in which collective) and
 who waits for whom, in one family.
 """
@@ -27,7 +29,7 @@ import types
 from collections.abc import Iterator
 
 from gpuwatch.diagnosis import needs
-from gpuwatch.diagnosis.coverage import NO_STEP_SINCE_HELLO, RANK_OVERDUE_DEAD_OR_FAILED
+from gpuwatch.diagnosis.coverage import CLOSED_NOT_EXITED, NO_STEP_SINCE_HELLO, RANK_OVERDUE_DEAD_OR_FAILED
 from gpuwatch.diagnosis.facts import (
     Facts,
     InFlightFacts,
@@ -600,3 +602,76 @@ def all_stopped(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
                 "(init_process_group(timeout=...)) makes the job fail instead of idling",
             reason="no rank makes progress and none is in a collective whose members would say who is missing: "
                    "the stacks, the first stopped rank's above all, are what is left to tell why")
+
+
+def _stuck_after_close(rank: RankFacts, t: types.SimpleNamespace) -> bool:
+    """Its hooks closed min_age_seconds ago or more, its process has not exited, and it used at most max_cpu_share
+    of a core since."""
+    after = rank.after_close
+    return (after is not None and after.seconds >= t.min_age_seconds
+            and after.cpu_seconds <= t.max_cpu_share * after.seconds)
+
+
+@rule("HANG007", family=FAMILY, view="hang", severity=Severity.WARNING,
+      title="A rank ended its training but its process does not exit", needs=(needs.TELEMETRY,),
+      thresholds={"min_age_seconds": Threshold(
+          60.0, "chosen: a process ends within seconds of its hooks closing (its model freed, "
+                "destroy_process_group, the interpreter's exit); one still there a minute later without working is "
+                "not ending"),
+          "max_cpu_share": Threshold(
+              0.02, "chosen: a process blocked on a lock or a thread it joins uses no CPU (both threads of PyTorch "
+                    "#56297's deadlock wait); an evaluation, a checkpoint's write or an upload after the close keeps "
+                    "its process far busier than 2 % of a core")},
+      coverage=(CLOSED_NOT_EXITED,))
+def stuck_at_exit(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
+    """A rank whose hooks closed (it ended its training) and whose process, min_age_seconds later, has neither
+    exited nor used more than max_cpu_share of a core since: it is stuck in its teardown. Its launcher (torchrun,
+    Slurm's srun) waits for every rank's process, so the job never ends and holds its nodes, and nothing reports on
+    the rank any more: its hooks are closed. One way there, met in jobs without gpuwatch too: a DDP model freed after
+    ``destroy_process_group()`` as the script returns drops the last reference to the gloo process group, whose
+    destructor joins its worker threads while holding the GIL, and a worker that needs the GIL to free its last
+    tensor never ends (PyTorch issue #56297). Others: a teardown barrier a peer never joins, a non-daemon thread the
+    interpreter waits for at exit. A rank still working after its close (an evaluation, a checkpoint's upload) uses
+    CPU and is not named; one idle on purpose (waiting on a slow filesystem) is, with how little it used. Only the
+    agent on the rank's node sees the process after the close (directly, or exported to Prometheus); a run log ends
+    at the close and cannot tell, and an agent in another pid namespace sees no process: those ranks are not
+    judged."""
+    for job, members in facts.jobs().items():
+        stuck = [r for r in members if _stuck_after_close(r, t)]
+        if not stuck:
+            continue
+        evidence = []
+        for rank in stuck:
+            after = rank.after_close
+            assert after is not None, "a rank stuck after its close has after_close facts"
+            step = rank.progress.step if rank.progress is not None else 0
+            evidence.append(Evidence(
+                f"rank {rank.rank} (pid {after.pid} on {rank.host or 'an unknown node'}) closed its hooks after step "
+                f"{step} {after.seconds:.0f} s ago and has not exited; its process used {after.cpu_seconds:.2f} s of "
+                "CPU since", rank.where,
+                {"rank": rank.rank, "pid": after.pid, "step": step, "seconds_since_close": after.seconds,
+                 "cpu_seconds_since_close": after.cpu_seconds}))
+        ended = [r for r in members if r.exited_at is not None and _closed(r)]
+        if ended:
+            evidence.append(Evidence(f"{describe_ranks(ended)} of the job closed their hooks and exited",
+                                     Where(job=job), {"ranks": [r.rank for r in ended]}))
+        working = [r for r in members if r.after_close is not None and not _stuck_after_close(r, t)]
+        if working:
+            evidence.append(Evidence(
+                f"{describe_ranks(working)} closed too and have not exited, but are still working or closed a moment "
+                "ago: not named", Where(job=job), {"ranks": [r.rank for r in working]}))
+        first = stuck[0].after_close
+        assert first is not None, "a rank stuck after its close has after_close facts"
+        yield Issue(
+            title=f"job {job}: {describe_ranks(stuck)} ended training but did not exit: idle for "
+                  f"{min(r.after_close.seconds for r in stuck if r.after_close is not None):.0f} s or more since "
+                  "closing its hooks",
+            evidence=capped(evidence, what="ranks"),
+            fix=f"py-spy dump --native --pid {first.pid} (on its node) shows where it waits. A model that holds a "
+                "process group (a DDP model's Reducer) freed after destroy_process_group() can deadlock gloo's "
+                "destructor against its worker thread (PyTorch issue #56297): free the model before "
+                "destroy_process_group(), or end the rank with os._exit(0) once its results are written; a rank in a "
+                "teardown barrier waits for a peer that already left. Until then the launcher waits for it: end "
+                "the process (its training is over)",
+            reason="the launcher waits for every rank's process: the job never ends and keeps its nodes, and the "
+                   "rank reports nothing more, its hooks closed")

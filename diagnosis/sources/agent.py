@@ -12,7 +12,7 @@ from gpuwatch.agent.telemetry.readings import TelemetryReadings
 from gpuwatch.diagnosis.facts import Facts, SourceInfo
 from gpuwatch.diagnosis.sources import HTTP_TIMEOUT, SourceError, http_json
 from gpuwatch.diagnosis.sources.collectors import PARTS, node_facts
-from gpuwatch.diagnosis.sources.telemetry import bandwidth, rank_facts
+from gpuwatch.diagnosis.sources.telemetry import after_close, bandwidth, rank_facts
 from gpuwatch.protocol.records import convert
 
 STATE_PATH = "/api/v1/state"
@@ -50,13 +50,23 @@ def facts_from_state(state: Any, location: str) -> Facts:
         missing[collector] = (f"{collector} collector down: {status.get('last_error')}" if status is not None
                               else f"{collector} collector not enabled on the agent")
         facts.notes.append(f"{name}: {missing[collector]}")
-    facts.nodes[name] = node_facts(name, NodeReadings.from_dict(collected), missing,
-                                   simulated=state["agent"].get("mode") == "simulated")
+    readings = NodeReadings.from_dict(collected)
+    facts.nodes[name] = node_facts(name, readings, missing, simulated=state["agent"].get("mode") == "simulated")
     try:
         telemetry = convert(collected, StateFacts).telemetry or TelemetryReadings()
     except msgspec.ValidationError as exc:
         raise SourceError(f"{location}: malformed telemetry in the agent's state: {exc}") from None
-    facts.ranks += [rank_facts(rank, node=name, now=state.get("timestamp")) for rank in telemetry.ranks]
+    now = state.get("timestamp")
+    processes = {(p.job, p.rank): p for p in readings.host.processes} if readings.host is not None else {}
+    for reading in telemetry.ranks:
+        rank = rank_facts(reading, node=name, now=now)
+        closed = rank.progress if rank.progress is not None and rank.progress.phase == "closed" else None
+        process = processes.get((rank.job, str(rank.rank)))
+        rank.after_close = after_close(
+            now - closed.time if closed is not None and closed.time is not None and now is not None else None,
+            closed.cpu_seconds if closed is not None else None,
+            (process.pid, process.cpu_seconds) if process is not None else None, rank.exited_at is not None)
+        facts.ranks.append(rank)
     facts.bandwidth = bandwidth(telemetry.probes, name)
     return facts
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from gpuwatch.agent.collectors.host import CPUS, NETWORK_INFO, NETWORK_SPEED
+from gpuwatch.agent.collectors.host import CPUS, NETWORK_INFO, NETWORK_SPEED, PROCESS_CPU
 from gpuwatch.agent.collectors.infiniband import (
     DEVICE_INFO,
     PHYS_STATES,
@@ -53,6 +53,8 @@ from gpuwatch.agent.sampler import AGENT_INFO, COLLECTOR_UP
 from gpuwatch.agent.telemetry.metrics import (
     CALLS,
     CHECKSUM,
+    CLOSED,
+    CLOSED_CPU,
     COSINE,
     COUNTERS,
     ENV_INFO,
@@ -106,6 +108,7 @@ from gpuwatch.diagnosis.registry import REGISTRY
 from gpuwatch.diagnosis.sources import HTTP_TIMEOUT, WINDOW, Meter, QueryError, SourceError, http_json, outliers
 from gpuwatch.diagnosis.sources.collectors import GPU_GAUGES_READ, PARTS, hca_model, read_by
 from gpuwatch.diagnosis.sources.httpconfig import HttpConfig
+from gpuwatch.diagnosis.sources.telemetry import after_close
 from gpuwatch.protocol.ranks import parse_members
 from gpuwatch.protocol.records import ModelShapeFields
 
@@ -126,10 +129,14 @@ _MEMORY_SERIES = frozenset(spec.name for spec in MEMORY_GAUGES)
 _RANK_COUNTERS = {f"{spec}_total": spec.field for spec in read_by(COUNTERS, RankFacts)}
 #: A rank's collective series, per op: the latency histogram's count and sum, and the bytes moved.
 _COLLECTIVE_COUNT, _COLLECTIVE_SUM, _COLLECTIVE_BYTES = f"{LATENCY}_count", f"{LATENCY}_sum", f"{VOLUME}_total"
+#: A rank's process CPU time, from the host collector (for HANG007, beside its CPU time as its hooks closed).
+_PROCESS_CPU_TOTAL = f"{PROCESS_CPU}_total"
 _RANK_SERIES = "|".join([*(spec.name for spec in (RANK_INFO, MODEL_INFO, ENV_INFO, LAST_STEP, CHECKSUM, COSINE,
                                                    WINDOW_MEDIAN, UNAVAILABLE, STALLED, PHASE, IN_FLIGHT, EXITED,
-                                                   RAISED, CALLS, GROUP_INFO, HELLO_TIME, *WINDOW_GAUGES)),
-                         _COLLECTIVE_COUNT, _COLLECTIVE_SUM, _COLLECTIVE_BYTES, *_STEP_GAUGES, *_RANK_COUNTERS])
+                                                   CLOSED, CLOSED_CPU, RAISED, CALLS, GROUP_INFO, HELLO_TIME,
+                                                   *WINDOW_GAUGES)),
+                         _PROCESS_CPU_TOTAL, _COLLECTIVE_COUNT, _COLLECTIVE_SUM, _COLLECTIVE_BYTES, *_STEP_GAUGES,
+                         *_RANK_COUNTERS])
 _RANK_KEY = "instance, job, exported_job, rank"
 
 
@@ -462,7 +469,8 @@ class _Reader:
     def _ranks(self) -> None:
         series: dict[tuple[str, str], dict[str, Any]] = collections.defaultdict(dict)
         labels_of: dict[tuple[str, str], tuple[NodeFacts, dict[str, str]]] = {}
-        for node, labels, sample in self._node_samples(self.sel("", f'__name__=~"{_RANK_SERIES}"')):
+        # rank!="": not the agent's own row of the host collector's process CPU
+        for node, labels, sample in self._node_samples(self.sel("", f'__name__=~"{_RANK_SERIES}", rank!=""')):
             key = (_job(labels), labels["rank"])
             name = labels["__name__"]
             if name == RANK_INFO.name:
@@ -489,6 +497,10 @@ class _Reader:
                 series[key]["raised"] = (f"{labels['type']}: {labels['message']}", _value(sample))
             elif name == HELLO_TIME.name:  # its age by the engine's clock: the time the query was evaluated at
                 series[key]["hello_age"] = max(0.0, float(sample["value"][0]) - _value(sample))
+            elif name == CLOSED.name:  # likewise
+                series[key]["closed_age"] = max(0.0, float(sample["value"][0]) - _value(sample))
+            elif name == _PROCESS_CPU_TOTAL:
+                series[key]["process"] = (int(labels["pid"]), _value(sample))
             else:
                 series[key][name] = _value(sample)
                 if name in _MEMORY_SERIES:
@@ -578,7 +590,9 @@ class _Reader:
             window=_window(values), unavailable=values.get("unavailable"),
             collectives=collectives or None, param_checksum=sampled(CHECKSUM.name),
             grad_cosine=sampled(COSINE.name), history=history,
-            progress=_progress(values, int(labels["world_size"]), last), exited_at=values.get(EXITED.name), **counters)
+            progress=_progress(values, int(labels["world_size"]), last), exited_at=values.get(EXITED.name),
+            after_close=after_close(values.get("closed_age"), values.get(CLOSED_CPU.name), values.get("process"),
+                                    EXITED.name in values), **counters)
 
 
 def _progress(values: dict[str, Any], world_size: int, last: StepFacts | None) -> ProgressFacts | None:

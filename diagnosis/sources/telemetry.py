@@ -14,6 +14,7 @@ from gpuwatch.agent.telemetry.readings import RankReadings, SampledAt
 from gpuwatch.agent.telemetry.store import SAMPLED_FIELDS, probe_peaks
 from gpuwatch.agent.telemetry.window import StepPoint, summarize
 from gpuwatch.diagnosis.facts import (
+    AfterClose,
     BandwidthMeasurement,
     CollectiveFacts,
     History,
@@ -107,7 +108,8 @@ def progress(body: Progress, hello: Hello | None) -> ProgressFacts:
         step=body.step, phase=body.phase, stalled_seconds=body.stalled_seconds,
         overdue_seconds=body.overdue_seconds, collective=in_flight,
         stack=tuple(f"{frame.file}:{frame.line} {frame.function}" for frame in body.stack or ()),
-        error=f"{error.type}: {error.message}" if error else None, time=body.time, recorder=body.flight_recorder)
+        error=f"{error.type}: {error.message}" if error else None, time=body.time, recorder=body.flight_recorder,
+        cpu_seconds=body.cpu_seconds)
 
 
 def rank_facts(rank: RankReadings, *, node: str | None, history: History | None = None,
@@ -148,6 +150,17 @@ def rank_facts(rank: RankReadings, *, node: str | None, history: History | None 
         progress=progress(rank.progress, hello) if rank.progress else None,
         exited_at=rank.exited,
     )
+
+
+def after_close(seconds: float | None, cpu_at_close: float | None, process: tuple[int, float] | None,
+                exited: bool) -> AfterClose | None:
+    """A closed rank whose process has not exited: ``seconds`` since its hooks closed (by the source's clock),
+    its process's CPU time as they closed and ``process``, its (pid, CPU time) as the agent on its node read it last.
+    None where any is unknown: a run log ends at the close, and an agent in another pid namespace sees no process."""
+    if seconds is None or cpu_at_close is None or process is None or exited:
+        return None
+    pid, cpu_seconds = process
+    return AfterClose(seconds=max(0.0, seconds), cpu_seconds=max(0.0, cpu_seconds - cpu_at_close), pid=pid)
 
 
 def _sampled(at: SampledAt[Any] | None) -> Sampled | None:

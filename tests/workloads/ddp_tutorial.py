@@ -17,6 +17,9 @@ checked against it:
 * ``stuck-rank``: at step 5 one rank (``--fault-rank``) waits for good on a lock nobody releases before its
   backward, as a rank stuck on a filesystem or in a deadlocked helper thread: the others wait for it in DDP's
   all-reduce until someone stops the job.
+* ``stuck-at-exit``: after its training and ``destroy_process_group()``, one rank (``--fault-rank``) waits for good on
+  a lock nobody releases, as a rank deadlocked in its teardown (PyTorch issue #56297 is one way there): its hooks
+  closed, its process never exits. The other ranks go on working (an evaluation, on CPU) until someone stops the job.
 """
 
 from __future__ import annotations
@@ -52,12 +55,19 @@ def wait_for_a_lock_nobody_releases() -> None:
     lock.acquire()  # held already, by this very thread: waits for good
 
 
+def evaluate_until_stopped(model: nn.Module) -> None:
+    """Work after training, as an evaluation does: forwards without gradients, for good."""
+    with torch.no_grad():
+        while True:
+            model(torch.randn(1024, FEATURES))
+
+
 def main() -> object:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--fault", action="append", default=[], help="a planted bug (given again: several)",
-                        choices=("none", "sleep-rank", "same-data", "bad-loss-shape", "stuck-rank"))
+                        choices=("none", "sleep-rank", "same-data", "bad-loss-shape", "stuck-rank", "stuck-at-exit"))
     parser.add_argument("--fault-rank", type=int, default=None,
                         help="the sleeping or stuck rank (default: the last)")
     args = parser.parse_args()
@@ -108,6 +118,10 @@ def main() -> object:
     if rank == 0:
         print(f"{world_size} rank(s), {step} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     dist.destroy_process_group()
+    if "stuck-at-exit" in args.fault:
+        if rank == slow_rank:
+            wait_for_a_lock_nobody_releases()
+        evaluate_until_stopped(model.module)
     return model
 
 

@@ -212,10 +212,13 @@ def thread_stack(thread_id: int) -> list[dict[str, Any]]:
 
 
 def closed_record(job: str, rank: int, progress: Progress) -> dict[str, Any]:
-    """The progress record of hooks being closed: the rank ended its training; its process's exit is no death."""
+    """The progress record of hooks being closed: the rank ended its training; its process's exit is no death. Its
+    process's CPU time then lets an agent tell a process that never exits and does nothing (stuck in its teardown)
+    from one still at work."""
     return {
         "v": SCHEMA_VERSION, "kind": "progress", "job": job, "rank": rank, "time": time.time(),
         "step": progress.step, "phase": "closed", "stalled_seconds": 0.0, "overdue_seconds": 0.0,
+        "cpu_seconds": time.process_time(),
     }
 
 

@@ -442,8 +442,9 @@ class RankFacts:
     progress: ProgressFacts | None = None
     #: when its process was found gone (wall clock; the agent only); None while alive or unknown
     exited_at: float | None = None
-    #: its hooks closed and its process still runs, as the agent on its node sees it; None where the source cannot
-    #: see the process (a run log ends at the close, Prometheus exports no close time) or it is not closed or gone
+    #: its hooks closed and its process still runs, as the agent on its node sees it (directly or through
+    #: Prometheus); None where it is not closed or is gone, or where no one sees the process (a run log ends at the
+    #: close; an agent in another pid namespace knows no pid of it)
     after_close: AfterClose | None = None
 
     @property

@@ -125,6 +125,38 @@ def start_agent(tmp_path_factory):
         agent.stop()
 
 
+class IdleSender:
+    """A process that sends records to an agent, its progress records of closed hooks with its own CPU time then (as
+    the hooks' are), and idles until closed: a rank whose training ended and whose process does not exit (HANG007).
+    The agent reads a rank's process CPU time by the pid its records came from, which a test's own process, sending
+    for other ranks too, cannot stand in for."""
+
+    SCRIPT = """
+import json, sys, time
+from gpuwatch.trainer.telemetry import TelemetryClient
+client = TelemetryClient(sys.argv[1], heartbeat_interval=0)
+for record in json.loads(sys.argv[2]):
+    if record.get("phase") == "closed":
+        record["cpu_seconds"] = time.process_time()
+    client.send(record)
+client.close(timeout=60)
+print(client.dropped, flush=True)
+sys.stdin.read()
+"""
+
+    def __init__(self, telemetry_socket: Path, records: list[dict[str, Any]]) -> None:
+        self.process = subprocess.Popen([sys.executable, "-c", self.SCRIPT, str(telemetry_socket),
+                                         json.dumps(records)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        text=True)
+        assert self.process.stdout is not None
+        assert self.process.stdout.readline().strip() == "0", "the idle sender's records were all sent"
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait(30)
+
+
 def require_tool(name: str) -> str:
     """Integration tests need Prometheus' binaries; .ci/run installs them. Missing is a failure, not a skip."""
     path = shutil.which(name)

@@ -29,12 +29,12 @@ from gpuwatch.dashboards import DASHBOARDS
 from gpuwatch.dashboards.generate import JSON_DIR
 from gpuwatch.trainer.telemetry import TelemetryClient
 
-from conftest import http_get, wait_until
+from conftest import IdleSender, http_get, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "alerts" / "gpuwatch.rules.yml"
 GPU_JOB, GLOO_JOB, HUNG_JOB, DEAD_JOB = "gpu-job", "gloo-run", "hung-job", "dead-job"
-STOPPED_JOB, UNSTEPPED_JOB = "stopped-job", "unstepped-job"
+STOPPED_JOB, UNSTEPPED_JOB, ENDED_JOB = "stopped-job", "unstepped-job", "ended-job"
 #: Grafana's variables as "All" selects them; rate windows hold several 1 s scrapes.
 VARIABLES = {"node": ".*", "job": ".*", "rank": ".*", "gpu": ".*", "__rate_interval": "10s"}
 #: Training health panels a CPU (gloo) run must fill on its own.
@@ -192,6 +192,14 @@ def _dead_rank(agent) -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+def _ended_rank(agent) -> IdleSender:
+    """A rank that stepped, closed its hooks two minutes ago and whose process idles since, not exiting (HANG007's):
+    its close, and its process's CPU time from the host collector."""
+    return IdleSender(agent.telemetry_socket, [
+        records.hello(0, job=ENDED_JOB), records.step(0, 1, job=ENDED_JOB),
+        records.progress(0, job=ENDED_JOB, stalled=0.0, phase="closed", overdue_seconds=0.0, time=time.time() - 120)])
+
+
 def _still_missing(missing: Callable[[], list[str]], timeout: float = 60.0) -> list[str]:
     """`missing()` polled until it lists nothing, for at most `timeout` seconds, and its last list. Polled, not
     slept on: the rate windows fill as scrapes come, later on a loaded machine."""
@@ -214,6 +222,7 @@ def test_every_dashboard_and_rule_expression_returns_data(start_agent, prometheu
     stopped = threading.Thread(target=_stopped_jobs, args=(agent, stop), daemon=True)
     stopped.start()
     _dead_rank(agent)
+    ended = _ended_rank(agent)
     try:
         run = subprocess.run(
             [sys.executable, "-m", "gpuwatch.cli.main", "train", "--steps", "6", "--tp", "1", "--pp", "2",
@@ -244,6 +253,7 @@ def test_every_dashboard_and_rule_expression_returns_data(start_agent, prometheu
         sender.join(5)
         hung.join(5)
         stopped.join(5)
+        ended.close()
 
     # Prometheus loaded every rule and evaluates it without error.
     status, body, _ = http_get(prometheus.url + "/api/v1/rules")

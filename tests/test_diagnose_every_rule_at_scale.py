@@ -23,8 +23,6 @@ import concurrent.futures
 import dataclasses
 import json
 import math
-import subprocess
-import sys
 import threading
 import time
 import urllib.parse
@@ -42,7 +40,7 @@ from gpuwatch.diagnosis.registry import REGISTRY
 from gpuwatch.diagnosis.sources import outliers, prometheus
 from gpuwatch.trainer.telemetry import BACKLOG_RECORDS, TelemetryClient
 
-from conftest import AgentProcess, http_get, wait_until
+from conftest import AgentProcess, IdleSender, http_get, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -243,38 +241,6 @@ def _send(agents: Mapping[str, AgentProcess], batches: Mapping[str, list[dict[st
             assert client.dropped == 0, (node, client.drops)
 
 
-class IdleSender:
-    """A process that sends records to an agent, its progress records of closed hooks with its own CPU time then (as
-    the hooks' are), and idles until closed: a rank whose training ended and whose process does not exit. The agent
-    reads its CPU time by the sender's pid, which this test's own process, sending for every other rank, cannot
-    stand in for."""
-
-    SCRIPT = """
-import json, sys, time
-from gpuwatch.trainer.telemetry import TelemetryClient
-client = TelemetryClient(sys.argv[1], heartbeat_interval=0)
-for record in json.loads(sys.argv[2]):
-    if record.get("phase") == "closed":
-        record["cpu_seconds"] = time.process_time()
-    client.send(record)
-client.close(timeout=60)
-print(client.dropped, flush=True)
-sys.stdin.read()
-"""
-
-    def __init__(self, agent: AgentProcess, records: list[dict[str, Any]]) -> None:
-        self.process = subprocess.Popen([sys.executable, "-c", self.SCRIPT, str(agent.telemetry_socket),
-                                         json.dumps(records)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        text=True)
-        assert self.process.stdout is not None
-        assert self.process.stdout.readline().strip() == "0", "the idle sender's records were all sent"
-
-    def close(self) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.close()
-        self.process.wait(30)
-
-
 def _count(url: str, expr: str) -> int:
     status, body, _ = http_get(f"{url}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
     result = json.loads(body)["data"]["result"] if status == 200 else []
@@ -336,7 +302,7 @@ def cluster(start_agent, prometheus_server, tmp_path) -> Iterator[tuple[str, dic
                 else:
                     batches[node] += after
     _send(agents, batches)
-    senders = [IdleSender(agents[node], records) for node, records in idle]
+    senders = [IdleSender(agents[node].telemetry_socket, records) for node, records in idle]
 
     stop = threading.Event()
 

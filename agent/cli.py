@@ -73,7 +73,8 @@ def _collector_options(function):
               help="Unix datagram socket the training ranks send telemetry to.")
 @click.option("--telemetry.ttl", "telemetry_ttl", type=click.FloatRange(min=1), default=DEFAULT_TTL,
               show_default=True,
-              help="Seconds after which a silent rank is forgotten and its series disappear.")
+              help="Seconds after which a silent rank is forgotten and its series disappear (not one whose hooks "
+                   "closed while its process lives: a process that does not exit is kept in view).")
 @click.option("--telemetry.max-ranks", "telemetry_max_ranks", type=click.IntRange(min=1),
               default=DEFAULT_MAX_RANKS, show_default=True,
               help="Ranks the agent keeps state for; records of further ranks are rejected (bounds memory).")

@@ -363,7 +363,7 @@ def test_hang007_names_the_rank_whose_process_idles_after_its_close_and_not_the_
     assert finding.evidence[0].where.rank == 3
     assert finding.evidence[0].values == {"rank": 3, "pid": 4003, "step": 100, "seconds_since_close": 90,
                                           "cpu_seconds_since_close": 0.01}
-    assert "closed its hooks after step 100 90 s ago and has not exited" in finding.evidence[0].text
+    assert "closed its hooks 90 s ago, after step 100, and has not exited" in finding.evidence[0].text
     assert finding.evidence[1].values == {"ranks": [0]}  # ended normally
     assert finding.evidence[2].values == {"ranks": [1, 2]}  # working, or closed a moment ago: not named
     assert finding.title.startswith("job job-1: rank 3 ended training but did not exit")

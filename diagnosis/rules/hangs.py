@@ -646,9 +646,9 @@ def stuck_at_exit(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
             assert after is not None, "a rank stuck after its close has after_close facts"
             step = rank.progress.step if rank.progress is not None else 0
             evidence.append(Evidence(
-                f"rank {rank.rank} (pid {after.pid} on {rank.host or 'an unknown node'}) closed its hooks after step "
-                f"{step} {after.seconds:.0f} s ago and has not exited; its process used {after.cpu_seconds:.2f} s of "
-                "CPU since", rank.where,
+                f"rank {rank.rank} (pid {after.pid} on {rank.host or 'an unknown node'}) closed its hooks "
+                f"{after.seconds:.0f} s ago, after step {step}, and has not exited; its process used "
+                f"{after.cpu_seconds:.2f} s of CPU since", rank.where,
                 {"rank": rank.rank, "pid": after.pid, "step": step, "seconds_since_close": after.seconds,
                  "cpu_seconds_since_close": after.cpu_seconds}))
         ended = [r for r in members if r.exited_at is not None and _closed(r)]
@@ -658,8 +658,8 @@ def stuck_at_exit(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
         working = [r for r in members if r.after_close is not None and not _stuck_after_close(r, t)]
         if working:
             evidence.append(Evidence(
-                f"{describe_ranks(working)} closed too and have not exited, but are still working or closed a moment "
-                "ago: not named", Where(job=job), {"ranks": [r.rank for r in working]}))
+                f"{describe_ranks(working)}: closed too and not exited, but still working (or closed a moment ago): "
+                "not named", Where(job=job), {"ranks": [r.rank for r in working]}))
         first = stuck[0].after_close
         assert first is not None, "a rank stuck after its close has after_close facts"
         yield Issue(

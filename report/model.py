@@ -396,9 +396,11 @@ def finding_view(finding: Finding, job: str) -> FindingView:
 
 
 def hang(ranks: Sequence[RankFacts], findings: Sequence[FindingView]) -> Hang | None:
-    # a rank that closed cleanly says so in a last progress record: that is no stall
-    stalled = [rank for rank in ranks if (p := rank.progress) is not None and (p.phase != CLOSED or p.error)]
     culprits = tuple(sorted({r for f in findings if f.view == "hang" for r in f.ranks}))
+    # a rank that closed cleanly says so in a last progress record: that is no stall, unless a finding names it (its
+    # process does not exit: HANG007)
+    stalled = [rank for rank in ranks if (p := rank.progress) is not None
+               and (p.phase != CLOSED or p.error or rank.rank in culprits)]
     if not stalled and not culprits:
         return None
     in_collective = {(rank.rank, p.collective.group, p.collective.seq)

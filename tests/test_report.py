@@ -19,8 +19,10 @@ from report_runs import (  # the session's run logs are conftest's fixtures
 )
 
 from gpuwatch.cli.plan import plan
+from gpuwatch.diagnosis.facts import ProgressFacts, RankFacts
+from gpuwatch.report import model as report_model
 from gpuwatch.report.cli import report
-from gpuwatch.report.model import PHASES
+from gpuwatch.report.model import PHASES, FindingView
 
 pytestmark = pytest.mark.integration
 
@@ -117,6 +119,18 @@ def test_a_hang_shows_the_rank_the_collective_and_who_waits_for_it(hang_log, tmp
     assert first["rank"] == 3 and first["stack_top"].endswith("_hang_before_all_reduce")
     peer = next(wait for wait in waiting if wait["group"] == "dp")  # rank 2: stage 1, dp group [2, 3]
     assert (peer["rank"], peer["op"], peer["waits_for"]) == (2, "all_reduce", [3])
+
+
+def test_a_closed_rank_a_finding_names_has_its_row_in_the_hang():
+    """A rank stuck as it exits (HANG007) closed its hooks: its row shows it, where a closed rank is otherwise no
+    stall, and a job whose ranks all closed and that no finding names has no hang section."""
+    closed = ProgressFacts(step=20, phase="closed", stalled_seconds=0, overdue_seconds=0)
+    ranks = [RankFacts(job="j", rank=rank, progress=closed) for rank in (0, 1)]
+    named = FindingView("HANG007", "warning", "rank 1 ended training but did not exit", (), "", "", "hang", (1,), ())
+    hang = report_model.hang(ranks, [named])
+    assert hang is not None and hang.culprits == (1,)
+    assert [(wait.rank, wait.step, wait.phase) for wait in hang.waits] == [(1, 20, "closed")]
+    assert report_model.hang(ranks, []) is None
 
 
 def test_the_plans_prediction_for_the_jobs_layout_is_overlaid(straggler_log, tmp_path):

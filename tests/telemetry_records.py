@@ -115,3 +115,8 @@ def progress(rank: int = 0, job: str = JOB, stalled: float = 10.0, collective: d
                                 "bytes": 1024, "seconds": stalled, **collective}
     record.update(fields)
     return record
+
+
+def closed(rank: int = 0, job: str = JOB, **fields: Any) -> dict[str, Any]:
+    """The progress record of a rank whose hooks closed (``fields``: its ``time``, its process's ``cpu_seconds``)."""
+    return progress(rank, job, stalled=0.0, phase="closed", overdue_seconds=0.0, **fields)

@@ -169,7 +169,7 @@ def _stopped_jobs(agent, stop: threading.Event) -> None:
                                       tp_rank=0, pp_stage=0, dp_rank=rank, process_groups={"dp": [0, 1]}))
             client.send(records.step(rank, 3, job=STOPPED_JOB))
         client.send(records.hello(0, job=UNSTEPPED_JOB))
-        client.send(records.progress(0, job=UNSTEPPED_JOB, stalled=0.0, phase="closed", overdue_seconds=0.0))
+        client.send(records.closed(0, job=UNSTEPPED_JOB))
         stalled = 10.0
         while not stop.is_set():
             for rank in range(2):
@@ -197,7 +197,7 @@ def _ended_rank(agent) -> IdleSender:
     its close, and its process's CPU time from the host collector."""
     return IdleSender(agent.telemetry_socket, [
         records.hello(0, job=ENDED_JOB), records.step(0, 1, job=ENDED_JOB),
-        records.progress(0, job=ENDED_JOB, stalled=0.0, phase="closed", overdue_seconds=0.0, time=time.time() - 120)])
+        records.closed(0, job=ENDED_JOB, time=time.time() - 120)])
 
 
 def _still_missing(missing: Callable[[], list[str]], timeout: float = 60.0) -> list[str]:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from telemetry_records import collectives, hello, probe, progress, step
+from telemetry_records import closed, collectives, hello, probe, progress, step
 
 from gpuwatch.agent.telemetry.store import DEFAULT_MAX_JOBS
 from gpuwatch.agent.telemetry.window import MIN_WINDOW_STEPS
@@ -118,7 +118,7 @@ def raised(rank: int, job: str, node: str) -> list[dict[str, Any]]:
 
 def closed_long_ago(rank: int, job: str, node: str) -> list[dict[str, Any]]:
     """Hooks closed two minutes ago (past HANG007's minute); the process stays, idle (``IdleSender``)."""
-    return [progress(rank, job, stalled=0.0, step=STEPS, phase="closed", overdue_seconds=0.0, time=time.time() - 120)]
+    return [closed(rank, job, step=STEPS, time=time.time() - 120)]
 
 
 def slow_probe(rank: int, job: str, node: str) -> list[dict[str, Any]]:

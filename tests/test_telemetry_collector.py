@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from telemetry_records import JOB, collectives, coordinates, hello, plain_step, progress, samples, step
+from telemetry_records import JOB, closed, collectives, coordinates, hello, plain_step, progress, samples, step
 
 from gpuwatch.agent.collectors.base import CollectorContext, CollectorError
 from gpuwatch.agent.collectors.telemetry import TelemetryCollector
@@ -410,9 +410,8 @@ def test_a_closed_rank_whose_process_runs_outlives_the_ttl_until_it_exits():
     it), and goes once the process exits; without a known pid (another pid namespace) the TTL applies as ever."""
     clock = FakeClock()
     store = TelemetryStore(ttl=60, clock=clock)
-    closed = {"phase": "closed", "stalled": 0.0, "overdue_seconds": 0.0}
     for rank, pid in ((0, 21), (1, None)):
-        for record in (hello(rank), progress(rank, **closed)):
+        for record in (hello(rank), closed(rank)):
             assert store.ingest(encode(record), sender_pid=pid) is None
     clock.now += 61
     assert [s.rank for s in store.expire()] == [1]

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from gpuwatch.diagnosis import needs
 from gpuwatch.diagnosis.coverage import CLOSED_NOT_EXITED, NO_STEP_SINCE_HELLO, RANK_OVERDUE_DEAD_OR_FAILED
 from gpuwatch.diagnosis.facts import (
+    AfterClose,
     Facts,
     InFlightFacts,
     RankFacts,
@@ -604,12 +605,13 @@ def all_stopped(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
                    "the stacks, the first stopped rank's above all, are what is left to tell why")
 
 
-def _stuck_after_close(rank: RankFacts, t: types.SimpleNamespace) -> bool:
-    """Its hooks closed min_age_seconds ago or more, its process has not exited, and it used at most max_cpu_share
-    of a core since."""
+def _idle_after_close(rank: RankFacts, t: types.SimpleNamespace) -> AfterClose | None:
+    """What the source sees of the rank's process after its close, where the hooks closed min_age_seconds ago or
+    more, the process has not exited, and it used at most max_cpu_share of a core since; else None."""
     after = rank.after_close
-    return (after is not None and after.seconds >= t.min_age_seconds
-            and after.cpu_seconds <= t.max_cpu_share * after.seconds)
+    if after is None or after.seconds < t.min_age_seconds or after.cpu_seconds > t.max_cpu_share * after.seconds:
+        return None
+    return after
 
 
 @rule("HANG007", family=FAMILY, view="hang", severity=Severity.WARNING,
@@ -637,13 +639,11 @@ def stuck_at_exit(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
     at the close and cannot tell, and an agent in another pid namespace sees no process: those ranks are not
     judged."""
     for job, members in facts.jobs().items():
-        stuck = [r for r in members if _stuck_after_close(r, t)]
+        stuck = [(r, after) for r in members if (after := _idle_after_close(r, t)) is not None]
         if not stuck:
             continue
         evidence = []
-        for rank in stuck:
-            after = rank.after_close
-            assert after is not None, "a rank stuck after its close has after_close facts"
+        for rank, after in stuck:
             step = rank.progress.step if rank.progress is not None else 0
             evidence.append(Evidence(
                 f"rank {rank.rank} (pid {after.pid} on {rank.host or 'an unknown node'}) closed its hooks "
@@ -655,17 +655,15 @@ def stuck_at_exit(facts: Facts, t: types.SimpleNamespace) -> Iterator[Issue]:
         if ended:
             evidence.append(Evidence(f"{describe_ranks(ended)} of the job closed their hooks and exited",
                                      Where(job=job), {"ranks": [r.rank for r in ended]}))
-        working = [r for r in members if r.after_close is not None and not _stuck_after_close(r, t)]
+        working = [r for r in members if r.after_close is not None and _idle_after_close(r, t) is None]
         if working:
             evidence.append(Evidence(
                 f"{describe_ranks(working)}: closed too and not exited, but still working (or closed a moment ago): "
                 "not named", Where(job=job), {"ranks": [r.rank for r in working]}))
-        first = stuck[0].after_close
-        assert first is not None, "a rank stuck after its close has after_close facts"
+        first = stuck[0][1]
         yield Issue(
-            title=f"job {job}: {describe_ranks(stuck)} ended training but did not exit: idle for "
-                  f"{min(r.after_close.seconds for r in stuck if r.after_close is not None):.0f} s or more since "
-                  "closing its hooks",
+            title=f"job {job}: {describe_ranks(r for r, _ in stuck)} ended training but did not exit: idle for "
+                  f"{min(after.seconds for _, after in stuck):.0f} s or more since closing its hooks",
             evidence=capped(evidence, what="ranks"),
             fix=f"py-spy dump --native --pid {first.pid} (on its node) shows where it waits. A model that holds a "
                 "process group (a DDP model's Reducer) freed after destroy_process_group() can deadlock gloo's "
